@@ -1,0 +1,241 @@
+"""The typed error taxonomy of the ShardEngine contract.
+
+Every error an engine raises is a :class:`ShardEngineError`, which carries a stable string
+``code`` (the wire identity: never renamed, never reused), whether a retry can succeed
+(``retryable``) and structured ``details``. The tree::
+
+    ShardEngineError                 root; never raised itself
+    ├── InvalidRequest               malformed request, bundle or wire bytes (also a ValueError)
+    │   ├── WrongRole                input kind does not fit the shard's role (tokens to a middle shard)
+    │   ├── ShardMismatch            bundle made for another model fingerprint or layer index
+    │   ├── ContractVersionMismatch  bundle or message speaks another contract version
+    │   └── ChecksumMismatch         payload bytes do not match the carried checksum
+    ├── UnsupportedFeature           a reserved hook (MTP, auxiliary state) or feature was requested
+    ├── NotReady                     the engine is loading, closed, or was never loaded
+    ├── CacheMiss                    the session's cache cannot serve the request (carries committed_length, reason)
+    ├── StaleEpoch                   the request's epoch is older than the session's (or a released one)
+    ├── ResourceExhausted            KV budget, session slots or context length exceeded
+    ├── Cancelled                    the operation was cancelled; the session was rolled back
+    ├── MalformedOutput              an engine produced a result that breaks the contract
+    └── EngineCrashed                the engine failed; every later call raises this too
+
+Backend exceptions (llama.cpp return codes, ctypes failures) are mapped to these at the engine
+edge; ``msgspec.ValidationError`` becomes :class:`InvalidRequest` at the API edge.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Final
+
+import msgspec
+
+__all__ = [
+    "CacheMiss",
+    "Cancelled",
+    "ChecksumMismatch",
+    "ContractVersionMismatch",
+    "EngineCrashed",
+    "ErrorDetail",
+    "ErrorInfo",
+    "InvalidRequest",
+    "MalformedOutput",
+    "NotReady",
+    "ResourceExhausted",
+    "ShardEngineError",
+    "ShardMismatch",
+    "StaleEpoch",
+    "UnsupportedFeature",
+    "WrongRole",
+    "error_from_info",
+]
+
+ErrorDetail = str | int | float | bool | None
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
+    """The wire form of a :class:`ShardEngineError` (also one item of a batched decode result)."""
+
+    code: str
+    message: str
+    retryable: bool
+    details: dict[str, ErrorDetail] = msgspec.field(default_factory=dict)
+
+
+class ShardEngineError(Exception):
+    """Root of every error the contract defines. Catch this to catch them all."""
+
+    code: ClassVar[str] = "shard_engine_error"
+    default_retryable: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool | None = None,
+        details: dict[str, ErrorDetail] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = self.default_retryable if retryable is None else retryable
+        self.details: dict[str, ErrorDetail] = dict(details or {})
+
+    def to_info(self) -> ErrorInfo:
+        """The wire form: code, message, retryable and details."""
+        return ErrorInfo(
+            code=self.code, message=self.message, retryable=self.retryable, details=dict(self.details)
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, code={self.code!r})"
+
+
+class InvalidRequest(ShardEngineError, ValueError):
+    """Raised when a request, bundle or wire message is malformed: bad field values, wrong
+    shapes, undecodable bytes. Retrying the same request cannot succeed."""
+
+    code = "invalid_request"
+
+
+class WrongRole(InvalidRequest):
+    """Raised when the input kind does not fit the shard's role: token ids sent to a middle or
+    tail shard, a boundary bundle sent to a head or full shard, logits asked of a non-tail."""
+
+    code = "wrong_role"
+
+
+class ShardMismatch(InvalidRequest):
+    """Raised when a boundary bundle was produced for another model (fingerprint) or enters
+    another layer than this shard's start, or has another hidden size."""
+
+    code = "shard_mismatch"
+
+
+class ContractVersionMismatch(InvalidRequest):
+    """Raised when a bundle or message carries a contract version this library does not speak."""
+
+    code = "contract_version_mismatch"
+
+
+class ChecksumMismatch(InvalidRequest):
+    """Raised when a payload's bytes do not match the checksum it carries (corruption in
+    transit). The sender may retransmit, so it is retryable."""
+
+    code = "checksum_mismatch"
+    default_retryable = True
+
+
+class UnsupportedFeature(ShardEngineError):
+    """Raised when a request uses a feature the engine does not enable: a non-empty reserved
+    MTP or auxiliary-state field, or an architecture/feature outside the engine's allow-list."""
+
+    code = "unsupported_feature"
+
+
+class NotReady(ShardEngineError):
+    """Raised when the engine is not in a serving state (loading, closed, never loaded).
+    Retryable: a loading engine becomes ready."""
+
+    code = "not_ready"
+    default_retryable = True
+
+
+class CacheMiss(ShardEngineError):
+    """Raised when the session's cache cannot serve the request: unknown or evicted session, a
+    decode position other than the committed length, or a prefill that would leave a gap.
+    ``committed_length`` says how many positions are cached; the caller replays from there."""
+
+    code = "cache_miss"
+    default_retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        committed_length: int,
+        reason: str,
+        retryable: bool | None = None,
+        details: dict[str, ErrorDetail] | None = None,
+    ) -> None:
+        merged: dict[str, ErrorDetail] = dict(details or {})
+        merged.update(committed_length=committed_length, reason=reason)
+        super().__init__(message, retryable=retryable, details=merged)
+        self.committed_length = committed_length
+        self.reason = reason
+
+
+class StaleEpoch(ShardEngineError):
+    """Raised when a request's epoch is older than the session's current epoch, or not newer
+    than a released epoch (tombstone). The caller holds an outdated fencing token."""
+
+    code = "stale_epoch"
+
+
+class ResourceExhausted(ShardEngineError):
+    """Raised when admitting the request would exceed the KV budget, the session slots or the
+    context length, and eviction is off or cannot free enough."""
+
+    code = "resource_exhausted"
+    default_retryable = True
+
+
+class Cancelled(ShardEngineError):
+    """Raised to the caller of an operation that was cancelled; the session was rolled back
+    to its committed length."""
+
+    code = "cancelled"
+    default_retryable = True
+
+
+class MalformedOutput(ShardEngineError):
+    """Raised by the validation wrapper when an engine's result breaks the contract (shape,
+    dtype, positions, non-finite values, checksum, evidence class, session reference)."""
+
+    code = "malformed_output"
+    default_retryable = True
+
+
+class EngineCrashed(ShardEngineError):
+    """Raised when the engine has failed (backend crash, injected crash); the engine stays in
+    the failed state and raises this for every later call until it is reloaded."""
+
+    code = "engine_crashed"
+
+
+_BY_CODE: Final[dict[str, type[ShardEngineError]]] = {
+    cls.code: cls
+    for cls in (
+        ShardEngineError,
+        InvalidRequest,
+        WrongRole,
+        ShardMismatch,
+        ContractVersionMismatch,
+        ChecksumMismatch,
+        UnsupportedFeature,
+        NotReady,
+        CacheMiss,
+        StaleEpoch,
+        ResourceExhausted,
+        Cancelled,
+        MalformedOutput,
+        EngineCrashed,
+    )
+}
+
+
+def error_from_info(info: ErrorInfo) -> ShardEngineError:
+    """Rebuild the typed error from its wire form; an unknown code gives the root class."""
+    cls = _BY_CODE.get(info.code, ShardEngineError)
+    if cls is CacheMiss:
+        length = info.details.get("committed_length")
+        reason = info.details.get("reason")
+        return CacheMiss(
+            info.message,
+            committed_length=length if isinstance(length, int) else 0,
+            reason=reason if isinstance(reason, str) else "unknown",
+            retryable=info.retryable,
+            details=dict(info.details),
+        )
+    error = cls(info.message, retryable=info.retryable, details=dict(info.details))
+    if cls is ShardEngineError and info.code != ShardEngineError.code:
+        error.details.setdefault("unknown_code", info.code)
+    return error

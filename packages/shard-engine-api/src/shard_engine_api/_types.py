@@ -1,0 +1,492 @@
+"""The msgspec types of the ShardEngine contract.
+
+Every type is a frozen, keyword-only ``msgspec.Struct``. Types that travel inside a union carry
+an explicit string tag, never derived from the class name, so a rename never breaks the wire.
+New fields get defaults; tags are never reused.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._errors import ErrorInfo, InvalidRequest
+
+__all__ = [
+    "CONTRACT_VERSION",
+    "AuxState",
+    "BoundaryBundle",
+    "BoundaryDtype",
+    "BoundaryResult",
+    "CancelRequest",
+    "CancelResult",
+    "Capabilities",
+    "DecodeBatchRequest",
+    "DecodeBatchResult",
+    "DecodeRequest",
+    "Determinism",
+    "EvictionPolicy",
+    "EvidenceClass",
+    "Features",
+    "Health",
+    "HookStatus",
+    "LifecycleState",
+    "Limits",
+    "LoadConfig",
+    "LogitsMode",
+    "LogitsResult",
+    "Metrics",
+    "MtpState",
+    "OptionValue",
+    "PrefillRequest",
+    "ReleaseRequest",
+    "ReleaseResult",
+    "ReservedHooks",
+    "Role",
+    "SessionRef",
+    "ShardInput",
+    "ShardResult",
+    "ShardSpec",
+    "Timings",
+    "TokenInput",
+]
+
+CONTRACT_VERSION: Final = 1
+"""The version of this contract. Bundles and messages of another version are refused."""
+
+Role = Literal["head", "middle", "tail", "full"]
+EvidenceClass = Literal["fixture", "real"]
+BoundaryDtype = Literal["f32", "f16"]
+LifecycleState = Literal["loading", "ready", "degraded", "failed", "closed"]
+LogitsMode = Literal["last", "all"]
+EvictionPolicy = Literal["reject", "lru"]
+OptionValue = object
+"""An engine option: any JSON-compatible value (engines convert it to their own types)."""
+
+_NUMPY_DTYPES: Final[dict[str, np.dtype[np.floating]]] = {
+    "f32": np.dtype("<f4"),
+    "f16": np.dtype("<f2"),
+}
+
+
+def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.floating]:
+    """The little-endian numpy dtype a boundary dtype name stands for."""
+    return _NUMPY_DTYPES[dtype]
+
+
+class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A contiguous, half-open layer range ``[start, end)`` of a model with ``n_layers`` layers."""
+
+    model: str
+    n_layers: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1:
+            raise InvalidRequest(f"n_layers must be >= 1, got {self.n_layers}")
+        if not 0 <= self.start < self.end <= self.n_layers:
+            raise InvalidRequest(
+                f"layer range [{self.start}, {self.end}) is not a non-empty range within "
+                f"[0, {self.n_layers})"
+            )
+
+    @property
+    def role(self) -> Role:
+        """head (starts at 0), tail (ends at n_layers), middle, or full (both)."""
+        if self.start == 0:
+            return "full" if self.end == self.n_layers else "head"
+        return "tail" if self.end == self.n_layers else "middle"
+
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether this shard's input is token ids (head and full) rather than a bundle."""
+        return self.start == 0
+
+    @property
+    def emits_logits(self) -> bool:
+        """Whether this shard's output is logits (tail and full) rather than a bundle."""
+        return self.end == self.n_layers
+
+    @property
+    def n_shard_layers(self) -> int:
+        """How many layers this shard runs."""
+        return self.end - self.start
+
+
+class SessionRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A session and the epoch (fencing token) the caller believes current."""
+
+    session_id: str
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if not self.session_id:
+            raise InvalidRequest("session_id must be non-empty")
+        if len(self.session_id) > 256:
+            raise InvalidRequest("session_id is longer than 256 characters")
+        if self.epoch < 0:
+            raise InvalidRequest(f"epoch must be >= 0, got {self.epoch}")
+
+
+class MtpState(msgspec.Struct, frozen=True, kw_only=True, tag="mtp"):
+    """Reserved: multi-token-prediction state crossing a boundary. No engine enables it; any
+    non-empty use is rejected with UnsupportedFeature."""
+
+    n_draft_tokens: int = 0
+    payload: bytes = b""
+
+
+class AuxState(msgspec.Struct, frozen=True, kw_only=True, tag="aux"):
+    """Reserved: architecture auxiliary state (e.g. recurrent state) crossing a boundary. No
+    engine enables it; any non-empty use is rejected with UnsupportedFeature."""
+
+    name: str
+    payload: bytes = b""
+
+
+class TokenInput(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
+    """Token ids: the input of a head or full shard."""
+
+    token_ids: tuple[int, ...]
+
+
+class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary"):
+    """Hidden states crossing a shard boundary: the output of a head or middle shard and the
+    input of a middle or tail shard.
+
+    ``payload`` holds ``n_tokens x hidden_size`` values of ``dtype``, row-major, little-endian;
+    ``checksum`` is :func:`payload_checksum` of those bytes. ``layer`` is the index of the layer
+    these states enter (the producer's ``end``).
+    """
+
+    session: SessionRef
+    first_pos: int
+    n_tokens: int
+    hidden_size: int
+    dtype: BoundaryDtype
+    layer: int
+    model_fingerprint: str
+    payload: memoryview
+    checksum: int
+    contract_version: int = CONTRACT_VERSION
+    mtp: tuple[MtpState, ...] = ()
+    aux: tuple[AuxState, ...] = ()
+
+    @classmethod
+    def from_array(
+        cls,
+        hidden: npt.NDArray[np.floating],
+        *,
+        session: SessionRef,
+        first_pos: int,
+        layer: int,
+        model_fingerprint: str,
+        dtype: BoundaryDtype = "f32",
+    ) -> BoundaryBundle:
+        """Build a bundle from an ``(n_tokens, hidden_size)`` array, converting it to ``dtype``
+        and computing the checksum. The payload is a read-only view of a private copy."""
+        if hidden.ndim != 2:
+            raise InvalidRequest(f"hidden states must be 2-D, got shape {hidden.shape}")
+        data = np.ascontiguousarray(hidden, dtype=numpy_dtype(dtype))
+        if data is hidden:
+            data = data.copy()
+        data.setflags(write=False)
+        payload = data.data.cast("B")
+        return cls(
+            session=session,
+            first_pos=first_pos,
+            n_tokens=int(data.shape[0]),
+            hidden_size=int(data.shape[1]),
+            dtype=dtype,
+            layer=layer,
+            model_fingerprint=model_fingerprint,
+            payload=payload,
+            checksum=payload_checksum(payload),
+        )
+
+    @property
+    def expected_payload_bytes(self) -> int:
+        """The payload length the header promises: n_tokens x hidden_size x dtype size."""
+        return self.n_tokens * self.hidden_size * numpy_dtype(self.dtype).itemsize
+
+    def array(self) -> npt.NDArray[np.floating]:
+        """The hidden states as a read-only ``(n_tokens, hidden_size)`` view of the payload
+        (no copy). Raises InvalidRequest when the payload length disagrees with the header."""
+        if len(self.payload) != self.expected_payload_bytes:
+            raise InvalidRequest(
+                f"payload has {len(self.payload)} bytes, header promises "
+                f"{self.expected_payload_bytes}"
+            )
+        view = np.frombuffer(self.payload, dtype=numpy_dtype(self.dtype))
+        return view.reshape(self.n_tokens, self.hidden_size)
+
+
+ShardInput = TokenInput | BoundaryBundle
+
+
+class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True, tag="prefill"):
+    """Process ``inputs`` at positions ``start_pos..start_pos+n-1`` of a session. A
+    ``start_pos`` below the committed length truncates the session there first."""
+
+    request_id: str
+    session: SessionRef
+    start_pos: int
+    inputs: ShardInput
+    logits: LogitsMode = "last"
+    mtp: tuple[MtpState, ...] = ()
+    aux: tuple[AuxState, ...] = ()
+
+
+class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True, tag="decode"):
+    """Process exactly one token (or one boundary row) at position ``pos``, which must equal
+    the session's committed length."""
+
+    request_id: str
+    session: SessionRef
+    pos: int
+    inputs: ShardInput
+    mtp: tuple[MtpState, ...] = ()
+    aux: tuple[AuxState, ...] = ()
+
+
+class DecodeBatchRequest(msgspec.Struct, frozen=True, kw_only=True, tag="decode_batch"):
+    """One decode step for several distinct sessions at once. Each item succeeds or fails on
+    its own; cancelling ``request_id`` cancels every item."""
+
+    request_id: str
+    items: tuple[DecodeRequest, ...]
+
+
+class CancelRequest(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
+    """Cancel one in-flight request (``request_id``) or every in-flight request of a session
+    (``session_id``). Exactly one of the two must be given."""
+
+    request_id: str | None = None
+    session_id: str | None = None
+
+
+class CancelResult(msgspec.Struct, frozen=True, kw_only=True, tag="cancel_result"):
+    """How many in-flight requests were told to stop; ``cancelled`` is false when none was."""
+
+    cancelled: bool
+    n_requests: int = 0
+
+
+class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
+    """Free a session's state and leave a tombstone fencing its epoch and older ones."""
+
+    session: SessionRef
+
+
+class ReleaseResult(msgspec.Struct, frozen=True, kw_only=True, tag="release_result"):
+    """Whether state was freed; ``detail`` says why not (unknown session, already released)."""
+
+    released: bool
+    detail: str = ""
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """Wall-clock milliseconds: waiting for the shard, computing, and the whole call."""
+
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+class BoundaryResult(msgspec.Struct, frozen=True, kw_only=True, tag="boundary_result"):
+    """The result of a head or middle shard: the bundle for the next shard."""
+
+    request_id: str
+    session: SessionRef
+    first_pos: int
+    n_tokens: int
+    evidence: EvidenceClass
+    bundle: BoundaryBundle
+    timings: Timings = Timings()
+
+
+class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result"):
+    """The result of a tail or full shard: ``n_rows`` rows of ``vocab_size`` f32 logits for
+    positions ``first_pos..first_pos+n_rows-1`` (the last position only, unless all rows were
+    asked for). ``checksum`` is :func:`payload_checksum` of ``payload``."""
+
+    request_id: str
+    session: SessionRef
+    first_pos: int
+    n_rows: int
+    vocab_size: int
+    evidence: EvidenceClass
+    payload: memoryview
+    checksum: int
+    timings: Timings = Timings()
+
+    @classmethod
+    def from_array(
+        cls,
+        logits: npt.NDArray[np.floating],
+        *,
+        request_id: str,
+        session: SessionRef,
+        first_pos: int,
+        evidence: EvidenceClass,
+        timings: Timings = Timings(),
+    ) -> LogitsResult:
+        """Build a result from an ``(n_rows, vocab_size)`` array (stored as f32)."""
+        data = np.ascontiguousarray(logits, dtype=np.dtype("<f4"))
+        if data is logits:
+            data = data.copy()
+        data.setflags(write=False)
+        payload = data.data.cast("B")
+        return cls(
+            request_id=request_id,
+            session=session,
+            first_pos=first_pos,
+            n_rows=int(data.shape[0]),
+            vocab_size=int(data.shape[1]),
+            evidence=evidence,
+            payload=payload,
+            checksum=payload_checksum(payload),
+            timings=timings,
+        )
+
+    def array(self) -> npt.NDArray[np.float32]:
+        """The logits as a read-only ``(n_rows, vocab_size)`` f32 view of the payload."""
+        expected = self.n_rows * self.vocab_size * 4
+        if len(self.payload) != expected:
+            raise InvalidRequest(
+                f"logits payload has {len(self.payload)} bytes, header promises {expected}"
+            )
+        return np.frombuffer(self.payload, dtype=np.dtype("<f4")).reshape(
+            self.n_rows, self.vocab_size
+        )
+
+
+ShardResult = BoundaryResult | LogitsResult
+
+
+class DecodeBatchResult(msgspec.Struct, frozen=True, kw_only=True, tag="decode_batch_result"):
+    """One entry per request item, in item order: its result or its typed error."""
+
+    request_id: str
+    items: tuple[BoundaryResult | LogitsResult | ErrorInfo, ...]
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Admission limits. ``kv_budget_tokens`` bounds the cached positions of all sessions."""
+
+    max_sessions: int
+    max_context: int
+    max_batch_tokens: int
+    kv_budget_tokens: int
+
+
+class Features(msgspec.Struct, frozen=True, kw_only=True):
+    """Optional behaviours and their bounds."""
+
+    cancel: bool = True
+    cancel_latency_ms: float = 50.0
+    batched_decode: bool = True
+    truncate: bool = True
+    eviction: bool = True
+
+
+class Determinism(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine promises about repeatability: same inputs give the same outputs
+    (``deterministic``); a pipeline of shards equals one full shard bit for bit
+    (``split_exact``) or within ``tolerance``; batching does not change outputs."""
+
+    deterministic: bool
+    split_exact: bool
+    tolerance: float = 0.0
+    batch_invariant: bool = True
+
+
+class HookStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A reserved hook: present in the contract, enabled or not."""
+
+    present: bool = True
+    enabled: bool = False
+
+
+class ReservedHooks(msgspec.Struct, frozen=True, kw_only=True):
+    """The reserved extension points (multi-token prediction, auxiliary state)."""
+
+    mtp: HookStatus = HookStatus()
+    aux: HookStatus = HookStatus()
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True, tag="capabilities"):
+    """What a loaded engine is and can do."""
+
+    engine: str
+    engine_version: str
+    contract_version: int
+    evidence: EvidenceClass
+    shard: ShardSpec
+    role: Role
+    model_fingerprint: str
+    hidden_size: int
+    vocab_size: int
+    boundary_dtypes: tuple[BoundaryDtype, ...]
+    limits: Limits
+    features: Features
+    determinism: Determinism
+    reserved: ReservedHooks = ReservedHooks()
+
+
+class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, tag="load"):
+    """How to load a shard. ``model`` is engine-specific (a GGUF path, a fake model name);
+    ``options`` carries engine-specific settings, each engine documents and validates them."""
+
+    shard: ShardSpec
+    boundary_dtype: BoundaryDtype = "f32"
+    max_sessions: int = 16
+    max_context: int = 2048
+    max_batch_tokens: int = 512
+    kv_budget_tokens: int = 16384
+    eviction: EvictionPolicy = "reject"
+    n_threads: int = 0
+    options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_context", "max_batch_tokens", "kv_budget_tokens"):
+            value = getattr(self, name)
+            if value < 1:
+                raise InvalidRequest(f"{name} must be >= 1, got {value}")
+        if self.n_threads < 0:
+            raise InvalidRequest(f"n_threads must be >= 0 (0 = engine default), got {self.n_threads}")
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
+    """The engine's state now. Ready and degraded serve requests; the others raise."""
+
+    state: LifecycleState
+    detail: str = ""
+    sessions: int = 0
+    in_flight: int = 0
+    kv_used_tokens: int = 0
+    kv_budget_tokens: int = 0
+
+
+class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
+    """Counters since load. ``errors`` counts raised errors by code."""
+
+    requests: int = 0
+    prefill_requests: int = 0
+    decode_requests: int = 0
+    batch_requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cancelled: int = 0
+    evictions: int = 0
+    releases: int = 0
+    sessions_active: int = 0
+    tombstones: int = 0
+    kv_used_tokens: int = 0
+    compute_ms: float = 0.0
+    errors: dict[str, int] = msgspec.field(default_factory=dict)
