@@ -74,12 +74,13 @@ from shard_engine_api._types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CHECKSUM_ALGORITHM",
+    "CONTRACT_VERSION",
+    "ENTRY_POINT_GROUP",
     "AuxState",
     "BoundaryBundle",
     "BoundaryDtype",
     "BoundaryResult",
-    "CHECKSUM_ALGORITHM",
-    "CONTRACT_VERSION",
     "CacheMiss",
     "CancelRequest",
     "CancelResult",
@@ -92,7 +93,6 @@ __all__ = [
     "DecodeBatchResult",
     "DecodeRequest",
     "Determinism",
-    "ENTRY_POINT_GROUP",
     "EngineCore",
     "EngineCrashed",
     "EngineSpec",

@@ -72,7 +72,6 @@ from shard_engine_api._types import (
     SessionRef,
     ShardInput,
     ShardResult,
-    ShardSpec,
     Timings,
     TokenInput,
 )
@@ -327,7 +326,7 @@ class EngineCore(abc.ABC):
                 info = self._open(config)
             except ShardEngineError:
                 raise
-            except Exception as error:  # noqa: BLE001 - any backend failure is a load error
+            except Exception as error:
                 raise InvalidRequest(f"could not load shard: {error}") from error
             max_sessions = min(config.max_sessions, info.max_sessions or config.max_sessions)
             max_context = min(config.max_context, info.max_context or config.max_context)
@@ -353,9 +352,7 @@ class EngineCore(abc.ABC):
                     max_batch_tokens=config.max_batch_tokens,
                     kv_budget_tokens=config.kv_budget_tokens,
                 ),
-                features=msgspec.structs.replace(
-                    info.features, eviction=config.eviction == "lru"
-                ),
+                features=msgspec.structs.replace(info.features, eviction=config.eviction == "lru"),
                 determinism=info.determinism,
                 reserved=ReservedHooks(),
             )
@@ -732,7 +729,8 @@ class EngineCore(abc.ABC):
         if bundle.session != session:
             raise InvalidRequest(
                 f"bundle belongs to session {bundle.session.session_id!r} epoch "
-                f"{bundle.session.epoch}, request names {session.session_id!r} epoch {session.epoch}"
+                f"{bundle.session.epoch}; request names {session.session_id!r} "
+                f"epoch {session.epoch}"
             )
         if bundle.first_pos != start_pos:
             raise InvalidRequest(
@@ -807,7 +805,9 @@ class EngineCore(abc.ABC):
                 raise StaleEpoch(f"session {sid!r} epoch {session.epoch} is older than {evicted}")
             if start_pos > 0:
                 reason = (
-                    "evicted" if evicted is not None and evicted == session.epoch else "unknown_session"
+                    "evicted"
+                    if evicted is not None and evicted == session.epoch
+                    else "unknown_session"
                 )
                 raise CacheMiss(
                     f"session {sid!r} has no cached positions ({reason}); prefill from 0",
@@ -844,7 +844,9 @@ class EngineCore(abc.ABC):
                         f"session {sid!r} epoch {session.epoch} is older than {evicted}"
                     )
                 reason = (
-                    "evicted" if evicted is not None and evicted == session.epoch else "unknown_session"
+                    "evicted"
+                    if evicted is not None and evicted == session.epoch
+                    else "unknown_session"
                 )
                 raise CacheMiss(
                     f"session {sid!r} has no cached state ({reason})",
@@ -957,7 +959,7 @@ class EngineCore(abc.ABC):
         for plan in plans:
             try:
                 self._rollback(plan.slot, plan.start_pos, plan.committed_length)
-            except Exception as error:  # noqa: BLE001 - a failed rollback is a crash
+            except Exception as error:
                 self._fail(f"rollback failed: {error}")
                 raise EngineCrashed(f"rollback of slot {plan.slot} failed: {error}") from error
             if plan.is_new:
@@ -1066,7 +1068,9 @@ class EngineCore(abc.ABC):
             self._counters.decode_tokens += 1
             self._counters.compute_ms += compute_ms
         timings = Timings(
-            queue_ms=queue_ms, compute_ms=compute_ms, total_ms=(time.perf_counter() - started) * 1000.0
+            queue_ms=queue_ms,
+            compute_ms=compute_ms,
+            total_ms=(time.perf_counter() - started) * 1000.0,
         )
         return self._make_result(
             caps, request.request_id, request.session, request.pos, rows, output, timings, 1

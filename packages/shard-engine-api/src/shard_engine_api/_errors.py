@@ -6,14 +6,14 @@ Every error an engine raises is a :class:`ShardEngineError`, which carries a sta
 
     ShardEngineError                 root; never raised itself
     ├── InvalidRequest               malformed request, bundle or wire bytes (also a ValueError)
-    │   ├── WrongRole                input kind does not fit the shard's role (tokens to a middle shard)
+    │   ├── WrongRole                input kind does not fit the shard's role
     │   ├── ShardMismatch            bundle made for another model fingerprint or layer index
     │   ├── ContractVersionMismatch  bundle or message speaks another contract version
     │   └── ChecksumMismatch         payload bytes do not match the carried checksum
     ├── UnsupportedFeature           a reserved hook (MTP, auxiliary state) or feature was requested
     ├── NotReady                     the engine is loading, closed, or was never loaded
-    ├── CacheMiss                    the session's cache cannot serve the request (carries committed_length, reason)
-    ├── StaleEpoch                   the request's epoch is older than the session's (or a released one)
+    ├── CacheMiss                    the cache cannot serve it (carries committed_length, reason)
+    ├── StaleEpoch                   the epoch is older than the session's or a released one
     ├── ResourceExhausted            KV budget, session slots or context length exceeded
     ├── Cancelled                    the operation was cancelled; the session was rolled back
     ├── MalformedOutput              an engine produced a result that breaks the contract
@@ -82,7 +82,10 @@ class ShardEngineError(Exception):
     def to_info(self) -> ErrorInfo:
         """The wire form: code, message, retryable and details."""
         return ErrorInfo(
-            code=self.code, message=self.message, retryable=self.retryable, details=dict(self.details)
+            code=self.code,
+            message=self.message,
+            retryable=self.retryable,
+            details=dict(self.details),
         )
 
     def __repr__(self) -> str:

@@ -73,21 +73,17 @@ class EngineHookSpecs:
     """The hooks engines implement. Every hook is optional except ``shard_engine_register``."""
 
     @hookspec
-    def shard_engine_register(self) -> EngineSpec:
+    def shard_engine_register(self) -> EngineSpec:  # type: ignore[empty-body]
         """Return the engine this plugin provides."""
 
     @hookspec(firstresult=True)
-    def shard_engine_model_fixture(
-        self, engine_name: str, workdir: Path
-    ) -> ModelFixture | None:
+    def shard_engine_model_fixture(self, engine_name: str, workdir: Path) -> ModelFixture | None:
         """Return the small model that ``engine_name`` runs the conformance suite and the
         ``run`` command on, generating files under ``workdir`` if needed; None if this plugin
         does not provide ``engine_name``."""
 
     @hookspec(firstresult=True)
-    def shard_engine_tokenize(
-        self, engine_name: str, model: str, text: str
-    ) -> list[int] | None:
+    def shard_engine_tokenize(self, engine_name: str, model: str, text: str) -> list[int] | None:
         """Return the token ids of ``text`` for ``model``, or None if not this plugin's."""
 
     @hookspec(firstresult=True)

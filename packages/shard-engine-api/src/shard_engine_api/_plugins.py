@@ -94,9 +94,11 @@ def installed_engines(manager: pluggy.PluginManager) -> list[InstalledEngine]:
         if not isinstance(spec, EngineSpec):
             raise InvalidRequest(f"plugin {manager.get_name(plugin)!r} registered {spec!r}")
         registered_name = manager.get_name(plugin)
-        if registered_name is not None and registered_name != spec.name and not str(
-            registered_name
-        ).isdigit():
+        if (
+            registered_name is not None
+            and registered_name != spec.name
+            and not str(registered_name).isdigit()
+        ):
             raise InvalidRequest(
                 f"entry point {registered_name!r} provides engine {spec.name!r}; the entry-point "
                 "name must be the engine name"
@@ -154,7 +156,9 @@ def model_fixture(manager: pluggy.PluginManager, engine_name: str, workdir: Path
     return fixture
 
 
-def tokenize(manager: pluggy.PluginManager, engine_name: str, model: str, text: str) -> list[int] | None:
+def tokenize(
+    manager: pluggy.PluginManager, engine_name: str, model: str, text: str
+) -> list[int] | None:
     """Token ids of ``text``, or None when the engine has no tokenizer for ``model``."""
     result: list[int] | None = manager.hook.shard_engine_tokenize(
         engine_name=engine_name, model=model, text=text

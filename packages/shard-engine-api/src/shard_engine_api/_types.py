@@ -334,7 +334,7 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
         session: SessionRef,
         first_pos: int,
         evidence: EvidenceClass,
-        timings: Timings = Timings(),
+        timings: Timings | None = None,
     ) -> LogitsResult:
         """Build a result from an ``(n_rows, vocab_size)`` array (stored as f32)."""
         data = np.ascontiguousarray(logits, dtype=np.dtype("<f4"))
@@ -351,7 +351,7 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
             evidence=evidence,
             payload=payload,
             checksum=payload_checksum(payload),
-            timings=timings,
+            timings=timings or Timings(),
         )
 
     def array(self) -> npt.NDArray[np.float32]:
@@ -459,7 +459,9 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, tag="load"):
             if value < 1:
                 raise InvalidRequest(f"{name} must be >= 1, got {value}")
         if self.n_threads < 0:
-            raise InvalidRequest(f"n_threads must be >= 0 (0 = engine default), got {self.n_threads}")
+            raise InvalidRequest(
+                f"n_threads must be >= 0 (0 = engine default), got {self.n_threads}"
+            )
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
