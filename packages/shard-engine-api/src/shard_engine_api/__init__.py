@@ -1,5 +1,6 @@
 """shard-engine-api: the project-owned contract between worker code and shard engines."""
 
+from shard_engine_api._asyncio import AsyncShardEngine
 from shard_engine_api._checksum import CHECKSUM_ALGORITHM, payload_checksum
 from shard_engine_api._core import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_api._errors import (
@@ -22,6 +23,7 @@ from shard_engine_api._errors import (
     error_from_info,
 )
 from shard_engine_api._hookspecs import EngineSpec, ModelFixture, hookimpl, hookspec
+from shard_engine_api._pipeline import GenerationResult, Pipeline, ShardTimings, split_layers
 from shard_engine_api._plugins import (
     ENTRY_POINT_GROUP,
     InstalledEngine,
@@ -77,6 +79,7 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "CONTRACT_VERSION",
     "ENTRY_POINT_GROUP",
+    "AsyncShardEngine",
     "AuxState",
     "BoundaryBundle",
     "BoundaryDtype",
@@ -102,6 +105,7 @@ __all__ = [
     "EvidenceClass",
     "Features",
     "ForwardItem",
+    "GenerationResult",
     "Health",
     "HookStatus",
     "InstalledEngine",
@@ -119,6 +123,7 @@ __all__ = [
     "NotReady",
     "OptionValue",
     "OutputMode",
+    "Pipeline",
     "PrefillRequest",
     "ReleaseRequest",
     "ReleaseResult",
@@ -132,6 +137,7 @@ __all__ = [
     "ShardMismatch",
     "ShardResult",
     "ShardSpec",
+    "ShardTimings",
     "StaleEpoch",
     "Timings",
     "TokenInput",
@@ -147,4 +153,5 @@ __all__ = [
     "installed_engines",
     "load_engine",
     "payload_checksum",
+    "split_layers",
 ]

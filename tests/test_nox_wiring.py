@@ -1,0 +1,45 @@
+"""The noxfile finds every engine plugin and offers one conformance session per plugin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import noxfile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_engine_plugins_are_discovered_from_pyprojects() -> None:
+    """Each packages/*/pyproject.toml declaring a shard_engine entry point is a plugin."""
+    assert noxfile.engine_plugins() == {
+        "fake": "packages/shard-engine-fake",
+        "llama": "packages/shard-engine-llama",
+    }
+
+
+def test_one_conformance_session_per_plugin() -> None:
+    """`nox -l` lists conformance(engine='fake') and conformance(engine='llama'), and the
+    default sessions run tests, conformance, typecheck and lint."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    for name in ("fake", "llama"):
+        assert f"* conformance(engine='{name}')" in listing
+    for session in ("tests(package='api')", "typecheck", "lint"):
+        assert f"* {session}" in listing
+    assert "- certify" in listing, "certify must be opt-in (not a default session)"
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run executes the README's test command verbatim."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    command = 'python3 -m pip install "nox>=2025.2.9" && python3 -m nox'
+    assert command in readme
+    assert command in ci
