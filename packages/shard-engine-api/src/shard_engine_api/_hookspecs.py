@@ -49,6 +49,9 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
     options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
     description: str = ""
     has_tokenizer: bool = False
+    synthetic: bool = True
+    """True for a generated or built-in model: results on it are never a real-model
+    certification, whatever the engine's evidence class."""
 
     def shard(self, start: int, end: int) -> ShardSpec:
         """The spec of layers ``[start, end)`` of this model."""

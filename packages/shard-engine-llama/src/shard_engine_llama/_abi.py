@@ -1,0 +1,787 @@
+"""The only module that touches llama.cpp (through llama-cpp-python's ctypes bindings) and ggml.
+
+Everything here is pinned to one llama-cpp-python release: struct layouts, callback signatures and
+graph tensor names (``l_out-<layer>``) are not a stable API, so the version is checked at import and
+:func:`self_test` proves on a generated model that a split pipeline reproduces the unsplit logits
+bit for bit before anything relies on it.
+
+How a shard runs (see ``_gguf_split`` for how its file is built):
+
+* head/full shards take token ids, other shards take hidden states through ``batch.embd``;
+* tail/full shards return logits; other shards request no outputs and capture the residual stream
+  after their last real layer from the eval callback, then stop the graph (the identity block and
+  lm-head are never computed);
+* one ``llama_context`` per shard, one sequence id per session, rollback with
+  ``llama_memory_seq_rm``; an abort callback polls a ``threading.Event``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
+_SUPPORTED_MINIMUM = (0, 3, 36)
+_SUPPORTED_BELOW = (0, 3, 37)
+LOG_ENV = "SHARD_ENGINE_LLAMA_LOG"
+
+
+class LlamaRuntimeError(RuntimeError):
+    """Root of the errors raised by this module."""
+
+
+class UnsupportedLlamaVersionError(LlamaRuntimeError, ImportError):
+    """The installed llama-cpp-python is outside SUPPORTED_LLAMA_CPP_PYTHON."""
+
+
+class ModelLoadError(LlamaRuntimeError):
+    """llama.cpp refused to load the model file or create a context for it."""
+
+
+class RuntimeFailure(LlamaRuntimeError):
+    """``llama_decode`` failed (any status other than success, abort or a full KV cache)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class KVFullError(RuntimeFailure):
+    """``llama_decode`` returned 1: no KV-cache slot for the batch (context or sequence full)."""
+
+
+class AbortedError(LlamaRuntimeError):
+    """``llama_decode`` returned 2 because :meth:`ShardRuntime.request_abort` was called."""
+
+
+class InvalidInputError(LlamaRuntimeError, ValueError):
+    """The inputs do not fit the shard (wrong kind for its role, wrong shape, bad positions)."""
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    parts: list[int] = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _check_version() -> str:
+    try:
+        installed = metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError as error:
+        raise UnsupportedLlamaVersionError(
+            "llama-cpp-python is not installed; shard_engine_llama needs "
+            f"llama-cpp-python{SUPPORTED_LLAMA_CPP_PYTHON}"
+        ) from error
+    if not _SUPPORTED_MINIMUM <= _parse_version(installed) < _SUPPORTED_BELOW:
+        raise UnsupportedLlamaVersionError(
+            f"llama-cpp-python {installed} is installed but shard_engine_llama is pinned to "
+            f"llama-cpp-python{SUPPORTED_LLAMA_CPP_PYTHON}: the layer-capture recipe depends on "
+            "internal graph tensor names and struct layouts of that release"
+        )
+    return installed
+
+
+LLAMA_CPP_PYTHON_VERSION = _check_version()
+
+import llama_cpp  # noqa: E402  (imported only once the pinned version is confirmed)
+
+_GGML_TYPE_F32 = 0
+_GGML_TYPE_F16 = 1
+_KV_TYPES = {"f32": _GGML_TYPE_F32, "f16": _GGML_TYPE_F16}
+# struct ggml_tensor { enum ggml_type type; struct ggml_backend_buffer * buffer; int64_t ne[4]; ...}
+# (ggml.h of the pinned release): ne starts after a 4-byte enum padded to 8 and one pointer.
+_GGML_TENSOR_NE_OFFSET = 16
+
+
+def _load_ggml_base() -> ctypes.CDLL:
+    library_dir = Path(llama_cpp.__file__).parent / "lib"
+    candidates = sorted(library_dir.glob("libggml-base.*"))
+    if not candidates:
+        raise ModelLoadError(f"libggml-base not found next to libllama in {library_dir}")
+    # RTLD_GLOBAL is what libllama already loaded it with; asking again returns the same handle.
+    library = ctypes.CDLL(str(candidates[0]), mode=ctypes.RTLD_GLOBAL)
+    library.ggml_backend_tensor_get.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+    ]
+    library.ggml_backend_tensor_get.restype = None
+    library.ggml_get_name.argtypes = [ctypes.c_void_p]
+    library.ggml_get_name.restype = ctypes.c_char_p
+    library.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    library.ggml_nbytes.restype = ctypes.c_size_t
+    library.ggml_nelements.argtypes = [ctypes.c_void_p]
+    library.ggml_nelements.restype = ctypes.c_int64
+    return library
+
+
+_ggml = _load_ggml_base()
+
+
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+def _silent_log(level: int, text: bytes, user_data: int | None) -> None:
+    del level, text, user_data
+
+
+_backend_lock = threading.Lock()
+_backend_state: dict[str, bool] = {"ready": False}
+
+
+def _ensure_backend() -> None:
+    with _backend_lock:
+        if _backend_state["ready"]:
+            return
+        if not os.environ.get(LOG_ENV):
+            # Loading a model prints hundreds of lines to stderr otherwise.
+            llama_cpp.llama_log_set(_silent_log, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_state["ready"] = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextSettings:
+    """Context settings; shards of one pipeline must use identical values for bitwise results."""
+
+    n_ctx: int = 512
+    n_seq_max: int = 4
+    n_threads: int = 2
+    n_batch: int = 512
+    n_ubatch: int = 512
+    flash_attn: bool = False
+    kv_type: str = "f32"
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One row of a batched decode: a sequence, its position and its token or hidden-state row."""
+
+    seq_id: int
+    pos: int
+    token: int | None = None
+    embedding: npt.NDArray[np.float32] | None = None
+
+
+class ShardRuntime:
+    """One shard file loaded into one llama.cpp context.
+
+    Not re-entrant: one call at a time (an internal lock serialises callers); only
+    :meth:`request_abort` / :meth:`clear_abort` may be called concurrently with a running call.
+    Each of the ``n_seq_max`` sequences gets its own KV stream of ``n_ctx_seq`` cells:
+    ``n_ctx // n_seq_max`` rounded up to a multiple of 256 by llama.cpp.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 512,
+        n_seq_max: int = 4,
+        n_threads: int = 2,
+        n_batch: int = 512,
+        n_ubatch: int = 512,
+        flash_attn: bool = False,
+        kv_type: str = "f32",
+        settings: ContextSettings | None = None,
+        is_head: bool | None = None,
+        is_tail: bool | None = None,
+        last_layer_index: int | None = None,
+    ) -> None:
+        """Load ``path``. Role and capture layer default to what the shard's ``shard.*`` keys say.
+
+        ``settings``, when given, replaces the individual context arguments (use one settings object
+        for every shard of a pipeline). ``last_layer_index`` is the shard-local index of the last
+        real layer whose output a non-tail shard returns. Raises ModelLoadError when llama.cpp
+        cannot load the file and GGUFValidationError when it is not a sound GGUF file.
+        """
+        from ._gguf_split import read_gguf_header
+
+        _ensure_backend()
+        self.path = Path(path)
+        if settings is None:
+            settings = ContextSettings(
+                n_ctx=n_ctx,
+                n_seq_max=n_seq_max,
+                n_threads=n_threads,
+                n_batch=n_batch,
+                n_ubatch=n_ubatch,
+                flash_attn=flash_attn,
+                kv_type=kv_type,
+            )
+        if settings.kv_type not in _KV_TYPES:
+            raise InvalidInputError(f"kv_type must be one of {sorted(_KV_TYPES)}")
+        self.settings = settings
+        header = read_gguf_header(self.path)
+        arch = header.architecture
+        n_blocks = header.get_int(f"{arch}.block_count")
+        shard_role = header.metadata.get("shard.role")
+        role = shard_role.value if shard_role is not None else "full"
+        has_identity = header.metadata.get("shard.has_identity_block")
+        identity = bool(has_identity.value) if has_identity is not None else False
+        self.is_head = role in ("head", "full") if is_head is None else is_head
+        self.is_tail = role in ("tail", "full") if is_tail is None else is_tail
+        if last_layer_index is None:
+            last_layer_index = n_blocks - (2 if identity else 1)
+        self.last_layer_index = last_layer_index
+        self._capture_name = f"l_out-{last_layer_index}".encode()
+        self._lock = threading.Lock()
+        self._own_abort = threading.Event()
+        self._abort = self._own_abort
+        self._model: int | None = None
+        self._context: int | None = None
+        self._closed = False
+        self._captured: list[npt.NDArray[np.float32]] = []
+        self._capture_error: str | None = None
+
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), model_params)
+        if not model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path} (set {LOG_ENV}=1 to see why)"
+            )
+        self._model = int(model)
+
+        self.n_embd = int(llama_cpp.llama_model_n_embd(model))
+        self.n_embd_input = int(llama_cpp.llama_model_n_embd_inp(model))
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = settings.n_ctx
+        params.n_batch = settings.n_batch
+        params.n_ubatch = settings.n_ubatch
+        params.n_seq_max = settings.n_seq_max
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if settings.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        # F32 KV so results match the float64 reference; the same on every shard for bitwise splits.
+        params.type_k = _KV_TYPES[settings.kv_type]
+        params.type_v = _KV_TYPES[settings.kv_type]
+        params.embeddings = False
+        params.no_perf = True
+        params.op_offload = False
+        # A full-size sliding-window cache keeps old positions, so rollback (seq_rm) to any
+        # earlier position always succeeds on sliding-window models.
+        params.swa_full = True
+        params.kv_unified = False
+        if not self.is_tail:
+            # No logits are ever read from a non-tail shard; keep its output buffer minimal.
+            # llama.cpp reserves at least one output row per sequence and asserts that this fits
+            # (GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max)), so 1 only works for 1 sequence.
+            params.n_outputs_max = settings.n_seq_max
+        # The ctypes callback objects must outlive the context: keep them on self.
+        self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort_poll)
+        params.abort_callback = self._abort_callback
+        params.abort_callback_data = None
+        if not self.is_tail:
+            self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+            params.cb_eval = self._eval_callback
+            params.cb_eval_user_data = None
+        context = llama_cpp.llama_init_from_model(model, params)
+        if not context:
+            self.close()
+            raise ModelLoadError(f"llama.cpp could not create a context for {self.path}")
+        self._context = int(context)
+        memory = llama_cpp.llama_get_memory(context)
+        if not memory:
+            self.close()
+            raise ModelLoadError(f"{self.path}: context has no memory module")
+        self._memory = int(memory)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(context))
+        # llama.cpp pads each sequence's KV stream to a multiple of 256 cells and sets
+        # n_ctx = n_ctx_seq * n_seq_max: a sequence can hold more than n_ctx/n_seq_max positions.
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(context))
+
+    # -- callbacks (run on llama.cpp's thread while llama_decode holds no GIL) -----------------
+
+    def _on_abort_poll(self, user_data: int | None) -> bool:
+        del user_data
+        return self._abort.is_set()
+
+    def _on_eval(self, tensor: int | None, ask: bool, user_data: int | None) -> bool:
+        del user_data
+        try:
+            if not tensor:
+                return True
+            if _ggml.ggml_get_name(tensor) != self._capture_name:
+                # In the ask phase False means "not interested"; in the data phase True continues.
+                return not ask
+            if ask:
+                return True
+            ne = (ctypes.c_int64 * 2).from_address(tensor + _GGML_TENSOR_NE_OFFSET)
+            n_embd, n_rows = int(ne[0]), int(ne[1])
+            tensor_type = ctypes.c_int32.from_address(tensor).value
+            if tensor_type != _GGML_TYPE_F32 or n_embd != self.n_embd:
+                self._capture_error = f"captured tensor has type {tensor_type} and {n_embd} columns"
+                return False
+            rows = np.empty((n_rows, n_embd), dtype=np.float32)
+            n_bytes = int(_ggml.ggml_nbytes(tensor))
+            if n_bytes != rows.nbytes:
+                self._capture_error = f"captured tensor is {n_bytes} bytes, expected {rows.nbytes}"
+                return False
+            _ggml.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, n_bytes)
+            self._captured.append(rows)
+            # Stop this graph: the identity block, final norm and lm-head are not needed.
+            return False
+        except Exception as error:  # noqa: BLE001  (an exception cannot cross the C boundary)
+            self._capture_error = f"eval callback failed: {error!r}"
+            return False
+
+    # -- abort -----------------------------------------------------------------------------
+
+    def request_abort(self) -> None:
+        """Make the running (or next) llama_decode stop at its next node; it raises AbortedError."""
+        self._abort.set()
+
+    def clear_abort(self) -> None:
+        self._abort.clear()
+
+    @property
+    def abort_requested(self) -> bool:
+        return self._abort.is_set()
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _require_open(self) -> int:
+        if self._closed or self._context is None:
+            raise LlamaRuntimeError(f"runtime for {self.path} is closed")
+        return self._context
+
+    def run(
+        self,
+        seq_id: int,
+        start_pos: int,
+        tokens: Sequence[int] | None = None,
+        embeddings: npt.NDArray[np.float32] | None = None,
+        all_logits: bool = False,
+    ) -> npt.NDArray[np.float32]:
+        """Process consecutive positions ``start_pos..`` of one sequence.
+
+        Head/full shards take ``tokens``; others take ``embeddings`` of shape (n, n_embd). Returns
+        hidden states (n, n_embd) for non-tail shards, else logits: (n, n_vocab) when
+        ``all_logits`` or (1, n_vocab) for the last position. On any failure the positions this
+        call added are removed again, so the sequence is as before the call.
+        """
+        if tokens is not None and embeddings is not None:
+            raise InvalidInputError("pass tokens or embeddings, not both")
+        if tokens is not None:
+            n = len(tokens)
+        elif embeddings is not None:
+            n = int(embeddings.shape[0])
+        else:
+            raise InvalidInputError("pass tokens or embeddings")
+        if n == 0:
+            raise InvalidInputError("no inputs")
+        items: list[BatchItem] = []
+        for i in range(n):
+            if tokens is not None:
+                items.append(BatchItem(seq_id, start_pos + i, token=int(tokens[i])))
+            else:
+                assert embeddings is not None
+                items.append(BatchItem(seq_id, start_pos + i, embedding=embeddings[i]))
+        outputs = list(range(n)) if all_logits else [n - 1]
+        return self._decode(items, outputs)
+
+    def run_batch(self, items: Sequence[BatchItem]) -> npt.NDArray[np.float32]:
+        """One decode step for several sequences in ONE llama_decode call; rows in item order.
+
+        Each item is one position of a distinct sequence. Returns (len(items), n_embd) hidden
+        states or (len(items), n_vocab) logits. On failure every item's position is rolled back.
+        """
+        if not items:
+            raise InvalidInputError("no items")
+        seq_ids = [item.seq_id for item in items]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidInputError(
+                "run_batch needs distinct sequence ids (one position per sequence)"
+            )
+        # llama.cpp's per-sequence KV streams split a multi-sequence batch into ubatches of
+        # consecutive, increasing sequence ids, in batch order; submitting the items sorted by
+        # sequence id makes the captured rows come back in that same sorted order.
+        order = sorted(range(len(items)), key=lambda i: items[i].seq_id)
+        sorted_items = [items[i] for i in order]
+        result_sorted = self._decode(sorted_items, list(range(len(items))))
+        result = np.empty_like(result_sorted)
+        result[np.asarray(order)] = result_sorted
+        return result
+
+    def _decode(
+        self, items: Sequence[BatchItem], outputs: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        with self._lock:
+            context = self._require_open()
+            n = len(items)
+            if n > self.settings.n_batch:
+                raise InvalidInputError(
+                    f"{n} inputs exceed n_batch={self.settings.n_batch}; split the call"
+                )
+            for item in items:
+                if not 0 <= item.seq_id < self.settings.n_seq_max:
+                    raise InvalidInputError(
+                        f"seq_id {item.seq_id} outside [0, {self.settings.n_seq_max})"
+                    )
+                if item.pos < 0:
+                    raise InvalidInputError(f"negative position {item.pos}")
+                if self.is_head and item.token is None:
+                    raise InvalidInputError("this shard takes token ids")
+                if not self.is_head and item.embedding is None:
+                    raise InvalidInputError("this shard takes hidden states (embeddings)")
+                if item.token is not None and not 0 <= item.token < self.n_vocab:
+                    raise InvalidInputError(
+                        f"token {item.token} outside the vocabulary of {self.n_vocab}"
+                    )
+                if item.embedding is not None and item.embedding.shape != (self.n_embd_input,):
+                    raise InvalidInputError(
+                        f"embedding row has shape {item.embedding.shape}, "
+                        f"expected ({self.n_embd_input},)"
+                    )
+            batch = llama_cpp.llama_batch_init(n, 0 if self.is_head else self.n_embd_input, 1)
+            try:
+                batch.n_tokens = n
+                wanted = set(outputs) if self.is_tail else set()
+                if not self.is_head:
+                    staged = np.ascontiguousarray(
+                        np.stack([np.asarray(item.embedding, dtype=np.float32) for item in items])
+                    )
+                    ctypes.memmove(batch.embd, staged.ctypes.data, staged.nbytes)
+                for i, item in enumerate(items):
+                    if self.is_head:
+                        assert item.token is not None
+                        batch.token[i] = item.token
+                    batch.pos[i] = item.pos
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = item.seq_id
+                    batch.logits[i] = 1 if i in wanted else 0
+                self._captured = []
+                self._capture_error = None
+                status = int(llama_cpp.llama_decode(context, batch))
+                if status != 0:
+                    self._rollback(items)
+                    if status == 2:
+                        raise AbortedError(f"{self.path.name}: decode aborted")
+                    if status == 1:
+                        raise KVFullError(
+                            f"{self.path.name}: no KV slot for {n} tokens (each sequence holds "
+                            f"{self.n_ctx_seq} positions)",
+                            status,
+                        )
+                    raise RuntimeFailure(
+                        f"{self.path.name}: llama_decode returned {status}", status
+                    )
+                if self.is_tail:
+                    return self._read_logits(context, outputs)
+                capture_error = self._take_capture_error()
+                if capture_error is not None:
+                    self._rollback(items)
+                    raise RuntimeFailure(f"{self.path.name}: {capture_error}", -100)
+                hidden = (
+                    np.concatenate(self._captured)
+                    if self._captured
+                    else np.empty((0, self.n_embd), np.float32)
+                )
+                self._captured = []
+                if hidden.shape[0] != n:
+                    self._rollback(items)
+                    raise RuntimeFailure(
+                        f"{self.path.name}: captured {hidden.shape[0]} rows of "
+                        f"{self._capture_name.decode()} "
+                        f"for {n} inputs",
+                        -101,
+                    )
+                return hidden
+            finally:
+                llama_cpp.llama_batch_free(batch)
+
+    def _take_capture_error(self) -> str | None:
+        # Set from the eval callback during llama_decode, hence read through a call.
+        error, self._capture_error = self._capture_error, None
+        return error
+
+    def _read_logits(self, context: int, outputs: Sequence[int]) -> npt.NDArray[np.float32]:
+        rows = np.empty((len(outputs), self.n_vocab), dtype=np.float32)
+        for row, index in enumerate(outputs):
+            pointer = llama_cpp.llama_get_logits_ith(context, index)
+            if not pointer:
+                raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
+            rows[row] = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        return rows
+
+    def _rollback(self, items: Sequence[BatchItem]) -> None:
+        first: dict[int, int] = {}
+        for item in items:
+            first[item.seq_id] = min(first.get(item.seq_id, item.pos), item.pos)
+        for seq_id, pos in first.items():
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
+
+    # -- sequences -------------------------------------------------------------------------------
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
+        """Drop positions [p0, p1) of ``seq_id`` (p1 < 0: to the end; seq_id < 0: all sequences)."""
+        with self._lock:
+            self._require_open()
+            return bool(llama_cpp.llama_memory_seq_rm(self._memory, seq_id, p0, p1))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest cached position of ``seq_id``, -1 when it has none."""
+        with self._lock:
+            self._require_open()
+            return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id))
+
+    def clear(self) -> None:
+        """Drop every sequence's cache."""
+        with self._lock:
+            self._require_open()
+            llama_cpp.llama_memory_clear(self._memory, True)
+
+    # -- whole-sequence snapshots (rollback of a truncating prefill) ---------------------------
+
+    def save_sequence(self, seq_id: int) -> bytes:
+        """A byte snapshot of ``seq_id``'s cached positions (KV of every layer), for restoring
+        the sequence exactly after a failed truncate-and-append."""
+        with self._lock:
+            context = self._require_open()
+            size = int(llama_cpp.llama_state_seq_get_size(context, seq_id))
+            buffer = (ctypes.c_uint8 * max(size, 1))()
+            written = int(llama_cpp.llama_state_seq_get_data(context, buffer, size, seq_id))
+            if written != size:
+                raise RuntimeFailure(
+                    f"{self.path.name}: snapshot of sequence {seq_id} wrote {written} of "
+                    f"{size} bytes",
+                    -103,
+                )
+            return bytes(buffer)[:size]
+
+    def restore_sequence(self, seq_id: int, snapshot: bytes) -> None:
+        """Replace ``seq_id``'s cache with a snapshot taken by :meth:`save_sequence`."""
+        with self._lock:
+            context = self._require_open()
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            if not snapshot:
+                return
+            buffer = (ctypes.c_uint8 * len(snapshot)).from_buffer_copy(snapshot)
+            read = int(llama_cpp.llama_state_seq_set_data(context, buffer, len(snapshot), seq_id))
+            if read == 0:
+                raise RuntimeFailure(
+                    f"{self.path.name}: could not restore sequence {seq_id} from its snapshot", -104
+                )
+
+    def bind_abort_event(self, event: threading.Event | None) -> None:
+        """Poll ``event`` (instead of the runtime's own) to abort llama_decode; None restores
+        the runtime's own event. Callers bind a request's cancel event around one call."""
+        self._abort = event if event is not None else self._own_abort
+
+    # -- vocabulary ----------------------------------------------------------------------------
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes a token stands for (special tokens rendered too)."""
+        buffer = ctypes.create_string_buffer(64)
+        length = int(
+            llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+        )
+        if length < 0:
+            buffer = ctypes.create_string_buffer(-length)
+            length = int(
+                llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+            )
+        return buffer.raw[:length]
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        encoded = text.encode("utf-8")
+        capacity = len(encoded) + 8
+        tokens = (llama_cpp.llama_token * capacity)()
+        count = int(
+            llama_cpp.llama_tokenize(
+                self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
+            )
+        )
+        if count < 0:
+            capacity = -count
+            tokens = (llama_cpp.llama_token * capacity)()
+            count = int(
+                llama_cpp.llama_tokenize(
+                    self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
+                )
+            )
+        return [int(tokens[i]) for i in range(count)]
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the context and model; safe to call more than once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._context is not None:
+                llama_cpp.llama_free(self._context)
+                self._context = None
+            if self._model is not None:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
+
+    def __enter__(self) -> ShardRuntime:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # At interpreter shutdown ctypes or llama_cpp may already be torn down.
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Self-test
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SelfTestReport:
+    """What :func:`self_test` measured."""
+
+    llama_cpp_python: str
+    n_prefill: int
+    n_decode: int
+    max_abs_diff: float
+    seconds: float
+
+
+def self_test(
+    directory: str | os.PathLike[str] | None = None, *, n_threads: int = 2
+) -> SelfTestReport:
+    """Prove the pinned runtime on a generated model: split logits must equal unsplit bit for bit.
+
+    Generates a tiny llama model, splits it 2-way, runs a prefill and two decode steps through
+    head -> tail and through the full model. Raises LlamaRuntimeError if anything differs.
+    """
+    from ._gguf_split import split_model
+    from ._tiny_model import write_tiny_model
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="shard-engine-selftest-", dir=directory) as scratch:
+        source = Path(scratch) / "tiny.gguf"
+        write_tiny_model(source, n_layers=4, seed=1234)
+        manifest = split_model(source, [(0, 2), (2, 4)], Path(scratch) / "shards")
+        options = ContextSettings(
+            n_ctx=64, n_seq_max=1, n_threads=n_threads, n_batch=32, n_ubatch=32
+        )
+        prompt = [1, 72, 101, 108, 108, 111]
+        with (
+            ShardRuntime(source, settings=options) as full,
+            ShardRuntime(manifest.shard_path(0), settings=options) as head,
+            ShardRuntime(manifest.shard_path(1), settings=options) as tail,
+        ):
+            expected = [full.run(0, 0, tokens=prompt)]
+            actual = [tail.run(0, 0, embeddings=head.run(0, 0, tokens=prompt))]
+            for step in range(2):
+                token = int(np.argmax(expected[-1][-1]))
+                position = len(prompt) + step
+                expected.append(full.run(0, position, tokens=[token]))
+                actual.append(
+                    tail.run(0, position, embeddings=head.run(0, position, tokens=[token]))
+                )
+        max_abs_diff = max(
+            float(np.max(np.abs(e - a))) for e, a in zip(expected, actual, strict=True)
+        )
+        identical = all(np.array_equal(e, a) for e, a in zip(expected, actual, strict=True))
+        if not identical or not all(np.all(np.isfinite(e)) for e in expected):
+            raise LlamaRuntimeError(
+                f"self-test failed: split logits differ from unsplit (max |diff| {max_abs_diff}); "
+                "the installed llama.cpp does not behave like "
+                f"llama-cpp-python{SUPPORTED_LLAMA_CPP_PYTHON}"
+            )
+    return SelfTestReport(
+        llama_cpp_python=LLAMA_CPP_PYTHON_VERSION,
+        n_prefill=len(prompt),
+        n_decode=2,
+        max_abs_diff=max_abs_diff,
+        seconds=time.perf_counter() - started,
+    )
+
+
+class Vocabulary:
+    """A model's tokenizer alone (llama.cpp ``vocab_only``: no weights are loaded)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        _ensure_backend()
+        self.path = Path(path)
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        params.n_gpu_layers = 0
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load the vocabulary of {self.path}")
+        self._model: int | None = int(model)
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the model's BOS when ``add_special``)."""
+        encoded = text.encode("utf-8")
+        capacity = len(encoded) + 8
+        tokens = (llama_cpp.llama_token * capacity)()
+        count = int(
+            llama_cpp.llama_tokenize(
+                self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
+            )
+        )
+        if count < 0:
+            capacity = -count
+            tokens = (llama_cpp.llama_token * capacity)()
+            count = int(
+                llama_cpp.llama_tokenize(
+                    self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
+                )
+            )
+        return [int(tokens[i]) for i in range(count)]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (invalid UTF-8 replaced)."""
+        pieces: list[bytes] = []
+        for token in token_ids:
+            if not 0 <= token < self.n_vocab:
+                raise InvalidInputError(f"token {token} outside the vocabulary of {self.n_vocab}")
+            buffer = ctypes.create_string_buffer(64)
+            length = int(
+                llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, False)
+            )
+            if length < 0:
+                buffer = ctypes.create_string_buffer(-length)
+                length = int(
+                    llama_cpp.llama_token_to_piece(
+                        self._vocab, token, buffer, len(buffer), 0, False
+                    )
+                )
+            pieces.append(buffer.raw[:length])
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        """Free the vocabulary; safe to call more than once."""
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

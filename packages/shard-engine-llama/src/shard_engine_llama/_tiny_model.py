@@ -1,0 +1,230 @@
+"""Deterministic tiny GGUF models for tests, self-tests and examples.
+
+The models are random but small and reproducible byte for byte for a given set of arguments, so a
+test can generate one into a temporary directory instead of downloading anything. Weights are
+scaled so that activations stay in a sane range through every layer (a degenerate model, whose
+logits are all equal, would make bitwise comparisons meaningless).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["SUPPORTED_TINY_ARCHITECTURES", "TinyModelConfig", "write_tiny_model"]
+
+SUPPORTED_TINY_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "gemma2")
+
+# SentencePiece-style vocabulary: <unk>, <s>, </s> then the 256 byte-fallback tokens. Every string
+# can be tokenized (via bytes) and every token has text, which is all a tokenizer needs here.
+_N_SPECIAL_TOKENS = 3
+_MIN_VOCAB = _N_SPECIAL_TOKENS + 256
+
+# gemma3 marks layers as local (sliding window) where il % 6 < 5, like the real checkpoints.
+GEMMA3_SWA_PERIOD = 6
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModelConfig:
+    """The hyper-parameters of a generated model (also what the reference forward pass needs)."""
+
+    arch: str
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    vocab: int
+    dtype: str
+    seed: int
+    context_length: int
+    rope_freq_base: float
+    rms_eps: float
+    sliding_window: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def _token_list(vocab: int) -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    extra = vocab - len(tokens)
+    # Word pieces after the bytes give the vocabulary readable entries; SentencePiece marks a
+    # leading space with U+2581.
+    tokens += [f"\u2581w{i}" for i in range(extra)]
+    types += [gguf.TokenType.NORMAL] * extra
+    scores = [0.0] * _MIN_VOCAB + [-float(i) for i in range(extra)]
+    return tokens, scores, [int(t) for t in types]
+
+
+def _encode_tensor(
+    array: npt.NDArray[np.float32], dtype: str
+) -> tuple[npt.NDArray[np.generic], gguf.GGMLQuantizationType | None]:
+    # 1-D tensors (norms, biases) stay F32: llama.cpp converters never quantize them and several
+    # ggml ops require F32 there.
+    if array.ndim == 1 or dtype == "f32":
+        return np.ascontiguousarray(array, dtype=np.float32), None
+    if dtype == "f16":
+        return np.ascontiguousarray(array, dtype=np.float16), None
+    if dtype == "q8_0":
+        quantized = gguf.quants.quantize(array.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        return quantized, gguf.GGMLQuantizationType.Q8_0
+    raise ValueError(f"unsupported tiny model dtype {dtype!r} (choose f32, f16 or q8_0)")
+
+
+def _file_type(dtype: str) -> int:
+    return {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }[dtype]
+
+
+def write_tiny_model(
+    path: str | os.PathLike[str],
+    *,
+    arch: str = "llama",
+    n_layers: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    vocab: int = 260,
+    dtype: str = "f32",
+    seed: int = 0,
+    context_length: int = 512,
+    sliding_window: int = 8,
+    tie_embeddings: bool = False,
+) -> TinyModelConfig:
+    """Write a deterministic random model to ``path`` and return its configuration.
+
+    ``vocab`` must be at least 259 (three special tokens plus 256 byte tokens). ``sliding_window``
+    only applies to gemma3/gemma2. ``tie_embeddings`` omits ``output.weight`` so the lm-head reuses
+    ``token_embd.weight``, as many small checkpoints do.
+    """
+    if arch not in SUPPORTED_TINY_ARCHITECTURES:
+        raise ValueError(f"tiny model architecture {arch!r} not in {SUPPORTED_TINY_ARCHITECTURES}")
+    if vocab < _MIN_VOCAB:
+        raise ValueError(
+            f"vocab must be at least {_MIN_VOCAB} (specials + byte tokens), got {vocab}"
+        )
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
+    head_dim = n_embd // n_head
+    if dtype == "q8_0" and (n_embd % 32 or n_ff % 32 or (n_head * head_dim) % 32):
+        raise ValueError("q8_0 needs n_embd, n_ff and n_head*head_dim divisible by 32")
+
+    config = TinyModelConfig(
+        arch=arch,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        vocab=vocab,
+        dtype=dtype,
+        seed=seed,
+        context_length=context_length,
+        rope_freq_base=10000.0,
+        rms_eps=1e-5 if arch not in ("gemma3", "gemma2") else 1e-6,
+        sliding_window=sliding_window if arch in ("gemma3", "gemma2") else 0,
+    )
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows: int, cols: int) -> npt.NDArray[np.float32]:
+        # 1/sqrt(fan_in) keeps each projection roughly variance-preserving.
+        values: npt.NDArray[np.float64] = rng.standard_normal((rows, cols)) / np.sqrt(cols)
+        return values.astype(np.float32)
+
+    def norm(n: int) -> npt.NDArray[np.float32]:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def bias(n: int) -> npt.NDArray[np.float32]:
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer.add_name(f"tiny-{arch}-{dtype}-seed{seed}")
+    writer.add_file_type(_file_type(dtype))
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_layer_norm_rms_eps(config.rms_eps)
+    writer.add_rope_freq_base(config.rope_freq_base)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(vocab)
+    if arch == "gemma3":
+        writer.add_sliding_window(sliding_window)
+        writer.add_array(
+            f"{arch}.attention.sliding_window_pattern",
+            [il % GEMMA3_SWA_PERIOD < GEMMA3_SWA_PERIOD - 1 for il in range(n_layers)],
+        )
+        writer.add_float32(f"{arch}.rope.freq_base_swa", config.rope_freq_base)
+    if arch == "gemma2":
+        writer.add_sliding_window(sliding_window)
+        writer.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
+        writer.add_float32(f"{arch}.final_logit_softcapping", 30.0)
+
+    tokens, scores, token_types = _token_list(vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(token_types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+
+    def add(name: str, array: npt.NDArray[np.float32]) -> None:
+        data, raw_dtype = _encode_tensor(array, dtype)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+
+    add("token_embd.weight", rng.standard_normal((vocab, n_embd)).astype(np.float32))
+    q_dim = n_head * head_dim
+    kv_dim = n_head_kv * head_dim
+    for il in range(n_layers):
+        prefix = f"blk.{il}"
+        add(f"{prefix}.attn_norm.weight", norm(n_embd))
+        add(f"{prefix}.attn_q.weight", matrix(q_dim, n_embd))
+        add(f"{prefix}.attn_k.weight", matrix(kv_dim, n_embd))
+        add(f"{prefix}.attn_v.weight", matrix(kv_dim, n_embd))
+        if arch == "qwen2":
+            add(f"{prefix}.attn_q.bias", bias(q_dim))
+            add(f"{prefix}.attn_k.bias", bias(kv_dim))
+            add(f"{prefix}.attn_v.bias", bias(kv_dim))
+        if arch in ("qwen3", "gemma3"):
+            add(f"{prefix}.attn_q_norm.weight", norm(head_dim))
+            add(f"{prefix}.attn_k_norm.weight", norm(head_dim))
+        add(f"{prefix}.attn_output.weight", matrix(n_embd, q_dim))
+        if arch in ("gemma3", "gemma2"):
+            add(f"{prefix}.post_attention_norm.weight", norm(n_embd))
+        add(f"{prefix}.ffn_norm.weight", norm(n_embd))
+        add(f"{prefix}.ffn_gate.weight", matrix(n_ff, n_embd))
+        add(f"{prefix}.ffn_up.weight", matrix(n_ff, n_embd))
+        add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
+        if arch in ("gemma3", "gemma2"):
+            add(f"{prefix}.post_ffw_norm.weight", norm(n_embd))
+    add("output_norm.weight", norm(n_embd))
+    if not tie_embeddings:
+        add("output.weight", matrix(vocab, n_embd))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return config

@@ -1,0 +1,110 @@
+"""The ``llama`` engine plugin: hook implementations only."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+from shard_engine_api import (
+    EngineSpec,
+    InvalidRequest,
+    ModelFixture,
+    UnsupportedFeature,
+    hookimpl,
+)
+from shard_engine_llama import _commands
+from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
+
+ENGINE_NAME = "llama"
+
+
+@hookimpl
+def shard_engine_register() -> EngineSpec:
+    from shard_engine_llama._engine import LlamaEngine
+
+    return EngineSpec(
+        name=ENGINE_NAME,
+        factory=LlamaEngine,
+        evidence="real",
+        description="llama.cpp (llama-cpp-python, CPU) running GGUF layer ranges bit-exactly",
+    )
+
+
+@hookimpl
+def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture | None:
+    if engine_name != ENGINE_NAME:
+        return None
+    path = tiny_model_path(workdir)
+    return ModelFixture(
+        model=str(path),
+        n_layers=TINY_MODEL_LAYERS,
+        options={"n_ubatch": 16},
+        description=f"generated tiny llama GGUF ({TINY_MODEL_LAYERS} layers, n_embd 64, F32)",
+        has_tokenizer=True,
+        synthetic=True,
+    )
+
+
+@hookimpl
+def shard_engine_describe_model(engine_name: str, model: str) -> ModelFixture | None:
+    if engine_name != ENGINE_NAME:
+        return None
+    from shard_engine_llama._gguf_split import (
+        GGUFValidationError,
+        inspect_gguf,
+    )
+
+    path = Path(model)
+    if not path.is_file():
+        raise InvalidRequest(f"model file {path} does not exist")
+    try:
+        info = inspect_gguf(path)
+    except GGUFValidationError as error:
+        raise InvalidRequest(str(error)) from error
+    if not info.shardable and not info.is_shard:
+        raise UnsupportedFeature(f"{path.name} cannot be sharded: {info.refusal}")
+    return ModelFixture(
+        model=str(path.resolve()),
+        n_layers=info.n_layers,
+        description=f"{path.name} ({info.architecture}, {info.n_layers} layers)",
+        has_tokenizer=True,
+        synthetic=False,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(model: str) -> object:
+    from shard_engine_llama._abi import Vocabulary
+
+    return Vocabulary(model)
+
+
+@hookimpl
+def shard_engine_tokenize(engine_name: str, model: str, text: str) -> list[int] | None:
+    if engine_name != ENGINE_NAME:
+        return None
+    from shard_engine_llama._abi import Vocabulary
+
+    vocabulary = _vocabulary(model)
+    assert isinstance(vocabulary, Vocabulary)
+    return vocabulary.tokenize(text)
+
+
+@hookimpl
+def shard_engine_detokenize(engine_name: str, model: str, token_ids: Sequence[int]) -> str | None:
+    if engine_name != ENGINE_NAME:
+        return None
+    from shard_engine_llama._abi import Vocabulary
+
+    vocabulary = _vocabulary(model)
+    assert isinstance(vocabulary, Vocabulary)
+    return vocabulary.detokenize(token_ids)
+
+
+@hookimpl
+def shard_engine_add_cli_commands(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    _commands.add_commands(subparsers)

@@ -1,0 +1,301 @@
+"""The llama engine through the ShardEngine contract: split == unsplit bit for bit, rollback,
+cancellation, batched decode, untrusted files, shard files as models."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shard_engine_api import (
+    BoundaryResult,
+    CacheMiss,
+    Cancelled,
+    CancelRequest,
+    DecodeBatchRequest,
+    DecodeRequest,
+    InvalidRequest,
+    LoadConfig,
+    LogitsResult,
+    Pipeline,
+    PrefillRequest,
+    ResourceExhausted,
+    SessionRef,
+    ShardMismatch,
+    ShardSpec,
+    TokenInput,
+    UnsupportedFeature,
+    split_layers,
+)
+from shard_engine_llama import LlamaEngine, _abi
+from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
+from shard_engine_llama._gguf_split import split_model
+from shard_engine_llama._tiny_model import write_tiny_model
+
+PROMPT = (5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11)
+
+
+def _load(model: Path, start: int, end: int, n_layers: int, **fields: object) -> LlamaEngine:
+    engine = LlamaEngine()
+    options = {"n_ubatch": 4, "model_store": str(model.parent / "store")}
+    extra = fields.pop("options", None)
+    if isinstance(extra, dict):
+        options.update(extra)
+    config: dict[str, object] = {
+        "shard": ShardSpec(model=str(model), n_layers=n_layers, start=start, end=end),
+        "max_sessions": 4,
+        "max_context": 256,
+        "options": options,
+    }
+    config.update(fields)
+    engine.load(LoadConfig(**config))  # type: ignore[arg-type]
+    return engine
+
+
+def _pipeline(model: Path, parts: int, n_layers: int = TINY_MODEL_LAYERS) -> list[LlamaEngine]:
+    return [_load(model, s, e, n_layers) for s, e in split_layers(n_layers, parts)]
+
+
+def _close(engines: Sequence[LlamaEngine]) -> None:
+    for engine in engines:
+        engine.close()
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_split_pipeline_equals_full_shard_bitwise(tiny_model: Path, parts: int) -> None:
+    """Greedy generation through head -> (middle) -> tail equals one full shard bit for bit,
+    with two sessions interleaved step by step."""
+    full = _pipeline(tiny_model, 1)
+    split = _pipeline(tiny_model, parts)
+    try:
+        reference = Pipeline(full).generate(PROMPT, 6)
+        result = Pipeline(split).generate(PROMPT, 6)
+        assert result.token_ids == reference.token_ids
+        assert result.step_logits == reference.step_logits
+        caps = [engine.capabilities() for engine in split]
+        assert caps[0].role == "head"
+        assert caps[-1].role == "tail"
+        assert all(c.evidence == "real" for c in caps)
+        assert len({c.model_fingerprint for c in caps}) == 1
+    finally:
+        _close(full + split)
+
+
+def test_uneven_split_with_f16_weights(tmp_path: Path) -> None:
+    model = tmp_path / "f16.gguf"
+    write_tiny_model(model, n_layers=5, dtype="f16", seed=3)
+    full = [_load(model, 0, 5, 5)]
+    split = [_load(model, 0, 1, 5), _load(model, 1, 4, 5), _load(model, 4, 5, 5)]
+    try:
+        assert Pipeline(split).generate(PROMPT, 4).step_logits == (
+            Pipeline(full).generate(PROMPT, 4).step_logits
+        )
+    finally:
+        _close(full + split)
+
+
+def _prefill(
+    engine: LlamaEngine, session: SessionRef, tokens: Sequence[int], start: int = 0
+) -> np.ndarray:
+    result = engine.prefill(
+        PrefillRequest(
+            request_id=f"p{start}-{len(tokens)}",
+            session=session,
+            start_pos=start,
+            inputs=TokenInput(token_ids=tuple(tokens)),
+        )
+    )
+    assert isinstance(result, LogitsResult)
+    return result.array()
+
+
+def _decode(engine: LlamaEngine, session: SessionRef, pos: int, token: int) -> np.ndarray:
+    result = engine.decode(
+        DecodeRequest(
+            request_id=f"d{pos}", session=session, pos=pos, inputs=TokenInput(token_ids=(token,))
+        )
+    )
+    assert isinstance(result, LogitsResult)
+    return result.array()
+
+
+def test_truncate_failure_restores_the_sequence_exactly(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A truncating prefill that fails after the cache was cut restores the snapshot: the next
+    decode at the old committed length equals a run that never truncated."""
+    engine = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    reference = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    session = SessionRef(session_id="s", epoch=1)
+    try:
+        _prefill(engine, session, PROMPT)
+        _prefill(reference, session, PROMPT)
+        runtime = engine._runtime
+        assert runtime is not None
+        original = runtime.run
+
+        def failing_run(*args: object, **kwargs: object) -> np.ndarray:
+            raise _abi.AbortedError("injected")
+
+        monkeypatch.setattr(runtime, "run", failing_run)
+        with pytest.raises(Cancelled):
+            _prefill(engine, session, (1, 2), start=4)
+        monkeypatch.setattr(runtime, "run", original)
+        assert engine.health().kv_used_tokens == len(PROMPT)
+        assert np.array_equal(
+            _decode(engine, session, len(PROMPT), 33), _decode(reference, session, len(PROMPT), 33)
+        )
+        truncated = _prefill(engine, session, (1, 2), start=4)
+        fresh = _prefill(reference, SessionRef(session_id="fresh", epoch=1), (*PROMPT[:4], 1, 2))
+        np.testing.assert_allclose(
+            truncated, fresh, atol=engine.capabilities().determinism.tolerance
+        )
+    finally:
+        _close([engine, reference])
+
+
+def test_cancel_mid_prefill_from_another_thread_rolls_back(tmp_path: Path) -> None:
+    """A cancel from another thread stops llama_decode at its next node; the session keeps its
+    committed length and a replay equals a clean run."""
+    model = tmp_path / "wide.gguf"
+    write_tiny_model(model, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
+    engine = _load(model, 0, 8, 8, max_batch_tokens=512, max_context=1024, options={"n_ubatch": 8})
+    clean = _load(model, 0, 8, 8, max_batch_tokens=512, max_context=1024, options={"n_ubatch": 8})
+    session = SessionRef(session_id="long", epoch=1)
+    long_prompt = tuple((index * 7) % 250 + 3 for index in range(512))
+    try:
+        _prefill(engine, session, long_prompt[:4])
+        outcome: list[BaseException | None] = []
+
+        def work() -> None:
+            try:
+                _prefill(engine, session, long_prompt[4:], start=4)
+                outcome.append(None)
+            except Cancelled as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        time.sleep(0.02)
+        engine.cancel(CancelRequest(session_id="long"))
+        thread.join(10)
+        assert outcome, "the prefill thread did not finish"
+        assert isinstance(outcome[0], Cancelled), "prefill finished before the cancel"
+        assert engine.health().kv_used_tokens == 4
+        _prefill(clean, session, long_prompt[:4])
+        assert np.array_equal(_decode(engine, session, 4, 9), _decode(clean, session, 4, 9))
+    finally:
+        _close([engine, clean])
+
+
+def test_batched_decode_across_sessions(tiny_model: Path) -> None:
+    """One llama_decode for three sessions: rows come back in item order, split == unsplit
+    bitwise, and each row equals its single decode within the declared tolerance."""
+    sessions = [SessionRef(session_id=f"b{i}", epoch=1) for i in range(3)]
+    full = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    single = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    head = _load(tiny_model, 0, 3, TINY_MODEL_LAYERS)
+    tail = _load(tiny_model, 3, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    try:
+        for index, session in enumerate(sessions):
+            prompt = PROMPT[: 3 + index]
+            _prefill(full, session, prompt)
+            _prefill(single, session, prompt)
+            bundle = head.prefill(
+                PrefillRequest(
+                    request_id="h",
+                    session=session,
+                    start_pos=0,
+                    inputs=TokenInput(token_ids=prompt),
+                )
+            )
+            assert isinstance(bundle, BoundaryResult)
+            tail.prefill(
+                PrefillRequest(request_id="t", session=session, start_pos=0, inputs=bundle.bundle)
+            )
+        order = [2, 0, 1]
+        items = tuple(
+            DecodeRequest(
+                request_id=f"i{i}",
+                session=sessions[i],
+                pos=3 + i,
+                inputs=TokenInput(token_ids=(40 + i,)),
+            )
+            for i in order
+        )
+        unsplit = full.decode_batch(DecodeBatchRequest(request_id="batch", items=items))
+        head_out = head.decode_batch(DecodeBatchRequest(request_id="hb", items=items))
+        tail_items = []
+        for item, result in zip(items, head_out.items, strict=True):
+            assert isinstance(result, BoundaryResult)
+            tail_items.append(
+                DecodeRequest(
+                    request_id=item.request_id,
+                    session=item.session,
+                    pos=item.pos,
+                    inputs=result.bundle,
+                )
+            )
+        split = tail.decode_batch(DecodeBatchRequest(request_id="tb", items=tuple(tail_items)))
+        tolerance = full.capabilities().determinism.tolerance
+        for index, unsplit_item, split_item in zip(order, unsplit.items, split.items, strict=True):
+            assert isinstance(unsplit_item, LogitsResult)
+            assert isinstance(split_item, LogitsResult)
+            assert unsplit_item.session == sessions[index]
+            assert np.array_equal(unsplit_item.array(), split_item.array())
+            alone = _decode(single, sessions[index], 3 + index, 40 + index)
+            np.testing.assert_allclose(unsplit_item.array(), alone, atol=tolerance)
+    finally:
+        _close([full, single, head, tail])
+
+
+def test_kv_cells_exhausted_is_resource_exhausted(tiny_model: Path) -> None:
+    engine = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS, max_context=256)
+    session = SessionRef(session_id="big", epoch=1)
+    try:
+        limit = engine.capabilities().limits.max_context
+        _prefill(engine, session, [3] * 200)
+        with pytest.raises(ResourceExhausted):
+            _prefill(engine, session, [3] * (limit - 199), start=200)
+        with pytest.raises(CacheMiss):
+            _decode(engine, session, 150, 3)
+        assert engine.health().kv_used_tokens == 200
+    finally:
+        engine.close()
+
+
+def test_bad_files_and_unsupported_architectures(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    write_tiny_model(truncated, n_layers=2)
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    with pytest.raises(InvalidRequest):
+        _load(truncated, 0, 2, 2)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(InvalidRequest):
+        _load(garbage, 0, 2, 2)
+    with pytest.raises(InvalidRequest):
+        _load(tmp_path / "missing.gguf", 0, 2, 2)
+    gemma2 = tmp_path / "gemma2.gguf"
+    write_tiny_model(gemma2, arch="gemma2", n_layers=2)
+    with pytest.raises(UnsupportedFeature) as refused:
+        _load(gemma2, 0, 1, 2)
+    assert refused.value.details["rule"] == "embedding-input-scaled"
+
+
+def test_prebuilt_shard_file_as_model(tiny_model: Path, tmp_path: Path) -> None:
+    """A worker that downloads only its shard file loads it directly; the range must match."""
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    head = _load(manifest.shard_path(0), 0, 2, TINY_MODEL_LAYERS)
+    try:
+        assert head.capabilities().model_fingerprint == manifest.source_sha256
+    finally:
+        head.close()
+    with pytest.raises(ShardMismatch):
+        _load(manifest.shard_path(0), 0, 3, TINY_MODEL_LAYERS)
+    with pytest.raises(InvalidRequest):
+        _load(tiny_model, 0, 2, TINY_MODEL_LAYERS + 1)

@@ -1,0 +1,315 @@
+"""The llama.cpp shard runtime: split pipelines must reproduce unsplit logits bit for bit."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from shard_engine_llama._abi import (
+    AbortedError,
+    BatchItem,
+    ContextSettings,
+    InvalidInputError,
+    KVFullError,
+    LlamaRuntimeError,
+    ShardRuntime,
+    self_test,
+)
+from shard_engine_llama._gguf_split import Manifest, split_model
+from shard_engine_llama._tiny_model import write_tiny_model
+
+Logits = npt.NDArray[np.float32]
+OPTIONS = ContextSettings(n_ctx=256, n_seq_max=4, n_threads=2, n_batch=64, n_ubatch=16)
+PREFILL_SIZES = (1, 7, 33, 45)
+N_DECODE = 4
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 260, n)]
+
+
+class Pipeline:
+    """A chain of shard runtimes used like one model (or a single full runtime)."""
+
+    def __init__(self, paths: Sequence[Path], settings: ContextSettings) -> None:
+        self.runtimes = [ShardRuntime(path, settings=settings) for path in paths]
+
+    def run(self, seq_id: int, pos: int, tokens: Sequence[int], all_logits: bool = False) -> Logits:
+        head = self.runtimes[0]
+        if len(self.runtimes) == 1:
+            return head.run(seq_id, pos, tokens=tokens, all_logits=all_logits)
+        hidden = head.run(seq_id, pos, tokens=tokens)
+        for runtime in self.runtimes[1:-1]:
+            hidden = runtime.run(seq_id, pos, embeddings=hidden)
+        return self.runtimes[-1].run(seq_id, pos, embeddings=hidden, all_logits=all_logits)
+
+    def run_batch(self, items: Sequence[tuple[int, int, int]]) -> Logits:
+        rows = self.runtimes[0].run_batch([BatchItem(s, p, token=t) for s, p, t in items])
+        for runtime in self.runtimes[1:]:
+            rows = runtime.run_batch(
+                [BatchItem(s, p, embedding=rows[i]) for i, (s, p, _) in enumerate(items)]
+            )
+        return rows
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        for runtime in self.runtimes:
+            runtime.seq_rm(seq_id, p0, p1)
+
+    def close(self) -> None:
+        for runtime in self.runtimes:
+            runtime.close()
+
+
+def _generate(
+    pipeline: Pipeline, seq_id: int, prompt: Sequence[int], n_decode: int = N_DECODE
+) -> list[Logits]:
+    """Prefill with all logits, then greedy decode; returns every logits array produced."""
+    outputs = [pipeline.run(seq_id, 0, prompt, all_logits=True)]
+    for step in range(n_decode):
+        token = int(np.argmax(outputs[-1][-1]))
+        outputs.append(pipeline.run(seq_id, len(prompt) + step, [token]))
+    return outputs
+
+
+def _shard_paths(manifest: Manifest) -> list[Path]:
+    return [manifest.shard_path(i) for i in range(len(manifest.shards))]
+
+
+@pytest.fixture(scope="module", params=["f32", "f16", "q8_0"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(f"model-{request.param}") / "tiny.gguf"
+    write_tiny_model(path, n_layers=6, dtype=str(request.param), seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def f32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model-f32-shared") / "tiny.gguf"
+    write_tiny_model(path, n_layers=6, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def f32_split(f32_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Manifest:
+    return split_model(f32_model, [(0, 2), (2, 3), (3, 6)], tmp_path_factory.mktemp("split"))
+
+
+@pytest.fixture
+def full_and_split(f32_model: Path, f32_split: Manifest) -> Iterator[tuple[Pipeline, Pipeline]]:
+    full = Pipeline([f32_model], OPTIONS)
+    split = Pipeline(_shard_paths(f32_split), OPTIONS)
+    yield full, split
+    full.close()
+    split.close()
+
+
+@pytest.mark.parametrize(
+    "ranges", [[(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)], [(0, 1), (1, 5), (5, 6)]]
+)
+def test_split_equals_unsplit_bitwise(
+    model: Path, tmp_path: Path, ranges: list[tuple[int, int]]
+) -> None:
+    """Prefill 1/7/33/45 tokens (several ubatches of 16) + 4 decode steps, every logit identical."""
+    manifest = split_model(model, ranges, tmp_path)
+    full = Pipeline([model], OPTIONS)
+    split = Pipeline(_shard_paths(manifest), OPTIONS)
+    try:
+        for seq_id, n in enumerate(PREFILL_SIZES):
+            expected = _generate(full, seq_id, _prompt(n, seed=n))
+            actual = _generate(split, seq_id, _prompt(n, seed=n))
+            assert all(np.isfinite(e).all() for e in expected)
+            assert np.std(expected[0][-1]) > 0.1, (
+                "degenerate logits would make equality meaningless"
+            )
+            for e, a in zip(expected, actual, strict=True):
+                assert e.shape == a.shape
+                np.testing.assert_array_equal(a, e)
+    finally:
+        full.close()
+        split.close()
+
+
+def test_interleaved_sessions_are_bitwise_equal(full_and_split: tuple[Pipeline, Pipeline]) -> None:
+    """Three sessions advanced in turn: split equals unsplit, and each equals running it alone."""
+    full, split = full_and_split
+    prompts = {0: _prompt(7, 1), 1: _prompt(33, 2), 3: _prompt(12, 3)}
+    results: dict[str, dict[int, list[Logits]]] = {}
+    for name, pipeline in (("full", full), ("split", split)):
+        outputs: dict[int, list[Logits]] = {s: [pipeline.run(s, 0, p)] for s, p in prompts.items()}
+        for step in range(N_DECODE):
+            for seq_id, prompt in prompts.items():
+                token = int(np.argmax(outputs[seq_id][-1][-1]))
+                outputs[seq_id].append(pipeline.run(seq_id, len(prompt) + step, [token]))
+        results[name] = outputs
+    for seq_id in prompts:
+        for e, a in zip(results["full"][seq_id], results["split"][seq_id], strict=True):
+            np.testing.assert_array_equal(a, e)
+    full.seq_rm(-1)
+    alone = _generate(full, 2, prompts[1])
+    for e, a in zip(alone[1:], results["full"][1][1:], strict=True):
+        np.testing.assert_array_equal(a, e)
+
+
+def test_batched_decode_row_order(full_and_split: tuple[Pipeline, Pipeline]) -> None:
+    """One llama_decode for several sequences returns rows in item order, split == unsplit."""
+    full, split = full_and_split
+    prompts = {3: _prompt(5, 11), 0: _prompt(9, 12), 2: _prompt(3, 13)}
+    next_tokens = {3: 40, 0: 41, 2: 42}
+    singles: dict[int, Logits] = {}
+    for seq_id, prompt in prompts.items():
+        full.run(seq_id, 0, prompt)
+        singles[seq_id] = full.run(seq_id, len(prompt), [next_tokens[seq_id]])[0]
+        full.seq_rm(seq_id, len(prompt))
+        split.run(seq_id, 0, prompt)
+    # Deliberately unsorted and non-consecutive sequence ids.
+    items = [(s, len(prompts[s]), next_tokens[s]) for s in (2, 3, 0)]
+    batched_full = full.run_batch(items)
+    batched_split = split.run_batch(items)
+    np.testing.assert_array_equal(batched_split, batched_full)
+    for row, (seq_id, _, _) in enumerate(items):
+        np.testing.assert_allclose(batched_full[row], singles[seq_id], rtol=0, atol=1e-4)
+        distances = [float(np.abs(batched_full[row] - singles[s]).max()) for s in prompts]
+        assert int(np.argmin(distances)) == list(prompts).index(seq_id)
+
+
+def test_batched_hidden_rows_follow_item_order(f32_split: Manifest) -> None:
+    head = ShardRuntime(f32_split.shard_path(0), settings=OPTIONS)
+    try:
+        singles = {}
+        for seq_id in (1, 2, 3):
+            singles[seq_id] = head.run(seq_id, 0, tokens=[10 * seq_id])[0]
+            head.seq_rm(seq_id)
+        rows = head.run_batch([BatchItem(s, 0, token=10 * s) for s in (3, 1, 2)])
+        for row, seq_id in enumerate((3, 1, 2)):
+            np.testing.assert_allclose(rows[row], singles[seq_id], rtol=0, atol=1e-5)
+    finally:
+        head.close()
+
+
+def test_abort_mid_prefill_rolls_back(tmp_path: Path) -> None:
+    """An abort from another thread stops a long prefill; after rollback a rerun is clean."""
+    path = tmp_path / "wide.gguf"
+    write_tiny_model(path, n_layers=8, n_embd=256, n_head=8, n_head_kv=4, n_ff=512, seed=9)
+    options = ContextSettings(n_ctx=1024, n_seq_max=1, n_threads=2, n_batch=512, n_ubatch=16)
+    prompt = _prompt(512, 4)
+    with ShardRuntime(path, settings=options) as runtime:
+        # The first decode pays one-off allocation costs; time a warm run.
+        runtime.run(0, 0, tokens=prompt[:16])
+        runtime.seq_rm(0)
+        started = time.perf_counter()
+        clean = runtime.run(0, 0, tokens=prompt)
+        clean_seconds = time.perf_counter() - started
+        runtime.seq_rm(0)
+        aborted = False
+        for fraction in (0.5, 0.25, 0.1, 0.02):
+            timer = threading.Timer(clean_seconds * fraction, runtime.request_abort)
+            timer.start()
+            try:
+                runtime.run(0, 0, tokens=prompt)
+            except AbortedError:
+                aborted = True
+            finally:
+                timer.join()
+                runtime.clear_abort()
+            if aborted:
+                break
+            runtime.seq_rm(0)
+        assert aborted, f"prefill of {clean_seconds:.3f}s never got aborted"
+        # run() already removed the completed ubatches; the caller's own rollback is harmless.
+        assert runtime.seq_pos_max(0) == -1
+        runtime.seq_rm(0)
+        np.testing.assert_array_equal(runtime.run(0, 0, tokens=prompt), clean)
+
+
+def test_abort_requested_before_run(f32_model: Path) -> None:
+    with ShardRuntime(f32_model, settings=OPTIONS) as runtime:
+        runtime.run(0, 0, tokens=_prompt(5))
+        runtime.request_abort()
+        with pytest.raises(AbortedError):
+            runtime.run(0, 5, tokens=_prompt(20))
+        assert runtime.seq_pos_max(0) == 4
+        runtime.clear_abort()
+        assert runtime.run(0, 5, tokens=_prompt(20)).shape == (1, 260)
+
+
+def test_kv_full_raises_and_keeps_state(f32_model: Path) -> None:
+    options = ContextSettings(n_ctx=256, n_seq_max=2, n_threads=2, n_batch=64, n_ubatch=16)
+    with ShardRuntime(f32_model, settings=options) as runtime:
+        assert runtime.n_ctx_seq == 256
+        filled = 0
+        while filled < runtime.n_ctx_seq - 10:
+            runtime.run(0, filled, tokens=_prompt(50, filled)[: runtime.n_ctx_seq - 10 - filled])
+            filled = runtime.seq_pos_max(0) + 1
+        with pytest.raises(KVFullError):
+            runtime.run(0, filled, tokens=_prompt(20))
+        assert runtime.seq_pos_max(0) == filled - 1
+        assert runtime.run(0, filled, tokens=_prompt(10)).shape == (1, 260)
+
+
+def test_rollback_then_rerun_matches(full_and_split: tuple[Pipeline, Pipeline]) -> None:
+    full, _ = full_and_split
+    prompt = _prompt(20, 8)
+    expected = full.run(0, 0, prompt, all_logits=True)
+    full.seq_rm(0, 12)
+    np.testing.assert_array_equal(full.run(0, 12, prompt[12:], all_logits=True), expected[12:])
+
+
+def test_wrong_inputs_are_rejected(f32_model: Path, f32_split: Manifest) -> None:
+    with ShardRuntime(f32_split.shard_path(1), settings=OPTIONS) as middle:
+        assert not middle.is_head
+        assert not middle.is_tail
+        with pytest.raises(InvalidInputError, match="hidden states"):
+            middle.run(0, 0, tokens=[1, 2])
+        with pytest.raises(InvalidInputError, match="shape"):
+            middle.run(0, 0, embeddings=np.zeros((2, 3), np.float32))
+    with ShardRuntime(f32_model, settings=OPTIONS) as full:
+        with pytest.raises(InvalidInputError, match="vocabulary"):
+            full.run(0, 0, tokens=[100000])
+        with pytest.raises(InvalidInputError, match="seq_id"):
+            full.run(9, 0, tokens=[1])
+        with pytest.raises(InvalidInputError, match="distinct"):
+            full.run_batch([BatchItem(0, 0, token=1), BatchItem(0, 1, token=2)])
+
+
+def test_close_is_idempotent(f32_model: Path) -> None:
+    runtime = ShardRuntime(f32_model, settings=OPTIONS)
+    runtime.close()
+    runtime.close()
+    with pytest.raises(LlamaRuntimeError, match="closed"):
+        runtime.run(0, 0, tokens=[1])
+
+
+def test_token_text(f32_model: Path) -> None:
+    with ShardRuntime(f32_model, settings=OPTIONS) as runtime:
+        assert runtime.token_to_piece(3 + ord("a")) == b"a"
+        assert runtime.n_vocab == 260
+        assert runtime.tokenize("ab")[-2:] == [3 + ord("a"), 3 + ord("b")]
+
+
+@pytest.mark.parametrize("ranges", [[(0, 5), (5, 6)], [(0, 2), (2, 4), (4, 6)]])
+def test_gemma3_split_equals_unsplit(tmp_path: Path, ranges: list[tuple[int, int]]) -> None:
+    """Sliding-window rules per shard; [(0, 5), (5, 6)] has an all-global tail (window 0)."""
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_model(path, arch="gemma3", n_layers=6, sliding_window=8, seed=4)
+    manifest = split_model(path, ranges, tmp_path / "out")
+    full = Pipeline([path], OPTIONS)
+    split = Pipeline(_shard_paths(manifest), OPTIONS)
+    try:
+        prompt = _prompt(45, 6)
+        for e, a in zip(_generate(full, 0, prompt), _generate(split, 0, prompt), strict=True):
+            np.testing.assert_array_equal(a, e)
+    finally:
+        full.close()
+        split.close()
+
+
+def test_self_test_passes(tmp_path: Path) -> None:
+    report = self_test(tmp_path)
+    assert report.max_abs_diff == 0.0
+    assert report.llama_cpp_python.startswith("0.3.36")

@@ -1,0 +1,430 @@
+"""GGUF validation, inspection, architecture rules, shard planning and shard writing."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shard_engine_llama._gguf_split import (
+    GGUFValidationError,
+    ModelInfo,
+    ModelStoreError,
+    ShardingRefusedError,
+    SplitProgress,
+    inspect_gguf,
+    parts_by_bytes,
+    read_gguf_header,
+    resolve_model_store,
+    split_model,
+    validate_gguf,
+)
+from shard_engine_llama._tiny_model import write_tiny_model
+
+
+def _rewrite(
+    source: Path,
+    destination: Path,
+    *,
+    drop_tensors: frozenset[str] = frozenset(),
+    metadata: Mapping[str, int | str] | None = None,
+) -> Path:
+    """Copy a GGUF with some tensors dropped and some scalar metadata replaced."""
+    header = read_gguf_header(source)
+    overrides = metadata or {}
+    arch = str(overrides.get("general.architecture", header.architecture))
+    writer = gguf.GGUFWriter(destination, arch)
+    for key, entry in header.metadata.items():
+        if key == "general.architecture":
+            continue
+        if key in overrides:
+            value = overrides[key]
+            kind = (
+                gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32
+            )
+            writer.add_key_value(key, value, kind)
+        else:
+            writer.add_key_value(key, entry.value, entry.value_type, entry.element_type)
+    for key, value in overrides.items():
+        if key not in header.metadata and key != "general.architecture":
+            kind = (
+                gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32
+            )
+            writer.add_key_value(key, value, kind)
+    raw = source.read_bytes()
+    for record in header.tensors.values():
+        if record.name in drop_tensors:
+            continue
+        block_size, type_size = gguf.GGML_QUANT_SIZES[record.ggml_type]
+        byte_shape = (*reversed(record.shape[1:]), record.shape[0] // block_size * type_size)
+        data = np.frombuffer(
+            raw, dtype=np.uint8, count=record.n_bytes, offset=record.offset
+        ).reshape(byte_shape)
+        writer.add_tensor(record.name, data, raw_dtype=record.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return destination
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    write_tiny_model(path, n_layers=4)
+    return path
+
+
+# -- tiny model ---------------------------------------------------------------------------------
+
+
+def test_tiny_model_is_deterministic(tmp_path: Path) -> None:
+    for dtype in ("f32", "f16", "q8_0"):
+        first, second = tmp_path / f"a-{dtype}.gguf", tmp_path / f"b-{dtype}.gguf"
+        write_tiny_model(first, dtype=dtype, seed=7)
+        write_tiny_model(second, dtype=dtype, seed=7)
+        assert first.read_bytes() == second.read_bytes()
+    write_tiny_model(tmp_path / "c.gguf", seed=8)
+    assert (tmp_path / "c.gguf").read_bytes() != (tmp_path / "a-f32.gguf").read_bytes()
+
+
+def test_tiny_model_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="vocab"):
+        write_tiny_model(tmp_path / "x.gguf", vocab=100)
+    with pytest.raises(ValueError, match="architecture"):
+        write_tiny_model(tmp_path / "x.gguf", arch="gpt2")
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def test_valid_model_passes(tiny: Path) -> None:
+    header = validate_gguf(tiny)
+    assert header.architecture == "llama"
+    assert "blk.3.ffn_down.weight" in header.tensors
+
+
+@pytest.mark.parametrize("keep_fraction", [0.0, 0.001, 0.05, 0.5, 0.999])
+def test_truncated_file_is_refused(tiny: Path, tmp_path: Path, keep_fraction: float) -> None:
+    data = tiny.read_bytes()
+    broken = tmp_path / "truncated.gguf"
+    broken.write_bytes(data[: int(len(data) * keep_fraction)])
+    with pytest.raises(GGUFValidationError):
+        validate_gguf(broken)
+
+
+def test_garbage_file_is_refused(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(
+        np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    )
+    with pytest.raises(GGUFValidationError, match="magic"):
+        validate_gguf(garbage)
+
+
+def test_garbage_after_valid_magic_is_refused(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    for attempt in range(20):
+        garbage = tmp_path / f"garbage-{attempt}.gguf"
+        garbage.write_bytes(
+            b"GGUF\x03\x00\x00\x00" + rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
+        )
+        with pytest.raises(GGUFValidationError):
+            validate_gguf(garbage)
+
+
+def test_zeroed_header_is_refused(tiny: Path, tmp_path: Path) -> None:
+    data = bytearray(tiny.read_bytes())
+    data[:64] = bytes(64)
+    broken = tmp_path / "zeroed.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(GGUFValidationError, match="magic"):
+        validate_gguf(broken)
+
+
+def test_unsupported_version_is_refused(tiny: Path, tmp_path: Path) -> None:
+    data = bytearray(tiny.read_bytes())
+    data[4:8] = (99).to_bytes(4, "little")
+    broken = tmp_path / "version.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(GGUFValidationError, match="version"):
+        validate_gguf(broken)
+
+
+def test_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(GGUFValidationError, match="cannot read"):
+        validate_gguf(tmp_path / "absent.gguf")
+
+
+@pytest.mark.parametrize(
+    ("dropped", "message"),
+    [
+        ("output_norm.weight", "output_norm.weight"),
+        ("token_embd.weight", "token_embd.weight"),
+        ("blk.2.attn_norm.weight", "blk.2.attn_norm.weight"),
+    ],
+)
+def test_missing_tensor_is_refused(tiny: Path, tmp_path: Path, dropped: str, message: str) -> None:
+    broken = _rewrite(tiny, tmp_path / "missing.gguf", drop_tensors=frozenset({dropped}))
+    with pytest.raises(GGUFValidationError, match=message.replace(".", r"\.")):
+        validate_gguf(broken)
+
+
+def test_missing_whole_block_is_refused(tiny: Path, tmp_path: Path) -> None:
+    header = read_gguf_header(tiny)
+    block = frozenset(name for name in header.tensors if name.startswith("blk.1."))
+    broken = _rewrite(tiny, tmp_path / "hole.gguf", drop_tensors=block)
+    with pytest.raises(GGUFValidationError, match=r"blocks \[1\]"):
+        validate_gguf(broken)
+
+
+@pytest.mark.parametrize(
+    ("block_count", "message"), [(5, "have no tensors"), (3, "tensors exist for blocks")]
+)
+def test_inconsistent_block_count_is_refused(
+    tiny: Path, tmp_path: Path, block_count: int, message: str
+) -> None:
+    broken = _rewrite(tiny, tmp_path / "count.gguf", metadata={"llama.block_count": block_count})
+    with pytest.raises(GGUFValidationError, match=message):
+        validate_gguf(broken)
+
+
+def test_inconsistent_embedding_length_is_refused(tiny: Path, tmp_path: Path) -> None:
+    broken = _rewrite(tiny, tmp_path / "embd.gguf", metadata={"llama.embedding_length": 32})
+    with pytest.raises(GGUFValidationError, match="token_embd"):
+        validate_gguf(broken)
+
+
+def test_tensor_data_past_end_is_refused(tiny: Path, tmp_path: Path) -> None:
+    data = tiny.read_bytes()
+    broken = tmp_path / "short.gguf"
+    broken.write_bytes(data[:-100])
+    with pytest.raises(GGUFValidationError, match="beyond the end"):
+        validate_gguf(broken)
+
+
+# -- inspection and architecture rules ------------------------------------------------------------
+
+
+def test_inspect_reports_sizes(tiny: Path) -> None:
+    info = inspect_gguf(tiny)
+    assert (info.architecture, info.n_layers, info.n_embd, info.vocab_size) == ("llama", 4, 64, 260)
+    assert len(set(info.layer_bytes)) == 1
+    assert info.total_layer_bytes + info.non_layer_bytes < info.total_bytes
+    assert info.shardable
+    assert info.refusal is None
+    assert not info.is_shard
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_allowed_architectures_are_shardable(tmp_path: Path, arch: str) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_model(path, arch=arch, n_layers=3)
+    assert inspect_gguf(path).shardable
+
+
+def test_embedding_scaling_architecture_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gemma2.gguf"
+    write_tiny_model(path, arch="gemma2", n_layers=2)
+    info = inspect_gguf(path)
+    assert not info.shardable
+    assert info.refusal is not None
+    assert info.refusal.startswith("embedding-input-scaled")
+    with pytest.raises(ShardingRefusedError, match="embedding-input-scaled"):
+        split_model(path, [(0, 1), (1, 2)], tmp_path / "out")
+
+
+def test_unknown_architecture_is_refused(tiny: Path, tmp_path: Path) -> None:
+    renamed: dict[str, int | str] = {"general.architecture": "phi3"}
+    header = read_gguf_header(tiny)
+    for key in header.metadata:
+        if key.startswith("llama."):
+            renamed_key = "phi3." + key[len("llama.") :]
+            entry = header.metadata[key]
+            if isinstance(entry.value, int | str) and not isinstance(entry.value, bool):
+                renamed[renamed_key] = entry.value
+    path = _rewrite(tiny, tmp_path / "phi3.gguf", metadata=renamed)
+    info = inspect_gguf(path)
+    assert info.refusal is not None
+    assert info.refusal.startswith("architecture-not-allowed")
+
+
+def test_gemma3_with_62_layers_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gemma3-62.gguf"
+    write_tiny_model(path, arch="gemma3", n_layers=62, n_embd=32, n_head=2, n_head_kv=1, n_ff=32)
+    info = inspect_gguf(path)
+    assert info.refusal is not None
+    assert info.refusal.startswith("gemma3-layer-count-attention-scale")
+
+
+def test_shard_files_are_not_resplit(tiny: Path, tmp_path: Path) -> None:
+    manifest = split_model(tiny, [(0, 2), (2, 4)], tmp_path)
+    info = inspect_gguf(manifest.shard_path(0))
+    assert info.is_shard
+    assert info.refusal is not None
+    assert info.refusal.startswith("already-a-shard")
+
+
+# -- planning -------------------------------------------------------------------------------------
+
+
+def _info(layer_bytes: list[int]) -> ModelInfo:
+    return ModelInfo(
+        path=Path("x.gguf"),
+        architecture="llama",
+        n_layers=len(layer_bytes),
+        n_embd=8,
+        vocab_size=8,
+        layer_bytes=tuple(layer_bytes),
+        non_layer_bytes=0,
+        file_size=sum(layer_bytes),
+        shardable=True,
+        refusal=None,
+        is_shard=False,
+    )
+
+
+def test_parts_by_bytes_uniform_and_uneven() -> None:
+    assert parts_by_bytes(_info([10] * 8), 2) == [(0, 4), (4, 8)]
+    assert parts_by_bytes(_info([10] * 8), 8) == [(i, i + 1) for i in range(8)]
+    assert parts_by_bytes(_info([100, 1, 1, 1, 1, 100]), 3) == [(0, 1), (1, 5), (5, 6)]
+    with pytest.raises(ValueError, match="cannot split"):
+        parts_by_bytes(_info([1, 2]), 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=9), st.integers(1, 9))
+def test_parts_by_bytes_is_optimal(weights: list[int], n_parts: int) -> None:
+    if n_parts > len(weights):
+        return
+    ranges = parts_by_bytes(_info(weights), n_parts)
+    assert ranges[0][0] == 0
+    assert ranges[-1][1] == len(weights)
+    assert len(ranges) == n_parts
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert all(start < end for start, end in ranges)
+    achieved = max(sum(weights[s:e]) for s, e in ranges)
+
+    def best(start: int, parts: int) -> int:
+        if parts == 1:
+            return sum(weights[start:])
+        return min(
+            max(sum(weights[start:cut]), best(cut, parts - 1))
+            for cut in range(start + 1, len(weights) - parts + 2)
+        )
+
+    assert achieved == best(0, n_parts)
+
+
+# -- writing shards -------------------------------------------------------------------------------
+
+
+def test_split_writes_expected_shards(tiny: Path, tmp_path: Path) -> None:
+    events: list[SplitProgress] = []
+    manifest = split_model(tiny, [(0, 1), (1, 3), (3, 4)], tmp_path, progress=events.append)
+    assert [s.role for s in manifest.shards] == ["head", "middle", "tail"]
+    assert [s.has_identity_block for s in manifest.shards] == [True, True, False]
+    assert any(e.stage == "write" and e.bytes_done == e.bytes_total for e in events)
+    head, middle, tail = (read_gguf_header(manifest.shard_path(i)) for i in range(3))
+    assert head.get_int("llama.block_count") == 2
+    assert middle.get_int("llama.block_count") == 3
+    assert tail.get_int("llama.block_count") == 1
+    assert middle.get_str("tokenizer.ggml.model") == "none"
+    assert middle.get_int("llama.vocab_size") == 1
+    assert middle.tensors["token_embd.weight"].shape == (64, 1)
+    assert "output.weight" in tail.tensors
+    assert "output.weight" not in head.tensors
+    assert (middle.get_int("shard.start"), middle.get_int("shard.end")) == (1, 3)
+    assert middle.get_int("shard.n_layers_total") == 4
+    assert middle.get_str("shard.source_sha256") == manifest.source_sha256
+    source = read_gguf_header(tiny)
+    raw = tiny.read_bytes()
+    shard_raw = manifest.shard_path(1).read_bytes()
+    renamed = middle.tensors["blk.1.ffn_down.weight"]
+    original = source.tensors["blk.2.ffn_down.weight"]
+    assert (
+        shard_raw[renamed.offset : renamed.offset + renamed.n_bytes]
+        == raw[original.offset : original.offset + original.n_bytes]
+    )
+    identity_norm = middle.tensors["blk.2.attn_norm.weight"]
+    values = np.frombuffer(shard_raw, "<f4", count=64, offset=identity_norm.offset)
+    assert np.all(values == 1.0)
+    identity_weight = middle.tensors["blk.2.attn_q.weight"]
+    assert not any(
+        shard_raw[identity_weight.offset : identity_weight.offset + identity_weight.n_bytes]
+    )
+    for index in range(3):
+        validate_gguf(manifest.shard_path(index))
+
+
+def test_split_reuses_verified_shards(tiny: Path, tmp_path: Path) -> None:
+    first = split_model(tiny, [(0, 2), (2, 4)], tmp_path)
+    assert first.reused == (False, False)
+    again = split_model(tiny, [(0, 2), (2, 4)], tmp_path)
+    assert again.reused == (True, True)
+    assert again == first
+    path = again.shard_path(1)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    repaired = split_model(tiny, [(0, 2), (2, 4)], tmp_path)
+    assert repaired.reused == (True, False)
+    assert repaired.shards[1].sha256 == first.shards[1].sha256
+    other = split_model(tiny, [(0, 1), (1, 4)], tmp_path)
+    assert other.reused == (False, False)
+    assert (tmp_path / "manifest.json").read_text() == other.to_json()
+
+
+def test_split_rejects_bad_ranges(tiny: Path, tmp_path: Path) -> None:
+    for ranges in ([(0, 2)], [(0, 2), (3, 4)], [(1, 4)], [(0, 2), (2, 2), (2, 4)], []):
+        with pytest.raises(ValueError, match="range"):
+            split_model(tiny, ranges, tmp_path)
+
+
+def test_tied_embeddings_keep_embedding_on_tail(tmp_path: Path) -> None:
+    path = tmp_path / "tied.gguf"
+    write_tiny_model(path, tie_embeddings=True)
+    manifest = split_model(path, [(0, 2), (2, 4)], tmp_path / "out")
+    tail = read_gguf_header(manifest.shard_path(1))
+    record = tail.tensors["token_embd.weight"]
+    data = manifest.shard_path(1).read_bytes()[record.offset : record.offset + record.n_bytes]
+    assert any(data)
+
+
+def test_gemma3_pattern_is_sliced(tmp_path: Path) -> None:
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_model(path, arch="gemma3", n_layers=6)
+    manifest = split_model(path, [(0, 2), (2, 5), (5, 6)], tmp_path / "out")
+    patterns = []
+    for index in range(3):
+        header = read_gguf_header(manifest.shard_path(index))
+        patterns.append(header.metadata["gemma3.attention.sliding_window_pattern"].value)
+        windows = header.get_int("gemma3.attention.sliding_window")
+        assert windows == (0 if index == 2 else 8)
+    # Full model: local where il % 6 < 5; identity blocks are local.
+    assert patterns == [[True, True, True], [True, True, True, True], [False]]
+
+
+# -- model store ------------------------------------------------------------------------------
+
+
+def test_model_store_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", str(tmp_path / "env"))
+    assert resolve_model_store(None) == (tmp_path / "env").resolve()
+    assert resolve_model_store(tmp_path / "explicit") == (tmp_path / "explicit").resolve()
+    with pytest.raises(ModelStoreError, match="/home"):
+        resolve_model_store("/home/someone/models")
+    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", "/home/x")
+    with pytest.raises(ModelStoreError, match="SHARD_ENGINE_MODEL_STORE"):
+        resolve_model_store(None)
+    monkeypatch.delenv("SHARD_ENGINE_MODEL_STORE")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert resolve_model_store(None) == (tmp_path / "h" / ".cache" / "shard-engine").resolve()
+    assert os.environ["HOME"] == str(tmp_path / "h")
