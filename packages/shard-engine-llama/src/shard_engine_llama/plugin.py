@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from collections.abc import Sequence
 from pathlib import Path
+
+import msgspec
 
 from shard_engine_api import (
     EngineSpec,
@@ -32,10 +35,19 @@ def shard_engine_register() -> EngineSpec:
     )
 
 
+MODEL_ENV = "SHARD_ENGINE_LLAMA_MODEL"
+"""A GGUF path that replaces the generated tiny model (e.g. for certification on a real model)."""
+
+
 @hookimpl
 def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture | None:
     if engine_name != ENGINE_NAME:
         return None
+    real_model = os.environ.get(MODEL_ENV)
+    if real_model:
+        described = shard_engine_describe_model(engine_name, real_model)
+        assert described is not None
+        return msgspec.structs.replace(described, options={"n_ubatch": 16})
     path = tiny_model_path(workdir)
     return ModelFixture(
         model=str(path),
