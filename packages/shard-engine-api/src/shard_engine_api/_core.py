@@ -287,9 +287,10 @@ class EngineCore(abc.ABC):
                 self._detail = "; ".join(self._degraded_reasons.values())
 
     def _fail(self, detail: str) -> None:
-        """Enter the failed state: every later call raises EngineCrashed."""
+        """Enter the failed state: every later call raises EngineCrashed. The first failure's
+        detail is kept: later calls re-enter here with messages that quote it."""
         with self._state_lock:
-            if self._state != "closed":
+            if self._state not in ("closed", "failed"):
                 self._state = "failed"
                 self._detail = detail
 
@@ -699,10 +700,12 @@ class EngineCore(abc.ABC):
                 raise InvalidRequest("no token ids")
             if single_row and n_tokens != 1:
                 raise InvalidRequest(f"decode takes exactly one token, got {n_tokens}")
-            tokens = np.fromiter(inputs.token_ids, dtype=np.int64, count=n_tokens)
-            if int(tokens.min()) < 0 or int(tokens.max()) >= caps.vocab_size:
+            # Checked on the Python ints (before any int32 conversion could wrap them): for the
+            # one-token decode hot path this is several numpy calls cheaper.
+            token_ids = inputs.token_ids
+            if min(token_ids) < 0 or max(token_ids) >= caps.vocab_size:
                 raise InvalidRequest(f"token ids must lie in [0, {caps.vocab_size})")
-            return tokens.astype(np.int32), None
+            return np.array(token_ids, dtype=np.int32), None
         if shard.takes_tokens:
             raise WrongRole(f"a {shard.role} shard takes token ids, not a boundary bundle")
         bundle = inputs

@@ -1,0 +1,308 @@
+"""The fake engine: the deterministic model of ``_model`` behind :class:`EngineCore`, with the
+fault plan of ``_faults`` applied around the core's operations.
+
+The core owns every session rule (epochs, CacheMiss, StaleEpoch, budgets, cancellation,
+rollback); this module only keeps one cache per slot and per layer and makes each forward
+undoable until the core commits or rolls it back.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Final, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from shard_engine_api import (
+    CancelToken,
+    DecodeBatchRequest,
+    DecodeBatchResult,
+    DecodeRequest,
+    Determinism,
+    EngineCore,
+    EngineCrashed,
+    Features,
+    ForwardItem,
+    InvalidRequest,
+    LoadConfig,
+    ModelInfo,
+    OutputMode,
+    PrefillRequest,
+    ReleaseRequest,
+    ReleaseResult,
+    ShardResult,
+)
+from shard_engine_fake._corrupt import corrupt_result
+from shard_engine_fake._faults import (
+    Crash,
+    Delay,
+    FaultEvent,
+    FaultInjector,
+    FaultPlan,
+    FaultRule,
+    Malformed,
+    MemoryPressure,
+    MemoryRelief,
+    Operation,
+    fault_plan_from_options,
+)
+from shard_engine_fake._model import FakeModel, FakeModelSpec, resolve_model
+
+__all__ = ["ENGINE_VERSION", "FakeEngine"]
+
+ENGINE_VERSION: Final = "0.1.0"
+_KNOWN_OPTIONS: Final = frozenset({"seed", "hidden_size", "vocab_size", "faults"})
+_MEMORY_KEY: Final = "fault:memory_pressure"
+_Result = TypeVar("_Result")
+
+
+class _CallFaults(threading.local):
+    """The injected delay of the operation running on this thread: the core calls the backend
+    on the caller's thread, so a thread-local hands it from the public method to ``_forward``."""
+
+    delay_seconds: float = 0.0
+
+
+class _Undo:
+    """What the last uncommitted forward of a slot replaced: the cache entries from
+    ``start_pos`` on, per layer (empty lists when it only appended)."""
+
+    __slots__ = ("replaced", "start_pos")
+
+    def __init__(self, start_pos: int, replaced: list[list[int]]) -> None:
+        self.start_pos = start_pos
+        self.replaced = replaced
+
+
+class FakeEngine(EngineCore):
+    """A deterministic shard engine with no model files, no GPU and injectable faults.
+
+    Load options (``LoadConfig.options``): ``seed``, ``hidden_size``, ``vocab_size`` (integers,
+    completing or repeating the model reference) and ``faults`` (a :class:`FaultPlan` or its
+    JSON-compatible form). Unknown options are refused with InvalidRequest.
+    """
+
+    engine_name: ClassVar[str] = "fake"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._model: FakeModel | None = None
+        self._caches: dict[int, list[list[int]]] = {}
+        self._undo: dict[int, _Undo] = {}
+        self._injector = FaultInjector(FaultPlan(), "full")
+        self._call_faults = _CallFaults()
+
+    # ----------------------------------------------------------------- introspection
+
+    @property
+    def model_spec(self) -> FakeModelSpec:
+        """The loaded model's parameters. Raises NotReady before load."""
+        return self._loaded_model().spec
+
+    @property
+    def fault_plan(self) -> FaultPlan:
+        """The fault plan in force (empty when none was given)."""
+        return self._injector.plan
+
+    def fault_events(self) -> tuple[FaultEvent, ...]:
+        """Every injected fault so far, in firing order."""
+        return self._injector.events()
+
+    # ----------------------------------------------------------------- backend steps
+
+    def _open(self, config: LoadConfig) -> ModelInfo:
+        unknown = sorted(set(config.options) - _KNOWN_OPTIONS)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown fake engine options {unknown}; known: {sorted(_KNOWN_OPTIONS)}"
+            )
+        spec = resolve_model(config.shard, config.options)
+        plan = fault_plan_from_options(config.options)
+        self._model = FakeModel(spec, config.shard.start, config.shard.end)
+        self._injector = FaultInjector(plan, config.shard.role)
+        return ModelInfo(
+            engine_version=ENGINE_VERSION,
+            evidence="fixture",
+            model_fingerprint=spec.fingerprint,
+            hidden_size=spec.hidden_size,
+            vocab_size=spec.vocab_size,
+            # Hidden states are integers in [-1024, 1024), exact in f16 as well as f32, so
+            # both boundary dtypes are split-exact.
+            determinism=Determinism(deterministic=True, split_exact=True, batch_invariant=True),
+            features=Features(cancel=True, cancel_latency_ms=10.0),
+            boundary_dtypes=("f32", "f16"),
+        )
+
+    def _forward(
+        self, item: ForwardItem, output: OutputMode, token: CancelToken
+    ) -> npt.NDArray[np.float32]:
+        model = self._loaded_model()
+        states = self._run(model, item, token)
+        self._injected_delay(token)
+        if output == "hidden":
+            return model.unpack(states)
+        return model.logits(states[-1:] if output == "last" else states)
+
+    def _forward_batch(
+        self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
+    ) -> list[npt.NDArray[np.float32]]:
+        model = self._loaded_model()
+        states = [self._run(model, item, token)[0] for item in items]
+        self._injected_delay(token)
+        # One vectorised unpack/projection for the whole batch; integer-exact, so each row is
+        # bitwise what a single decode gives.
+        rows = model.unpack(states) if output == "hidden" else model.logits(states)
+        return [rows[index : index + 1] for index in range(len(items))]
+
+    def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
+        undo = self._undo.pop(slot, None)
+        caches = self._caches.get(slot)
+        if caches is None:
+            return
+        for layer, cache in enumerate(caches):
+            del cache[start_pos:]
+            if undo is not None:
+                cache.extend(undo.replaced[layer])
+            if len(cache) != committed_length:
+                raise EngineCrashed(
+                    f"fake cache of slot {slot} holds {len(cache)} positions after rollback, "
+                    f"expected {committed_length}"
+                )
+        if committed_length == 0:
+            del self._caches[slot]
+
+    def _commit(self, slot: int) -> None:
+        self._undo.pop(slot, None)
+
+    def _drop(self, slot: int) -> None:
+        self._caches.pop(slot, None)
+        self._undo.pop(slot, None)
+
+    def _close(self) -> None:
+        self._caches.clear()
+        self._undo.clear()
+        self._model = None
+
+    # ----------------------------------------------------------------- the operations, with faults
+
+    def prefill(self, request: PrefillRequest) -> ShardResult:
+        """The core's prefill, with the fault plan applied (see :class:`FaultRule`)."""
+        if not self._injector.active:
+            return super().prefill(request)
+        session_id = request.session.session_id
+        rules = self._before("prefill", (session_id,), request.request_id)
+        result = self._with_delay(rules, lambda: super(FakeEngine, self).prefill(request))
+        return _corrupt(result, rules, session_id)
+
+    def decode(self, request: DecodeRequest) -> ShardResult:
+        """The core's decode, with the fault plan applied (see :class:`FaultRule`)."""
+        if not self._injector.active:
+            return super().decode(request)
+        session_id = request.session.session_id
+        rules = self._before("decode", (session_id,), request.request_id)
+        result = self._with_delay(rules, lambda: super(FakeEngine, self).decode(request))
+        return _corrupt(result, rules, session_id)
+
+    def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
+        """The core's batched decode, with the fault plan applied; malformed-output rules
+        corrupt the items of their session (every item when the rule names none)."""
+        if not self._injector.active:
+            return super().decode_batch(request)
+        sessions = tuple(item.session.session_id for item in request.items)
+        rules = self._before("decode_batch", sessions, request.request_id)
+        batch = self._with_delay(rules, lambda: super(FakeEngine, self).decode_batch(request))
+        items = list(batch.items)
+        for index, outcome in enumerate(items):
+            if isinstance(outcome, ShardResult):
+                items[index] = _corrupt(outcome, rules, outcome.session.session_id)
+        return DecodeBatchResult(request_id=batch.request_id, items=tuple(items))
+
+    def release(self, request: ReleaseRequest) -> ReleaseResult:
+        """The core's release, with the fault plan applied (delays sleep uncancellably:
+        release has no cancel handle)."""
+        if not self._injector.active:
+            return super().release(request)
+        rules = self._before("release", (request.session.session_id,), "release")
+        delay = sum(rule.action.milliseconds for rule in rules if isinstance(rule.action, Delay))
+        if delay:
+            threading.Event().wait(delay / 1000.0)
+        return super().release(request)
+
+    # ----------------------------------------------------------------- internals
+
+    def _loaded_model(self) -> FakeModel:
+        model = self._model
+        if model is None:
+            raise EngineCrashed("fake engine has no model (not loaded or closed)")
+        return model
+
+    def _run(self, model: FakeModel, item: ForwardItem, token: CancelToken) -> list[int]:
+        caches = self._caches.get(item.slot)
+        if caches is None:
+            caches = self._caches[item.slot] = [[] for _ in range(model.end - model.start)]
+        start = item.start_pos
+        # Save only what the forward replaces (nothing for a plain append, the common case).
+        replaced = [cache[start:] for cache in caches] if start < len(caches[0]) else None
+        if replaced is not None:
+            for cache in caches:
+                del cache[start:]
+        self._undo[item.slot] = _Undo(start, replaced or [[] for _ in caches])
+        if item.tokens is not None:
+            inputs = model.embed(item.tokens)
+        else:
+            assert item.hidden is not None
+            inputs = model.pack(item.hidden)
+        run_row = model.run_row
+        states: list[int] = []
+        for state in inputs:
+            # A safe point per row: cancellation of a long prefill takes effect within one row.
+            token.check()
+            states.append(run_row(state, caches))
+        return states
+
+    def _injected_delay(self, token: CancelToken) -> None:
+        seconds = self._call_faults.delay_seconds
+        if seconds:
+            self._call_faults.delay_seconds = 0.0
+            token.sleep(seconds)
+
+    def _before(
+        self, operation: Operation, session_ids: Sequence[str], request_id: str
+    ) -> list[FaultRule]:
+        rules = self._injector.fire(operation, session_ids, request_id)
+        for rule in rules:
+            action = rule.action
+            if isinstance(action, MemoryPressure):
+                self._set_kv_budget(action.kv_budget_tokens)
+                self._set_degraded(
+                    _MEMORY_KEY,
+                    f"injected memory pressure: KV budget {action.kv_budget_tokens} positions",
+                )
+            elif isinstance(action, MemoryRelief):
+                self._set_kv_budget(self.config.kv_budget_tokens)
+                self._clear_degraded(_MEMORY_KEY)
+            elif isinstance(action, Crash):
+                if action.exit_code is not None:
+                    os._exit(action.exit_code)
+                # The core then refuses this very call with EngineCrashed (and counts it).
+                self._fail(action.detail)
+        return rules
+
+    def _with_delay(self, rules: Sequence[FaultRule], call: Callable[[], _Result]) -> _Result:
+        delay = sum(rule.action.milliseconds for rule in rules if isinstance(rule.action, Delay))
+        self._call_faults.delay_seconds = delay / 1000.0
+        try:
+            return call()
+        finally:
+            self._call_faults.delay_seconds = 0.0
+
+
+def _corrupt(result: ShardResult, rules: Sequence[FaultRule], session_id: str) -> ShardResult:
+    for rule in rules:
+        action = rule.action
+        if isinstance(action, Malformed) and rule.session_id in (None, session_id):
+            result = corrupt_result(result, action.defect)
+    return result
