@@ -371,3 +371,28 @@ def test_async_adapter_cancels_on_task_cancel() -> None:
     asyncio.run(scenario())
     engine.delay = 0.0
     assert _decode(engine, S1, 2, 1).first_pos == 2
+
+
+def test_f16_boundary_overflow_is_refused_and_rolled_back() -> None:
+    """Hidden states beyond the f16 range cannot travel as f16: the request fails with
+    ResourceExhausted and the session keeps its committed length."""
+
+    class Loud(HistoryEngine):
+        def _forward(
+            self, item: ForwardItem, output: OutputMode, token: CancelToken
+        ) -> npt.NDArray[np.float32]:
+            return super()._forward(item, output, token) * np.float32(1e5)
+
+    head = Loud()
+    head.load(
+        LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=1), boundary_dtype="f16")
+    )
+    with pytest.raises(ResourceExhausted) as refused:
+        head.prefill(
+            PrefillRequest(
+                request_id="h", session=S1, start_pos=0, inputs=TokenInput(token_ids=(3,))
+            )
+        )
+    assert refused.value.details["resource"] == "boundary_dtype_range"
+    assert head.health().kv_used_tokens == 0
+    assert head.cache.get(0, []) == []

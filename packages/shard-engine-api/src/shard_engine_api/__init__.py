@@ -2,6 +2,22 @@
 
 from shard_engine_api._asyncio import AsyncShardEngine
 from shard_engine_api._checksum import CHECKSUM_ALGORITHM, payload_checksum
+from shard_engine_api._codec import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    Codec,
+    NonFinitePolicy,
+    WireMessage,
+    WireReply,
+    WireRequest,
+    decode_bundle,
+    decode_error,
+    decode_message,
+    decode_reply,
+    decode_request,
+    encode,
+    encode_bundle,
+    encode_error,
+)
 from shard_engine_api._core import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_api._errors import (
     CacheMiss,
@@ -72,12 +88,14 @@ from shard_engine_api._types import (
     Timings,
     TokenInput,
 )
+from shard_engine_api._validation import ValidatingEngine
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "CONTRACT_VERSION",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
     "ENTRY_POINT_GROUP",
     "AsyncShardEngine",
     "AuxState",
@@ -91,6 +109,7 @@ __all__ = [
     "Cancelled",
     "Capabilities",
     "ChecksumMismatch",
+    "Codec",
     "ContractVersionMismatch",
     "DecodeBatchRequest",
     "DecodeBatchResult",
@@ -120,6 +139,7 @@ __all__ = [
     "ModelFixture",
     "ModelInfo",
     "MtpState",
+    "NonFinitePolicy",
     "NotReady",
     "OptionValue",
     "OutputMode",
@@ -143,9 +163,21 @@ __all__ = [
     "TokenInput",
     "UnknownEngine",
     "UnsupportedFeature",
+    "ValidatingEngine",
+    "WireMessage",
+    "WireReply",
+    "WireRequest",
     "WrongRole",
     "__version__",
     "check_pending",
+    "decode_bundle",
+    "decode_error",
+    "decode_message",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "encode_bundle",
+    "encode_error",
     "error_from_info",
     "get_plugin_manager",
     "hookimpl",

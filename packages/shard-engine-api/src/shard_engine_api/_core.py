@@ -91,6 +91,7 @@ TOMBSTONE_LIMIT: Final = 65536
 """How many released or evicted sessions are remembered (oldest forgotten first)."""
 
 _SERVING: Final[frozenset[LifecycleState]] = frozenset({"ready", "degraded"})
+_F16_MAX: Final = 65504.0
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -404,9 +405,15 @@ class EngineCore(abc.ABC):
                     hidden=item_hidden,
                 )
                 compute_started = time.perf_counter()
-                rows = self._run_guarded([plan], lambda: [self._forward(item, output, token)])[0]
+                rows = self._run_guarded(
+                    [plan],
+                    lambda: [
+                        self._checked_rows(
+                            caps, self._forward(item, output, token), output, n_tokens
+                        )
+                    ],
+                )[0]
                 compute_ms = (time.perf_counter() - compute_started) * 1000.0
-                self._check_rows(caps, rows, output, n_tokens)
                 self._commit_plan(plan)
                 self._counters.prefill_tokens += n_tokens
                 self._counters.compute_ms += compute_ms
@@ -500,16 +507,14 @@ class EngineCore(abc.ABC):
                     compute_started = time.perf_counter()
                     rows_list = self._run_guarded(
                         [plan for _, plan in plans],
-                        lambda: self._forward_batch(forward_items, output, token),
+                        lambda: self._checked_batch(
+                            caps,
+                            self._forward_batch(forward_items, output, token),
+                            output,
+                            len(forward_items),
+                        ),
                     )
                     compute_ms = (time.perf_counter() - compute_started) * 1000.0
-                    if len(rows_list) != len(plans):
-                        self._rollback_plans([plan for _, plan in plans])
-                        raise EngineCrashed(
-                            f"backend returned {len(rows_list)} rows for {len(plans)} items"
-                        )
-                    for rows in rows_list:
-                        self._check_rows(caps, rows, output, 1)
                     for _, plan in plans:
                         self._commit_plan(plan)
                     self._counters.decode_tokens += len(plans)
@@ -991,15 +996,38 @@ class EngineCore(abc.ABC):
                 current.epoch = plan.epoch
                 current.last_used = self._tick
 
-    def _check_rows(
+    def _checked_rows(
         self, caps: Capabilities, rows: npt.NDArray[np.float32], output: OutputMode, n_tokens: int
-    ) -> None:
+    ) -> npt.NDArray[np.float32]:
+        """The backend's rows, checked before anything is committed (the caller rolls back
+        on an error): the shape, and that hidden states fit the boundary dtype."""
         width = caps.hidden_size if output == "hidden" else caps.vocab_size
         expected_rows = 1 if output == "last" else n_tokens
         if rows.shape != (expected_rows, width):
             raise EngineCrashed(
                 f"backend returned shape {rows.shape}, expected {(expected_rows, width)}"
             )
+        if output == "hidden" and self.config.boundary_dtype == "f16":
+            largest = float(np.max(np.abs(rows))) if rows.size else 0.0
+            if not largest <= _F16_MAX:
+                raise ResourceExhausted(
+                    f"hidden states reach {largest:.4g}, beyond the f16 range; load the shard "
+                    "with boundary_dtype='f32'",
+                    retryable=False,
+                    details={"resource": "boundary_dtype_range"},
+                )
+        return rows
+
+    def _checked_batch(
+        self,
+        caps: Capabilities,
+        rows_list: list[npt.NDArray[np.float32]],
+        output: OutputMode,
+        n_items: int,
+    ) -> list[npt.NDArray[np.float32]]:
+        if len(rows_list) != n_items:
+            raise EngineCrashed(f"backend returned {len(rows_list)} results for {n_items} items")
+        return [self._checked_rows(caps, rows, output, 1) for rows in rows_list]
 
     def _make_result(
         self,
@@ -1064,9 +1092,11 @@ class EngineCore(abc.ABC):
                 hidden=hidden,
             )
             compute_started = time.perf_counter()
-            rows = self._run_guarded([plan], lambda: [self._forward(item, output, token)])[0]
+            rows = self._run_guarded(
+                [plan],
+                lambda: [self._checked_rows(caps, self._forward(item, output, token), output, 1)],
+            )[0]
             compute_ms = (time.perf_counter() - compute_started) * 1000.0
-            self._check_rows(caps, rows, output, 1)
             self._commit_plan(plan)
             self._counters.decode_tokens += 1
             self._counters.compute_ms += compute_ms

@@ -1,0 +1,177 @@
+"""The error taxonomy and its wire form: every class survives encode -> decode intact."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shard_engine_api import (
+    CacheMiss,
+    Cancelled,
+    ChecksumMismatch,
+    ContractVersionMismatch,
+    DecodeBatchResult,
+    EngineCrashed,
+    ErrorInfo,
+    InvalidRequest,
+    MalformedOutput,
+    NotReady,
+    ResourceExhausted,
+    SessionRef,
+    ShardEngineError,
+    ShardMismatch,
+    StaleEpoch,
+    UnsupportedFeature,
+    WrongRole,
+    _errors,
+    decode_error,
+    decode_message,
+    decode_reply,
+    encode,
+    encode_error,
+    error_from_info,
+)
+
+# (class, wire code, retryable by default, direct parent). Codes are the wire identity: pinned.
+TAXONOMY: list[tuple[type[ShardEngineError], str, bool, type[Exception]]] = [
+    (ShardEngineError, "shard_engine_error", False, Exception),
+    (InvalidRequest, "invalid_request", False, ShardEngineError),
+    (WrongRole, "wrong_role", False, InvalidRequest),
+    (ShardMismatch, "shard_mismatch", False, InvalidRequest),
+    (ContractVersionMismatch, "contract_version_mismatch", False, InvalidRequest),
+    (ChecksumMismatch, "checksum_mismatch", True, InvalidRequest),
+    (UnsupportedFeature, "unsupported_feature", False, ShardEngineError),
+    (NotReady, "not_ready", True, ShardEngineError),
+    (CacheMiss, "cache_miss", True, ShardEngineError),
+    (StaleEpoch, "stale_epoch", False, ShardEngineError),
+    (ResourceExhausted, "resource_exhausted", True, ShardEngineError),
+    (Cancelled, "cancelled", True, ShardEngineError),
+    (MalformedOutput, "malformed_output", True, ShardEngineError),
+    (EngineCrashed, "engine_crashed", False, ShardEngineError),
+]
+CLASSES = [row[0] for row in TAXONOMY]
+
+
+def _make(cls: type[ShardEngineError], **kwargs: object) -> ShardEngineError:
+    if cls is CacheMiss:
+        return CacheMiss("miss", committed_length=7, reason="position_mismatch", **kwargs)  # type: ignore[arg-type]
+    return cls("boom", **kwargs)  # type: ignore[arg-type]
+
+
+def test_taxonomy_covers_every_error_class() -> None:
+    exported = {
+        value
+        for value in vars(_errors).values()
+        if isinstance(value, type) and issubclass(value, ShardEngineError)
+    }
+    assert exported == set(CLASSES)
+
+
+@pytest.mark.parametrize(("cls", "code", "retryable", "parent"), TAXONOMY)
+def test_code_retryable_and_parent_are_pinned(
+    cls: type[ShardEngineError], code: str, retryable: bool, parent: type[Exception]
+) -> None:
+    assert cls.code == code
+    assert cls.default_retryable is retryable
+    assert cls.__bases__[0] is parent
+    assert _make(cls).retryable is retryable
+
+
+def test_codes_are_unique() -> None:
+    assert len({cls.code for cls in CLASSES}) == len(CLASSES)
+
+
+def test_invalid_request_is_a_value_error() -> None:
+    assert issubclass(InvalidRequest, ValueError)
+    assert issubclass(ChecksumMismatch, ValueError)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("retryable", [None, True, False])
+def test_error_wire_round_trip(cls: type[ShardEngineError], retryable: bool | None) -> None:
+    details: dict[str, str | int | float | bool | None] = {
+        "resource": "kv",
+        "used": 3,
+        "ratio": 0.5,
+        "flag": True,
+        "none": None,
+    }
+    error = _make(cls, retryable=retryable, details=details)
+    back = decode_error(encode_error(error))
+    assert type(back) is cls
+    assert back.code == error.code
+    assert back.message == error.message
+    assert back.retryable is error.retryable
+    assert back.details == error.details
+    for key, value in details.items():
+        assert back.details[key] == value
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_decode_reply_raises_the_carried_error(cls: type[ShardEngineError]) -> None:
+    error = _make(cls)
+    with pytest.raises(cls) as caught:
+        decode_reply(encode_error(error))
+    assert type(caught.value) is cls
+    assert caught.value.to_info() == error.to_info()
+
+
+def test_error_info_is_a_wire_message() -> None:
+    info = _make(StaleEpoch).to_info()
+    assert decode_message(encode(info)) == info
+
+
+def test_cache_miss_keeps_committed_length_and_reason() -> None:
+    error = CacheMiss("evicted", committed_length=42, reason="evicted", details={"x": 1})
+    back = decode_error(encode_error(error))
+    assert isinstance(back, CacheMiss)
+    assert back.committed_length == 42
+    assert back.reason == "evicted"
+    assert back.details == {"x": 1, "committed_length": 42, "reason": "evicted"}
+    assert back.retryable
+
+
+def test_cache_miss_with_damaged_details_still_rebuilds() -> None:
+    info = ErrorInfo(code="cache_miss", message="m", retryable=True, details={"reason": 3})
+    back = error_from_info(info)
+    assert isinstance(back, CacheMiss)
+    assert (back.committed_length, back.reason) == (0, "unknown")
+
+
+def test_unknown_code_becomes_the_root_class_and_keeps_the_code() -> None:
+    info = ErrorInfo(code="from_the_future", message="m", retryable=True)
+    back = decode_error(encode(info))
+    assert type(back) is ShardEngineError
+    assert back.details["unknown_code"] == "from_the_future"
+    assert back.retryable
+
+
+def test_batch_result_carries_errors_as_items() -> None:
+    error = CacheMiss("m", committed_length=3, reason="gap").to_info()
+    batch = DecodeBatchResult(request_id="b", items=(error,))
+    decoded = decode_message(encode(batch))
+    assert isinstance(decoded, DecodeBatchResult)
+    item = decoded.items[0]
+    assert isinstance(item, ErrorInfo)
+    rebuilt = error_from_info(item)
+    assert isinstance(rebuilt, CacheMiss)
+    assert rebuilt.committed_length == 3
+
+
+@pytest.mark.parametrize(
+    "garbage", [b"", b"\xc1", msgspec.msgpack.encode(SessionRef(session_id="s", epoch=1))]
+)
+def test_decode_error_refuses_non_errors(garbage: bytes) -> None:
+    with pytest.raises(InvalidRequest):
+        decode_error(garbage)
+
+
+def test_error_info_wire_shape_is_stable() -> None:
+    raw = msgspec.msgpack.decode(encode_error(NotReady("loading")))
+    assert raw == {
+        "type": "error",
+        "code": "not_ready",
+        "message": "loading",
+        "retryable": True,
+        "details": {},
+    }

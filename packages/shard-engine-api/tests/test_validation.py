@@ -1,0 +1,555 @@
+"""The validation wrapper: every kind of contract-breaking result from a deliberately broken
+inner engine becomes MalformedOutput naming the check; good results pass through untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from shard_engine_api import (
+    CONTRACT_VERSION,
+    BoundaryBundle,
+    BoundaryResult,
+    CacheMiss,
+    CancelRequest,
+    CancelResult,
+    CancelToken,
+    Capabilities,
+    DecodeBatchRequest,
+    DecodeBatchResult,
+    DecodeRequest,
+    Determinism,
+    EngineCore,
+    ErrorInfo,
+    ForwardItem,
+    Health,
+    InvalidRequest,
+    LoadConfig,
+    LogitsMode,
+    LogitsResult,
+    MalformedOutput,
+    Metrics,
+    ModelInfo,
+    MtpState,
+    OutputMode,
+    PrefillRequest,
+    ReleaseRequest,
+    ReleaseResult,
+    SessionRef,
+    ShardEngine,
+    ShardResult,
+    ShardSpec,
+    TokenInput,
+    ValidatingEngine,
+)
+
+HIDDEN = 8
+VOCAB = 12
+N_LAYERS = 4
+FINGERPRINT = "fp-tiny"
+
+
+class TinyEngine(EngineCore):
+    """A minimal correct engine: row i of a forward is filled with (position + 1) / 100."""
+
+    engine_name = "tiny"
+
+    def _open(self, config: LoadConfig) -> ModelInfo:
+        return ModelInfo(
+            engine_version="0",
+            evidence="fixture",
+            model_fingerprint=FINGERPRINT,
+            hidden_size=HIDDEN,
+            vocab_size=VOCAB,
+            determinism=Determinism(deterministic=True, split_exact=True),
+        )
+
+    def _forward(
+        self, item: ForwardItem, output: OutputMode, token: CancelToken
+    ) -> npt.NDArray[np.float32]:
+        positions = np.arange(item.start_pos, item.start_pos + item.n_tokens, dtype=np.float32)
+        if output == "last":
+            positions = positions[-1:]
+        width = HIDDEN if output == "hidden" else VOCAB
+        return np.repeat(((positions + 1) / 100)[:, None], width, axis=1)
+
+    def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
+        pass
+
+    def _commit(self, slot: int) -> None:
+        pass
+
+    def _drop(self, slot: int) -> None:
+        pass
+
+    def _close(self) -> None:
+        pass
+
+
+Mutation = Callable[[Any], Any]
+
+
+class Tamper:
+    """An engine that hands on ``inner``'s results after passing them through ``mutate``."""
+
+    def __init__(self, inner: ShardEngine, mutate: Mutation = lambda r: r) -> None:
+        self.inner = inner
+        self.mutate = mutate
+        self.capabilities_override: Capabilities | None = None
+        self.raise_instead: Exception | None = None
+        self.last: object = None
+
+    @property
+    def name(self) -> str:
+        return "tamper"
+
+    def _hand_on(self, result: Any) -> Any:
+        if self.raise_instead is not None:
+            raise self.raise_instead
+        self.last = self.mutate(result)
+        return self.last
+
+    def load(self, config: LoadConfig) -> Capabilities:
+        capabilities = self.inner.load(config)
+        return self.capabilities_override or capabilities
+
+    def capabilities(self) -> Capabilities:
+        return self.capabilities_override or self.inner.capabilities()
+
+    def prefill(self, request: PrefillRequest) -> ShardResult:
+        return self._hand_on(self.inner.prefill(request))  # type: ignore[no-any-return]
+
+    def decode(self, request: DecodeRequest) -> ShardResult:
+        return self._hand_on(self.inner.decode(request))  # type: ignore[no-any-return]
+
+    def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
+        return self._hand_on(self.inner.decode_batch(request))  # type: ignore[no-any-return]
+
+    def cancel(self, request: CancelRequest) -> CancelResult:
+        return self._hand_on(self.inner.cancel(request))  # type: ignore[no-any-return]
+
+    def release(self, request: ReleaseRequest) -> ReleaseResult:
+        return self._hand_on(self.inner.release(request))  # type: ignore[no-any-return]
+
+    def health(self) -> Health:
+        return self.inner.health()
+
+    def metrics(self) -> Metrics:
+        return self.inner.metrics()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def session(name: str = "s") -> SessionRef:
+    return SessionRef(session_id=name, epoch=1)
+
+
+def config(start: int, end: int, dtype: str = "f32") -> LoadConfig:
+    spec = ShardSpec(model="tiny", n_layers=N_LAYERS, start=start, end=end)
+    return LoadConfig(shard=spec, boundary_dtype=dtype)  # type: ignore[arg-type]
+
+
+def hidden_bundle(n: int, first_pos: int = 0, layer: int = 2) -> BoundaryBundle:
+    return BoundaryBundle.from_array(
+        np.ones((n, HIDDEN), dtype=np.float32),
+        session=session(),
+        first_pos=first_pos,
+        layer=layer,
+        model_fingerprint=FINGERPRINT,
+    )
+
+
+def make(
+    start: int, end: int, mutate: Mutation = lambda r: r, *, nonfinite: str = "reject"
+) -> tuple[ValidatingEngine, Tamper]:
+    tamper = Tamper(TinyEngine(), mutate)
+    engine = ValidatingEngine(tamper, nonfinite=nonfinite)  # type: ignore[arg-type]
+    engine.load(config(start, end))
+    return engine, tamper
+
+
+def head_prefill(n: int = 3) -> PrefillRequest:
+    return PrefillRequest(
+        request_id="p", session=session(), start_pos=0, inputs=TokenInput(token_ids=(1,) * n)
+    )
+
+
+def replace_bundle(**changes: Any) -> Mutation:
+    def mutate(result: BoundaryResult) -> BoundaryResult:
+        bundle = msgspec.structs.replace(result.bundle, **changes)
+        return msgspec.structs.replace(result, bundle=bundle)
+
+    return mutate
+
+
+def rebuild_bundle(values: Callable[[np.ndarray], np.ndarray], dtype: str = "f32") -> Mutation:
+    def mutate(result: BoundaryResult) -> BoundaryResult:
+        bundle = result.bundle
+        rebuilt = BoundaryBundle.from_array(
+            values(bundle.array().astype(np.float32)),
+            session=bundle.session,
+            first_pos=bundle.first_pos,
+            layer=bundle.layer,
+            model_fingerprint=bundle.model_fingerprint,
+            dtype=dtype,  # type: ignore[arg-type]
+        )
+        return msgspec.structs.replace(result, bundle=rebuilt)
+
+    return mutate
+
+
+def with_nan(values: np.ndarray) -> np.ndarray:
+    values[-1, 0] = np.nan
+    return values
+
+
+def logits_from(values: Callable[[np.ndarray], np.ndarray]) -> Mutation:
+    def mutate(result: LogitsResult) -> LogitsResult:
+        return LogitsResult.from_array(
+            values(result.array().copy()),
+            request_id=result.request_id,
+            session=result.session,
+            first_pos=result.first_pos,
+            evidence=result.evidence,
+        )
+
+    return mutate
+
+
+def a_logits_result(result: BoundaryResult) -> LogitsResult:
+    return LogitsResult.from_array(
+        np.zeros((1, VOCAB)),
+        request_id=result.request_id,
+        session=result.session,
+        first_pos=result.first_pos,
+        evidence=result.evidence,
+    )
+
+
+def a_boundary_result(result: LogitsResult) -> BoundaryResult:
+    bundle = hidden_bundle(1, result.first_pos, layer=N_LAYERS)
+    return BoundaryResult(
+        request_id=result.request_id,
+        session=result.session,
+        first_pos=result.first_pos,
+        n_tokens=1,
+        evidence=result.evidence,
+        bundle=bundle,
+    )
+
+
+# ----------------------------------------------------------------------------- good results
+
+
+def test_wrapper_is_a_shard_engine() -> None:
+    engine: ShardEngine = ValidatingEngine(TinyEngine())
+    assert isinstance(engine, ShardEngine)
+    assert engine.name == "tiny"
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 2), (1, 3), (2, 4), (0, 4)])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_good_results_pass_through_unchanged(start: int, end: int, dtype: str) -> None:
+    tamper = Tamper(TinyEngine())
+    engine = ValidatingEngine(tamper)
+    capabilities = engine.load(config(start, end, dtype))
+    assert engine.capabilities() is capabilities
+    if start == 0:
+        inputs: TokenInput | BoundaryBundle = TokenInput(token_ids=(1, 2, 3))
+        step: TokenInput | BoundaryBundle = TokenInput(token_ids=(4,))
+    else:
+        inputs, step = hidden_bundle(3, 0, start), hidden_bundle(1, 3, start)
+    modes: tuple[LogitsMode, ...] = ("last", "all")
+    for mode in modes:
+        request = PrefillRequest(
+            request_id=f"p-{mode}", session=session(), start_pos=0, inputs=inputs, logits=mode
+        )
+        assert engine.prefill(request) is tamper.last
+    result = engine.decode(DecodeRequest(request_id="d", session=session(), pos=3, inputs=step))
+    assert result is tamper.last
+    if end == N_LAYERS:
+        assert isinstance(result, LogitsResult)
+        assert (result.first_pos, result.n_rows) == (3, 1)
+    else:
+        assert isinstance(result, BoundaryResult)
+        assert result.bundle.dtype == dtype
+        assert result.bundle.layer == end
+
+
+def test_batch_with_errors_and_results_passes() -> None:
+    engine, tamper = make(0, 4)
+    engine.prefill(head_prefill(2))
+    items = (
+        DecodeRequest(request_id="a", session=session(), pos=2, inputs=TokenInput(token_ids=(1,))),
+        DecodeRequest(
+            request_id="b", session=session("x"), pos=5, inputs=TokenInput(token_ids=(1,))
+        ),
+    )
+    result = engine.decode_batch(DecodeBatchRequest(request_id="batch", items=items))
+    assert result is tamper.last
+    assert isinstance(result.items[0], LogitsResult)
+    assert isinstance(result.items[1], ErrorInfo)
+    assert result.items[1].code == "cache_miss"
+
+
+def test_contract_errors_pass_through_unchanged() -> None:
+    engine, tamper = make(0, 2)
+    error = CacheMiss("evicted", committed_length=4, reason="evicted")
+    tamper.raise_instead = error
+    with pytest.raises(CacheMiss) as caught:
+        engine.prefill(head_prefill())
+    assert caught.value is error
+
+
+def test_cancel_release_health_metrics_delegate() -> None:
+    engine, _ = make(0, 2)
+    assert engine.cancel(CancelRequest(request_id="nothing")) == CancelResult(cancelled=False)
+    engine.prefill(head_prefill())
+    assert engine.release(ReleaseRequest(session=session())).released
+    assert engine.health().state == "ready"
+    assert engine.metrics().prefill_requests == 1
+    engine.close()
+    assert engine.health().state == "closed"
+
+
+def test_engine_loaded_before_wrapping_is_adopted() -> None:
+    inner = TinyEngine()
+    inner.load(config(0, 2, "f16"))
+    engine = ValidatingEngine(inner)
+    result = engine.prefill(head_prefill())
+    assert isinstance(result, BoundaryResult)
+    assert result.bundle.dtype == "f16"
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(InvalidRequest):
+        ValidatingEngine(TinyEngine(), nonfinite="ignore")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- broken bundles
+
+
+NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
+    ("wrong type", a_logits_result, "result_type"),
+    ("request id", lambda r: msgspec.structs.replace(r, request_id="other"), "request_id"),
+    ("result session", lambda r: msgspec.structs.replace(r, session=session("o")), "session"),
+    ("evidence", lambda r: msgspec.structs.replace(r, evidence="real"), "evidence"),
+    ("result first_pos", lambda r: msgspec.structs.replace(r, first_pos=1), "position"),
+    ("result n_tokens", lambda r: msgspec.structs.replace(r, n_tokens=2), "rows"),
+    ("bundle first_pos", replace_bundle(first_pos=1), "position"),
+    ("bundle n_tokens", replace_bundle(n_tokens=4), "rows"),
+    ("bundle session", replace_bundle(session=session("o")), "session"),
+    ("hidden size", rebuild_bundle(lambda v: np.hstack([v, v])), "hidden_size"),
+    ("dtype not loaded", rebuild_bundle(lambda v: v, "f16"), "dtype"),
+    ("dtype unknown", replace_bundle(dtype="bf16"), "dtype"),
+    ("layer", replace_bundle(layer=1), "layer"),
+    ("fingerprint", replace_bundle(model_fingerprint="fp-other"), "fingerprint"),
+    ("contract version", replace_bundle(contract_version=CONTRACT_VERSION + 1), "contract_version"),
+    ("reserved mtp", replace_bundle(mtp=(MtpState(n_draft_tokens=1),)), "reserved"),
+    ("short payload", lambda r: replace_bundle(payload=r.bundle.payload[:-4])(r), "payload_length"),
+    ("checksum", lambda r: replace_bundle(checksum=r.bundle.checksum ^ 1)(r), "checksum"),
+    ("non-finite", rebuild_bundle(with_nan), "finite"),
+    ("payload not a buffer", replace_bundle(payload="text"), "result_fields"),
+    ("bundle not a bundle", lambda r: msgspec.structs.replace(r, bundle=None), "result_fields"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mutate", "check"),
+    [pytest.param(m, c, id=name) for name, m, c in NON_TAIL_BREAKAGES],
+)
+def test_broken_boundary_results_are_caught(mutate: Mutation, check: str) -> None:
+    engine, _ = make(0, 2, mutate)
+    with pytest.raises(MalformedOutput) as caught:
+        engine.prefill(head_prefill())
+    assert caught.value.details["check"] == check
+    assert caught.value.message.startswith(f"{check}:")
+
+
+def test_broken_decode_result_is_caught() -> None:
+    engine, tamper = make(1, 3)
+    engine.prefill(PrefillRequest(request_id="p", session=session(), start_pos=0,
+                                  inputs=hidden_bundle(2, 0, 1)))  # fmt: skip
+    tamper.mutate = replace_bundle(first_pos=0)
+    with pytest.raises(MalformedOutput, match="position"):
+        engine.decode(
+            DecodeRequest(request_id="d", session=session(), pos=2, inputs=hidden_bundle(1, 2, 1))
+        )
+
+
+def test_non_finite_allowed_by_policy() -> None:
+    engine, _ = make(0, 2, rebuild_bundle(with_nan), nonfinite="allow")
+    result = engine.prefill(head_prefill())
+    assert isinstance(result, BoundaryResult)
+    assert np.isnan(result.bundle.array()).any()
+
+
+def test_foreign_exception_becomes_malformed_output() -> None:
+    engine, tamper = make(0, 2)
+    tamper.raise_instead = KeyError("slot")
+    with pytest.raises(MalformedOutput, match="KeyError") as caught:
+        engine.prefill(head_prefill())
+    assert caught.value.details["check"] == "exception_type"
+    assert isinstance(caught.value.__cause__, KeyError)
+    with pytest.raises(MalformedOutput):
+        engine.cancel(CancelRequest(request_id="x"))
+
+
+# ----------------------------------------------------------------------------- broken logits
+
+
+TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
+    ("wrong type", a_boundary_result, "result_type"),
+    ("request id", lambda r: msgspec.structs.replace(r, request_id="x"), "request_id"),
+    ("evidence", lambda r: msgspec.structs.replace(r, evidence="real"), "evidence"),
+    ("first_pos", lambda r: msgspec.structs.replace(r, first_pos=r.first_pos + 1), "position"),
+    ("all rows", logits_from(lambda v: np.vstack([v, v])), "rows"),
+    ("vocab", logits_from(lambda v: v[:, :-1]), "vocab_size"),
+    ("n_rows header", lambda r: msgspec.structs.replace(r, n_rows=2), "rows"),
+    ("short payload", lambda r: msgspec.structs.replace(r, payload=r.payload[:-1]),
+     "payload_length"),
+    ("checksum", lambda r: msgspec.structs.replace(r, checksum=r.checksum ^ 1), "checksum"),
+    ("non-finite", logits_from(lambda v: v * np.inf), "finite"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mutate", "check"), [pytest.param(m, c, id=name) for name, m, c in TAIL_BREAKAGES]
+)
+def test_broken_logits_results_are_caught(mutate: Mutation, check: str) -> None:
+    engine, _ = make(2, 4, mutate)
+    request = PrefillRequest(
+        request_id="p", session=session(), start_pos=0, inputs=hidden_bundle(3, 0, 2)
+    )
+    with pytest.raises(MalformedOutput) as caught:
+        engine.prefill(request)
+    assert caught.value.details["check"] == check
+
+
+def test_all_rows_logits_positions_are_checked() -> None:
+    engine, _ = make(0, 4, lambda r: msgspec.structs.replace(r, first_pos=2))
+    request = msgspec.structs.replace(head_prefill(3), logits="all")
+    with pytest.raises(MalformedOutput, match="position"):
+        engine.prefill(request)
+
+
+# ----------------------------------------------------------------------------- broken batches
+
+
+def batch_request() -> DecodeBatchRequest:
+    return DecodeBatchRequest(
+        request_id="batch",
+        items=tuple(
+            DecodeRequest(
+                request_id=f"i{n}", session=session(f"s{n}"), pos=1,
+                inputs=TokenInput(token_ids=(1,)),
+            )
+            for n in range(3)
+        ),
+    )  # fmt: skip
+
+
+def prime(engine: ValidatingEngine) -> None:
+    for n in range(3):
+        engine.prefill(
+            PrefillRequest(request_id=f"p{n}", session=session(f"s{n}"), start_pos=0,
+                           inputs=TokenInput(token_ids=(1,)))
+        )  # fmt: skip
+
+
+def _items(change: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> Mutation:
+    return lambda r: msgspec.structs.replace(r, items=change(r.items))
+
+
+BATCH_BREAKAGES: list[tuple[str, Mutation, str]] = [
+    ("not a batch", lambda r: r.items[0], "result_type"),
+    ("batch id", lambda r: msgspec.structs.replace(r, request_id="x"), "request_id"),
+    ("missing item", _items(lambda items: items[:-1]), "batch_count"),
+    ("extra item", _items(lambda items: (*items, items[0])), "batch_count"),
+    ("reordered", _items(lambda items: items[::-1]), "request_id"),
+    ("bad item", _items(lambda items: (items[0], replace_bundle(layer=9)(items[1]), items[2])),
+     "layer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mutate", "check"), [pytest.param(m, c, id=name) for name, m, c in BATCH_BREAKAGES]
+)
+def test_broken_batches_are_caught(mutate: Mutation, check: str) -> None:
+    engine, tamper = make(0, 2)
+    prime(engine)
+    tamper.mutate = mutate
+    with pytest.raises(MalformedOutput) as caught:
+        engine.decode_batch(batch_request())
+    assert caught.value.details["check"] == check
+
+
+def test_bad_batch_item_names_its_index() -> None:
+    engine, tamper = make(0, 2)
+    prime(engine)
+    tamper.mutate = _items(lambda items: (items[0], items[1], replace_bundle(checksum=0)(items[2])))
+    with pytest.raises(MalformedOutput, match="batch item 2: checksum") as caught:
+        engine.decode_batch(batch_request())
+    assert caught.value.details == {"check": "checksum", "item": 2}
+
+
+@pytest.mark.parametrize("method", ["cancel", "release"])
+def test_wrong_result_types_of_cancel_and_release(method: str) -> None:
+    engine, tamper = make(0, 2)
+    engine.prefill(head_prefill())
+    tamper.mutate = lambda r: Health(state="ready")
+    call: Callable[[], object] = (
+        (lambda: engine.cancel(CancelRequest(request_id="x")))
+        if method == "cancel"
+        else (lambda: engine.release(ReleaseRequest(session=session())))
+    )
+    with pytest.raises(MalformedOutput, match="result_type"):
+        call()
+
+
+# ----------------------------------------------------------------------------- capabilities
+
+
+def _caps_change(**changes: Any) -> Callable[[Capabilities], Capabilities]:
+    return lambda caps: msgspec.structs.replace(caps, **changes)
+
+
+CAPABILITY_BREAKAGES: list[tuple[str, Callable[[Capabilities], Capabilities], str]] = [
+    ("version", _caps_change(contract_version=99), "contract_version"),
+    ("role", _caps_change(role="tail"), "role"),
+    ("shard", _caps_change(shard=ShardSpec(model="tiny", n_layers=4, start=0, end=3)), "shard"),
+    ("evidence", _caps_change(evidence="certified"), "evidence"),
+    ("hidden", _caps_change(hidden_size=0), "shape"),
+    ("dtypes", _caps_change(boundary_dtypes=("f16",)), "dtype"),
+    ("dtype names", _caps_change(boundary_dtypes=("f32", "bf16")), "dtype"),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "check"), [pytest.param(c, k, id=name) for name, c, k in CAPABILITY_BREAKAGES]
+)
+def test_broken_capabilities_are_caught_at_load(
+    change: Callable[[Capabilities], Capabilities], check: str
+) -> None:
+    inner = TinyEngine()
+    tamper = Tamper(inner)
+    probe = TinyEngine()
+    tamper.capabilities_override = change(probe.load(config(0, 2)))
+    with pytest.raises(MalformedOutput) as caught:
+        ValidatingEngine(tamper).load(config(0, 2))
+    assert caught.value.details["check"] == check
+
+
+def test_capabilities_must_not_change_after_load() -> None:
+    engine, tamper = make(0, 2)
+    tamper.capabilities_override = msgspec.structs.replace(
+        engine.capabilities(), engine_version="2"
+    )
+    with pytest.raises(MalformedOutput, match="capabilities_changed"):
+        engine.capabilities()
