@@ -377,7 +377,8 @@ class EngineCore(abc.ABC):
         """Process a run of tokens or boundary rows; see the contract's session semantics."""
         with self._operation(request.request_id, (request.session.session_id,)) as token:
             caps = self._require_serving()
-            self._counters.prefill_requests += 1
+            with self._state_lock:
+                self._counters.prefill_requests += 1
             self._check_reserved(request.mtp, request.aux)
             self._check_reserved_inputs(request.inputs)
             item_tokens, item_hidden = self._decode_inputs(
@@ -437,7 +438,8 @@ class EngineCore(abc.ABC):
         """Process one row at ``pos`` (which must equal the committed length)."""
         with self._operation(request.request_id, (request.session.session_id,)) as token:
             caps = self._require_serving()
-            self._counters.decode_requests += 1
+            with self._state_lock:
+                self._counters.decode_requests += 1
             return self._decode_locked(caps, request, token)
 
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
@@ -445,7 +447,8 @@ class EngineCore(abc.ABC):
         sessions = tuple(item.session.session_id for item in request.items)
         with self._operation(request.request_id, sessions) as token:
             caps = self._require_serving()
-            self._counters.batch_requests += 1
+            with self._state_lock:
+                self._counters.batch_requests += 1
             if not request.items:
                 raise InvalidRequest("decode batch has no items")
             if len(request.items) > caps.limits.max_batch_tokens:
@@ -558,14 +561,18 @@ class EngineCore(abc.ABC):
                 current = self._sessions.get(session.session_id)
                 fenced = self._fence_epoch(session.session_id)
                 if current is None:
-                    if fenced is not None and session.epoch <= fenced:
+                    if fenced is not None and session.epoch < fenced:
                         raise StaleEpoch(
-                            f"session {session.session_id!r} epoch {session.epoch} is not newer "
+                            f"session {session.session_id!r} epoch {session.epoch} is older "
                             f"than released/evicted epoch {fenced}"
                         )
-                    self._remember(self._tombstones, session.session_id, session.epoch)
-                    self._evicted.pop(session.session_id, None)
-                    return ReleaseResult(released=False, detail="unknown session; nothing to free")
+                    # A no-op, as the contract says: no tombstone for a session never seen.
+                    detail = (
+                        "already released or evicted; nothing to free"
+                        if fenced is not None
+                        else "unknown session; nothing to free"
+                    )
+                    return ReleaseResult(released=False, detail=detail)
                 if session.epoch < current.epoch:
                     raise StaleEpoch(
                         f"session {session.session_id!r} is at epoch {current.epoch}; "

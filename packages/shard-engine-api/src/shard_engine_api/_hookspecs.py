@@ -49,6 +49,9 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
     options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
     description: str = ""
     has_tokenizer: bool = False
+    cancel_options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
+    """Extra load options that make operations slow enough for the conformance suite's
+    cancellation test to land a cancel mid-operation (e.g. an injected delay)."""
     synthetic: bool = True
     """True for a generated or built-in model: results on it are never a real-model
     certification, whatever the engine's evidence class."""

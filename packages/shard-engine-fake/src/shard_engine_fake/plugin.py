@@ -44,6 +44,15 @@ def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture 
             f"vocab {spec.vocab_size}, {spec.n_layers} layers"
         ),
         has_tokenizer=True,
+        # A cancellable delay after the cache was written: the conformance suite's cancel
+        # lands mid-operation, so the rollback of real work is what it checks.
+        cancel_options={
+            "faults": {
+                "rules": [
+                    {"action": {"kind": "delay", "milliseconds": 200}, "operations": ["prefill"]}
+                ]
+            }
+        },
     )
 
 

@@ -1,0 +1,1666 @@
+"""``ShardEngineConformance``: the standard suite every engine must pass.
+
+An engine's test module subclasses it in one line::
+
+    from shard_engine_api.conformance import ShardEngineConformance
+
+    class TestMyEngine(ShardEngineConformance):
+        engine_name = "mine"
+
+The engine is found through its ``shard_engine`` entry point and runs on the model its
+``shard_engine_model_fixture`` hook supplies. A subclass may instead override the
+``make_engine`` and ``model_fixture`` classmethods (no entry point needed).
+
+Optional class attributes:
+
+- ``cancel_load_options``: extra ``LoadConfig.options`` for the cancellation test, to make an
+  operation slow enough to be cancelled mid-way (for example an engine's artificial per-token
+  delay). Without it the suite uses the longest prefill the limits allow.
+
+Standard tests may not be deleted or silently replaced: a subclass that defines a method with
+a standard test's name must mark it ``@conformance_override(reason="...")``, else the class
+fails to be created; the reason is written to the report. The standard test names are pinned
+in :data:`STANDARD_TESTS`.
+
+Tests are skipped, with the reason, when a capability they need is not advertised (batched
+decode, cancellation, truncation, eviction, determinism) or the fixture model has too few
+layers for a split.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from pathlib import Path
+from typing import ClassVar, Final, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import pluggy
+import pytest
+
+from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._errors import (
+    CacheMiss,
+    Cancelled,
+    ChecksumMismatch,
+    ContractVersionMismatch,
+    ErrorInfo,
+    InvalidRequest,
+    NotReady,
+    ResourceExhausted,
+    ShardEngineError,
+    ShardMismatch,
+    StaleEpoch,
+    UnsupportedFeature,
+    WrongRole,
+)
+from shard_engine_api._hookspecs import EngineSpec, ModelFixture
+from shard_engine_api._plugins import (
+    get_plugin_manager,
+    installed_engines,
+    load_engine,
+)
+from shard_engine_api._plugins import (
+    model_fixture as plugin_model_fixture,
+)
+from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._types import (
+    CONTRACT_VERSION,
+    AuxState,
+    BoundaryBundle,
+    BoundaryResult,
+    CancelRequest,
+    Capabilities,
+    DecodeBatchRequest,
+    DecodeRequest,
+    LogitsResult,
+    MtpState,
+    OptionValue,
+    PrefillRequest,
+    SessionRef,
+    ShardResult,
+    TokenInput,
+)
+from shard_engine_api.conformance._harness import (
+    Canceller,
+    EngineUnderTest,
+    Harness,
+    assert_matches,
+    bundle_of,
+    logits_array,
+    logits_of,
+    rebuilt_bundle,
+    replace_bundle,
+    split_ranges,
+)
+from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder
+from shard_engine_api.conformance._report import model_report
+
+__all__ = ["STANDARD_TESTS", "ShardEngineConformance", "conformance_override"]
+
+STANDARD_TESTS: Final[tuple[str, ...]] = (
+    "test_batched_decode_item_errors",
+    "test_batched_decode_matches_single",
+    "test_cache_miss_decode_position",
+    "test_cache_miss_prefill_gap",
+    "test_cache_miss_unknown_session",
+    "test_cancel_rolls_back",
+    "test_cancel_unknown_or_finished",
+    "test_capabilities_fields",
+    "test_checksum_mismatch",
+    "test_chunked_prefill",
+    "test_contract_version_mismatch",
+    "test_decode_consistency",
+    "test_deterministic",
+    "test_evidence_class",
+    "test_failed_request_is_atomic",
+    "test_health_metrics_consistent",
+    "test_health_states",
+    "test_invalid_request_bad_token_ids",
+    "test_invalid_request_empty_request_id",
+    "test_invalid_request_malformed_bundle",
+    "test_load_twice_rejected",
+    "test_lru_eviction",
+    "test_not_ready_after_close",
+    "test_not_ready_before_load",
+    "test_release_tombstone",
+    "test_release_unknown_session",
+    "test_reserved_hooks_present_but_disabled",
+    "test_resource_exhausted_kv_budget",
+    "test_resource_exhausted_session_slots",
+    "test_result_fields",
+    "test_role_derived_from_shard",
+    "test_session_isolation",
+    "test_shard_mismatch",
+    "test_split_invariance_three_way",
+    "test_split_invariance_two_way",
+    "test_stale_epoch",
+    "test_truncate",
+    "test_unsupported_feature_on_bundles",
+    "test_unsupported_feature_on_requests",
+    "test_wrong_role_bundle_to_token_shard",
+    "test_wrong_role_tokens_to_bundle_shard",
+)
+"""Every standard test, sorted. Pinned: the suite refuses to import if its methods differ."""
+
+_OVERRIDE_ATTRIBUTE: Final = "__conformance_override__"
+_CANCEL_DELAYS: Final = (0.0, 0.0002, 0.001, 0.003, 0.008, 0.02)
+"""Seconds the canceller waits after the request is in flight: from "before compute starts" to
+well into a slow operation, so at least one attempt lands mid-computation."""
+
+_CANCEL_RETRY_SECONDS: Final = 2.0
+"""After one round of delays, how long to keep retrying while no cancel has landed: a fast
+engine leaves only a short window between accepting a request and starting to compute."""
+
+_PROMPT: Final = 6
+"""Prompt length used by most tests: long enough for history to matter, short to stay fast."""
+
+_Function = TypeVar("_Function", bound=Callable[..., object])
+
+
+def conformance_override(*, reason: str) -> Callable[[_Function], _Function]:
+    """Mark a method that replaces a standard test; ``reason`` goes into the report."""
+    if not reason.strip():
+        raise ValueError("conformance_override needs a non-empty reason")
+
+    def mark(function: _Function) -> _Function:
+        setattr(function, _OVERRIDE_ATTRIBUTE, reason)
+        return function
+
+    return mark
+
+
+@functools.cache
+def _entry_point_manager() -> pluggy.PluginManager:
+    # Scanning entry points costs milliseconds; the suite asks for a manager per class.
+    return get_plugin_manager()
+
+
+def _distribution_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _raises(
+    expected: type[ShardEngineError], call: Callable[[], object], what: str
+) -> ShardEngineError:
+    """Run ``call``; it must raise ``expected`` (or a subclass). Say what came instead."""
+    try:
+        outcome = call()
+    except ShardEngineError as error:
+        if isinstance(error, expected):
+            return error
+        raise AssertionError(
+            f"{what}: expected {expected.__name__} (code {expected.code!r}), got "
+            f"{type(error).__name__} (code {error.code!r}): {error}"
+        ) from error
+    raise AssertionError(f"{what}: expected {expected.__name__}, but it returned {outcome!r}")
+
+
+class ShardEngineConformance:
+    """The standard conformance suite. Subclass it with ``engine_name`` set (or leave it None
+    to take the engine from ``--shard-engine``)."""
+
+    engine_name: ClassVar[str | None] = None
+    cancel_load_options: ClassVar[Mapping[str, OptionValue]] = {}
+    conformance_overrides: ClassVar[Mapping[str, str]] = {}
+    """Standard tests this class replaced, with reasons (filled in at class creation)."""
+
+    harness: Harness
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        overrides = dict(cls.conformance_overrides)
+        for name in STANDARD_TESTS:
+            if name not in cls.__dict__:
+                continue
+            value = cls.__dict__[name]
+            reason = getattr(value, _OVERRIDE_ATTRIBUTE, None)
+            if not callable(value) or not isinstance(reason, str):
+                raise TypeError(
+                    f"{cls.__qualname__}.{name} replaces a standard conformance test; a standard "
+                    "test may not be deleted or silently overridden. Mark the replacement with "
+                    "@conformance_override(reason=...) so the report shows why."
+                )
+            overrides[name] = reason
+        cls.conformance_overrides = overrides
+
+    # ----------------------------------------------------------------- engine supply
+
+    @classmethod
+    def plugin_manager(cls) -> pluggy.PluginManager:
+        """The plugin manager engines and model fixtures are found through (the installed
+        ``shard_engine`` entry points)."""
+        return _entry_point_manager()
+
+    @classmethod
+    def make_engine(cls, name: str) -> ShardEngine:
+        """A new, unloaded engine. Override to test an engine without an entry point."""
+        return load_engine(name, manager=cls.plugin_manager())
+
+    @classmethod
+    def model_fixture(cls, name: str, workdir: Path) -> ModelFixture:
+        """The small model the suite runs on, generated under ``workdir``. Override to
+        supply one without the ``shard_engine_model_fixture`` hook."""
+        return plugin_model_fixture(cls.plugin_manager(), name, workdir)
+
+    @classmethod
+    def _uses_entry_point(cls) -> bool:
+        for klass in cls.__mro__:
+            if klass is ShardEngineConformance:
+                return True
+            if "make_engine" in vars(klass):
+                return False
+        return True
+
+    @pytest.fixture(scope="class")
+    def conformance_target(
+        self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    ) -> EngineUnderTest:
+        """The engine and model fixture of this suite class (built once per class)."""
+        cls = request.cls
+        assert cls is not None
+        assert issubclass(cls, ShardEngineConformance)
+        name = cls.engine_name or request.config.getoption("shard_engine", default=None)
+        if not name:
+            pytest.skip("no engine selected: pass --shard-engine NAME or set engine_name")
+        recorder = request.config.stash.get(RECORDER_KEY, None) or Recorder()
+        record = recorder.suite(request.node.nodeid)
+        record.engine = str(name)
+        record.overrides = dict(cls.conformance_overrides)
+        record.distributions["shard-engine-api"] = _distribution_version("shard-engine-api")
+        if cls._uses_entry_point():
+            manager = cls.plugin_manager()
+            for installed in installed_engines(manager):
+                if installed.name == name:
+                    record.distributions[installed.distribution] = installed.version
+            specs: list[EngineSpec] = manager.hook.shard_engine_register()
+            record.spec_evidence = [spec.evidence for spec in specs if spec.name == name]
+            factory: Callable[[], ShardEngine] = functools.partial(cls.make_engine, str(name))
+        else:
+            factory = functools.partial(cls.make_engine, str(name))
+            probe = factory()
+            package = type(probe).__module__.split(".")[0]
+            record.distributions[package.replace("_", "-")] = _distribution_version(
+                package.replace("_", "-")
+            )
+            probe.close()
+        workdir = tmp_path_factory.mktemp(f"model-fixture-{name}")
+        fixture = cls.model_fixture(str(name), workdir)
+        record.model = model_report(
+            fixture.model, description=fixture.description, n_layers=fixture.n_layers
+        )
+        return EngineUnderTest(
+            name=str(name),
+            fixture=fixture,
+            factory=factory,
+            record=record,
+            cancel_load_options=dict(cls.cancel_load_options or fixture.cancel_options),
+        )
+
+    @pytest.fixture(autouse=True)
+    def _conformance_harness(
+        self, conformance_target: EngineUnderTest, request: pytest.FixtureRequest
+    ) -> Iterator[None]:
+        self.harness = Harness(conformance_target, request.node.name)
+        try:
+            yield
+        finally:
+            self.harness.close_all()
+
+    # ----------------------------------------------------------------- shared helpers
+
+    def _need_layers(self, n_layers: int, purpose: str) -> None:
+        if self.harness.n_layers < n_layers:
+            pytest.skip(
+                f"{purpose} needs a model fixture with >= {n_layers} layers; this one has "
+                f"{self.harness.n_layers}"
+            )
+
+    def _head_and_tail(self) -> tuple[ShardEngine, ShardEngine]:
+        self._need_layers(2, "a bundle-taking shard")
+        (head_range, tail_range) = split_ranges(self.harness.n_layers, 2)
+        return self.harness.load(*head_range), self.harness.load(*tail_range)
+
+    def _exactness(self, caps: Capabilities) -> tuple[bool, float]:
+        """Pipeline vs. one full shard: bit-exact when the engine declares split_exact."""
+        return caps.determinism.split_exact, caps.determinism.tolerance
+
+    def _shape_exactness(self, caps: Capabilities) -> tuple[bool, float]:
+        """The same positions computed through other batch shapes (decode vs. a longer
+        prefill, chunks, logits of all rows vs. the last, replays after rollback or eviction):
+        bit-exact only when the engine declares batch_invariant; else within its tolerance."""
+        determinism = caps.determinism
+        return determinism.batch_invariant and determinism.deterministic, determinism.tolerance
+
+    def _repeat_exactness(self, caps: Capabilities) -> tuple[bool, float]:
+        """The same calls repeated: bit-exact when the engine declares deterministic."""
+        return caps.determinism.deterministic, caps.determinism.tolerance
+
+    # ================================================================= lifecycle
+
+    def test_not_ready_before_load(self) -> None:
+        """Before ``load``: capabilities and every request raise NotReady; health says
+        "loading" and metrics answer without raising.
+
+        Fix: check the lifecycle state at the top of every operation (EngineCore does)."""
+        h = self.harness
+        engine = h.new_engine()
+        session = h.session("a")
+        _raises(NotReady, engine.capabilities, "capabilities() before load")
+        _raises(
+            NotReady,
+            lambda: engine.prefill(
+                PrefillRequest(
+                    request_id=h.request_id(),
+                    session=session,
+                    start_pos=0,
+                    inputs=TokenInput(token_ids=(0,)),
+                )
+            ),
+            "prefill before load",
+        )
+        _raises(
+            NotReady,
+            lambda: engine.decode(
+                DecodeRequest(
+                    request_id=h.request_id(),
+                    session=session,
+                    pos=0,
+                    inputs=TokenInput(token_ids=(0,)),
+                )
+            ),
+            "decode before load",
+        )
+        _raises(NotReady, lambda: h.release(engine, session), "release before load")
+        assert engine.health().state == "loading", "health() before load must say 'loading'"
+        engine.metrics()
+
+    def test_not_ready_after_close(self) -> None:
+        """After ``close``: requests raise NotReady, health says "closed", and ``close`` is
+        idempotent.
+
+        Fix: enter the closed state in close() and check it in every operation."""
+        h = self.harness
+        engine = h.load()
+        session = h.session("a")
+        h.prefill(engine, session, 0, h.tokens(3, seed=1))
+        engine.close()
+        engine.close()
+        _raises(NotReady, lambda: h.prefill(engine, session, 3, (1,)), "prefill after close")
+        _raises(NotReady, lambda: h.decode(engine, session, 3, (1,)), "decode after close")
+        _raises(
+            NotReady,
+            lambda: engine.decode_batch(
+                DecodeBatchRequest(
+                    request_id=h.request_id(),
+                    items=(
+                        DecodeRequest(
+                            request_id=h.request_id(),
+                            session=session,
+                            pos=3,
+                            inputs=TokenInput(token_ids=(1,)),
+                        ),
+                    ),
+                )
+            ),
+            "decode_batch after close",
+        )
+        assert engine.health().state == "closed", "health() after close must say 'closed'"
+        engine.metrics()
+
+    def test_load_twice_rejected(self) -> None:
+        """A second ``load`` raises InvalidRequest and leaves the loaded engine serving.
+
+        Fix: refuse load() unless the engine is in its initial state."""
+        h = self.harness
+        engine = h.load()
+        _raises(InvalidRequest, lambda: engine.load(h.config()), "second load()")
+        result = logits_of(h.prefill(engine, h.session("a"), 0, h.tokens(3, seed=1)))
+        assert result.n_rows == 1, "the engine must still serve after a refused second load"
+
+    def test_health_states(self) -> None:
+        """Health goes loading -> ready -> closed and reports occupancy consistently.
+
+        Fix: keep Health.state in step with the lifecycle; count sessions and KV positions."""
+        h = self.harness
+        engine = h.new_engine()
+        assert engine.health().state == "loading"
+        caps = engine.load(h.config())
+        h.note_capabilities(caps)
+        health = engine.health()
+        assert health.state == "ready", f"after load health must be 'ready', got {health.state!r}"
+        assert health.sessions == 0
+        assert health.in_flight == 0
+        assert health.kv_used_tokens == 0
+        assert health.kv_budget_tokens == caps.limits.kv_budget_tokens, (
+            "health.kv_budget_tokens must equal the advertised KV budget"
+        )
+        engine.close()
+        assert engine.health().state == "closed"
+
+    def test_capabilities_fields(self) -> None:
+        """Capabilities name the engine, speak this contract version, carry a valid evidence
+        class, echo the loaded shard, and advertise limits within the requested config.
+
+        Fix: build Capabilities from the LoadConfig (EngineCore.load does)."""
+        h = self.harness
+        config = h.config()
+        engine = h.new_engine()
+        caps = engine.load(config)
+        h.note_capabilities(caps)
+        assert caps == engine.capabilities(), "capabilities() must equal what load() returned"
+        assert caps.engine == h.target.name, (
+            f"capabilities.engine is {caps.engine!r}; the engine is selected as "
+            f"{h.target.name!r} (the entry-point name must be the engine name)"
+        )
+        assert caps.engine_version, "engine_version must be non-empty"
+        assert caps.contract_version == CONTRACT_VERSION
+        assert caps.evidence in ("fixture", "real")
+        assert caps.shard == config.shard, "capabilities.shard must echo the loaded ShardSpec"
+        assert caps.model_fingerprint, "model_fingerprint must be non-empty"
+        assert caps.hidden_size > 0
+        assert caps.vocab_size > 0
+        assert config.boundary_dtype in caps.boundary_dtypes
+        limits = caps.limits
+        assert 1 <= limits.max_sessions <= config.max_sessions
+        assert 1 <= limits.max_context <= config.max_context
+        assert 1 <= limits.max_batch_tokens <= config.max_batch_tokens
+        assert 1 <= limits.kv_budget_tokens <= config.kv_budget_tokens
+        assert caps.determinism.tolerance >= 0.0
+        if caps.features.cancel:
+            assert caps.features.cancel_latency_ms > 0.0, "a cancel latency bound must be > 0"
+
+    def test_role_derived_from_shard(self) -> None:
+        """The role is derived from the layer range: full [0, n), head [0, k), tail [k, n),
+        middle otherwise; every shard of one model reports the same fingerprint.
+
+        Fix: report ``config.shard.role``; derive the fingerprint from the model, not the
+        shard."""
+        h = self.harness
+        n = h.n_layers
+        ranges: list[tuple[int, int]] = [(0, n)]
+        if n >= 2:
+            ranges += split_ranges(n, 2)
+        if n >= 3:
+            ranges += split_ranges(n, 3)
+        fingerprints = set()
+        for start, end in ranges:
+            caps = h.load(start, end).capabilities()
+            expected = h.fixture.shard(start, end).role
+            assert caps.role == expected, f"[{start}, {end}) of {n}: role {caps.role!r}"
+            fingerprints.add(caps.model_fingerprint)
+        assert len(fingerprints) == 1, f"shards of one model disagree: {fingerprints}"
+
+    def test_reserved_hooks_present_but_disabled(self) -> None:
+        """The reserved hooks (MTP, auxiliary state) are advertised present and disabled.
+
+        Fix: report ``ReservedHooks()``; no engine enables them in this contract version."""
+        caps = self.harness.load().capabilities()
+        for hook_name, status in (("mtp", caps.reserved.mtp), ("aux", caps.reserved.aux)):
+            assert status.present, f"reserved hook {hook_name} must be reported present"
+            assert not status.enabled, f"reserved hook {hook_name} must be reported disabled"
+
+    # ================================================================= error paths
+
+    def test_invalid_request_empty_request_id(self) -> None:
+        """An empty request id is refused with InvalidRequest (prefill, decode, batch).
+
+        Fix: validate request_id before doing anything (EngineCore._operation does)."""
+        h = self.harness
+        engine = h.load()
+        session = h.session("a")
+        _raises(
+            InvalidRequest,
+            lambda: h.prefill(engine, session, 0, h.tokens(2, seed=1), request_id=""),
+            "prefill with request_id ''",
+        )
+        h.prefill(engine, session, 0, h.tokens(2, seed=1))
+        decode = DecodeRequest(
+            request_id="", session=session, pos=2, inputs=TokenInput(token_ids=(1,))
+        )
+        _raises(InvalidRequest, lambda: engine.decode(decode), "decode with request_id ''")
+        _raises(
+            InvalidRequest,
+            lambda: engine.decode_batch(DecodeBatchRequest(request_id="", items=(decode,))),
+            "decode_batch with request_id ''",
+        )
+
+    def test_invalid_request_bad_token_ids(self) -> None:
+        """Token ids outside [0, vocab), an empty token list, and a decode with more than one
+        token are refused with InvalidRequest.
+
+        Fix: validate token ids against the vocabulary before running the model."""
+        h = self.harness
+        engine = h.load()
+        vocab = engine.capabilities().vocab_size
+        session = h.session("a")
+        for bad in ((), (-1,), (vocab,), (0, vocab + 5)):
+            _raises(InvalidRequest, partial(h.prefill, engine, session, 0, bad), f"tokens {bad}")
+        h.prefill(engine, session, 0, h.tokens(3, seed=1))
+        _raises(InvalidRequest, lambda: h.decode(engine, session, 3, (vocab,)), "decode token")
+        _raises(InvalidRequest, lambda: h.decode(engine, session, 3, (1, 2)), "decode 2 tokens")
+
+    def test_invalid_request_malformed_bundle(self) -> None:
+        """A bundle whose header disagrees with its payload or its request (row count, session,
+        first position, multi-row decode) is refused with InvalidRequest.
+
+        Fix: check n_tokens x hidden_size x dtype size == len(payload), and that the bundle's
+        session and first_pos equal the request's."""
+        h = self.harness
+        head, tail = self._head_and_tail()
+        session = h.session("a")
+        bundle = h.head_bundle(head, session, 0, h.tokens(3, seed=1))
+        other = h.session("b")
+        cases: list[tuple[str, BoundaryBundle, SessionRef, int]] = [
+            (
+                "n_tokens one larger than the payload",
+                replace_bundle(bundle, n_tokens=4),
+                session,
+                0,
+            ),
+            (
+                "payload one value short",
+                rebuilt_bundle(bundle, payload=bundle.payload[:-4]),
+                session,
+                0,
+            ),
+            ("bundle of another session", bundle, other, 0),
+            ("bundle first_pos differs from the request", bundle, session, 1),
+        ]
+        for what, candidate, ref, start in cases:
+            _raises(
+                InvalidRequest,
+                partial(h.prefill, tail, ref, start, candidate),
+                f"prefill with {what}",
+            )
+        h.prefill(tail, session, 0, bundle)
+        three_rows = rebuilt_bundle(bundle, first_pos=3)
+        _raises(InvalidRequest, lambda: h.decode(tail, session, 3, three_rows), "decode 3 rows")
+
+    def test_wrong_role_tokens_to_bundle_shard(self) -> None:
+        """Token ids sent to a tail (and middle) shard raise WrongRole, for prefill and decode.
+
+        Fix: a shard that does not start at layer 0 takes only boundary bundles; raise
+        WrongRole (not a plain InvalidRequest) so the caller knows it routed wrongly."""
+        h = self.harness
+        self._need_layers(2, "a tail shard")
+        ranges = split_ranges(h.n_layers, 3 if h.n_layers >= 3 else 2)[1:]
+        for start, end in ranges:
+            engine = h.load(start, end)
+            session = h.session(f"a{start}")
+            tokens = h.tokens(2, seed=1)
+            _raises(
+                WrongRole,
+                partial(h.prefill, engine, session, 0, tokens),
+                f"tokens to [{start}, {end})",
+            )
+            _raises(
+                WrongRole,
+                partial(h.decode, engine, session, 0, (1,)),
+                f"decode tokens to [{start}, {end})",
+            )
+
+    def test_wrong_role_bundle_to_token_shard(self) -> None:
+        """A boundary bundle sent to a head or full shard raises WrongRole.
+
+        Fix: a shard that starts at layer 0 takes only token ids; raise WrongRole."""
+        h = self.harness
+        self._need_layers(2, "a head shard producing a bundle")
+        (head_range, _tail) = split_ranges(h.n_layers, 2)
+        producer = h.load(*head_range)
+        session = h.session("a")
+        bundle = h.head_bundle(producer, session, 0, h.tokens(2, seed=1))
+        for start, end in ((0, h.n_layers), head_range):
+            engine = h.load(start, end)
+            _raises(
+                WrongRole,
+                partial(h.prefill, engine, session, 0, bundle),
+                f"bundle to [{start}, {end})",
+            )
+
+    def test_shard_mismatch(self) -> None:
+        """A bundle of another model fingerprint, entering another layer, or of another
+        hidden size raises ShardMismatch.
+
+        Fix: compare bundle.model_fingerprint, bundle.layer (== this shard's start) and
+        bundle.hidden_size with the loaded shard before using the payload."""
+        h = self.harness
+        head, tail = self._head_and_tail()
+        session = h.session("a")
+        bundle = h.head_bundle(head, session, 0, h.tokens(3, seed=1))
+        wider = rebuilt_bundle(
+            bundle,
+            hidden_size=bundle.hidden_size + 1,
+            payload=memoryview(bytes(bundle.n_tokens * (bundle.hidden_size + 1) * 4)),
+        )
+        cases = [
+            ("another model fingerprint", replace_bundle(bundle, model_fingerprint="other")),
+            ("another layer", replace_bundle(bundle, layer=bundle.layer + 1)),
+            ("another hidden size", wider),
+        ]
+        for what, candidate in cases:
+            _raises(ShardMismatch, partial(h.prefill, tail, session, 0, candidate), what)
+
+    def test_contract_version_mismatch(self) -> None:
+        """A bundle speaking another contract version raises ContractVersionMismatch.
+
+        Fix: compare bundle.contract_version with CONTRACT_VERSION first."""
+        h = self.harness
+        head, tail = self._head_and_tail()
+        session = h.session("a")
+        bundle = h.head_bundle(head, session, 0, h.tokens(3, seed=1))
+        for version in (CONTRACT_VERSION + 1, 0):
+            candidate = replace_bundle(bundle, contract_version=version)
+            _raises(
+                ContractVersionMismatch,
+                partial(h.prefill, tail, session, 0, candidate),
+                f"contract_version {version}",
+            )
+
+    def test_checksum_mismatch(self) -> None:
+        """A bundle whose payload does not match its checksum raises ChecksumMismatch, and
+        the error is retryable (the sender may retransmit).
+
+        Fix: verify payload_checksum(payload) == bundle.checksum before using the payload."""
+        h = self.harness
+        head, tail = self._head_and_tail()
+        session = h.session("a")
+        bundle = h.head_bundle(head, session, 0, h.tokens(3, seed=1))
+        corrupted = bytearray(bundle.payload)
+        corrupted[0] ^= 0x01
+        cases = [
+            ("checksum off by one bit", replace_bundle(bundle, checksum=bundle.checksum ^ 1)),
+            ("payload bit flipped", replace_bundle(bundle, payload=memoryview(bytes(corrupted)))),
+        ]
+        for what, candidate in cases:
+            error = _raises(ChecksumMismatch, partial(h.prefill, tail, session, 0, candidate), what)
+            assert error.retryable, "ChecksumMismatch must be retryable"
+
+    def test_unsupported_feature_on_requests(self) -> None:
+        """Non-empty reserved fields (mtp, aux) on prefill and decode requests raise
+        UnsupportedFeature.
+
+        Fix: reject any non-empty mtp/aux; the hooks are reserved and disabled."""
+        h = self.harness
+        engine = h.load()
+        session = h.session("a")
+        tokens = TokenInput(token_ids=h.tokens(3, seed=1))
+        mtp = (MtpState(n_draft_tokens=1),)
+        aux = (AuxState(name="recurrent"),)
+        prefills = [
+            PrefillRequest(
+                request_id=h.request_id(), session=session, start_pos=0, inputs=tokens, mtp=mtp
+            ),
+            PrefillRequest(
+                request_id=h.request_id(), session=session, start_pos=0, inputs=tokens, aux=aux
+            ),
+        ]
+        for prefill in prefills:
+            _raises(
+                UnsupportedFeature,
+                partial(engine.prefill, prefill),
+                f"prefill with mtp={prefill.mtp} aux={prefill.aux}",
+            )
+        h.prefill(engine, session, 0, tokens)
+        step = TokenInput(token_ids=(1,))
+        decodes = [
+            DecodeRequest(request_id=h.request_id(), session=session, pos=3, inputs=step, mtp=mtp),
+            DecodeRequest(request_id=h.request_id(), session=session, pos=3, inputs=step, aux=aux),
+        ]
+        for decode in decodes:
+            _raises(
+                UnsupportedFeature,
+                partial(engine.decode, decode),
+                f"decode with mtp={decode.mtp} aux={decode.aux}",
+            )
+        h.decode(engine, session, 3, step)
+
+    def test_unsupported_feature_on_bundles(self) -> None:
+        """Non-empty reserved fields (mtp, aux) on a boundary bundle raise UnsupportedFeature.
+
+        Fix: reject any bundle with non-empty mtp/aux."""
+        h = self.harness
+        head, tail = self._head_and_tail()
+        session = h.session("a")
+        bundle = h.head_bundle(head, session, 0, h.tokens(3, seed=1))
+        cases = [
+            ("bundle.mtp", replace_bundle(bundle, mtp=(MtpState(n_draft_tokens=1),))),
+            ("bundle.aux", replace_bundle(bundle, aux=(AuxState(name="recurrent"),))),
+        ]
+        for what, candidate in cases:
+            _raises(UnsupportedFeature, partial(h.prefill, tail, session, 0, candidate), what)
+
+    def test_cache_miss_unknown_session(self) -> None:
+        """Decoding an unknown session, or prefilling it at a position > 0, raises CacheMiss
+        with committed_length 0.
+
+        Fix: a session with no state has committed length 0; only a prefill at 0 creates it."""
+        h = self.harness
+        engine = h.load()
+        session = h.session("never-seen")
+        miss = _raises(CacheMiss, lambda: h.decode(engine, session, 0, (1,)), "decode unknown")
+        assert isinstance(miss, CacheMiss)
+        assert miss.committed_length == 0
+        miss = _raises(CacheMiss, lambda: h.prefill(engine, session, 2, (1, 2)), "prefill at 2")
+        assert isinstance(miss, CacheMiss)
+        assert miss.committed_length == 0
+
+    def test_cache_miss_decode_position(self) -> None:
+        """A decode at a position other than the committed length raises CacheMiss carrying
+        that committed length, and leaves the session usable at it.
+
+        Fix: decode only at pos == committed length; report the length in the error."""
+        h = self.harness
+        engine = h.load()
+        session = h.session("a")
+        h.prefill(engine, session, 0, h.tokens(5, seed=1))
+        for pos in (3, 6, 0):
+            miss = _raises(
+                CacheMiss, partial(h.decode, engine, session, pos, (1,)), f"decode at {pos}"
+            )
+            assert isinstance(miss, CacheMiss)
+            assert miss.committed_length == 5, (
+                f"CacheMiss must carry committed_length 5, got {miss.committed_length}"
+            )
+        h.decode(engine, session, 5, (1,))
+
+    def test_cache_miss_prefill_gap(self) -> None:
+        """A prefill starting beyond the committed length (a gap) raises CacheMiss with the
+        committed length.
+
+        Fix: allow start_pos <= committed length only (equal appends, lower truncates)."""
+        h = self.harness
+        engine = h.load()
+        session = h.session("a")
+        h.prefill(engine, session, 0, h.tokens(4, seed=1))
+        miss = _raises(CacheMiss, lambda: h.prefill(engine, session, 6, (1, 2)), "prefill gap")
+        assert isinstance(miss, CacheMiss)
+        assert miss.committed_length == 4
+        h.decode(engine, session, 4, (1,))
+
+    def test_stale_epoch(self) -> None:
+        """Epochs fence: a newer epoch starts the session fresh (its output equals a brand
+        new session's), after which prefill, decode and release with the older epoch raise
+        StaleEpoch.
+
+        Fix: keep the session's current epoch; drop its state on a newer epoch; refuse older
+        ones with StaleEpoch (not CacheMiss, not success)."""
+        h = self.harness
+        engine = h.load()
+        caps = engine.capabilities()
+        exact, tolerance = self._shape_exactness(caps)
+        old = h.session("a", epoch=1)
+        new = h.session("a", epoch=2)
+        h.prefill(engine, old, 0, h.tokens(5, seed=1))
+        fresh = logits_array(h.prefill(engine, new, 0, h.tokens(3, seed=2)))
+        reference = logits_array(h.prefill(engine, h.session("ref"), 0, h.tokens(3, seed=2)))
+        assert_matches(
+            fresh,
+            reference,
+            exact=exact,
+            tolerance=tolerance,
+            what="a newer epoch must start from an empty cache",
+        )
+        _raises(
+            StaleEpoch,
+            lambda: h.prefill(engine, old, 0, h.tokens(2, seed=3)),
+            "prefill with the older epoch",
+        )
+        _raises(StaleEpoch, lambda: h.decode(engine, old, 5, (1,)), "decode with older epoch")
+        _raises(
+            StaleEpoch,
+            lambda: h.decode(engine, old, 3, (1,)),
+            "decode with older epoch at the current length",
+        )
+        _raises(StaleEpoch, lambda: h.release(engine, old), "release with the older epoch")
+        h.decode(engine, new, 3, (1,))
+
+    def test_resource_exhausted_kv_budget(self) -> None:
+        """With eviction "reject", a prefill that would exceed the KV budget raises
+        ResourceExhausted and leaves the sessions already admitted intact.
+
+        Fix: count cached positions of all sessions against kv_budget_tokens at admission."""
+        h = self.harness
+        engine = h.load(kv_budget_tokens=10, eviction="reject")
+        caps = engine.capabilities()
+        if caps.limits.kv_budget_tokens != 10:
+            pytest.skip(f"engine lowered the KV budget to {caps.limits.kv_budget_tokens}")
+        first = h.session("a")
+        h.prefill(engine, first, 0, h.tokens(7, seed=1))
+        _raises(
+            ResourceExhausted,
+            lambda: h.prefill(engine, h.session("b"), 0, h.tokens(7, seed=2)),
+            "second session",
+        )
+        _raises(
+            ResourceExhausted,
+            lambda: h.prefill(engine, first, 7, h.tokens(4, seed=3)),
+            "growing the first session past the budget",
+        )
+        assert engine.health().kv_used_tokens == 7
+        h.decode(engine, first, 7, (1,))
+
+    def test_resource_exhausted_session_slots(self) -> None:
+        """With eviction "reject", a new session beyond max_sessions raises ResourceExhausted;
+        releasing one frees its slot.
+
+        Fix: admit a new session only while a slot is free."""
+        h = self.harness
+        engine = h.load(max_sessions=1, eviction="reject")
+        first = h.session("a")
+        h.prefill(engine, first, 0, h.tokens(3, seed=1))
+        second = h.session("b")
+        _raises(
+            ResourceExhausted,
+            lambda: h.prefill(engine, second, 0, h.tokens(3, seed=2)),
+            "a second session with one slot",
+        )
+        h.decode(engine, first, 3, (1,))
+        h.release(engine, first)
+        h.prefill(engine, second, 0, h.tokens(3, seed=2))
+
+    def test_cancel_rolls_back(self) -> None:
+        """``cancel`` from another thread (by request id and by session id) while a
+        truncating prefill runs: the caller sees Cancelled and the session is exactly as
+        before (the committed length is unchanged and a decode there equals a clean run), or,
+        if the cancel came too late, the prefill completed consistently. Skipped when no
+        attempt could be cancelled (the engine is faster than the canceller): supply
+        ``cancel_load_options`` that slow it down.
+
+        Fix: poll the cancel token at safe points, raise Cancelled, and restore the slot in
+        ``_rollback`` (positions from start_pos on must be put back, not just forgotten)."""
+        h = self.harness
+        engine = h.load(options=dict(h.target.cancel_load_options))
+        caps = engine.capabilities()
+        if not caps.features.cancel:
+            pytest.skip("engine does not advertise cancel")
+        limits = caps.limits
+        prefix = h.tokens(8, seed=1)
+        follow = h.tokens(1, seed=2)[0]
+        truncate_at = 4 if caps.features.truncate else len(prefix)
+        budget_room = limits.kv_budget_tokens // 3 - truncate_at
+        length = max(
+            1, min(limits.max_batch_tokens, limits.max_context - truncate_at - 1, budget_room, 64)
+        )
+        suffix = h.tokens(length, seed=3)
+        reference = h.session("reference")
+        h.prefill(engine, reference, 0, prefix)
+        expected_rolled_back = logits_array(h.decode(engine, reference, len(prefix), (follow,)))
+        h.release(engine, reference)
+        # A fast engine finishes a prefill within one GIL switch interval (5 ms), before the
+        # canceller thread ever runs; switching often gives the cancel a chance to land.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        try:
+            observed = self._cancel_attempts(
+                engine, prefix, follow, truncate_at, suffix, expected_rolled_back
+            )
+        finally:
+            sys.setswitchinterval(switch_interval)
+        metrics = engine.metrics()
+        assert metrics.cancelled >= observed, (
+            f"metrics.cancelled is {metrics.cancelled}; {observed} requests were cancelled"
+        )
+        assert engine.health().in_flight == 0
+        if observed == 0:
+            pytest.skip(
+                "no cancel landed while a prefill ran (every prefill finished first); "
+                "set cancel_load_options to slow the engine down"
+            )
+
+    def _cancel_attempts(
+        self,
+        engine: ShardEngine,
+        prefix: tuple[int, ...],
+        follow: int,
+        truncate_at: int,
+        suffix: tuple[int, ...],
+        expected_rolled_back: npt.NDArray[np.float32],
+    ) -> int:
+        """Cancel a truncating prefill once per delay; check the state after each; return how
+        many attempts were cancelled."""
+        h = self.harness
+        exact, tolerance = self._shape_exactness(engine.capabilities())
+        length = len(suffix)
+        expected_completed: npt.NDArray[np.float32] | None = None
+        observed = 0
+        deadline = time.monotonic() + _CANCEL_RETRY_SECONDS
+        for attempt, delay in enumerate(itertools.cycle(_CANCEL_DELAYS)):
+            if attempt >= len(_CANCEL_DELAYS) and (observed or time.monotonic() > deadline):
+                break
+            session = h.session(f"attempt-{attempt}")
+            h.prefill(engine, session, 0, prefix)
+            request_id = h.request_id()
+            cancel = (
+                CancelRequest(request_id=request_id)
+                if attempt % 2
+                else CancelRequest(session_id=session.session_id)
+            )
+            canceller = Canceller(engine, cancel, delay)
+            canceller.start()
+            try:
+                h.prefill(engine, session, truncate_at, suffix, request_id=request_id)
+                cancelled = False
+            except Cancelled:
+                cancelled = True
+            finally:
+                canceller.stop()
+            if canceller.error is not None:
+                raise AssertionError(f"cancel() raised {canceller.error!r}") from canceller.error
+            if cancelled:
+                observed += 1
+                reported = canceller.result.n_requests if canceller.result else 0
+                assert reported >= 1, (
+                    "the caller saw Cancelled but cancel() did not report a cancelled request"
+                )
+                got = logits_array(h.decode(engine, session, len(prefix), (follow,)))
+                assert_matches(
+                    got,
+                    expected_rolled_back,
+                    exact=exact,
+                    tolerance=tolerance,
+                    what=f"after a cancelled prefill (attempt {attempt}) the session "
+                    "must be rolled back to its committed state",
+                )
+            else:
+                if expected_completed is None:
+                    clean = h.session("clean")
+                    h.prefill(engine, clean, 0, prefix[:truncate_at] + suffix)
+                    expected_completed = logits_array(
+                        h.decode(engine, clean, truncate_at + length, (follow,))
+                    )
+                    h.release(engine, clean)
+                got = logits_array(h.decode(engine, session, truncate_at + length, (follow,)))
+                assert_matches(
+                    got,
+                    expected_completed,
+                    exact=exact,
+                    tolerance=tolerance,
+                    what="a prefill that completed despite a late cancel must "
+                    "leave the session as a clean run does",
+                )
+            h.release(engine, session)
+        return observed
+
+    def test_cancel_unknown_or_finished(self) -> None:
+        """Cancelling an unknown request, a finished request, or an idle session returns
+        cancelled=False and never raises; naming neither or both targets is InvalidRequest.
+
+        Fix: look the target up among in-flight requests only; return False when none."""
+        h = self.harness
+        engine = h.load()
+        session = h.session("a")
+        finished = h.request_id()
+        h.prefill(engine, session, 0, h.tokens(3, seed=1), request_id=finished)
+        for request in (
+            CancelRequest(request_id="no-such-request"),
+            CancelRequest(request_id=finished),
+            CancelRequest(session_id=session.session_id),
+            CancelRequest(session_id="no-such-session"),
+        ):
+            result = engine.cancel(request)
+            assert (result.cancelled, result.n_requests) == (False, 0), f"{request}: {result}"
+        _raises(InvalidRequest, lambda: engine.cancel(CancelRequest()), "cancel of nothing")
+        _raises(
+            InvalidRequest,
+            lambda: engine.cancel(CancelRequest(request_id="x", session_id="y")),
+            "cancel naming both a request and a session",
+        )
+        h.decode(engine, session, 3, (1,))
+
+    # ================================================================= semantics
+
+    def test_deterministic(self) -> None:
+        """The same requests give bit-identical results: on two sessions of one engine and
+        on two freshly loaded engines (prefill of all rows, then decodes; bundles too).
+
+        Fix: remove any dependence on uninitialised memory, thread scheduling or global
+        state; or declare determinism.deterministic = False."""
+        h = self.harness
+        first = h.load()
+        if not first.capabilities().determinism.deterministic:
+            pytest.skip("engine declares determinism.deterministic = False")
+        second = h.load()
+        tokens = h.tokens(_PROMPT, seed=1)
+        steps = h.tokens(2, seed=2)
+        runs: list[list[bytes]] = []
+        for engine, name in ((first, "a"), (first, "b"), (second, "a")):
+            session = h.session(name)
+            outputs = [
+                bytes(logits_of(h.prefill(engine, session, 0, tokens, logits="all")).payload)
+            ]
+            for offset, token in enumerate(steps):
+                outputs.append(
+                    bytes(logits_of(h.decode(engine, session, _PROMPT + offset, (token,))).payload)
+                )
+            runs.append(outputs)
+        assert runs[0] == runs[1], "two sessions of one engine gave different bytes"
+        assert runs[0] == runs[2], "two fresh engines gave different bytes"
+        if h.n_layers >= 2:
+            (head_range, _tail) = split_ranges(h.n_layers, 2)
+            bundles = [
+                bytes(h.head_bundle(h.load(*head_range), h.session("h"), 0, tokens).payload)
+                for _ in range(2)
+            ]
+            assert bundles[0] == bundles[1], "two fresh head shards gave different bundles"
+
+    def _check_split(self, parts: int) -> None:
+        h = self.harness
+        self._need_layers(parts, f"a {parts}-way split")
+        full = h.load()
+        caps = full.capabilities()
+        exact, tolerance = self._repeat_exactness(caps)
+        pipeline = h.load_pipeline(parts)
+        tokens = h.tokens(_PROMPT, seed=1)
+        steps = h.tokens(3, seed=2)
+        session = h.session("a")
+        expected = logits_array(h.prefill(full, session, 0, tokens, logits="all"))
+        got = np.array(h.pipeline_prefill(pipeline, session, 0, tokens, logits="all").array())
+        ranges = split_ranges(h.n_layers, parts)
+        assert_matches(
+            got,
+            expected,
+            exact=exact,
+            tolerance=tolerance,
+            what=f"prefill logits of the {parts}-way pipeline {ranges}",
+        )
+        for offset, token in enumerate(steps):
+            pos = _PROMPT + offset
+            want = logits_array(h.decode(full, session, pos, (token,)))
+            have = np.array(h.pipeline_decode(pipeline, session, pos, token).array())
+            assert_matches(
+                have,
+                want,
+                exact=exact,
+                tolerance=tolerance,
+                what=f"decode at {pos} through the {parts}-way pipeline {ranges}",
+            )
+
+    def test_split_invariance_two_way(self) -> None:
+        """A 2-way pipeline (head -> tail) gives the logits of one full shard, for prefill
+        (all rows) and decode steps: bit for bit when the engine declares split_exact, else
+        within its tolerance.
+
+        Fix: carry hidden states across the boundary without loss (f32), apply per-layer
+        rules by absolute layer index, and keep numerics identical across shards."""
+        self._check_split(2)
+
+    def test_split_invariance_three_way(self) -> None:
+        """A 3-way (uneven when it does not divide) pipeline head -> middle -> tail gives
+        the full shard's logits (exact or within the declared tolerance).
+
+        Fix: as for the 2-way split; a middle shard takes and emits bundles."""
+        self._check_split(3)
+
+    def test_decode_consistency(self) -> None:
+        """Prefill N tokens then decode token N gives the last logits of prefilling N+1
+        tokens (exact or within tolerance), for several consecutive decodes.
+
+        Fix: decode must attend to the cached history at positions 0..N-1 and write
+        position N; a decode that ignores the cache or the position fails this."""
+        h = self.harness
+        engine = h.load()
+        exact, tolerance = self._shape_exactness(engine.capabilities())
+        tokens = h.tokens(_PROMPT + 3, seed=1)
+        session = h.session("incremental")
+        h.prefill(engine, session, 0, tokens[:_PROMPT])
+        for pos in range(_PROMPT, len(tokens)):
+            got = logits_array(h.decode(engine, session, pos, (tokens[pos],)))
+            whole = logits_array(h.prefill(engine, h.session(f"whole-{pos}"), 0, tokens[: pos + 1]))
+            assert_matches(
+                got,
+                whole,
+                exact=exact,
+                tolerance=tolerance,
+                what=f"decode at {pos} vs prefill of {pos + 1} tokens",
+            )
+
+    def test_chunked_prefill(self) -> None:
+        """A prefill sent in chunks (each at the previous committed length) gives the rows of
+        one prefill (logits "all") and the same following decode.
+
+        Fix: a prefill at start_pos == committed length must append to the cache."""
+        h = self.harness
+        engine = h.load()
+        exact, tolerance = self._shape_exactness(engine.capabilities())
+        tokens = h.tokens(9, seed=1)
+        one = h.session("one")
+        whole = logits_array(h.prefill(engine, one, 0, tokens, logits="all"))
+        chunked = h.session("chunked")
+        rows = [
+            logits_array(h.prefill(engine, chunked, start, tokens[start:end], logits="all"))
+            for start, end in ((0, 2), (2, 7), (7, 9))
+        ]
+        assert_matches(
+            np.concatenate(rows),
+            whole,
+            exact=exact,
+            tolerance=tolerance,
+            what="chunks (0-2, 2-7, 7-9) vs one prefill of 9 tokens",
+        )
+        follow = h.tokens(1, seed=2)
+        assert_matches(
+            logits_array(h.decode(engine, chunked, 9, follow)),
+            logits_array(h.decode(engine, one, 9, follow)),
+            exact=exact,
+            tolerance=tolerance,
+            what="decode after chunked prefill",
+        )
+
+    def test_truncate(self) -> None:
+        """A prefill at start_pos below the committed length truncates there and continues:
+        the result and the following decodes equal a fresh run of the new sequence.
+
+        Fix: drop cached positions >= start_pos before appending (or declare
+        features.truncate = False)."""
+        h = self.harness
+        engine = h.load()
+        caps = engine.capabilities()
+        if not caps.features.truncate:
+            pytest.skip("engine declares features.truncate = False")
+        exact, tolerance = self._shape_exactness(caps)
+        original = h.tokens(8, seed=1)
+        replacement = h.tokens(3, seed=2)
+        edited = h.session("edited")
+        h.prefill(engine, edited, 0, original)
+        h.decode(engine, edited, 8, (1,))
+        got = logits_array(h.prefill(engine, edited, 4, replacement, logits="all"))
+        fresh = h.session("fresh")
+        want = logits_array(h.prefill(engine, fresh, 0, original[:4] + replacement, logits="all"))
+        assert_matches(
+            got,
+            want[4:],
+            exact=exact,
+            tolerance=tolerance,
+            what="prefill at 4 over 9 cached positions vs a fresh run",
+        )
+        for pos, token in enumerate(h.tokens(2, seed=3), start=7):
+            assert_matches(
+                logits_array(h.decode(engine, edited, pos, (token,))),
+                logits_array(h.decode(engine, fresh, pos, (token,))),
+                exact=exact,
+                tolerance=tolerance,
+                what=f"decode at {pos} after truncate",
+            )
+
+    def test_session_isolation(self) -> None:
+        """Interleaving other sessions (prefills, decodes, truncations, releases) does not
+        change a session's outputs compared with running it alone on a fresh engine.
+
+        Fix: keep every cache per session; never share or reuse a slot's state."""
+        h = self.harness
+        alone = h.load()
+        caps = alone.capabilities()
+        exact, tolerance = caps.determinism.split_exact, caps.determinism.tolerance
+        tokens = h.tokens(_PROMPT, seed=1)
+        steps = h.tokens(3, seed=2)
+        session = h.session("a")
+        expected = [logits_array(h.prefill(alone, session, 0, tokens))]
+        expected += [
+            logits_array(h.decode(alone, session, _PROMPT + i, (t,))) for i, t in enumerate(steps)
+        ]
+        shared = h.load()
+        b, c = h.session("b"), h.session("c")
+        h.prefill(shared, b, 0, h.tokens(9, seed=3))
+        got = [logits_array(h.prefill(shared, session, 0, tokens))]
+        h.prefill(shared, c, 0, h.tokens(4, seed=4))
+        h.decode(shared, b, 9, (2,))
+        got.append(logits_array(h.decode(shared, session, _PROMPT, (steps[0],))))
+        h.prefill(shared, b, 2, h.tokens(5, seed=5))
+        h.release(shared, c)
+        got.append(logits_array(h.decode(shared, session, _PROMPT + 1, (steps[1],))))
+        h.prefill(shared, h.session("d"), 0, h.tokens(7, seed=6))
+        got.append(logits_array(h.decode(shared, session, _PROMPT + 2, (steps[2],))))
+        for index, (have, want) in enumerate(zip(got, expected, strict=True)):
+            assert_matches(
+                have,
+                want,
+                exact=exact,
+                tolerance=tolerance,
+                what=f"output {index} of a session interleaved with others",
+            )
+
+    def test_batched_decode_matches_single(self) -> None:
+        """``decode_batch`` over several sessions gives, per item and in item order, what a
+        single decode gives (exact when the engine declares batch_invariant and split_exact,
+        else within tolerance).
+
+        Fix: keep rows in item order; make batching not change numerics, or declare
+        batch_invariant = False and a tolerance."""
+        h = self.harness
+        batched = h.load()
+        caps = batched.capabilities()
+        if not caps.features.batched_decode:
+            pytest.skip("engine declares features.batched_decode = False")
+        exact = caps.determinism.batch_invariant and caps.determinism.split_exact
+        tolerance = caps.determinism.tolerance
+        single = h.load()
+        lengths = (3, 7, 5)
+        sessions = [h.session(f"s{i}") for i in range(len(lengths))]
+        for index, (session, length) in enumerate(zip(sessions, lengths, strict=True)):
+            for engine in (batched, single):
+                h.prefill(engine, session, 0, h.tokens(length, seed=index))
+        for step in range(2):
+            items = tuple(
+                DecodeRequest(
+                    request_id=h.request_id(),
+                    session=session,
+                    pos=length + step,
+                    inputs=TokenInput(token_ids=(index + step,)),
+                )
+                for index, (session, length) in enumerate(zip(sessions, lengths, strict=True))
+            )
+            result = batched.decode_batch(
+                DecodeBatchRequest(request_id=h.request_id(), items=items)
+            )
+            assert len(result.items) == len(items), "one outcome per item"
+            for item, outcome in zip(items, result.items, strict=True):
+                if isinstance(outcome, ErrorInfo):
+                    raise AssertionError(f"batch item {item.session.session_id} failed: {outcome}")
+                h.observe(outcome)
+                assert outcome.session == item.session, "batch outcomes must be in item order"
+                assert outcome.request_id == item.request_id
+                want = logits_array(h.decode(single, item.session, item.pos, item.inputs))
+                assert_matches(
+                    logits_array(outcome),
+                    want,
+                    exact=exact,
+                    tolerance=tolerance,
+                    what=f"batched vs single decode of {item.session.session_id} at {item.pos}",
+                )
+
+    def test_batched_decode_item_errors(self) -> None:
+        """A bad item of a batch fails alone, as an ErrorInfo in its place (CacheMiss with
+        the committed length for a wrong position or unknown session, InvalidRequest for a bad
+        token); the good items succeed and only they advance.
+
+        Fix: plan and validate each item separately; never fail or advance the others."""
+        h = self.harness
+        engine = h.load()
+        caps = engine.capabilities()
+        if not caps.features.batched_decode:
+            pytest.skip("engine declares features.batched_decode = False")
+        good, wrong_pos, bad_token = h.session("good"), h.session("wrong"), h.session("bad")
+        for session in (good, wrong_pos, bad_token):
+            h.prefill(engine, session, 0, h.tokens(4, seed=1))
+        items = (
+            DecodeRequest(
+                request_id=h.request_id(), session=good, pos=4, inputs=TokenInput(token_ids=(1,))
+            ),
+            DecodeRequest(
+                request_id=h.request_id(),
+                session=wrong_pos,
+                pos=6,
+                inputs=TokenInput(token_ids=(1,)),
+            ),
+            DecodeRequest(
+                request_id=h.request_id(),
+                session=h.session("unknown"),
+                pos=0,
+                inputs=TokenInput(token_ids=(1,)),
+            ),
+            DecodeRequest(
+                request_id=h.request_id(),
+                session=bad_token,
+                pos=4,
+                inputs=TokenInput(token_ids=(caps.vocab_size,)),
+            ),
+        )
+        result = engine.decode_batch(DecodeBatchRequest(request_id=h.request_id(), items=items))
+        assert len(result.items) == len(items), "one outcome per item, in item order"
+        first, second, third, fourth = result.items
+        assert isinstance(first, LogitsResult | BoundaryResult), f"good item failed: {first}"
+        h.observe(first)
+        for outcome, code, committed in (
+            (second, "cache_miss", 4),
+            (third, "cache_miss", 0),
+            (fourth, "invalid_request", None),
+        ):
+            assert isinstance(outcome, ErrorInfo), f"expected an ErrorInfo, got {outcome!r}"
+            assert outcome.code == code, f"expected code {code!r}, got {outcome.code!r}"
+            if committed is not None:
+                assert outcome.details.get("committed_length") == committed, outcome.details
+        h.decode(engine, good, 5, (1,))
+        h.decode(engine, wrong_pos, 4, (1,))
+        h.decode(engine, bad_token, 4, (1,))
+
+    def test_release_tombstone(self) -> None:
+        """``release`` frees a session and fences its epoch: prefill and decode with that
+        epoch or an older one raise StaleEpoch (never a silent fresh session); a newer epoch
+        starts fresh and equals a brand-new session.
+
+        Fix: keep a tombstone of the released epoch and check it before creating state."""
+        h = self.harness
+        engine = h.load()
+        exact, tolerance = self._shape_exactness(engine.capabilities())
+        released = h.session("a", epoch=3)
+        h.prefill(engine, released, 0, h.tokens(5, seed=1))
+        result = h.release(engine, released)
+        assert result.released, f"releasing a live session must say released: {result}"
+        assert engine.health().sessions == 0
+        for epoch in (3, 2):
+            stale = h.session("a", epoch=epoch)
+            _raises(
+                StaleEpoch,
+                partial(h.prefill, engine, stale, 0, h.tokens(2, seed=2)),
+                f"prefill with released epoch {epoch}",
+            )
+            _raises(
+                StaleEpoch,
+                partial(h.decode, engine, stale, 5, (1,)),
+                f"decode with released epoch {epoch}",
+            )
+        newer = h.session("a", epoch=4)
+        _raises(
+            CacheMiss,
+            lambda: h.decode(engine, newer, 5, (1,)),
+            "decode of a newer epoch that has no state",
+        )
+        got = logits_array(h.prefill(engine, newer, 0, h.tokens(3, seed=3)))
+        want = logits_array(h.prefill(engine, h.session("b"), 0, h.tokens(3, seed=3)))
+        assert_matches(
+            got,
+            want,
+            exact=exact,
+            tolerance=tolerance,
+            what="a newer epoch after release must start fresh",
+        )
+
+    def test_release_unknown_session(self) -> None:
+        """Releasing a session the engine does not hold is a no-op that says so
+        (released=False, a detail) and never raises; live sessions are untouched.
+
+        Fix: return ReleaseResult(released=False, detail=...) for unknown sessions."""
+        h = self.harness
+        engine = h.load()
+        live = h.session("live")
+        h.prefill(engine, live, 0, h.tokens(3, seed=1))
+        result = h.release(engine, h.session("never-seen"))
+        assert not result.released, f"an unknown session cannot be released: {result}"
+        assert result.detail, "the release result must say why nothing was freed"
+        assert engine.health().sessions == 1
+        h.decode(engine, live, 3, (1,))
+
+    def test_lru_eviction(self) -> None:
+        """With eviction "lru", admitting past the KV budget evicts the least recently used
+        idle session; its next decode raises CacheMiss with reason "evicted", and the
+        evicted epoch can restart with a prefill at 0. Others are untouched.
+
+        Fix: evict by last use, remember the evicted epoch, report reason "evicted"."""
+        h = self.harness
+        engine = h.load(kv_budget_tokens=12, eviction="lru")
+        caps = engine.capabilities()
+        if not caps.features.eviction:
+            pytest.skip("engine does not support eviction (features.eviction is False)")
+        exact, tolerance = self._shape_exactness(caps)
+        oldest, recent, newcomer = h.session("oldest"), h.session("recent"), h.session("new")
+        h.prefill(engine, oldest, 0, h.tokens(5, seed=1))
+        h.prefill(engine, recent, 0, h.tokens(5, seed=2))
+        h.prefill(engine, newcomer, 0, h.tokens(5, seed=3))
+        miss = _raises(CacheMiss, lambda: h.decode(engine, oldest, 5, (1,)), "decode evicted")
+        reason = miss.reason if isinstance(miss, CacheMiss) else None
+        assert reason == "evicted", f"CacheMiss reason must be 'evicted', got {reason!r}"
+        assert engine.metrics().evictions >= 1
+        h.decode(engine, recent, 5, (1,))
+        h.decode(engine, newcomer, 5, (1,))
+        h.release(engine, recent)
+        got = logits_array(h.prefill(engine, oldest, 0, h.tokens(5, seed=1)))
+        fresh = h.load()
+        want = logits_array(h.prefill(fresh, oldest, 0, h.tokens(5, seed=1)))
+        assert_matches(
+            got, want, exact=exact, tolerance=tolerance, what="re-prefill of an evicted session"
+        )
+
+    def test_failed_request_is_atomic(self) -> None:
+        """Failed requests (bad token mid-truncation, context overflow, KV budget, reserved
+        field, wrong decode position, gap) leave the session unchanged: afterwards a decode at
+        the old committed length succeeds and equals a clean run.
+
+        Fix: validate and admit everything before touching the cache, and roll back on any
+        error after that."""
+        h = self.harness
+        engine = h.load(max_context=16, kv_budget_tokens=14, max_batch_tokens=16)
+        exact, tolerance = self._shape_exactness(engine.capabilities())
+        vocab = engine.capabilities().vocab_size
+        tokens = h.tokens(8, seed=1)
+        session = h.session("a")
+        h.prefill(engine, session, 0, tokens)
+        failures: list[tuple[str, type[ShardEngineError], Callable[[], object]]] = [
+            (
+                "truncating prefill with a bad token",
+                InvalidRequest,
+                lambda: h.prefill(engine, session, 2, (1, vocab)),
+            ),
+            (
+                "truncating prefill past max_context",
+                ResourceExhausted,
+                lambda: h.prefill(engine, session, 2, h.tokens(15, seed=2)),
+            ),
+            (
+                "truncating prefill past the KV budget",
+                ResourceExhausted,
+                lambda: h.prefill(engine, session, 2, h.tokens(13, seed=2)),
+            ),
+            (
+                "truncating prefill with a reserved field",
+                UnsupportedFeature,
+                lambda: engine.prefill(
+                    PrefillRequest(
+                        request_id=h.request_id(),
+                        session=session,
+                        start_pos=2,
+                        inputs=TokenInput(token_ids=(1, 2)),
+                        mtp=(MtpState(n_draft_tokens=1),),
+                    )
+                ),
+            ),
+            ("decode at the wrong position", CacheMiss, lambda: h.decode(engine, session, 3, (1,))),
+            ("prefill with a gap", CacheMiss, lambda: h.prefill(engine, session, 9, (1,))),
+        ]
+        for what, error, call in failures:
+            _raises(error, call, what)
+            health = engine.health()
+            assert health.kv_used_tokens == len(tokens), (
+                f"after a failed {what} the session holds {health.kv_used_tokens} positions"
+            )
+        got = logits_array(h.decode(engine, session, len(tokens), (3,)))
+        clean = h.load()
+        h.prefill(clean, session, 0, tokens)
+        want = logits_array(h.decode(clean, session, len(tokens), (3,)))
+        assert_matches(
+            got,
+            want,
+            exact=exact,
+            tolerance=tolerance,
+            what="decode after failed requests vs a clean run",
+        )
+
+    def test_result_fields(self) -> None:
+        """Results echo the request id and session and carry the right positions: logits
+        "last" is one row at start+n-1, "all" is n rows from start (whose last row equals
+        "last"), a decode is at pos; bundles enter layer == the shard's end, with the shard's
+        fingerprint, matching positions and a valid checksum.
+
+        Fix: build results from the request's positions (EngineCore._make_result does)."""
+        h = self.harness
+        engine = h.load()
+        caps = engine.capabilities()
+        tokens = h.tokens(5, seed=1)
+        last_id = h.request_id()
+        session = h.session("a")
+        last = logits_of(h.prefill(engine, session, 0, tokens, request_id=last_id))
+        assert last.request_id == last_id
+        assert last.session == session
+        assert (last.first_pos, last.n_rows, last.vocab_size) == (4, 1, caps.vocab_size), (
+            f"logits 'last' of a 5-token prefill at 0: first_pos {last.first_pos}, "
+            f"n_rows {last.n_rows} (expected 4, 1)"
+        )
+        assert payload_checksum(last.payload) == last.checksum, "logits checksum is wrong"
+        every = logits_of(h.prefill(engine, h.session("b"), 0, tokens, logits="all"))
+        assert (every.first_pos, every.n_rows) == (0, 5), (
+            f"logits 'all': first_pos {every.first_pos}, n_rows {every.n_rows} (expected 0, 5)"
+        )
+        exact, tolerance = self._shape_exactness(caps)
+        assert_matches(
+            np.array(every.array())[-1:],
+            np.array(last.array()),
+            exact=exact,
+            tolerance=tolerance,
+            what="the last row of logits 'all' vs. logits 'last'",
+        )
+        step = logits_of(h.decode(engine, session, 5, (1,)))
+        assert (step.first_pos, step.n_rows) == (5, 1), (
+            f"decode at 5: first_pos {step.first_pos}, n_rows {step.n_rows}"
+        )
+        extended = logits_of(h.prefill(engine, session, 6, (2, 3), logits="all"))
+        assert (extended.first_pos, extended.n_rows) == (6, 2)
+        if h.n_layers >= 2:
+            (head_range, _tail) = split_ranges(h.n_layers, 2)
+            head = h.load(*head_range)
+            head_caps = head.capabilities()
+            result = h.prefill(head, session, 0, tokens)
+            assert isinstance(result, BoundaryResult), "a head shard returns a BoundaryResult"
+            bundle = result.bundle
+            assert (result.first_pos, result.n_tokens) == (0, 5)
+            assert result.session == session
+            assert bundle.session == session
+            assert (bundle.first_pos, bundle.n_tokens) == (0, 5)
+            assert bundle.layer == head_range[1], (
+                f"bundle.layer must be the producer's end {head_range[1]}, got {bundle.layer}"
+            )
+            assert bundle.model_fingerprint == head_caps.model_fingerprint
+            assert bundle.hidden_size == head_caps.hidden_size
+            assert bundle.contract_version == CONTRACT_VERSION
+            assert payload_checksum(bundle.payload) == bundle.checksum, "bundle checksum wrong"
+            assert len(bundle.payload) == bundle.expected_payload_bytes
+            step_bundle = bundle_of(h.decode(head, session, 5, (1,)))
+            assert (step_bundle.first_pos, step_bundle.n_tokens) == (5, 1)
+
+    def test_evidence_class(self) -> None:
+        """Every result (logits, bundles, batch items) carries the evidence class of the
+        capabilities, and the capabilities carry the class the engine registered; a fixture
+        engine's run is therefore never reported as a real-model certification.
+
+        Fix: stamp ``capabilities.evidence`` on every result; register the same class in
+        the EngineSpec."""
+        h = self.harness
+        engines = [h.load()]
+        if h.n_layers >= 2:
+            engines += h.load_pipeline(2)
+        full_caps = engines[0].capabilities()
+        spec_evidence = h.record.spec_evidence
+        if spec_evidence:
+            assert set(spec_evidence) == {full_caps.evidence}, (
+                f"the registered EngineSpec says {spec_evidence}, capabilities say "
+                f"{full_caps.evidence!r}"
+            )
+        for engine in engines:
+            caps = engine.capabilities()
+            assert caps.evidence == full_caps.evidence, "shards disagree on evidence"
+            session = h.session("a")
+            inputs: TokenInput | BoundaryBundle
+            if caps.shard.takes_tokens:
+                inputs = TokenInput(token_ids=h.tokens(3, seed=1))
+                step: TokenInput | BoundaryBundle = TokenInput(token_ids=(1,))
+            else:
+                producer = engines[1]
+                inputs = bundle_of(h.prefill(producer, h.session("p"), 0, h.tokens(3, seed=1)))
+                inputs = rebuilt_bundle(inputs, session=session)
+                step = rebuilt_bundle(
+                    bundle_of(h.decode(producer, h.session("p"), 3, (1,))), session=session
+                )
+            results: list[ShardResult] = [
+                h.prefill(engine, session, 0, inputs),
+                h.decode(engine, session, 3, step),
+            ]
+            if caps.features.batched_decode and caps.shard.takes_tokens:
+                batch = engine.decode_batch(
+                    DecodeBatchRequest(
+                        request_id=h.request_id(),
+                        items=(
+                            DecodeRequest(
+                                request_id=h.request_id(),
+                                session=session,
+                                pos=4,
+                                inputs=TokenInput(token_ids=(2,)),
+                            ),
+                        ),
+                    )
+                )
+                for outcome in batch.items:
+                    assert not isinstance(outcome, ErrorInfo), outcome
+                    results.append(h.observe(outcome))
+            for result in results:
+                assert result.evidence == caps.evidence, (
+                    f"{type(result).__name__} says evidence {result.evidence!r}; capabilities "
+                    f"of {caps.role} shard say {caps.evidence!r}"
+                )
+
+    def test_health_metrics_consistent(self) -> None:
+        """Health and metrics agree with the operations performed: request counts (failed
+        ones included), prefill/decode token counts (successful ones only), errors by code,
+        sessions, KV positions used, releases and tombstones.
+
+        Fix: count in the shared ledger (EngineCore does) and report the counters as they
+        are; do not count tokens of failed or cancelled requests."""
+        h = self.harness
+        engine = h.load()
+        assert engine.metrics().requests == 0
+        a, b = h.session("a"), h.session("b", epoch=2)
+        h.prefill(engine, a, 0, h.tokens(5, seed=1))
+        h.decode(engine, a, 5, (1,))
+        h.prefill(engine, b, 0, h.tokens(3, seed=2))
+        _raises(CacheMiss, lambda: h.decode(engine, b, 7, (1,)), "decode at a wrong position")
+        _raises(
+            StaleEpoch,
+            lambda: h.prefill(engine, h.session("b", epoch=1), 0, (1,)),
+            "prefill with an older epoch",
+        )
+        metrics = engine.metrics()
+        health = engine.health()
+        expected = {
+            "requests": 5,
+            "prefill_requests": 3,
+            "decode_requests": 2,
+            "prefill_tokens": 8,
+            "decode_tokens": 1,
+            "sessions_active": 2,
+            "kv_used_tokens": 9,
+        }
+        observed = {name: getattr(metrics, name) for name in expected}
+        assert observed == expected, f"metrics {observed} != expected {expected}"
+        assert metrics.errors == {"cache_miss": 1, "stale_epoch": 1}, (
+            f"metrics.errors {metrics.errors} != {{'cache_miss': 1, 'stale_epoch': 1}}"
+        )
+        assert (health.sessions, health.kv_used_tokens, health.in_flight) == (2, 9, 0), (
+            f"health: sessions {health.sessions}, kv {health.kv_used_tokens}, "
+            f"in flight {health.in_flight} (expected 2, 9, 0)"
+        )
+        h.release(engine, b)
+        metrics = engine.metrics()
+        assert (metrics.releases, metrics.sessions_active, metrics.kv_used_tokens) == (1, 1, 6)
+        assert metrics.tombstones >= 1
+        assert engine.health().kv_used_tokens == 6
+
+
+def _check_pinned() -> None:
+    defined = sorted(name for name in vars(ShardEngineConformance) if name.startswith("test_"))
+    if tuple(defined) != STANDARD_TESTS:
+        raise RuntimeError(
+            f"ShardEngineConformance defines {defined}, STANDARD_TESTS pins {STANDARD_TESTS}"
+        )
+    for name in defined:
+        if not getattr(ShardEngineConformance, name).__doc__:
+            raise RuntimeError(f"standard test {name} has no docstring")
+
+
+_check_pinned()

@@ -1,0 +1,303 @@
+"""The helpers the standard tests are written with: load engines for layer ranges, make
+requests with unique ids, run pipelines of shards, compare outputs by the engine's declared
+determinism, and cancel from another thread."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._hookspecs import ModelFixture
+from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._types import (
+    BoundaryBundle,
+    BoundaryResult,
+    CancelRequest,
+    CancelResult,
+    Capabilities,
+    DecodeRequest,
+    LoadConfig,
+    LogitsMode,
+    LogitsResult,
+    OptionValue,
+    PrefillRequest,
+    ReleaseRequest,
+    ReleaseResult,
+    SessionRef,
+    ShardInput,
+    ShardResult,
+    TokenInput,
+)
+from shard_engine_api.conformance._recorder import SuiteRecord
+
+__all__ = ["Canceller", "EngineUnderTest", "Harness", "assert_matches", "split_ranges"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUnderTest:
+    """What one suite class runs against: a factory of new unloaded engines, the model
+    fixture they load, and the record the report is built from."""
+
+    name: str
+    fixture: ModelFixture
+    factory: Callable[[], ShardEngine]
+    record: SuiteRecord
+    cancel_load_options: Mapping[str, OptionValue]
+
+
+def split_ranges(n_layers: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous layer ranges covering ``[0, n_layers)``, the first ones one layer
+    shorter when it does not divide (uneven splits are the interesting ones)."""
+    base, extra = divmod(n_layers, parts)
+    sizes = [base] * (parts - extra) + [base + 1] * extra
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def assert_matches(
+    actual: npt.NDArray[np.floating],
+    expected: npt.NDArray[np.floating],
+    *,
+    exact: bool,
+    tolerance: float,
+    what: str,
+) -> None:
+    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
+    if exact:
+        if actual.tobytes() != expected.tobytes():
+            difference = float(np.max(np.abs(actual.astype(np.float64) - expected)))
+            raise AssertionError(
+                f"{what}: not bit-identical although the engine declares exactness "
+                f"(max |difference| = {difference:.3g})"
+            )
+        return
+    difference = float(np.max(np.abs(actual.astype(np.float64) - expected)))
+    if not difference <= tolerance:
+        raise AssertionError(
+            f"{what}: max |difference| = {difference:.3g} exceeds the declared tolerance "
+            f"{tolerance:.3g}"
+        )
+
+
+class Harness:
+    """Per-test helper: every engine it loads is closed when the test ends."""
+
+    def __init__(self, target: EngineUnderTest, test_name: str) -> None:
+        self.target = target
+        self.fixture = target.fixture
+        self.record = target.record
+        self._test_name = test_name
+        self._engines: list[ShardEngine] = []
+        self._ids = itertools.count()
+        self._vocab_size: int | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return self.fixture.n_layers
+
+    # ----------------------------------------------------------------- engines
+
+    def config(self, start: int = 0, end: int | None = None, **overrides: object) -> LoadConfig:
+        return self.fixture.config(start, end, **overrides)
+
+    def new_engine(self) -> ShardEngine:
+        """A new, unloaded engine (closed at the end of the test)."""
+        engine = self.target.factory()
+        self._engines.append(engine)
+        return engine
+
+    def load(self, start: int = 0, end: int | None = None, **overrides: object) -> ShardEngine:
+        """A new engine loaded with layers ``[start, end)`` of the fixture model."""
+        engine = self.new_engine()
+        config = self.config(start, end, **overrides)
+        caps = engine.load(config)
+        self.note_capabilities(caps)
+        self.record.add_shard(config.shard)
+        return engine
+
+    def note_capabilities(self, caps: Capabilities) -> None:
+        record = self.record
+        with record.lock:
+            record.capability_evidence.add(caps.evidence)
+            record.engine_version = caps.engine_version
+            record.contract_version = caps.contract_version
+        if self._vocab_size is None:
+            self._vocab_size = caps.vocab_size
+
+    def load_pipeline(self, parts: int, **overrides: object) -> list[ShardEngine]:
+        return [
+            self.load(start, end, **overrides) for start, end in split_ranges(self.n_layers, parts)
+        ]
+
+    def close_all(self) -> None:
+        for engine in self._engines:
+            engine.close()
+        self._engines.clear()
+
+    # ----------------------------------------------------------------- requests
+
+    def request_id(self) -> str:
+        return f"conformance-{self._test_name}-{next(self._ids)}"
+
+    def session(self, name: str, epoch: int = 1) -> SessionRef:
+        return SessionRef(session_id=f"{self._test_name}-{name}", epoch=epoch)
+
+    def tokens(self, n: int, seed: int) -> tuple[int, ...]:
+        """``n`` token ids in the fixture's vocabulary, a different sequence for each seed."""
+        if self._vocab_size is None:
+            raise RuntimeError("load an engine before asking for tokens")
+        vocab = self._vocab_size
+        return tuple((seed * 7919 + index * 104729 + 17) % vocab for index in range(n))
+
+    def observe(self, result: ShardResult) -> ShardResult:
+        """Every result the suite sees feeds the report's evidence class."""
+        self.record.add_result_evidence(result.evidence)
+        return result
+
+    def prefill(
+        self,
+        engine: ShardEngine,
+        session: SessionRef,
+        start_pos: int,
+        inputs: ShardInput | Sequence[int],
+        *,
+        logits: LogitsMode = "last",
+        request_id: str | None = None,
+    ) -> ShardResult:
+        request = PrefillRequest(
+            request_id=self.request_id() if request_id is None else request_id,
+            session=session,
+            start_pos=start_pos,
+            inputs=_as_input(inputs),
+            logits=logits,
+        )
+        return self.observe(engine.prefill(request))
+
+    def decode(
+        self, engine: ShardEngine, session: SessionRef, pos: int, inputs: ShardInput | Sequence[int]
+    ) -> ShardResult:
+        request = DecodeRequest(
+            request_id=self.request_id(), session=session, pos=pos, inputs=_as_input(inputs)
+        )
+        return self.observe(engine.decode(request))
+
+    def release(self, engine: ShardEngine, session: SessionRef) -> ReleaseResult:
+        return engine.release(ReleaseRequest(session=session))
+
+    # ----------------------------------------------------------------- pipelines
+
+    def pipeline_prefill(
+        self,
+        engines: Sequence[ShardEngine],
+        session: SessionRef,
+        start_pos: int,
+        tokens: Sequence[int],
+        *,
+        logits: LogitsMode = "last",
+    ) -> LogitsResult:
+        """Tokens into the first shard, each bundle into the next; the last shard's logits."""
+        inputs: ShardInput = TokenInput(token_ids=tuple(tokens))
+        for engine in engines[:-1]:
+            inputs = bundle_of(self.prefill(engine, session, start_pos, inputs))
+        return logits_of(self.prefill(engines[-1], session, start_pos, inputs, logits=logits))
+
+    def pipeline_decode(
+        self, engines: Sequence[ShardEngine], session: SessionRef, pos: int, token: int
+    ) -> LogitsResult:
+        inputs: ShardInput = TokenInput(token_ids=(token,))
+        for engine in engines[:-1]:
+            inputs = bundle_of(self.decode(engine, session, pos, inputs))
+        return logits_of(self.decode(engines[-1], session, pos, inputs))
+
+    def head_bundle(
+        self, head: ShardEngine, session: SessionRef, start_pos: int, tokens: Sequence[int]
+    ) -> BoundaryBundle:
+        return bundle_of(self.prefill(head, session, start_pos, tokens))
+
+
+class Canceller(threading.Thread):
+    """Cancels from another thread: waits until the engine has work in flight, sleeps
+    ``delay`` seconds (so the cancel can land mid-computation rather than before it), then
+    repeats ``cancel`` until the engine reports a cancelled request or ``stop`` is called."""
+
+    def __init__(self, engine: ShardEngine, request: CancelRequest, delay: float) -> None:
+        super().__init__(name="conformance-canceller", daemon=True)
+        self._engine = engine
+        self._request = request
+        self._delay = delay
+        self._done = threading.Event()
+        self.result: CancelResult | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            deadline = time.monotonic() + 10.0
+            while (
+                not self._done.is_set()
+                and self._engine.health().in_flight == 0
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0)
+            if self._delay:
+                time.sleep(self._delay)
+            while not self._done.is_set():
+                result = self._engine.cancel(self._request)
+                if result.cancelled:
+                    self.result = result
+                    return
+                time.sleep(0)
+        except BaseException as error:  # noqa: BLE001 - re-raised by the test thread
+            self.error = error
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=10.0)
+
+
+def _as_input(inputs: ShardInput | Sequence[int]) -> ShardInput:
+    if isinstance(inputs, TokenInput | BoundaryBundle):
+        return inputs
+    return TokenInput(token_ids=tuple(inputs))
+
+
+def bundle_of(result: ShardResult) -> BoundaryBundle:
+    if not isinstance(result, BoundaryResult):
+        raise AssertionError(f"expected a BoundaryResult from a non-tail shard, got {result!r}")
+    return result.bundle
+
+
+def logits_of(result: ShardResult) -> LogitsResult:
+    if not isinstance(result, LogitsResult):
+        raise AssertionError(
+            f"expected a LogitsResult from a tail/full shard, got {type(result).__name__}"
+        )
+    return result
+
+
+def logits_array(result: ShardResult) -> npt.NDArray[np.float32]:
+    return np.array(logits_of(result).array())
+
+
+def replace_bundle(bundle: BoundaryBundle, **changes: object) -> BoundaryBundle:
+    """A copy of ``bundle`` with header fields changed (checksum left as it was)."""
+    return msgspec.structs.replace(bundle, **changes)
+
+
+def rebuilt_bundle(bundle: BoundaryBundle, **changes: object) -> BoundaryBundle:
+    """A copy with changed fields and a checksum that matches the (possibly new) payload."""
+    changed = msgspec.structs.replace(bundle, **changes)
+    return msgspec.structs.replace(changed, checksum=payload_checksum(changed.payload))

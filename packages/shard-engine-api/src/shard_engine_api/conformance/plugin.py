@@ -1,0 +1,281 @@
+"""The conformance pytest plugin (registered as the ``shard_engine`` pytest11 entry point).
+
+It is inactive unless ``--shard-engine NAME`` is given. Then the standard suite
+(:mod:`shard_engine_api.conformance.suite`) is collected against the engine of that name,
+found through its ``shard_engine`` entry point, on the model fixture its
+``shard_engine_model_fixture`` hook generates into a temporary directory::
+
+    pytest --shard-engine fake
+    pytest --shard-engine fake --shard-engine-report conformance-fake.json
+    pytest --shard-engine fake --pyargs shard_engine_api.conformance.suite
+    pytest -p shard_engine_api.conformance.plugin --shard-engine fake   # autoload disabled
+
+With no test paths only the suite runs; with test paths the suite is added to them (unless one
+of them already names it).
+
+Options:
+
+``--shard-engine NAME``
+    The engine to run the standard suite against.
+``--shard-engine-report PATH``
+    Write a JSON :class:`~shard_engine_api.conformance.ConformanceReport` at session end
+    (default: none). It covers every conformance suite class that ran, with or without
+    ``--shard-engine``; when several classes (engines) ran, one file per class is written,
+    named ``<stem>-<class><suffix>``.
+
+A report says ``"certification": "real-model"`` only when the engine registered ``real``
+evidence, every capabilities object and every result said ``real``, every standard test ran and
+none failed; a fixture engine's passing run is ``"fixture-only"``, any failure ``"failed"``.
+
+PYTEST_DONT_REWRITE: this module asserts nothing worth rewriting, and ``-p`` naming it after an
+import (``shard-engine conformance`` imports it) would otherwise warn that it cannot be.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import re
+import sys
+from collections.abc import Generator
+from pathlib import Path
+from typing import Final
+
+import msgspec
+import pluggy
+import pytest
+
+from shard_engine_api.conformance._base import STANDARD_TESTS, ShardEngineConformance
+from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder, SuiteRecord, TestRecord
+from shard_engine_api.conformance._report import (
+    ConformanceReport,
+    OverrideRecord,
+    Totals,
+    certify,
+    current_environment,
+)
+
+__all__ = ["SUITE_MODULE", "build_reports"]
+
+SUITE_MODULE: Final = "shard_engine_api.conformance.suite"
+_ENTRY_POINT_NAME: Final = "shard_engine"
+_REPORTS_KEY = pytest.StashKey[list[tuple[Path | None, ConformanceReport]]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shard-engine", "shard-engine conformance suite")
+    group.addoption(
+        "--shard-engine",
+        metavar="NAME",
+        default=None,
+        help="run the shard-engine conformance suite against the installed engine NAME",
+    )
+    group.addoption(
+        "--shard-engine-report",
+        metavar="PATH",
+        default=None,
+        help="write the conformance report (JSON) to PATH at the end of the session",
+    )
+
+
+def pytest_plugin_registered(
+    plugin: object, plugin_name: str, manager: pluggy.PluginManager
+) -> None:
+    # `-p shard_engine_api.conformance.plugin` registers this module under its module name
+    # before entry points load; the pytest11 entry point would then register the same module
+    # as "shard_engine" and pluggy refuses one module under two names. Block that name.
+    if (
+        plugin is sys.modules[__name__]
+        and plugin_name != _ENTRY_POINT_NAME
+        and manager.get_plugin(_ENTRY_POINT_NAME) is None
+    ):
+        manager.set_blocked(_ENTRY_POINT_NAME)
+
+
+def _suite_path() -> Path:
+    spec = importlib.util.find_spec(SUITE_MODULE)
+    assert spec is not None
+    assert spec.origin is not None
+    return Path(spec.origin).resolve()
+
+
+def _names_suite(argument: str, suite_path: Path) -> bool:
+    target = argument.split("::", 1)[0]
+    if target == SUITE_MODULE:
+        return True
+    try:
+        return Path(target).resolve() == suite_path
+    except OSError:
+        return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[RECORDER_KEY] = Recorder()
+    if not config.getoption("shard_engine"):
+        return
+    suite_path = _suite_path()
+    target = SUITE_MODULE if config.option.pyargs else str(suite_path)
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args = [target]
+    elif not any(_names_suite(argument, suite_path) for argument in config.args):
+        config.args.append(target)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    recorder = session.config.stash.get(RECORDER_KEY, None)
+    if recorder is None:
+        return
+    selected = session.config.getoption("shard_engine")
+    for item in session.items:
+        cls = getattr(item, "cls", None)
+        if cls is None or not issubclass(cls, ShardEngineConformance):
+            continue
+        parent = item.getparent(pytest.Class)
+        suite = parent.nodeid if parent is not None else cls.__qualname__
+        recorder.suite_of[item.nodeid] = suite
+        record = recorder.suite(suite)
+        record.label = f"{cls.__module__}.{cls.__qualname__}"
+        record.engine = cls.engine_name or selected or record.engine
+        record.overrides = dict(cls.conformance_overrides)
+        record.nodeids.append(item.nodeid)
+        record.test_names[item.nodeid] = getattr(item, "originalname", None) or item.name
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr or "")
+
+
+def _failure_message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = getattr(crash, "message", None)
+    if message:
+        return str(message)
+    lines = report.longreprtext.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    recorder = item.config.stash.get(RECORDER_KEY, None)
+    if recorder is None or item.nodeid not in recorder.suite_of:
+        return report
+    record = recorder.tests.get(item.nodeid)
+    if record is None:
+        suite = recorder.suites[recorder.suite_of[item.nodeid]]
+        record = recorder.tests[item.nodeid] = TestRecord(
+            nodeid=item.nodeid, name=suite.test_names.get(item.nodeid, item.name)
+        )
+    record.duration_s += report.duration
+    if report.failed:
+        if record.outcome not in ("failed", "error"):
+            record.outcome = "failed" if report.when == "call" else "error"
+            record.message = _failure_message(report)
+    elif report.skipped and record.outcome == "passed":
+        record.outcome = "skipped"
+        record.skip_reason = _skip_reason(report)
+    return report
+
+
+def _totals(results: list[TestRecord]) -> Totals:
+    outcomes = [result.outcome for result in results]
+    return Totals(
+        total=len(outcomes),
+        passed=outcomes.count("passed"),
+        failed=outcomes.count("failed"),
+        skipped=outcomes.count("skipped"),
+        errors=outcomes.count("error"),
+    )
+
+
+def _report_of(record: SuiteRecord, recorder: Recorder, config: pytest.Config) -> ConformanceReport:
+    results = [recorder.tests[nodeid] for nodeid in record.nodeids if nodeid in recorder.tests]
+    totals = _totals(results)
+    ran = {result.name for result in results}
+    missing = tuple(name for name in STANDARD_TESTS if name not in ran)
+    sources = {
+        "spec": tuple(record.spec_evidence),
+        "capabilities": tuple(sorted(record.capability_evidence)),
+        "results": tuple(sorted(record.result_evidence)),
+    }
+    evidence, certification = certify(
+        totals=totals, evidence_sources=sources, missing_standard_tests=missing
+    )
+    return ConformanceReport(
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        suite=record.label or record.suite,
+        engine=record.engine,
+        engine_version=record.engine_version,
+        distributions=dict(sorted(record.distributions.items())),
+        contract_version=record.contract_version,
+        evidence=evidence,
+        evidence_sources=sources,
+        certification=certification,
+        model=record.model,
+        shards=tuple(sorted(record.shards, key=lambda shard: (shard.start, shard.end))),
+        environment=current_environment(pytest.__version__),
+        tests=tuple(result.freeze() for result in results),
+        totals=totals,
+        missing_standard_tests=missing,
+        overrides=tuple(
+            OverrideRecord(test=name, reason=reason)
+            for name, reason in sorted(record.overrides.items())
+        ),
+    )
+
+
+def build_reports(config: pytest.Config) -> list[ConformanceReport]:
+    """The reports of every conformance suite class that ran in this session."""
+    recorder = config.stash.get(RECORDER_KEY, None)
+    if recorder is None:
+        return []
+    return [
+        _report_of(record, recorder, config)
+        for record in recorder.suites.values()
+        if any(nodeid in recorder.tests for nodeid in record.nodeids)
+    ]
+
+
+def _report_paths(path: Path, reports: list[ConformanceReport]) -> list[Path]:
+    if len(reports) == 1:
+        return [path]
+    return [
+        path.with_name(f"{path.stem}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', report.suite)}{path.suffix}")
+        for report in reports
+    ]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    reports = build_reports(config)
+    option = config.getoption("shard_engine_report")
+    written: list[tuple[Path | None, ConformanceReport]] = []
+    if option and reports:
+        for path, report in zip(_report_paths(Path(option), reports), reports, strict=True):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
+            written.append((path, report))
+    else:
+        written = [(None, report) for report in reports]
+    config.stash[_REPORTS_KEY] = written
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    for path, report in config.stash.get(_REPORTS_KEY, []):
+        totals = report.totals
+        line = (
+            f"shard-engine conformance: engine {report.engine!r} ({report.suite}): "
+            f"{totals.passed} passed, {totals.failed} failed, {totals.errors} errors, "
+            f"{totals.skipped} skipped; evidence {report.evidence}; "
+            f"certification {report.certification}"
+        )
+        if path is not None:
+            line += f"; report {path}"
+        terminalreporter.write_line(line)

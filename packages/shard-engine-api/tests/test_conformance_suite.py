@@ -1,0 +1,488 @@
+"""The conformance suite itself: it passes on a correct engine, fails on each broken engine
+with the expected test, guards its standard tests, and reports evidence honestly.
+
+Each suite run is an in-process pytest session (``pytester``) on a generated test module that
+subclasses ShardEngineConformance for one engine of ``conformance_engines``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Final
+
+import msgspec
+import pluggy
+import pytest
+from conformance_engines import BROKEN_ENGINES, ReferencePlugin
+
+from shard_engine_api import EvidenceClass, get_plugin_manager
+from shard_engine_api.conformance import (
+    STANDARD_TESTS,
+    ConformanceReport,
+    ShardEngineConformance,
+    Totals,
+    conformance_override,
+    pytest_arguments,
+)
+from shard_engine_api.conformance._report import certify, model_report
+
+pytest_plugins = ["pytester"]
+
+TESTS_DIR: Final = Path(__file__).parent
+
+PINNED_STANDARD_TESTS: Final = (
+    "test_batched_decode_item_errors",
+    "test_batched_decode_matches_single",
+    "test_cache_miss_decode_position",
+    "test_cache_miss_prefill_gap",
+    "test_cache_miss_unknown_session",
+    "test_cancel_rolls_back",
+    "test_cancel_unknown_or_finished",
+    "test_capabilities_fields",
+    "test_checksum_mismatch",
+    "test_chunked_prefill",
+    "test_contract_version_mismatch",
+    "test_decode_consistency",
+    "test_deterministic",
+    "test_evidence_class",
+    "test_failed_request_is_atomic",
+    "test_health_metrics_consistent",
+    "test_health_states",
+    "test_invalid_request_bad_token_ids",
+    "test_invalid_request_empty_request_id",
+    "test_invalid_request_malformed_bundle",
+    "test_load_twice_rejected",
+    "test_lru_eviction",
+    "test_not_ready_after_close",
+    "test_not_ready_before_load",
+    "test_release_tombstone",
+    "test_release_unknown_session",
+    "test_reserved_hooks_present_but_disabled",
+    "test_resource_exhausted_kv_budget",
+    "test_resource_exhausted_session_slots",
+    "test_result_fields",
+    "test_role_derived_from_shard",
+    "test_session_isolation",
+    "test_shard_mismatch",
+    "test_split_invariance_three_way",
+    "test_split_invariance_two_way",
+    "test_stale_epoch",
+    "test_truncate",
+    "test_unsupported_feature_on_bundles",
+    "test_unsupported_feature_on_requests",
+    "test_wrong_role_bundle_to_token_shard",
+    "test_wrong_role_tokens_to_bundle_shard",
+)
+
+SUITE_MODULE_TEMPLATE: Final = """
+from pathlib import Path
+
+from conformance_engines import CANCEL_OPTIONS, reference_fixture
+from conformance_engines import {engine} as Engine
+from shard_engine_api import ModelFixture, ShardEngine
+from shard_engine_api.conformance import ShardEngineConformance, conformance_override
+
+
+class TestEngine(ShardEngineConformance):
+    engine_name = "reference"
+    cancel_load_options = CANCEL_OPTIONS
+
+    @classmethod
+    def make_engine(cls, name: str) -> ShardEngine:
+        return Engine()
+
+    @classmethod
+    def model_fixture(cls, name: str, workdir: Path) -> ModelFixture:
+        return reference_fixture(workdir, evidence="{evidence}")
+{body}
+"""
+
+INNER_OPTIONS: Final = (
+    "-W",
+    "error",
+    # Third-party plugins cost ~0.5 s per in-process session (hypothesis) and play no part here.
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:hypothesispytest",
+    "-p",
+    "no:benchmark",
+)
+
+
+def _outcomes(recorder: pytest.HookRecorder) -> dict[str, str]:
+    """Test name -> passed / failed / skipped / error, folding setup, call and teardown."""
+    outcomes: dict[str, str] = {}
+    for report in recorder.getreports("pytest_runtest_logreport"):
+        name = report.nodeid.rsplit("::", 1)[-1]
+        if report.failed:
+            outcomes[name] = "failed" if report.when == "call" else "error"
+        elif report.skipped:
+            outcomes.setdefault(name, "skipped")
+        elif report.when == "call":
+            outcomes.setdefault(name, "passed")
+    return outcomes
+
+
+def _write_suite(
+    pytester: pytest.Pytester,
+    engine: str = "ReferenceEngine",
+    *,
+    evidence: EvidenceClass = "fixture",
+    body: str = "",
+) -> Path:
+    pytester.syspathinsert(TESTS_DIR)
+    return pytester.makepyfile(
+        test_engine_suite=SUITE_MODULE_TEMPLATE.format(engine=engine, evidence=evidence, body=body)
+    )
+
+
+def _read_report(path: Path) -> ConformanceReport:
+    return msgspec.json.decode(path.read_bytes(), type=ConformanceReport)
+
+
+def _use_plugin_manager(monkeypatch: pytest.MonkeyPatch, plugin: ReferencePlugin) -> None:
+    """Make the suite find engines through a manager holding ``plugin`` (no entry point)."""
+    manager = get_plugin_manager(entry_points=False, plugins=[(plugin.name, plugin)])
+
+    def plugin_manager(cls: type[ShardEngineConformance]) -> pluggy.PluginManager:
+        return manager
+
+    monkeypatch.setattr(ShardEngineConformance, "plugin_manager", classmethod(plugin_manager))
+
+
+# --------------------------------------------------------------------- the suite's shape
+
+
+def test_standard_tests_are_pinned() -> None:
+    defined = sorted(name for name in vars(ShardEngineConformance) if name.startswith("test_"))
+    assert tuple(defined) == STANDARD_TESTS == PINNED_STANDARD_TESTS
+
+
+def test_every_standard_test_says_what_it_checks_and_how_to_fix_it() -> None:
+    for name in STANDARD_TESTS:
+        doc = getattr(ShardEngineConformance, name).__doc__ or ""
+        checked, _, fix = doc.partition("Fix:")
+        assert len(checked.strip()) > 20, f"{name} does not say what it checks"
+        assert fix.strip(), f"{name} does not say how to fix a failure"
+
+
+def test_override_without_marker_is_refused() -> None:
+    with pytest.raises(TypeError, match="test_stale_epoch replaces a standard conformance test"):
+
+        class TestSilentOverride(ShardEngineConformance):  # pragma: no cover - never created
+            engine_name = "x"
+
+            def test_stale_epoch(self) -> None:
+                pass
+
+
+def test_deleting_a_standard_test_is_refused() -> None:
+    with pytest.raises(TypeError, match="may not be deleted or silently overridden"):
+
+        class TestDeleted(ShardEngineConformance):  # pragma: no cover - never created
+            test_truncate = None  # type: ignore[assignment]  # the deletion under test
+
+
+def test_marked_override_is_recorded_and_inherited() -> None:
+    class TestMarked(ShardEngineConformance):
+        engine_name = "x"
+
+        @conformance_override(reason="engine has no truncation yet")
+        def test_truncate(self) -> None:
+            pytest.skip("no truncation")
+
+    class TestChild(TestMarked):
+        pass
+
+    assert TestMarked.conformance_overrides == {"test_truncate": "engine has no truncation yet"}
+    assert TestChild.conformance_overrides == TestMarked.conformance_overrides
+    assert ShardEngineConformance.conformance_overrides == {}
+
+
+def test_override_reason_is_required() -> None:
+    with pytest.raises(ValueError, match="non-empty reason"):
+        conformance_override(reason=" ")
+
+
+# --------------------------------------------------------------------- suite runs
+
+
+def test_reference_engine_passes_every_standard_test(pytester: pytest.Pytester) -> None:
+    _write_suite(pytester)
+    outcomes = _outcomes(pytester.inline_run(*INNER_OPTIONS))
+    assert outcomes == dict.fromkeys(STANDARD_TESTS, "passed")
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_ENGINES))
+def test_broken_engine_fails_the_expected_tests(pytester: pytest.Pytester, broken: str) -> None:
+    engine, expected = BROKEN_ENGINES[broken]
+    _write_suite(pytester, engine.__name__)
+    outcomes = _outcomes(pytester.inline_run(*INNER_OPTIONS))
+    failed = sorted(name for name, outcome in outcomes.items() if outcome != "passed")
+    assert failed == sorted(expected), f"{engine.__name__}: {outcomes}"
+
+
+def test_report_of_a_fixture_engine_is_fixture_only(pytester: pytest.Pytester) -> None:
+    body = """
+    @conformance_override(reason="covered by the engine's own eviction tests")
+    def test_lru_eviction(self) -> None:
+        pass
+"""
+    _write_suite(pytester, body=body)
+    report_path = pytester.path / "out" / "report.json"
+    pytester.inline_run(*INNER_OPTIONS, f"--shard-engine-report={report_path}")
+    report = _read_report(report_path)
+    assert report.engine == "reference"
+    assert report.engine_version == "0.0-test"
+    assert report.evidence == "fixture"
+    assert report.certification == "fixture-only"
+    assert report.contract_version == 1
+    assert report.totals == Totals(total=41, passed=41)
+    assert report.missing_standard_tests == ()
+    assert [(o.test, o.reason) for o in report.overrides] == [
+        ("test_lru_eviction", "covered by the engine's own eviction tests")
+    ]
+    assert report.model is not None
+    assert report.model.hashed == "file"
+    model_bytes = Path(report.model.reference).read_bytes()
+    assert report.model.sha256 == hashlib.sha256(model_bytes).hexdigest()
+    assert {(shard.start, shard.end) for shard in report.shards} >= {
+        (0, 4),
+        (0, 2),
+        (2, 4),
+        (0, 1),
+        (1, 2),
+    }
+    assert report.distributions["shard-engine-api"] == "0.1.0"
+    assert report.environment.cpu_count >= 1
+    assert report.environment.python
+    assert {test.name for test in report.tests} == set(STANDARD_TESTS)
+
+
+def test_failing_run_is_reported_failed(pytester: pytest.Pytester) -> None:
+    _write_suite(pytester, "DecodeIgnoresHistory")
+    report_path = pytester.path / "report.json"
+    pytester.inline_run(*INNER_OPTIONS, f"--shard-engine-report={report_path}")
+    report = _read_report(report_path)
+    assert report.certification == "failed"
+    [failed] = [test for test in report.tests if test.outcome == "failed"]
+    assert failed.name == "test_decode_consistency"
+    assert failed.message
+
+
+def test_unregistered_engine_claiming_real_is_not_certified(pytester: pytest.Pytester) -> None:
+    """An engine supplied without an entry point has no registered evidence class: even a
+    consistent "real" claim gives no real-model certification."""
+    _write_suite(pytester, evidence="real")
+    report_path = pytester.path / "report.json"
+    outcomes = _outcomes(
+        pytester.inline_run(*INNER_OPTIONS, f"--shard-engine-report={report_path}")
+    )
+    assert set(outcomes.values()) == {"passed"}
+    report = _read_report(report_path)
+    assert report.evidence_sources["results"] == ("real",)
+    assert report.evidence == "fixture"
+    assert report.certification == "fixture-only"
+
+
+def test_suite_is_skipped_without_an_engine(pytester: pytest.Pytester) -> None:
+    outcomes = _outcomes(
+        pytester.inline_run(*INNER_OPTIONS, "--pyargs", "shard_engine_api.conformance.suite")
+    )
+    assert outcomes == dict.fromkeys(STANDARD_TESTS, "skipped")
+
+
+# --------------------------------------------------------------------- --shard-engine NAME
+
+
+def _run_selected(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    plugin: ReferencePlugin,
+    *arguments: str,
+) -> tuple[dict[str, str], ConformanceReport]:
+    _use_plugin_manager(monkeypatch, plugin)
+    report_path = pytester.path / "report.json"
+    recorder = pytester.inline_run(
+        *INNER_OPTIONS, *pytest_arguments(plugin.name, str(report_path)), *arguments
+    )
+    return _outcomes(recorder), _read_report(report_path)
+
+
+def test_shard_engine_option_runs_the_suite_with_no_paths(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcomes, report = _run_selected(pytester, monkeypatch, ReferencePlugin())
+    assert outcomes == dict.fromkeys(STANDARD_TESTS, "passed")
+    assert report.suite == "shard_engine_api.conformance.suite.TestShardEngine"
+    assert report.evidence_sources["spec"] == ("fixture",)
+    assert report.certification == "fixture-only"
+
+
+def test_shard_engine_option_with_pyargs(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcomes, _ = _run_selected(
+        pytester,
+        monkeypatch,
+        ReferencePlugin(),
+        "--pyargs",
+        "shard_engine_api.conformance.suite",
+        "-k",
+        "split_invariance",
+    )
+    assert outcomes == {
+        "test_split_invariance_three_way": "passed",
+        "test_split_invariance_two_way": "passed",
+    }
+
+
+def test_shard_engine_option_adds_the_suite_to_given_paths(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_other="def test_other() -> None:\n    pass\n")
+    outcomes, _ = _run_selected(pytester, monkeypatch, ReferencePlugin(), "test_other.py")
+    assert outcomes["test_other"] == "passed"
+    assert len(outcomes) == len(STANDARD_TESTS) + 1
+
+
+def test_registered_real_engine_can_certify(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only way to "real-model": registered real, capabilities real, results real, every
+    standard test run and passed."""
+    outcomes, report = _run_selected(pytester, monkeypatch, ReferencePlugin(evidence="real"))
+    assert set(outcomes.values()) == {"passed"}
+    assert report.evidence == "real"
+    assert report.certification == "real-model"
+
+
+def test_deselected_tests_prevent_certification(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, report = _run_selected(
+        pytester, monkeypatch, ReferencePlugin(evidence="real"), "-k", "not test_truncate"
+    )
+    assert report.missing_standard_tests == ("test_truncate",)
+    assert report.certification == "fixture-only"
+
+
+def test_registered_fixture_engine_claiming_real_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcomes, report = _run_selected(
+        pytester, monkeypatch, ReferencePlugin(evidence="fixture", engine_evidence="real")
+    )
+    assert outcomes["test_evidence_class"] == "failed"
+    assert report.evidence == "fixture"
+    assert report.certification == "failed"
+
+
+def test_plugin_named_with_p_coexists_with_its_entry_point(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-p shard_engine_api.conformance.plugin`` while the pytest11 entry point also loads
+    the module must not register it twice (pluggy would refuse)."""
+    _use_plugin_manager(monkeypatch, ReferencePlugin())
+    result = pytester.runpytest_inprocess(
+        *INNER_OPTIONS,
+        "-p",
+        "shard_engine_api.conformance.plugin",
+        "--shard-engine",
+        "reference",
+        "--collect-only",
+        "-q",
+    )
+    result.assert_outcomes()
+    assert f"{len(STANDARD_TESTS)} tests collected" in result.stdout.str()
+
+
+# --------------------------------------------------------------------- report pieces
+
+
+def test_pytest_arguments() -> None:
+    base = [
+        "-p",
+        "shard_engine_api.conformance.plugin",
+        "--shard-engine",
+        "fake",
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+        "-p",
+        "no:cacheprovider",
+    ]
+    assert pytest_arguments("fake", "r.json", ["-x"]) == [
+        *base,
+        "--shard-engine-report",
+        "r.json",
+        "-x",
+    ]
+    assert pytest_arguments("fake") == base
+
+
+def test_model_report_hashes_files_directories_and_references(tmp_path: Path) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    assert model_report(str(model), description="", n_layers=2).sha256 == (
+        hashlib.sha256(b"weights").hexdigest()
+    )
+    directory = model_report(str(tmp_path), description="", n_layers=2)
+    assert directory.hashed == "directory"
+    assert directory.files == ("model.gguf",)
+    named = model_report("builtin:tiny", description="", n_layers=2)
+    assert named.hashed == "reference"
+    assert named.sha256 == hashlib.sha256(b"builtin:tiny").hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("sources", "totals", "missing", "expected"),
+    [
+        (
+            {"spec": ["real"], "capabilities": ["real"], "results": ["real"]},
+            Totals(total=1, passed=1),
+            (),
+            ("real", "real-model"),
+        ),
+        (
+            {"spec": ["real"], "capabilities": ["real"], "results": ["real", "fixture"]},
+            Totals(total=1, passed=1),
+            (),
+            ("fixture", "fixture-only"),
+        ),
+        (
+            {"spec": [], "capabilities": ["real"], "results": ["real"]},
+            Totals(total=1, passed=1),
+            (),
+            ("fixture", "fixture-only"),
+        ),
+        (
+            {"spec": ["real"], "capabilities": ["real"], "results": ["real"]},
+            Totals(total=1, passed=1),
+            ("test_truncate",),
+            ("real", "fixture-only"),
+        ),
+        (
+            {"spec": ["real"], "capabilities": ["real"], "results": ["real"]},
+            Totals(total=2, passed=1, failed=1),
+            (),
+            ("real", "failed"),
+        ),
+        (
+            {"spec": ["fixture"], "capabilities": ["fixture"], "results": []},
+            Totals(total=1, skipped=1),
+            (),
+            ("fixture", "failed"),
+        ),
+    ],
+)
+def test_certification_rules(
+    sources: dict[str, list[EvidenceClass]],
+    totals: Totals,
+    missing: tuple[str, ...],
+    expected: tuple[str, str],
+) -> None:
+    assert certify(totals=totals, evidence_sources=sources, missing_standard_tests=missing) == (
+        expected
+    )
