@@ -70,6 +70,8 @@ def reference_fixture(
         n_layers=n_layers,
         options={"evidence": evidence} if evidence != "fixture" else {},
         description=f"toy history-dependent model, {n_layers} layers, hidden 8, vocab 32",
+        # Claiming real evidence stands in for a real model in these tests of the report.
+        synthetic=evidence == "fixture",
     )
 
 

@@ -483,6 +483,24 @@ def test_certification_rules(
     missing: tuple[str, ...],
     expected: tuple[str, str],
 ) -> None:
-    assert certify(totals=totals, evidence_sources=sources, missing_standard_tests=missing) == (
-        expected
+    assert (
+        certify(
+            totals=totals,
+            evidence_sources=sources,
+            missing_standard_tests=missing,
+            synthetic_model=False,
+        )
+        == expected
     )
+
+
+def test_real_engine_on_a_generated_model_is_not_a_real_model_certification() -> None:
+    """A real engine passing everything on a synthetic model certifies "synthetic-model"."""
+    sources: dict[str, list[EvidenceClass]] = {
+        "spec": ["real"],
+        "capabilities": ["real"],
+        "results": ["real"],
+    }
+    assert certify(
+        totals=Totals(total=1, passed=1), evidence_sources=sources, missing_standard_tests=()
+    ) == ("real", "synthetic-model")

@@ -296,7 +296,10 @@ class ShardEngineConformance:
         workdir = tmp_path_factory.mktemp(f"model-fixture-{name}")
         fixture = cls.model_fixture(str(name), workdir)
         record.model = model_report(
-            fixture.model, description=fixture.description, n_layers=fixture.n_layers
+            fixture.model,
+            description=fixture.description,
+            n_layers=fixture.n_layers,
+            synthetic=fixture.synthetic,
         )
         return EngineUnderTest(
             name=str(name),

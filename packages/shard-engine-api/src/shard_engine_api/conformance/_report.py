@@ -37,7 +37,7 @@ __all__ = [
 
 REPORT_VERSION: Final = 1
 
-Certification = Literal["real-model", "fixture-only", "failed"]
+Certification = Literal["real-model", "synthetic-model", "fixture-only", "failed"]
 TestOutcome = Literal["passed", "failed", "skipped", "error"]
 
 
@@ -52,6 +52,8 @@ class ModelReport(msgspec.Struct, frozen=True, kw_only=True):
     sha256: str
     hashed: Literal["file", "directory", "reference"]
     files: tuple[str, ...] = ()
+    synthetic: bool = True
+    """A generated or built-in model (ModelFixture.synthetic): never a real-model run."""
 
 
 class EnvironmentReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,7 +123,9 @@ def _sha256_file(path: Path, digest: hashlib._Hash) -> None:
             digest.update(block)
 
 
-def model_report(reference: str, *, description: str, n_layers: int) -> ModelReport:
+def model_report(
+    reference: str, *, description: str, n_layers: int, synthetic: bool = True
+) -> ModelReport:
     """Describe and hash a model reference (see :class:`ModelReport`)."""
     digest = hashlib.sha256()
     path = Path(reference)
@@ -132,6 +136,7 @@ def model_report(reference: str, *, description: str, n_layers: int) -> ModelRep
             reference=reference,
             description=description,
             n_layers=n_layers,
+            synthetic=synthetic,
             sha256=digest.hexdigest(),
             hashed="file",
             files=(path.name,),
@@ -145,6 +150,7 @@ def model_report(reference: str, *, description: str, n_layers: int) -> ModelRep
             reference=reference,
             description=description,
             n_layers=n_layers,
+            synthetic=synthetic,
             sha256=digest.hexdigest(),
             hashed="directory",
             files=tuple(file.relative_to(path).as_posix() for file in files),
@@ -154,6 +160,7 @@ def model_report(reference: str, *, description: str, n_layers: int) -> ModelRep
         reference=reference,
         description=description,
         n_layers=n_layers,
+        synthetic=synthetic,
         sha256=digest.hexdigest(),
         hashed="reference",
     )
@@ -175,12 +182,14 @@ def certify(
     totals: Totals,
     evidence_sources: Mapping[str, Iterable[EvidenceClass]],
     missing_standard_tests: Iterable[str],
+    synthetic_model: bool = True,
 ) -> tuple[EvidenceClass, Certification]:
     """The evidence class of the run and its certification.
 
     The evidence is ``real`` only when there is at least one source and every value of every
     source is ``real``: one ``fixture`` anywhere (the registered spec, a capabilities object, a
-    single result) makes the whole run fixture evidence.
+    single result) makes the whole run fixture evidence. A real engine that passed everything on
+    a generated model is ``synthetic-model``: only a real model makes ``real-model``.
     """
     values = [value for source in evidence_sources.values() for value in source]
     evidence: EvidenceClass = (
@@ -191,5 +200,5 @@ def certify(
     if totals.failed or totals.errors or totals.passed == 0:
         return evidence, "failed"
     if evidence == "real" and not list(missing_standard_tests):
-        return evidence, "real-model"
+        return evidence, "synthetic-model" if synthetic_model else "real-model"
     return evidence, "fixture-only"

@@ -204,7 +204,10 @@ def _report_of(record: SuiteRecord, recorder: Recorder, config: pytest.Config) -
         "results": tuple(sorted(record.result_evidence)),
     }
     evidence, certification = certify(
-        totals=totals, evidence_sources=sources, missing_standard_tests=missing
+        totals=totals,
+        evidence_sources=sources,
+        missing_standard_tests=missing,
+        synthetic_model=record.model.synthetic if record.model is not None else True,
     )
     return ConformanceReport(
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
