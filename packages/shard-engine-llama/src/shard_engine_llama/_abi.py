@@ -594,35 +594,10 @@ class ShardRuntime:
 
     def token_to_piece(self, token: int) -> bytes:
         """The bytes a token stands for (special tokens rendered too)."""
-        buffer = ctypes.create_string_buffer(64)
-        length = int(
-            llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
-        )
-        if length < 0:
-            buffer = ctypes.create_string_buffer(-length)
-            length = int(
-                llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
-            )
-        return buffer.raw[:length]
+        return _token_piece(self._vocab, token, special=True)
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        encoded = text.encode("utf-8")
-        capacity = len(encoded) + 8
-        tokens = (llama_cpp.llama_token * capacity)()
-        count = int(
-            llama_cpp.llama_tokenize(
-                self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
-            )
-        )
-        if count < 0:
-            capacity = -count
-            tokens = (llama_cpp.llama_token * capacity)()
-            count = int(
-                llama_cpp.llama_tokenize(
-                    self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
-                )
-            )
-        return [int(tokens[i]) for i in range(count)]
+        return _tokenize(self._vocab, text, add_special)
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -738,23 +713,7 @@ class Vocabulary:
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of ``text`` (with the model's BOS when ``add_special``)."""
-        encoded = text.encode("utf-8")
-        capacity = len(encoded) + 8
-        tokens = (llama_cpp.llama_token * capacity)()
-        count = int(
-            llama_cpp.llama_tokenize(
-                self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
-            )
-        )
-        if count < 0:
-            capacity = -count
-            tokens = (llama_cpp.llama_token * capacity)()
-            count = int(
-                llama_cpp.llama_tokenize(
-                    self._vocab, encoded, len(encoded), tokens, capacity, add_special, False
-                )
-            )
-        return [int(tokens[i]) for i in range(count)]
+        return _tokenize(self._vocab, text, add_special)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (invalid UTF-8 replaced)."""
@@ -762,18 +721,7 @@ class Vocabulary:
         for token in token_ids:
             if not 0 <= token < self.n_vocab:
                 raise InvalidInputError(f"token {token} outside the vocabulary of {self.n_vocab}")
-            buffer = ctypes.create_string_buffer(64)
-            length = int(
-                llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, False)
-            )
-            if length < 0:
-                buffer = ctypes.create_string_buffer(-length)
-                length = int(
-                    llama_cpp.llama_token_to_piece(
-                        self._vocab, token, buffer, len(buffer), 0, False
-                    )
-                )
-            pieces.append(buffer.raw[:length])
+            pieces.append(_token_piece(self._vocab, token, special=False))
         return b"".join(pieces).decode("utf-8", errors="replace")
 
     def close(self) -> None:
@@ -785,3 +733,32 @@ class Vocabulary:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _tokenize(vocab: object, text: str, add_special: bool) -> list[int]:
+    """llama_tokenize, retried once with the capacity it asks for."""
+    encoded = text.encode("utf-8")
+    capacity = len(encoded) + 8
+    for _ in range(2):
+        tokens = (llama_cpp.llama_token * capacity)()
+        count = int(
+            llama_cpp.llama_tokenize(
+                vocab, encoded, len(encoded), tokens, capacity, add_special, False
+            )
+        )
+        if count >= 0:
+            return [int(tokens[i]) for i in range(count)]
+        capacity = -count
+    raise InvalidInputError(f"llama_tokenize could not tokenize {len(encoded)} bytes")
+
+
+def _token_piece(vocab: object, token: int, *, special: bool) -> bytes:
+    """llama_token_to_piece, retried once with the size it asks for."""
+    size = 64
+    for _ in range(2):
+        buffer = ctypes.create_string_buffer(size)
+        length = int(llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, special))
+        if length >= 0:
+            return buffer.raw[:length]
+        size = -length
+    raise InvalidInputError(f"llama_token_to_piece failed for token {token}")

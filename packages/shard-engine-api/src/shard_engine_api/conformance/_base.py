@@ -262,31 +262,33 @@ class ShardEngineConformance:
         return True
 
     @pytest.fixture(scope="class")
+    @classmethod
     def conformance_target(
-        self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+        cls, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     ) -> EngineUnderTest:
         """The engine and model fixture of this suite class (built once per class)."""
-        cls = request.cls
-        assert cls is not None
-        assert issubclass(cls, ShardEngineConformance)
-        name = cls.engine_name or request.config.getoption("shard_engine", default=None)
+        # The class the test runs in (a subclass), which is where overrides live.
+        suite = request.cls
+        assert suite is not None
+        assert issubclass(suite, ShardEngineConformance)
+        name = suite.engine_name or request.config.getoption("shard_engine", default=None)
         if not name:
             pytest.skip("no engine selected: pass --shard-engine NAME or set engine_name")
         recorder = request.config.stash.get(RECORDER_KEY, None) or Recorder()
         record = recorder.suite(request.node.nodeid)
         record.engine = str(name)
-        record.overrides = dict(cls.conformance_overrides)
+        record.overrides = dict(suite.conformance_overrides)
         record.distributions["shard-engine-api"] = _distribution_version("shard-engine-api")
-        if cls._uses_entry_point():
-            manager = cls.plugin_manager()
+        if suite._uses_entry_point():
+            manager = suite.plugin_manager()
             for installed in installed_engines(manager):
                 if installed.name == name:
                     record.distributions[installed.distribution] = installed.version
             specs: list[EngineSpec] = manager.hook.shard_engine_register()
             record.spec_evidence = [spec.evidence for spec in specs if spec.name == name]
-            factory: Callable[[], ShardEngine] = functools.partial(cls.make_engine, str(name))
+            factory: Callable[[], ShardEngine] = functools.partial(suite.make_engine, str(name))
         else:
-            factory = functools.partial(cls.make_engine, str(name))
+            factory = functools.partial(suite.make_engine, str(name))
             probe = factory()
             package = type(probe).__module__.split(".")[0]
             record.distributions[package.replace("_", "-")] = _distribution_version(
@@ -294,7 +296,7 @@ class ShardEngineConformance:
             )
             probe.close()
         workdir = tmp_path_factory.mktemp(f"model-fixture-{name}")
-        fixture = cls.model_fixture(str(name), workdir)
+        fixture = suite.model_fixture(str(name), workdir)
         record.model = model_report(
             fixture.model,
             description=fixture.description,
@@ -306,7 +308,7 @@ class ShardEngineConformance:
             fixture=fixture,
             factory=factory,
             record=record,
-            cancel_load_options=dict(cls.cancel_load_options or fixture.cancel_options),
+            cancel_load_options=dict(suite.cancel_load_options or fixture.cancel_options),
         )
 
     @pytest.fixture(autouse=True)
