@@ -78,7 +78,7 @@ def conformance(session: nox.Session, engine: str) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src and tests, tests/ and this noxfile."""
-    session.install("mypy>=1.10", "nox", *TEST_TOOLS, "-e", API, "-e", FAKE, "-e", LLAMA)
+    session.install("mypy==2.4.1", "nox", *TEST_TOOLS, "-e", API, "-e", FAKE, "-e", LLAMA)
     # Each package's tests/ has its own conftest.py: checked one package at a time so the
     # test modules' top-level names do not collide.
     for folder in (API, FAKE, LLAMA):
@@ -89,7 +89,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff>=0.6")
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
