@@ -68,11 +68,20 @@ def _load_pipeline(
     *,
     boundary_dtype: BoundaryDtype,
     n_threads: int,
+    max_context: int,
 ) -> list[ShardEngine]:
     engines: list[ShardEngine] = []
     try:
         for start, end in ranges:
-            config = fixture.config(start, end, boundary_dtype=boundary_dtype, n_threads=n_threads)
+            # One session of known length: size the KV cache for it, not for a server's load.
+            config = fixture.config(
+                start,
+                end,
+                boundary_dtype=boundary_dtype,
+                n_threads=n_threads,
+                max_sessions=1,
+                max_context=max_context,
+            )
             engines.append(load_engine(engine_name, config, manager=manager))
     except BaseException:
         for engine in engines:
@@ -112,6 +121,7 @@ def _generate(
         ranges,
         boundary_dtype=args.boundary_dtype,
         n_threads=args.threads,
+        max_context=max(256, len(prompt) + args.max_new_tokens + 1),
     )
     try:
         result = Pipeline(engines).generate(
