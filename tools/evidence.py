@@ -29,11 +29,17 @@ import msgspec
 ROOT: Final = Path(__file__).resolve().parent.parent
 PRESERVED: Final = ("Limitations", "Dependency handoff")
 JSON_MARKER: Final = "evidence-json"
+PYTEST_TOTALS: Final = re.compile(r"^=+ .*(passed|failed|error|skipped|no tests ran).* =+$")
 SUMMARY_PATTERNS: Final = (
-    re.compile(r"^=+ .*(passed|failed|error|skipped|no tests ran).* =+$"),
+    PYTEST_TOTALS,
     re.compile(r"^nox > (Session .*|Ran multiple sessions:|\* .*)"),
-    re.compile(r".*(PASS|FAIL|ratio|tok/s|steps/s|µs|median|verify).*", re.IGNORECASE),
+    re.compile(r"^shard-engine conformance: .*"),
 )
+NOISE: Final = re.compile(
+    r"^nox > (python -m pip|Creating virtual|Re-using|Running session|uv binary|Session .* "
+    r"was successful)"
+)
+SUMMARY_LINES: Final = 90
 LOG_TAIL_LINES: Final = 400
 
 
@@ -113,12 +119,13 @@ def environment() -> dict[str, str]:
 
 
 def summarize(output: str) -> list[str]:
-    """The lines worth reading: pytest totals, nox session results, benchmark rows."""
-    lines = [line.rstrip() for line in output.splitlines()]
-    picked = [
-        line for line in lines if line.strip() and any(p.match(line) for p in SUMMARY_PATTERNS)
-    ]
-    return picked[-60:]
+    """The lines worth reading: pytest totals and nox results for test runs; for anything else
+    (benchmarks, demos, certification) the whole output less installer noise."""
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    if any(PYTEST_TOTALS.match(line) for line in lines):
+        picked = [line for line in lines if any(p.match(line) for p in SUMMARY_PATTERNS)]
+        return picked[-60:]
+    return [line for line in lines if not NOISE.match(line)][-SUMMARY_LINES:]
 
 
 def run_command(command: str, log_path: Path) -> CommandRecord:
