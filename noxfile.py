@@ -23,7 +23,8 @@ API = "packages/shard-engine-api"
 FAKE = "packages/shard-engine-fake"
 LLAMA = "packages/shard-engine-llama"
 TEST_TOOLS = ["pytest>=8,<10", "hypothesis>=6.100,<7"]
-EVIDENCE_DIR = ROOT / ".scratch" / "distributed-gguf-runtime" / "evidence"
+# Shards and generated models of tests stay inside the checkout, whatever $HOME is.
+TEST_MODEL_STORE = ROOT / ".nox" / "model-store"
 
 nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -61,18 +62,28 @@ def tests(session: nox.Session, package: str) -> None:
     for folder in PACKAGE_TESTS[package]:
         session.install("-e", folder)
     target = "tests" if package == "cross" else f"{PACKAGE_TESTS[package][-1]}/tests"
-    session.run("pytest", target, *session.posargs)
+    session.run(
+        "pytest", target, *session.posargs, env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)}
+    )
 
 
 @nox.session(python="3.11")
 @nox.parametrize("engine", list(engine_plugins()))
 def conformance(session: nox.Session, engine: str) -> None:
     """Run the shared conformance suite against one engine plugin, in a venv that holds only
-    the API and that plugin; writes the JSON report under .scratch/."""
+    the API and that plugin; writes the JSON report to .nox/reports/."""
     session.install("pytest>=8,<10", "-e", API, "-e", engine_plugins()[engine])
-    report = EVIDENCE_DIR / f"conformance-{engine}.json"
+    report = ROOT / ".nox" / "reports" / f"conformance-{engine}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
-    session.run("shard-engine", "conformance", "--engine", engine, "--report", str(report))
+    session.run(
+        "shard-engine",
+        "conformance",
+        "--engine",
+        engine,
+        "--report",
+        str(report),
+        env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
+    )
 
 
 @nox.session(python="3.11")
