@@ -15,6 +15,7 @@ from shard_engine_api import (
     LoadConfig,
     PrefillRequest,
     SessionRef,
+    ShardEngine,
     ShardMismatch,
     ShardSpec,
     TokenInput,
@@ -64,6 +65,7 @@ def test_run_is_a_verified_three_shard_pipeline(
     assert "(middle)" in out
     assert "(tail)" in out
     assert "verify against one full shard: PASS" in out
+    assert "boundaries: 2" in out
     assert "bitwise identical" in out
 
 
@@ -140,3 +142,27 @@ def test_console_script_runs() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert "llama" in completed.stdout
+
+
+def test_pipeline_over_the_wire_equals_in_process() -> None:
+    """Bundles encoded, decoded and verified at every hop give bitwise the in-process logits."""
+    from shard_engine_api import Pipeline, split_layers
+
+    def engines() -> list[ShardEngine]:
+        return [
+            load_engine(
+                "fake", LoadConfig(shard=ShardSpec(model="fake", n_layers=6, start=s, end=e))
+            )
+            for s, e in split_layers(6, 3)
+        ]
+
+    local, remote = engines(), engines()
+    try:
+        wired = Pipeline(remote, wire=True)
+        over_wire = wired.generate((5, 6, 7), 4)
+        in_process = Pipeline(local).generate((5, 6, 7), 4)
+        assert over_wire.step_logits == in_process.step_logits
+        assert wired.wire_bytes > 0
+    finally:
+        for engine in local + remote:
+            engine.close()

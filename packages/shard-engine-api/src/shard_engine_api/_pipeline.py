@@ -13,9 +13,11 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from shard_engine_api._codec import Codec, encode_bundle
 from shard_engine_api._errors import InvalidRequest, MalformedOutput
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
+    BoundaryBundle,
     BoundaryResult,
     DecodeRequest,
     LogitsResult,
@@ -64,6 +66,7 @@ class GenerationResult(msgspec.Struct, frozen=True, kw_only=True):
     shard_timings: tuple[ShardTimings, ...]
     prefill_ms: float
     decode_ms_median: float
+    wire_bytes: int = 0
 
     def logits(self) -> npt.NDArray[np.float32]:
         """``(steps, vocab)`` array of the last-row logits of every step."""
@@ -71,9 +74,13 @@ class GenerationResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Pipeline:
-    """Engines ordered head to tail (one engine of role "full" is a pipeline too)."""
+    """Engines ordered head to tail (one engine of role "full" is a pipeline too).
 
-    def __init__(self, engines: Sequence[ShardEngine]) -> None:
+    With ``wire=True`` every bundle crosses each boundary as msgpack bytes, decoded by a
+    :class:`Codec` that expects the next shard's fingerprint and layer, as it would between
+    machines; ``wire_bytes`` counts what crossed."""
+
+    def __init__(self, engines: Sequence[ShardEngine], *, wire: bool = False) -> None:
         if not engines:
             raise InvalidRequest("a pipeline needs at least one engine")
         specs = [engine.capabilities().shard for engine in engines]
@@ -87,6 +94,14 @@ class Pipeline:
                 )
         self.engines = list(engines)
         self._counter = 0
+        self.wire_bytes = 0
+        self._codecs: list[Codec | None] = [None] * len(self.engines)
+        if wire:
+            for index, engine in enumerate(self.engines[1:], start=1):
+                caps = engine.capabilities()
+                self._codecs[index] = Codec(
+                    expected_fingerprint=caps.model_fingerprint, expected_layer=caps.shard.start
+                )
 
     def _request_id(self) -> str:
         self._counter += 1
@@ -98,8 +113,12 @@ class Pipeline:
         elapsed: list[float] = []
         current: ShardInput = inputs
         result: ShardResult | None = None
-        for engine in self.engines:
+        for engine, codec in zip(self.engines, self._codecs, strict=True):
             started = time.perf_counter()
+            if codec is not None and isinstance(current, BoundaryBundle):
+                encoded = encode_bundle(current)
+                self.wire_bytes += len(encoded)
+                current = codec.decode_bundle(encoded)
             if prefill:
                 result = engine.prefill(
                     PrefillRequest(

@@ -36,6 +36,7 @@ from shard_engine_api._plugins import (
 )
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import BoundaryDtype, SessionRef
+from shard_engine_api._validation import ValidatingEngine
 
 __all__ = ["main"]
 
@@ -82,7 +83,11 @@ def _load_pipeline(
                 max_sessions=1,
                 max_context=max_context,
             )
-            engines.append(load_engine(engine_name, config, manager=manager))
+            # Validated from before load, as a worker would: every result is checked against
+            # the contract, so the demo cannot print a result that breaks it.
+            validated = ValidatingEngine(load_engine(engine_name, manager=manager))
+            engines.append(validated)
+            validated.load(config)
     except BaseException:
         for engine in engines:
             engine.close()
@@ -124,9 +129,11 @@ def _generate(
         max_context=max(256, len(prompt) + args.max_new_tokens + 1),
     )
     try:
-        result = Pipeline(engines).generate(
+        pipeline = Pipeline(engines, wire=True)
+        result = pipeline.generate(
             prompt, args.max_new_tokens, session=SessionRef(session_id="cli-run", epoch=1)
         )
+        result = msgspec.structs.replace(result, wire_bytes=pipeline.wire_bytes)
     finally:
         for engine in engines:
             engine.close()
@@ -165,6 +172,11 @@ def _command_run(args: argparse.Namespace) -> int:
     if text is not None:
         print(f"generated text: {text!r}")
     print(f"prefill: {result.prefill_ms:.2f} ms   decode: {result.decode_ms_median:.3f} ms/token")
+    if len(ranges) > 1:
+        print(
+            f"boundaries: {len(ranges) - 1}, {result.wire_bytes:,} bytes of msgpack bundles "
+            "crossed them (encoded, decoded and verified at every hop)"
+        )
     print(f"{'shard':<34} {'prefill ms':>11} {'decode ms (median)':>19} {'decode ms (total)':>18}")
     for timing in result.shard_timings:
         print(
