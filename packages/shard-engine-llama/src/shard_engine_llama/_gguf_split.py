@@ -536,6 +536,34 @@ def _check_model_structure(header: GGUFHeader) -> None:
             )
 
 
+_MAX_TOKEN_TYPE = 6  # llama_token_type: UNDEFINED=0 .. BYTE=6
+
+
+def _check_vocabulary(header: GGUFHeader) -> None:
+    """Vocabulary defects llama.cpp does not report but aborts the process on (e.g. duplicate
+    token strings fail GGML_ASSERT(id_to_token.size() == token_to_id.size()))."""
+    path = header.path
+    entry = header.metadata.get("tokenizer.ggml.tokens")
+    if entry is None:
+        return
+    tokens = entry.value
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        raise GGUFValidationError(f"{path}: tokenizer.ggml.tokens is not an array of strings")
+    if len(set(tokens)) != len(tokens):
+        raise GGUFValidationError(f"{path}: tokenizer.ggml.tokens holds duplicate token strings")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        parallel = header.metadata.get(key)
+        if parallel is not None and (
+            not isinstance(parallel.value, list) or len(parallel.value) != len(tokens)
+        ):
+            raise GGUFValidationError(f"{path}: {key} does not have one entry per token")
+    token_types = header.metadata.get("tokenizer.ggml.token_type")
+    if token_types is not None and isinstance(token_types.value, list):
+        for value in token_types.value:
+            if not isinstance(value, int) or not 0 <= value <= _MAX_TOKEN_TYPE:
+                raise GGUFValidationError(f"{path}: tokenizer.ggml.token_type holds {value!r}")
+
+
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
     """Check that ``path`` is a structurally sound GGUF model; return its parsed header.
 
@@ -543,6 +571,7 @@ def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
     """
     header = read_gguf_header(path)
     _check_model_structure(header)
+    _check_vocabulary(header)
     return header
 
 
