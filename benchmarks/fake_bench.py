@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -101,6 +104,24 @@ def main() -> None:
         label = f"batched decode, {BATCH_SESSIONS} sessions"
         print(f"{label:<40} {hidden:>6} {rate:>12,.0f} {rate:>14,.0f}")
         print(f"{'  (tokens/s over all sessions)':<40} {hidden:>6} {rate * BATCH_SESSIONS:>12,.0f}")
+    seconds = conformance_wall_time()
+    print(
+        f"conformance suite on the fake (shard-engine conformance, whole process): {seconds:.1f} s"
+    )
+    print("targets: >= 20,000 decode steps/s at hidden 64; conformance < 30 s")
+
+
+def conformance_wall_time() -> float:
+    """Wall time of the whole conformance run on the fake, as a user runs it (new process)."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run(
+            [sys.executable, "-m", "shard_engine_api.cli", "conformance", "--engine", "fake"],
+            cwd=scratch,
+            check=True,
+            capture_output=True,
+        )
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":
