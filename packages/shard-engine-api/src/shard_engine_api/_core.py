@@ -391,47 +391,17 @@ class EngineCore(abc.ABC):
                     f"{caps.limits.max_batch_tokens}; send it in chunks"
                 )
             output: OutputMode = "hidden" if not caps.shard.emits_logits else request.logits
-            started = time.perf_counter()
-            with self._compute_lock:
-                queue_ms = (time.perf_counter() - started) * 1000.0
-                token.check()
-                self._require_serving()
-                plan = self._plan_prefill(caps, request.session, request.start_pos, n_tokens)
-                self._apply_evictions(plan)
-                item = ForwardItem(
-                    slot=plan.slot,
-                    start_pos=plan.start_pos,
-                    committed_length=plan.committed_length,
-                    tokens=item_tokens,
-                    hidden=item_hidden,
-                )
-                compute_started = time.perf_counter()
-                rows = self._run_guarded(
-                    [plan],
-                    lambda: [
-                        self._checked_rows(
-                            caps, self._forward(item, output, token), output, n_tokens
-                        )
-                    ],
-                )[0]
-                compute_ms = (time.perf_counter() - compute_started) * 1000.0
-                self._commit_plan(plan)
-                self._counters.prefill_tokens += n_tokens
-                self._counters.compute_ms += compute_ms
-            timings = Timings(
-                queue_ms=queue_ms,
-                compute_ms=compute_ms,
-                total_ms=(time.perf_counter() - started) * 1000.0,
-            )
-            return self._make_result(
+            return self._run_one(
                 caps,
+                token,
                 request.request_id,
                 request.session,
                 request.start_pos,
-                rows,
+                item_tokens,
+                item_hidden,
                 output,
-                timings,
-                n_tokens,
+                lambda: self._plan_prefill(caps, request.session, request.start_pos, n_tokens),
+                decode=False,
             )
 
     def decode(self, request: DecodeRequest) -> ShardResult:
@@ -440,7 +410,24 @@ class EngineCore(abc.ABC):
             caps = self._require_serving()
             with self._state_lock:
                 self._counters.decode_requests += 1
-            return self._decode_locked(caps, request, token)
+            self._check_reserved(request.mtp, request.aux)
+            self._check_reserved_inputs(request.inputs)
+            tokens, hidden = self._decode_inputs(
+                caps, request.inputs, request.session, request.pos, single_row=True
+            )
+            output: OutputMode = "last" if caps.shard.emits_logits else "hidden"
+            return self._run_one(
+                caps,
+                token,
+                request.request_id,
+                request.session,
+                request.pos,
+                tokens,
+                hidden,
+                output,
+                lambda: self._plan_decode(caps, request.session, request.pos, 0),
+                decode=True,
+            )
 
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """One decode step for several distinct sessions; one result or error per item."""
@@ -1075,21 +1062,29 @@ class EngineCore(abc.ABC):
             timings=timings,
         )
 
-    def _decode_locked(
-        self, caps: Capabilities, request: DecodeRequest, token: CancelToken
+    def _run_one(
+        self,
+        caps: Capabilities,
+        token: CancelToken,
+        request_id: str,
+        session: SessionRef,
+        start_pos: int,
+        tokens: npt.NDArray[np.int32] | None,
+        hidden: npt.NDArray[np.float32] | None,
+        output: OutputMode,
+        plan_for: collections.abc.Callable[[], _Plan],
+        *,
+        decode: bool,
     ) -> ShardResult:
-        self._check_reserved(request.mtp, request.aux)
-        self._check_reserved_inputs(request.inputs)
-        tokens, hidden = self._decode_inputs(
-            caps, request.inputs, request.session, request.pos, single_row=True
-        )
-        output: OutputMode = "last" if caps.shard.emits_logits else "hidden"
+        """Admit, run, check and commit one validated prefill or decode under the compute
+        lock; any failure after admission rolls the session back."""
+        n_tokens = _n_rows(tokens, hidden)
         started = time.perf_counter()
         with self._compute_lock:
             queue_ms = (time.perf_counter() - started) * 1000.0
             token.check()
             self._require_serving()
-            plan = self._plan_decode(caps, request.session, request.pos, 0)
+            plan = plan_for()
             self._apply_evictions(plan)
             item = ForwardItem(
                 slot=plan.slot,
@@ -1101,11 +1096,16 @@ class EngineCore(abc.ABC):
             compute_started = time.perf_counter()
             rows = self._run_guarded(
                 [plan],
-                lambda: [self._checked_rows(caps, self._forward(item, output, token), output, 1)],
+                lambda: [
+                    self._checked_rows(caps, self._forward(item, output, token), output, n_tokens)
+                ],
             )[0]
             compute_ms = (time.perf_counter() - compute_started) * 1000.0
             self._commit_plan(plan)
-            self._counters.decode_tokens += 1
+            if decode:
+                self._counters.decode_tokens += n_tokens
+            else:
+                self._counters.prefill_tokens += n_tokens
             self._counters.compute_ms += compute_ms
         timings = Timings(
             queue_ms=queue_ms,
@@ -1113,7 +1113,7 @@ class EngineCore(abc.ABC):
             total_ms=(time.perf_counter() - started) * 1000.0,
         )
         return self._make_result(
-            caps, request.request_id, request.session, request.pos, rows, output, timings, 1
+            caps, request_id, session, start_pos, rows, output, timings, n_tokens
         )
 
     @staticmethod
