@@ -35,11 +35,11 @@ from shard_engine_api import (
 )
 from shard_engine_llama import _abi
 from shard_engine_llama._gguf_split import (
+    GGUFHeader,
     GGUFValidationError,
     ModelStoreError,
     ShardingRefusedError,
-    inspect_gguf,
-    read_gguf_header,
+    model_info,
     resolve_model_store,
     split_model,
     validate_gguf,
@@ -133,9 +133,9 @@ class LlamaEngine(EngineCore):
             except _abi.LlamaRuntimeError as error:
                 raise EngineCrashed(f"llama.cpp start-up self-test failed: {error}") from error
         try:
-            path, fingerprint, vocab_size = self._shard_file(config, options)
+            path, fingerprint, vocab_size, header = self._shard_file(config, options)
             tolerance = (
-                options.tolerance if options.tolerance is not None else _default_tolerance(path)
+                options.tolerance if options.tolerance is not None else _default_tolerance(header)
             )
             runtime = _abi.ShardRuntime(
                 path,
@@ -181,14 +181,17 @@ class LlamaEngine(EngineCore):
             max_sessions=config.max_sessions,
         )
 
-    def _shard_file(self, config: LoadConfig, options: LlamaOptions) -> tuple[Path, str, int]:
-        """The file to load for this shard, the model fingerprint and the vocabulary size."""
+    def _shard_file(
+        self, config: LoadConfig, options: LlamaOptions
+    ) -> tuple[Path, str, int, GGUFHeader]:
+        """The file to load for this shard, the model fingerprint, the vocabulary size and the
+        validated header of the given model (parsed once: a 262k vocabulary takes seconds)."""
         spec = config.shard
         source = Path(spec.model)
         if not source.is_file():
             raise InvalidRequest(f"model file {source} does not exist")
         header = validate_gguf(source)
-        info = inspect_gguf(source)
+        info = model_info(header)
         if info.is_shard:
             start = int(header.get_int("shard.start"))
             end = int(header.get_int("shard.end"))
@@ -201,19 +204,19 @@ class LlamaEngine(EngineCore):
             fingerprint = header.get_str("shard.source_sha256")
             vocab_entry = header.metadata.get("shard.source_vocab_size")
             vocab = int(vocab_entry.value) if vocab_entry is not None else info.vocab_size  # type: ignore[arg-type]
-            return source, fingerprint, vocab
+            return source, fingerprint, vocab, header
         if info.n_layers != spec.n_layers:
             raise ShardMismatch(
                 f"{source.name} has {info.n_layers} layers; the spec says {spec.n_layers}"
             )
         if spec.role == "full":
-            return source, _sha256(source), info.vocab_size
+            return source, _sha256(source), info.vocab_size, header
         if not info.shardable:
             raise ShardingRefusedError(info.refusal or "not shardable")
         store = resolve_model_store(options.model_store)
         directory = store / "shards" / source.stem / f"{spec.start:03d}-{spec.end:03d}"
         manifest = split_model(source, [(spec.start, spec.end)], directory, partial=True)
-        return manifest.shard_path(0), manifest.source_sha256, info.vocab_size
+        return manifest.shard_path(0), manifest.source_sha256, info.vocab_size, header
 
     def _forward(
         self, item: ForwardItem, output: OutputMode, token: CancelToken
@@ -298,9 +301,10 @@ def _available_cores() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def _default_tolerance(path: Path) -> float:
-    """The declared tolerance for batch-shape differences, by the widest-error weight type."""
-    types = {record.ggml_type.name for record in read_gguf_header(path).tensors.values()}
+def _default_tolerance(header: GGUFHeader) -> float:
+    """The declared tolerance for batch-shape differences, by the widest-error weight type
+    of the model (a shard carries its source's weight types)."""
+    types = {record.ggml_type.name for record in header.tensors.values()}
     if types <= _FLOAT_TYPES:
         return 1e-3
     if types <= _FLOAT_TYPES | _HALF_TYPES:
@@ -317,15 +321,3 @@ def _map_runtime_error(error: _abi.LlamaRuntimeError) -> Exception:
     if isinstance(error, _abi.InvalidInputError):
         return InvalidRequest(str(error))
     return EngineCrashed(str(error))
-
-
-def read_shard_range(path: Path) -> tuple[int, int, int] | None:
-    """``(start, end, n_layers)`` of a shard file, None for a full model."""
-    header = read_gguf_header(path)
-    if header.metadata.get("shard.start") is None:
-        return None
-    return (
-        header.get_int("shard.start"),
-        header.get_int("shard.end"),
-        header.get_int("shard.n_layers_total"),
-    )

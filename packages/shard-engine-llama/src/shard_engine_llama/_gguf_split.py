@@ -602,7 +602,8 @@ def _shardability(header: GGUFHeader) -> str | None:
     return None
 
 
-def _model_info(header: GGUFHeader) -> ModelInfo:
+def model_info(header: GGUFHeader) -> ModelInfo:
+    """Describe an already validated header (what :func:`inspect_gguf` returns)."""
     arch = header.architecture
     n_layers = header.get_int(f"{arch}.block_count")
     layer_bytes = [0] * n_layers
@@ -631,7 +632,7 @@ def _model_info(header: GGUFHeader) -> ModelInfo:
 
 def inspect_gguf(path: str | os.PathLike[str]) -> ModelInfo:
     """Validate ``path`` and describe it (size per layer, shardability and the refusing rule)."""
-    return _model_info(validate_gguf(path))
+    return model_info(validate_gguf(path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1005,7 +1006,7 @@ def split_model(
     directory.mkdir(parents=True, exist_ok=True)
     # Parsed once per split: on a 262k-token vocabulary this is the expensive part.
     header = validate_gguf(source_path)
-    info = _model_info(header)
+    info = model_info(header)
     if info.refusal is not None:
         raise ShardingRefusedError(info.refusal)
     if partial:
