@@ -7,6 +7,7 @@ import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -19,6 +20,9 @@ from shard_engine_api import (
 )
 from shard_engine_llama import _commands
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
+
+if TYPE_CHECKING:
+    from shard_engine_llama._abi import Vocabulary
 
 ENGINE_NAME = "llama"
 
@@ -87,7 +91,8 @@ def shard_engine_describe_model(engine_name: str, model: str) -> ModelFixture | 
 
 
 @functools.lru_cache(maxsize=4)
-def _vocabulary(model: str) -> object:
+def _vocabulary(model: str) -> Vocabulary:
+    # Imported here: llama_cpp loads only when a tokenizer is really needed.
     from shard_engine_llama._abi import Vocabulary
 
     return Vocabulary(model)
@@ -97,22 +102,14 @@ def _vocabulary(model: str) -> object:
 def shard_engine_tokenize(engine_name: str, model: str, text: str) -> list[int] | None:
     if engine_name != ENGINE_NAME:
         return None
-    from shard_engine_llama._abi import Vocabulary
-
-    vocabulary = _vocabulary(model)
-    assert isinstance(vocabulary, Vocabulary)
-    return vocabulary.tokenize(text)
+    return _vocabulary(model).tokenize(text)
 
 
 @hookimpl
 def shard_engine_detokenize(engine_name: str, model: str, token_ids: Sequence[int]) -> str | None:
     if engine_name != ENGINE_NAME:
         return None
-    from shard_engine_llama._abi import Vocabulary
-
-    vocabulary = _vocabulary(model)
-    assert isinstance(vocabulary, Vocabulary)
-    return vocabulary.detokenize(token_ids)
+    return _vocabulary(model).detokenize(token_ids)
 
 
 @hookimpl
