@@ -58,13 +58,8 @@ from shard_engine_api import (
     TokenInput,
     payload_checksum,
 )
-from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import (
-    Manifest,
-    inspect_gguf,
-    resolve_model_store,
-    split_model,
-)
+from shard_engine_llama import LlamaEngine, Manifest, inspect_gguf, split_model
+from shard_engine_llama._gguf import resolve_model_store
 from shard_engine_llama._tiny_model import write_tiny_model
 
 MODEL_ENV: Final = "SHARD_ENGINE_LLAMA_MODEL"

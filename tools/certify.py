@@ -49,8 +49,8 @@ from shard_engine_api import (
     get_plugin_manager,
 )
 from shard_engine_api._plugins import detokenize, tokenize
-from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import Manifest, inspect_gguf, resolve_model_store, split_model
+from shard_engine_llama import LlamaEngine, Manifest, inspect_gguf, split_model
+from shard_engine_llama._gguf import resolve_model_store
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 STORY: Final = "DGR-033"

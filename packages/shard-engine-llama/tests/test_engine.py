@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf_edit import f32, rewrite
 
 from shard_engine_api import (
     BoundaryResult,
@@ -33,7 +34,7 @@ from shard_engine_api import (
 )
 from shard_engine_llama import LlamaEngine, _abi
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
-from shard_engine_llama._gguf_split import split_model
+from shard_engine_llama._gguf import split_model
 from shard_engine_llama._tiny_model import write_tiny_model
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11)
@@ -285,6 +286,28 @@ def test_bad_files_and_unsupported_architectures(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedFeature) as refused:
         _load(gemma2, 0, 1, 2)
     assert refused.value.details["rule"] == "embedding-input-scaled"
+
+
+@pytest.mark.parametrize("role", [(0, 2), (0, 1), (1, 2)])
+def test_negative_epsilon_is_refused_before_llama_cpp_sees_it(
+    tmp_path: Path, role: tuple[int, int]
+) -> None:
+    """Such a file used to load "ready" and abort the process on the first prefill
+    (GGML_ASSERT(eps >= 0.0f)); now loading any shard of it is an InvalidRequest naming the
+    field, and the process lives on."""
+    source = tmp_path / "good.gguf"
+    write_tiny_model(source, n_layers=2)
+    broken = rewrite(
+        source,
+        tmp_path / "negative-eps.gguf",
+        metadata={"llama.attention.layer_norm_rms_epsilon": f32(-1e-5)},
+    )
+    with pytest.raises(InvalidRequest) as refused:
+        _load(broken, role[0], role[1], 2)
+    assert refused.value.details == {
+        "rule": "hparam-positive-finite",
+        "field": "llama.attention.layer_norm_rms_epsilon",
+    }
 
 
 def test_prebuilt_shard_file_as_model(tiny_model: Path, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shard_engine_llama._abi import ContextSettings, ShardRuntime
-from shard_engine_llama._gguf_split import split_model
+from shard_engine_llama._gguf import split_model
 from shard_engine_llama._reference import ReferenceModel
 from shard_engine_llama._tiny_model import write_tiny_model
 

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard_engine_llama._gguf_split import (
+from shard_engine_llama._gguf import (
+    GGUFModelInfo,
     GGUFValidationError,
-    ModelInfo,
     ModelStoreError,
     ShardingRefusedError,
     SplitProgress,
@@ -243,15 +243,15 @@ def test_embedding_scaling_architecture_is_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_is_refused(tiny: Path, tmp_path: Path) -> None:
-    renamed: dict[str, int | str] = {"general.architecture": "phi3"}
+    renamed: dict[str, int | str] = {"general.architecture": "starcoder2"}
     header = read_gguf_header(tiny)
     for key in header.metadata:
         if key.startswith("llama."):
-            renamed_key = "phi3." + key[len("llama.") :]
+            renamed_key = "starcoder2." + key[len("llama.") :]
             entry = header.metadata[key]
             if isinstance(entry.value, int | str) and not isinstance(entry.value, bool):
                 renamed[renamed_key] = entry.value
-    path = _rewrite(tiny, tmp_path / "phi3.gguf", metadata=renamed)
+    path = _rewrite(tiny, tmp_path / "starcoder2.gguf", metadata=renamed)
     info = inspect_gguf(path)
     assert info.refusal is not None
     assert info.refusal.startswith("architecture-not-allowed")
@@ -276,8 +276,8 @@ def test_shard_files_are_not_resplit(tiny: Path, tmp_path: Path) -> None:
 # -- planning -------------------------------------------------------------------------------------
 
 
-def _info(layer_bytes: list[int]) -> ModelInfo:
-    return ModelInfo(
+def _info(layer_bytes: list[int]) -> GGUFModelInfo:
+    return GGUFModelInfo(
         path=Path("x.gguf"),
         architecture="llama",
         n_layers=len(layer_bytes),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shard_engine_llama._gguf_split import (
+from shard_engine_llama._gguf import (
     GGUFValidationError,
     ModelStoreError,
     ShardingRefusedError,
@@ -49,7 +49,10 @@ def _command_inspect(args: argparse.Namespace) -> int:
     try:
         info = inspect_gguf(args.model)
     except GGUFValidationError as error:
+        # A file llama.cpp would refuse or abort on: say which rule, and that it is not shardable.
         print(f"invalid GGUF: {error}", file=sys.stderr)
+        field = f" (field {error.field})" if error.field else ""
+        print(f"shardable:     no — refused by rule: {error.rule}{field}")
         return 2
     print(f"file:          {info.path}")
     print(f"architecture:  {info.architecture}")
@@ -58,6 +61,7 @@ def _command_inspect(args: argparse.Namespace) -> int:
     print(f"is a shard:    {'yes' if info.is_shard else 'no'}")
     if info.shardable:
         print("shardable:     yes")
+        print(f"shard rules:   {', '.join(info.rules)}")
     else:
         print(f"shardable:     no — refused by rule: {info.refusal}")
     print("bytes per layer:")

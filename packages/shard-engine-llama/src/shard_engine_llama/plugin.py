@@ -67,7 +67,7 @@ def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture 
 def shard_engine_describe_model(engine_name: str, model: str) -> ModelFixture | None:
     if engine_name != ENGINE_NAME:
         return None
-    from shard_engine_llama._gguf_split import (
+    from shard_engine_llama._gguf import (
         GGUFValidationError,
         inspect_gguf,
     )
