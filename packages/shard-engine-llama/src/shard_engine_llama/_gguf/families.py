@@ -151,6 +151,9 @@ class Family:
     swa_always: bool = False  # the family is sliding-window even without the key (gemma2)
     no_rope_step: int = 0
     refusal: str | None = None
+    # The attention projections are sized n_embd, so n_head * head size must equal it (the graph
+    # reshapes Q into heads: GGML_ASSERT(ggml_nelements(a) == ne0*ne1*ne2) otherwise).
+    heads_span_embedding: bool = False
     extra_required_keys: tuple[str, ...] = field(default=())
 
 
@@ -393,7 +396,9 @@ def _phi3_model(h: Hyperparameters, present: Callable[[str], bool]) -> list[Tens
 def _phi3_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -> list[TensorNeed]:
     """models/phi3.cpp: fused (or separate) qkv, fused gate+up (``ffn_up`` is 2 * n_ff wide)."""
     needs = [TensorNeed(_blk(il, "attn_norm.weight"), (h.n_embd,))]
-    needs += _qkv(h, il, present, h.n_embd, h.n_embd_v_gqa, h.n_embd_v_gqa, required=False)
+    # llama.cpp asks for separate q/k/v as optional (TENSOR_NOT_REQUIRED) and dereferences
+    # them unchecked when attn_qkv is absent too: required here.
+    needs += _qkv(h, il, present, h.n_embd, h.n_embd_v_gqa, h.n_embd_v_gqa)
     return [
         *needs,
         TensorNeed(_blk(il, "attn_output.weight"), (h.n_embd, h.n_embd)),
@@ -445,13 +450,14 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         Family("llama", _llama_model, _llama_layer, (*_BASE_RULES, EXPERTS_WITH_LAYERS)),
-        Family("qwen2", _qwen2_model, _qwen2_layer, _BASE_RULES),
+        Family("qwen2", _qwen2_model, _qwen2_layer, _BASE_RULES, heads_span_embedding=True),
         Family(
             "qwen2moe",
             _qwen2moe_model,
             _qwen2moe_layer,
             (*_BASE_RULES, EXPERTS_WITH_LAYERS),
             moe=True,
+            heads_span_embedding=True,
         ),
         Family("qwen3", _qwen3_model, _qwen3_layer, _BASE_RULES),
         Family(
@@ -484,7 +490,14 @@ FAMILIES: dict[str, Family] = {
             swa_always=True,
             refusal=_EMBEDDING_SCALED_REASON.format(arch="gemma2"),
         ),
-        Family("phi3", _phi3_model, _phi3_layer, _BASE_RULES, rope_is_head=False),
+        Family(
+            "phi3",
+            _phi3_model,
+            _phi3_layer,
+            _BASE_RULES,
+            rope_is_head=False,
+            heads_span_embedding=True,
+        ),
         Family(
             "granite",
             _llama_model,
@@ -493,7 +506,12 @@ FAMILIES: dict[str, Family] = {
             extra_required_keys=("logit_scale",),
         ),
         Family(
-            "olmo2", _olmo2_model, _olmo2_layer, (*_BASE_RULES, SWA_PATTERN_EXPLICIT), swa_period=4
+            "olmo2",
+            _olmo2_model,
+            _olmo2_layer,
+            (*_BASE_RULES, SWA_PATTERN_EXPLICIT),
+            swa_period=4,
+            heads_span_embedding=True,
         ),
         Family(
             "smollm3",

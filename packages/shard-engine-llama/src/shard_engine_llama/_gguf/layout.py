@@ -197,13 +197,14 @@ def _optional_int(header: GGUFHeader, key: str, default: int) -> int:
 
 
 def _vocabulary_size(header: GGUFHeader, arch: str) -> int:
+    model = header.metadata.get("tokenizer.ggml.model")
+    if model is not None and model.value in ("none", "no_vocab"):
+        # llama-vocab.cpp: a vocabulary-less model ignores any token list and gets
+        # <arch>.vocab_size dummy tokens.
+        return _optional_int(header, f"{arch}.vocab_size", 0)
     tokens = header.metadata.get("tokenizer.ggml.tokens")
     if tokens is not None and isinstance(tokens.value, list):
         return len(tokens.value)
-    model = header.metadata.get("tokenizer.ggml.model")
-    if model is not None and model.value in ("none", "no_vocab"):
-        # llama-vocab.cpp: a vocabulary-less model gets <arch>.vocab_size dummy tokens.
-        return _optional_int(header, f"{arch}.vocab_size", 0)
     raise _fail(
         header, "vocabulary-missing", "tokenizer.ggml.tokens", "the model has no token list"
     )
@@ -320,6 +321,14 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
         raise _fail(
             header, "hparam-head-size", key + "attention.key_length", "head sizes must be positive"
         )
+    if family.heads_span_embedding and h.n_head * h.n_embd_head_k != h.n_embd:
+        raise _fail(
+            header,
+            "hparam-head-count",
+            key + "attention.head_count",
+            f"{h.n_head} heads of {h.n_embd_head_k} do not span embedding_length {h.n_embd}, "
+            f"the width {arch}'s attention projections have (the graph asserts it)",
+        )
     if h.n_embd_head_v != h.n_embd_head_k:
         raise _fail(
             header,
@@ -350,9 +359,18 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
         )
     _check_experts(header, family, h)
     window = _optional_int(header, key + "attention.sliding_window", 0)
+    context = header.get_int(key + "context_length")
     if family.swa_always and window <= 0 and key + "attention.sliding_window" in header.metadata:
         raise _fail(
             header, "hparam-sliding-window", key + "attention.sliding_window", "must be positive"
+        )
+    if window > context:
+        # llama-kv-cache.cpp reserves memory in proportion to the window on every ubatch.
+        raise _fail(
+            header,
+            "hparam-sliding-window",
+            key + "attention.sliding_window",
+            f"{window} is longer than context_length {context}",
         )
     pattern = header.metadata.get(key + "attention.sliding_window_pattern")
     if pattern is not None and isinstance(pattern.value, list) and len(pattern.value) != h.n_layer:
