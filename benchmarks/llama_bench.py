@@ -58,11 +58,11 @@ from shard_engine_api import (
     TokenInput,
     payload_checksum,
 )
+from shard_engine_api.engine import model_store
 from shard_engine_llama import LlamaEngine
 from shard_engine_llama._gguf_split import (
     Manifest,
     inspect_gguf,
-    resolve_model_store,
     split_model,
 )
 from shard_engine_llama._tiny_model import write_tiny_model
@@ -805,7 +805,7 @@ def gemma3_model(path: Path) -> BenchModel:
         offset = (seed * 37) % max(len(ids) - n, 1)
         return ids[offset : offset + n]
 
-    store = resolve_model_store(None)
+    store = model_store()
     return BenchModel(
         name=f"gemma3-270m Q4_K_M ({info.n_layers} layers, n_embd {info.n_embd})",
         path=path,
@@ -821,7 +821,7 @@ def find_gemma3(explicit: str | None) -> Path | None:
     candidate = explicit or os.environ.get(MODEL_ENV)
     if candidate:
         return Path(candidate) if Path(candidate).is_file() else None
-    path = resolve_model_store(None) / "models" / GEMMA3_FILE
+    path = model_store() / "models" / GEMMA3_FILE
     return path if path.is_file() else None
 
 

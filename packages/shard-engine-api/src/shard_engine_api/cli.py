@@ -11,7 +11,6 @@ Engines add their own subcommands through the ``shard_engine_add_cli_commands`` 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from shard_engine_api._plugins import (
     tokenize,
 )
 from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._store import model_store, unchecked_model_store
 from shard_engine_api._types import BoundaryDtype, SessionRef
 from shard_engine_api._validation import ValidatingEngine
 
@@ -45,12 +45,10 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _workdir(explicit: str | None) -> Path:
-    """Where engines may generate fixture models: --workdir, SHARD_ENGINE_MODEL_STORE, or the
-    user cache."""
-    chosen = explicit or os.environ.get("SHARD_ENGINE_MODEL_STORE")
-    path = Path(chosen) if chosen else Path.home() / ".cache" / "shard-engine"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where engines may generate fixture models: --workdir (checked now), else the model store
+    (checked by the engine if it writes there: the fake never does). Nothing is created here;
+    an engine that writes a fixture creates the directory it writes into."""
+    return model_store(explicit) if explicit else unchecked_model_store()
 
 
 def _fixture(

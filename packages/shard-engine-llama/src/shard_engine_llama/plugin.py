@@ -18,6 +18,7 @@ from shard_engine_api import (
     UnsupportedFeature,
     hookimpl,
 )
+from shard_engine_api.engine import model_store
 from shard_engine_llama import _commands
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
 
@@ -52,7 +53,8 @@ def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture 
         described = shard_engine_describe_model(engine_name, real_model)
         assert described is not None
         return msgspec.structs.replace(described, options={"n_ubatch": 16})
-    path = tiny_model_path(workdir)
+    # The store check: the tiny model is written there, and never under /home.
+    path = tiny_model_path(model_store(workdir))
     return ModelFixture(
         model=str(path),
         n_layers=TINY_MODEL_LAYERS,
