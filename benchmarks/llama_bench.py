@@ -56,9 +56,9 @@ from shard_engine_api import (
     ShardResult,
     ShardSpec,
     TokenInput,
-    payload_checksum,
 )
 from shard_engine_api.engine import model_store
+from shard_engine_api.wire import payload_checksum
 from shard_engine_llama import LlamaEngine
 from shard_engine_llama._gguf_split import (
     Manifest,
@@ -793,8 +793,8 @@ _GEMMA3_TEXT = (
 
 
 def gemma3_model(path: Path) -> BenchModel:
-    from shard_engine_api import get_plugin_manager
     from shard_engine_api._plugins import tokenize
+    from shard_engine_api.engine import get_plugin_manager
 
     info = inspect_gguf(path)
     ids = tokenize(get_plugin_manager(), "llama", str(path), _GEMMA3_TEXT * 40) or []

@@ -39,16 +39,9 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api import (
-    GenerationResult,
-    LoadConfig,
-    Pipeline,
-    SessionRef,
-    ShardSpec,
-    get_plugin_manager,
-)
+from shard_engine_api import GenerationResult, LoadConfig, Pipeline, SessionRef, ShardSpec
 from shard_engine_api._plugins import detokenize, tokenize
-from shard_engine_api.engine import file_sha256, model_store
+from shard_engine_api.engine import file_sha256, get_plugin_manager, model_store
 from shard_engine_llama import LlamaEngine
 from shard_engine_llama._gguf_split import Manifest, inspect_gguf, split_model
 

@@ -31,6 +31,7 @@ from shard_engine_api._plugins import (
     installed_engines,
     load_engine,
     model_fixture,
+    plugin_problems,
     tokenize,
 )
 from shard_engine_api._protocol import ShardEngine
@@ -141,17 +142,23 @@ def _generate(
 def _command_engines(args: argparse.Namespace) -> int:
     manager = get_plugin_manager()
     engines = installed_engines(manager)
+    problems = plugin_problems(manager)
     if args.json:
-        print(msgspec.json.encode(engines).decode())
+        print(msgspec.json.encode({"engines": engines, "broken": problems}).decode())
         return 0
     if not engines:
         print("no shard engines installed (entry-point group 'shard_engine')")
-        return 0
-    print(f"{'name':<10} {'distribution':<22} {'version':<10} {'evidence':<9} description")
+    else:
+        print(f"{'name':<10} {'distribution':<22} {'version':<10} {'evidence':<9} summary")
     for engine in engines:
         print(
             f"{engine.name:<10} {engine.distribution:<22} {engine.version:<10} "
-            f"{engine.evidence:<9} {engine.description}"
+            f"{engine.evidence:<9} {engine.summary}"
+        )
+    for problem in problems:
+        print(
+            f"broken plugin {problem.plugin!r} ({problem.distribution} {problem.version}): "
+            f"{problem.problem}"
         )
     return 0
 
