@@ -39,9 +39,15 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api import GenerationResult, LoadConfig, Pipeline, SessionRef, ShardSpec
-from shard_engine_api._plugins import detokenize, tokenize
-from shard_engine_api.engine import file_sha256, get_plugin_manager, model_store
+from shard_engine_api import (
+    GenerationResult,
+    LoadConfig,
+    Pipeline,
+    SessionRef,
+    ShardSpec,
+    load_tokenizer,
+)
+from shard_engine_api.engine import file_sha256, model_store
 from shard_engine_llama import LlamaEngine
 from shard_engine_llama._gguf_split import Manifest, inspect_gguf, split_model
 
@@ -543,13 +549,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     n_layers = int(str(artifact["n_layers"]))
 
-    manager = get_plugin_manager()
-    prompt_ids = tokenize(manager, ENGINE, str(model), args.prompt)
-    if not prompt_ids:
+    tokenizer = load_tokenizer(ENGINE, str(model))
+    prompt_ids = tokenizer.encode(args.prompt) if tokenizer is not None else []
+    if not prompt_ids or tokenizer is None:
         print("the llama plugin returned no tokens for the prompt", file=sys.stderr)
         return 1
     full, generation, exact = split_generations(model, n_layers, prompt_ids, args.max_new_tokens)
-    text = detokenize(manager, ENGINE, str(model), full.token_ids) or ""
+    text = tokenizer.decode(full.token_ids)
     print(f"prompt {args.prompt!r} -> {text!r}", flush=True)
 
     high_level: JsonObject | str
