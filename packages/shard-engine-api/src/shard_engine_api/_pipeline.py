@@ -353,14 +353,16 @@ class Pipeline:
         end, an exception, an early ``break`` inside ``with``, or :meth:`TokenStream.close`.
         Raises InvalidRequest for an empty prompt or a negative ``max_new_tokens``."""
         return TokenStream(
-            self,
-            _check_prompt(prompt_ids),
-            max_new_tokens=_check_max_new_tokens(max_new_tokens),
-            sampling=sampling,
-            stop_tokens=frozenset(int(token) for token in stop_tokens),
-            tokenizer=tokenizer,
-            session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
-            record=False,
+            _Generation(
+                self,
+                _check_prompt(prompt_ids),
+                max_new_tokens=_check_max_new_tokens(max_new_tokens),
+                sampling=sampling,
+                stop_tokens=frozenset(int(token) for token in stop_tokens),
+                tokenizer=tokenizer,
+                session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
+                record=False,
+            )
         )
 
     def generate(
@@ -376,14 +378,16 @@ class Pipeline:
         """The whole of :meth:`stream`, with the logits of every step (the last generated
         token is decoded too, so its logits are there to compare) and timings."""
         stream = TokenStream(
-            self,
-            _check_prompt(prompt_ids),
-            max_new_tokens=_check_max_new_tokens(max_new_tokens),
-            sampling=sampling,
-            stop_tokens=frozenset(int(token) for token in stop_tokens),
-            tokenizer=tokenizer,
-            session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
-            record=True,
+            _Generation(
+                self,
+                _check_prompt(prompt_ids),
+                max_new_tokens=_check_max_new_tokens(max_new_tokens),
+                sampling=sampling,
+                stop_tokens=frozenset(int(token) for token in stop_tokens),
+                tokenizer=tokenizer,
+                session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
+                record=True,
+            )
         )
         with stream:
             for _ in stream:
@@ -403,12 +407,10 @@ def _check_max_new_tokens(value: int) -> int:
     return value
 
 
-class TokenStream:
-    """An iterator of :class:`GeneratedToken` over one session; see :meth:`Pipeline.stream`.
-
-    Use it in a ``with`` block (or call :meth:`close`) so that leaving early releases the
-    session at once. After the end, ``finish_reason``, ``token_ids`` and ``text`` say what was
-    generated."""
+class _Generation:
+    """The state of one generation. The token generator holds this, not the TokenStream, so
+    dropping an unfinished stream frees the generator at once (no reference cycle), which
+    closes it and releases the session."""
 
     def __init__(
         self,
@@ -425,29 +427,117 @@ class TokenStream:
         self.pipeline = pipeline
         self.session = session
         self.prompt_ids = prompt_ids
+        self.max_new_tokens = max_new_tokens
+        self.sampler = Sampler(sampling)
+        self.stop_tokens = stop_tokens
+        self.tokenizer = tokenizer
+        self.record = record
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
-        self._max_new_tokens = max_new_tokens
-        self._sampler = Sampler(sampling)
-        self._stop_tokens = stop_tokens
-        self._tokenizer = tokenizer
-        self._record = record
-        self._text = ""
-        self._step_logits: list[bytes] = []
-        self._shard_prefill: tuple[float, ...] = ()
-        self._shard_decode: list[tuple[float, ...]] = []
-        self._prefill_ms = 0.0
-        self._decode_ms: list[float] = []
-        self._wire_bytes_before = pipeline.wire_bytes
-        self._wire_bytes = 0
-        self._started = False
-        self._released = False
-        self._tokens = self._run()
+        self.text = ""
+        self.step_logits: list[bytes] = []
+        self.shard_prefill: tuple[float, ...] = ()
+        self.shard_decode: list[tuple[float, ...]] = []
+        self.prefill_ms = 0.0
+        self.decode_ms: list[float] = []
+        self.wire_bytes_before = pipeline.wire_bytes
+        self.wire_bytes = 0
+        self.started = False
+        self.released = False
+
+    def release(self) -> None:
+        if self.released or not self.started:
+            return
+        self.released = True
+        self.wire_bytes = self.pipeline.wire_bytes - self.wire_bytes_before
+        try:
+            self.pipeline.release(self.session)
+        except ShardEngineError as error:
+            # Releasing must not hide why the generation ended; a crashed engine lost the
+            # session anyway.
+            _LOG.warning("releasing session %s failed: %s", self.session.session_id, error)
+
+    def piece(self) -> str | None:
+        if self.tokenizer is None:
+            return None
+        # An incomplete multi-byte character decodes to U+FFFD: hold it back until the next
+        # token completes it. A tokenizer that rewrites earlier text yields "" here; the
+        # stream's ``text`` is always the decode of every token.
+        stable = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
+        if not stable.startswith(self.text):
+            return ""
+        piece, self.text = stable[len(self.text) :], stable
+        return piece
+
+
+def _tokens(state: _Generation) -> Generator[GeneratedToken, None, None]:
+    pipeline, session = state.pipeline, state.session
+    state.started = True
+    try:
+        step = pipeline.step(session, 0, state.prompt_ids)
+        state.prefill_ms = step.wall_ms
+        state.shard_prefill = step.shard_ms
+        pos = len(state.prompt_ids)
+        while True:
+            row = step.logits.array()[-1]
+            if state.record:
+                state.step_logits.append(row.tobytes())
+            if len(state.token_ids) == state.max_new_tokens:
+                state.finish_reason = "length"
+                return
+            token = state.sampler(row)
+            if token in state.stop_tokens:
+                state.finish_reason = "stop"
+                return
+            state.token_ids.append(token)
+            yield GeneratedToken(token_id=token, position=pos, text=state.piece())
+            if len(state.token_ids) == state.max_new_tokens and not state.record:
+                # A stream does not pay for a decode whose logits nobody reads.
+                state.finish_reason = "length"
+                return
+            step = pipeline.step(session, pos, (token,), decode=True)
+            state.decode_ms.append(step.wall_ms)
+            state.shard_decode.append(step.shard_ms)
+            pos += 1
+    finally:
+        if state.tokenizer is not None and state.token_ids:
+            state.text = state.tokenizer.decode(state.token_ids)
+        state.release()
+
+
+class TokenStream:
+    """An iterator of :class:`GeneratedToken` over one session; see :meth:`Pipeline.stream`.
+
+    Use it in a ``with`` block (or call :meth:`close`) so that leaving early releases the
+    session at once. After the end, ``finish_reason``, ``token_ids`` and ``text`` say what was
+    generated."""
+
+    def __init__(self, state: _Generation) -> None:
+        self._state = state
+        self._tokens = _tokens(state)
+
+    @property
+    def session(self) -> SessionRef:
+        return self._state.session
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self._state.prompt_ids
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The tokens generated so far."""
+        return tuple(self._state.token_ids)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """ "stop" or "length" once the stream has ended; None before."""
+        return self._state.finish_reason
 
     @property
     def text(self) -> str | None:
         """The text generated so far (None without a tokenizer)."""
-        return None if self._tokenizer is None else self._text
+        return None if self._state.tokenizer is None else self._state.text
 
     def __iter__(self) -> Iterator[GeneratedToken]:
         return self
@@ -469,87 +559,31 @@ class TokenStream:
     def close(self) -> None:
         """Stop generating and release the session (idempotent)."""
         self._tokens.close()
-        self._release()
-
-    def _release(self) -> None:
-        if self._released or not self._started:
-            return
-        self._released = True
-        self._wire_bytes = self.pipeline.wire_bytes - self._wire_bytes_before
-        try:
-            self.pipeline.release(self.session)
-        except ShardEngineError as error:
-            # Releasing must not hide why the generation ended; a crashed engine lost the
-            # session anyway.
-            _LOG.warning("releasing session %s failed: %s", self.session.session_id, error)
-
-    def _piece(self) -> str | None:
-        if self._tokenizer is None:
-            return None
-        # An incomplete multi-byte character decodes to U+FFFD: hold it back until the next
-        # token completes it. A tokenizer that rewrites earlier text yields "" here; ``text``
-        # is always the decode of every token.
-        stable = self._tokenizer.decode(self.token_ids).rstrip("\ufffd")
-        if not stable.startswith(self._text):
-            return ""
-        piece, self._text = stable[len(self._text) :], stable
-        return piece
-
-    def _run(self) -> Generator[GeneratedToken, None, None]:
-        pipeline, session = self.pipeline, self.session
-        self._started = True
-        try:
-            step = pipeline.step(session, 0, self.prompt_ids)
-            self._prefill_ms = step.wall_ms
-            self._shard_prefill = step.shard_ms
-            pos = len(self.prompt_ids)
-            while True:
-                row = step.logits.array()[-1]
-                if self._record:
-                    self._step_logits.append(row.tobytes())
-                if len(self.token_ids) == self._max_new_tokens:
-                    self.finish_reason = "length"
-                    return
-                token = self._sampler(row)
-                if token in self._stop_tokens:
-                    self.finish_reason = "stop"
-                    return
-                self.token_ids.append(token)
-                yield GeneratedToken(token_id=token, position=pos, text=self._piece())
-                if len(self.token_ids) == self._max_new_tokens and not self._record:
-                    self.finish_reason = "length"
-                    return
-                step = pipeline.step(session, pos, (token,), decode=True)
-                self._decode_ms.append(step.wall_ms)
-                self._shard_decode.append(step.shard_ms)
-                pos += 1
-        finally:
-            if self._tokenizer is not None and self.token_ids:
-                self._text = self._tokenizer.decode(self.token_ids)
-            self._release()
+        self._state.release()
 
     def result(self) -> GenerationResult:
         """What was generated, with timings (complete once the stream has ended)."""
+        state = self._state
         timings: list[ShardTimings] = []
-        for index, engine in enumerate(self.pipeline.engines):
-            per_step = [shard_ms[index] for shard_ms in self._shard_decode]
+        for index, engine in enumerate(state.pipeline.engines):
+            per_step = [shard_ms[index] for shard_ms in state.shard_decode]
             timings.append(
                 ShardTimings(
                     shard=_describe(engine),
-                    prefill_ms=self._shard_prefill[index] if self._shard_prefill else 0.0,
+                    prefill_ms=state.shard_prefill[index] if state.shard_prefill else 0.0,
                     decode_ms_median=statistics.median(per_step) if per_step else 0.0,
                     decode_ms_total=sum(per_step),
                 )
             )
         return GenerationResult(
-            prompt_ids=self.prompt_ids,
-            token_ids=tuple(self.token_ids),
-            step_logits=tuple(self._step_logits),
+            prompt_ids=state.prompt_ids,
+            token_ids=tuple(state.token_ids),
+            step_logits=tuple(state.step_logits),
             shard_timings=tuple(timings),
-            prefill_ms=self._prefill_ms,
-            decode_ms_median=statistics.median(self._decode_ms) if self._decode_ms else 0.0,
-            wire_bytes=self._wire_bytes,
-            finish_reason=self.finish_reason or "length",
+            prefill_ms=state.prefill_ms,
+            decode_ms_median=statistics.median(state.decode_ms) if state.decode_ms else 0.0,
+            wire_bytes=state.wire_bytes,
+            finish_reason=state.finish_reason or "length",
             text=self.text,
         )
 
