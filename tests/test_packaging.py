@@ -116,6 +116,8 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "hookspec",
         "model_store",
         "plugin_problems",
+        "portable_path",
+        "portable_text",
     ],
     "shard_engine_api.wire": [
         "CHECKSUM_ALGORITHM",
