@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,13 +16,11 @@ from hypothesis import strategies as st
 from shard_engine_llama._gguf import (
     GGUFModelInfo,
     GGUFValidationError,
-    ModelStoreError,
     ShardingRefusedError,
     SplitProgress,
     inspect_gguf,
     parts_by_bytes,
     read_gguf_header,
-    resolve_model_store,
     split_model,
     validate_gguf,
 )
@@ -411,24 +408,6 @@ def test_gemma3_pattern_is_sliced(tmp_path: Path) -> None:
         assert windows == (0 if index == 2 else 8)
     # Full model: local where il % 6 < 5; identity blocks are local.
     assert patterns == [[True, True, True], [True, True, True, True], [False]]
-
-
-# -- model store ------------------------------------------------------------------------------
-
-
-def test_model_store_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", str(tmp_path / "env"))
-    assert resolve_model_store(None) == (tmp_path / "env").resolve()
-    assert resolve_model_store(tmp_path / "explicit") == (tmp_path / "explicit").resolve()
-    with pytest.raises(ModelStoreError, match="/home"):
-        resolve_model_store("/home/someone/models")
-    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", "/home/x")
-    with pytest.raises(ModelStoreError, match="SHARD_ENGINE_MODEL_STORE"):
-        resolve_model_store(None)
-    monkeypatch.delenv("SHARD_ENGINE_MODEL_STORE")
-    monkeypatch.setenv("HOME", str(tmp_path / "h"))
-    assert resolve_model_store(None) == (tmp_path / "h" / ".cache" / "shard-engine").resolve()
-    assert os.environ["HOME"] == str(tmp_path / "h")
 
 
 def test_duplicate_token_strings_are_refused(tiny: Path, tmp_path: Path) -> None:

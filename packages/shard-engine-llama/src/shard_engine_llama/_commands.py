@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shard_engine_api.engine import ModelStoreRefused, model_store
 from shard_engine_llama._gguf import (
     GGUFValidationError,
-    ModelStoreError,
     ShardingRefusedError,
     SplitProgress,
     inspect_gguf,
     parts_by_bytes,
-    resolve_model_store,
     split_model,
 )
 
@@ -74,9 +73,9 @@ def _command_split(args: argparse.Namespace) -> int:
     try:
         info = inspect_gguf(args.model)
         ranges = args.shards if args.shards else parts_by_bytes(info, args.parts)
-        out = args.out or str(resolve_model_store(None) / "shards" / info.path.stem)
+        out = args.out or str(model_store() / "shards" / info.path.stem)
         manifest = split_model(args.model, ranges, out, None if args.quiet else _progress)
-    except (GGUFValidationError, ModelStoreError, ValueError) as error:
+    except (GGUFValidationError, ModelStoreRefused, ValueError) as error:
         kind = "refused" if isinstance(error, ShardingRefusedError) else "error"
         print(f"{kind}: {error}", file=sys.stderr)
         return 2

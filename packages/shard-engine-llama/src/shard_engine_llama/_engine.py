@@ -19,29 +19,31 @@ import numpy.typing as npt
 
 from shard_engine_api import (
     Cancelled,
-    CancelToken,
     Determinism,
-    EngineCore,
     EngineCrashed,
     Features,
-    ForwardItem,
     InvalidRequest,
     LoadConfig,
-    ModelInfo,
-    OutputMode,
     ResourceExhausted,
     ShardMismatch,
     UnsupportedFeature,
+)
+from shard_engine_api.engine import (
+    CancelToken,
+    EngineCore,
+    ForwardItem,
+    ModelInfo,
+    ModelStoreRefused,
+    OutputMode,
+    file_sha256,
+    model_store,
 )
 from shard_engine_llama import _abi, _self_test
 from shard_engine_llama._gguf import (
     GGUFHeader,
     GGUFValidationError,
-    ModelStoreError,
     ShardingRefusedError,
-    file_sha256,
     model_info,
-    resolve_model_store,
     split_model,
     validate_gguf,
 )
@@ -107,8 +109,8 @@ def _usable_store(explicit: str | None) -> Path | None:
     """The model store for the persistent hash cache, or None when none is usable: a full model
     runs from where it is and needs no store."""
     try:
-        return resolve_model_store(explicit)
-    except ModelStoreError:
+        return model_store(explicit)
+    except ModelStoreRefused:
         return None
 
 
@@ -174,8 +176,6 @@ class LlamaEngine(EngineCore):
             if error.field:
                 details["field"] = error.field
             raise InvalidRequest(str(error), details=details) from error
-        except ModelStoreError as error:
-            raise InvalidRequest(str(error)) from error
         except ShardingRefusedError as error:
             rule = error.rule.split(":", 1)[0]
             raise UnsupportedFeature(str(error), details={"rule": rule}) from error
@@ -250,7 +250,7 @@ class LlamaEngine(EngineCore):
             return _ShardChoice(source, fingerprint, info.vocab_size, header, shard_layout(header))
         if not info.shardable:
             raise ShardingRefusedError(info.refusal or "not shardable")
-        store = resolve_model_store(options.model_store)
+        store = model_store(options.model_store)
         directory = store / "shards" / source.stem / f"{spec.start:03d}-{spec.end:03d}"
         manifest = split_model(
             source,

@@ -1,11 +1,11 @@
 """GGUF files without llama.cpp: a strict reader, validation, shard planning, shard writing, and
-the model store. One module per concern:
+cached file digests. One module per concern:
 
 - ``reader``: header parsing, every bound checked against the file;
 - ``validation``: the checks that keep a file llama.cpp would abort on away from it;
 - ``planning``: shardability (the allow-list and its rules) and layer-range plans;
 - ``writer``: shard metadata and tensors, streamed into new files, plus the manifest;
-- ``store``: the model store directory and file digests cached per file identity.
+- ``store``: file digests cached per file identity.
 """
 
 from shard_engine_llama._gguf.planning import (
@@ -23,7 +23,6 @@ from shard_engine_llama._gguf.reader import (
     TensorRecord,
     read_gguf_header,
 )
-from shard_engine_llama._gguf.store import ModelStoreError, file_sha256, resolve_model_store
 from shard_engine_llama._gguf.validation import validate_gguf, validate_header
 from shard_engine_llama._gguf.writer import (
     Manifest,
@@ -40,17 +39,14 @@ __all__ = [
     "GGUFValidationError",
     "Manifest",
     "MetadataValue",
-    "ModelStoreError",
     "ShardFile",
     "ShardingRefusedError",
     "SplitProgress",
     "TensorRecord",
-    "file_sha256",
     "inspect_gguf",
     "model_info",
     "parts_by_bytes",
     "read_gguf_header",
-    "resolve_model_store",
     "shard_file_name",
     "split_model",
     "validate_gguf",

@@ -1,4 +1,5 @@
-"""Where shard files live, and file hashes verified once per file identity.
+"""File digests verified once per file identity (the model store itself and the one file-hash
+helper are the API's: ``shard_engine_api.engine.model_store`` / ``file_sha256``).
 
 Hashing a multi-gigabyte model on every load would dominate a worker's start-up, so a digest is
 remembered per *file identity* (resolved path, size, mtime_ns, ctime_ns, inode, device): a file
@@ -13,7 +14,6 @@ a restarted worker does not re-hash either.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -22,57 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shard_engine_api.engine import file_sha256
+
 __all__ = [
-    "MODEL_STORE_ENV",
     "FileIdentity",
     "HashCache",
-    "ModelStoreError",
     "file_identity",
     "file_sha256",
     "hash_cache",
-    "resolve_model_store",
 ]
 
-MODEL_STORE_ENV = "SHARD_ENGINE_MODEL_STORE"
 HASH_CACHE_NAME = "verified-sha256.json"
-_CHUNK_BYTES = 16 * 1024 * 1024
 RACY_SECONDS = 2.0
-
-
-class ModelStoreError(ValueError):
-    """The model store directory is not acceptable (e.g. under /home)."""
-
-
-def resolve_model_store(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The directory shards and downloaded models live in.
-
-    ``explicit`` wins, then ``$SHARD_ENGINE_MODEL_STORE``, then ``~/.cache/shard-engine``. Paths
-    under /home are refused: model files are large and home directories are often small, synced
-    or backed up, so the store must be chosen deliberately.
-    """
-    raw = explicit if explicit is not None else os.environ.get(MODEL_STORE_ENV)
-    candidate = Path(raw).expanduser() if raw else Path("~/.cache/shard-engine").expanduser()
-    resolved = candidate.resolve()
-    if resolved == Path("/home") or Path("/home") in resolved.parents:
-        source = (
-            "argument"
-            if explicit is not None
-            else (MODEL_STORE_ENV if raw else "default (~/.cache)")
-        )
-        raise ModelStoreError(
-            f"model store {resolved} (from {source}) is under /home; choose another directory with "
-            f"{MODEL_STORE_ENV} or an explicit path"
-        )
-    return resolved
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """The sha256 of a whole file, read in 16 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
