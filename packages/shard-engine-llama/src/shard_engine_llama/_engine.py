@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -48,7 +48,8 @@ from shard_engine_llama._gguf import (
     validate_gguf,
 )
 from shard_engine_llama._gguf.families import FAMILIES
-from shard_engine_llama._gguf.store import hash_cache
+from shard_engine_llama._gguf.integrity import ShardIntegrityError, verify_shard
+from shard_engine_llama._gguf.store import FileIdentity, file_identity, hash_cache
 from shard_engine_llama._gguf.writer import ShardLayout, planned_layout, shard_layout
 
 __all__ = ["ENGINE_VERSION", "LlamaEngine", "LlamaOptions"]
@@ -103,6 +104,11 @@ class _ShardChoice:
     vocab_size: int
     header: GGUFHeader
     layout: ShardLayout
+    # The file's identity once verified: it must be unchanged after llama.cpp has mapped it.
+    identity: FileIdentity = field(default_factory=lambda: FileIdentity("", 0, 0, 0, 0, 0))
+
+    def verified(self) -> _ShardChoice:
+        return replace(self, identity=file_identity(self.path))
 
 
 def _usable_store(explicit: str | None) -> Path | None:
@@ -171,6 +177,10 @@ class LlamaEngine(EngineCore):
                 is_tail=choice.layout.is_tail,
                 last_layer_index=choice.layout.last_layer_index,
             )
+            if file_identity(choice.path) != choice.identity:
+                # Replaced or rewritten between verification and llama.cpp mapping it.
+                runtime.close()
+                raise ShardIntegrityError(f"{choice.path} changed while it was being loaded")
         except GGUFValidationError as error:
             details: dict[str, str | int | float | bool | None] = {"rule": error.rule}
             if error.field:
@@ -236,10 +246,12 @@ class LlamaEngine(EngineCore):
                     f"{source.name} holds layers [{start}, {end}) of {total}; the spec asks for "
                     f"[{spec.start}, {spec.end}) of {spec.n_layers}"
                 )
+            # The source fingerprint is only reported for bytes proven to be what split wrote.
+            verify_shard(header, store=_usable_store(options.model_store))
             fingerprint = header.get_str("shard.source_sha256")
             vocab_entry = header.metadata.get("shard.source_vocab_size")
             vocab = int(vocab_entry.value) if vocab_entry is not None else info.vocab_size  # type: ignore[arg-type]
-            return _ShardChoice(source, fingerprint, vocab, header, shard_layout(header))
+            return _ShardChoice(source, fingerprint, vocab, header, shard_layout(header)).verified()
         if info.n_layers != spec.n_layers:
             raise ShardMismatch(
                 f"{source.name} has {info.n_layers} layers; the spec says {spec.n_layers}"
@@ -247,7 +259,9 @@ class LlamaEngine(EngineCore):
         if spec.role == "full":
             store = _usable_store(options.model_store)
             fingerprint = hash_cache().digest(source, "file", file_sha256, store=store)
-            return _ShardChoice(source, fingerprint, info.vocab_size, header, shard_layout(header))
+            return _ShardChoice(
+                source, fingerprint, info.vocab_size, header, shard_layout(header)
+            ).verified()
         if not info.shardable:
             raise ShardingRefusedError(info.refusal or "not shardable")
         store = model_store(options.model_store)
@@ -263,7 +277,7 @@ class LlamaEngine(EngineCore):
         layout = planned_layout(header, spec.start, spec.end)
         return _ShardChoice(
             manifest.shard_path(0), manifest.source_sha256, info.vocab_size, header, layout
-        )
+        ).verified()
 
     def _forward(
         self, item: ForwardItem, output: OutputMode, token: CancelToken

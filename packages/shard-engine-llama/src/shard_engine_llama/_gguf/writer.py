@@ -28,6 +28,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from shard_engine_llama._gguf.integrity import (
+    CONTENT_KEY,
+    PLACEHOLDER,
+    ShardIntegrityError,
+    seal_shard,
+    verify_shard_file,
+)
 from shard_engine_llama._gguf.planning import (
     GEMMA3_27B_LAYER_COUNT,
     ShardingRefusedError,
@@ -59,7 +66,8 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 1
+# 2: a shard's "sha256" is its content digest (integrity.py), which the file also carries.
+MANIFEST_FORMAT = 2
 _COPY_CHUNK_BYTES = 16 * 1024 * 1024
 _GEMMA3_DEFAULT_SWA_PERIOD = 6
 
@@ -77,7 +85,8 @@ class SplitProgress:
 
 @dataclass(frozen=True)
 class ShardFile:
-    """One shard in a manifest."""
+    """One shard in a manifest; ``sha256`` is its content digest: the sha256 of the file with
+    its ``shard.content_sha256`` value read as 64 ASCII zeros (the file carries it too)."""
 
     start: int
     end: int
@@ -212,7 +221,17 @@ def _shard_metadata(
     role = role_of(start, end, n_layers)
     n_blocks = end - start + (1 if with_identity_block else 0)
     u32 = gguf.GGUFValueType.UINT32
-    result: dict[str, MetadataValue] = {}
+    # The shard keys come first: the content digest is then found within the first KiB
+    # without parsing the (possibly large) vocabulary behind it.
+    result: dict[str, MetadataValue] = {
+        CONTENT_KEY: MetadataValue(PLACEHOLDER, gguf.GGUFValueType.STRING),
+        "shard.start": MetadataValue(start, u32),
+        "shard.end": MetadataValue(end, u32),
+        "shard.n_layers_total": MetadataValue(n_layers, u32),
+        "shard.role": MetadataValue(role, gguf.GGUFValueType.STRING),
+        "shard.has_identity_block": MetadataValue(with_identity_block, gguf.GGUFValueType.BOOL),
+        "shard.source_sha256": MetadataValue(source_sha256, gguf.GGUFValueType.STRING),
+    }
     for key, entry in header.metadata.items():
         if key == "general.architecture":
             continue
@@ -255,12 +274,6 @@ def _shard_metadata(
     result["general.name"] = MetadataValue(
         f"{_metadata_name(header)} layers [{start}, {end}) of {n_layers}", gguf.GGUFValueType.STRING
     )
-    result["shard.start"] = MetadataValue(start, u32)
-    result["shard.end"] = MetadataValue(end, u32)
-    result["shard.n_layers_total"] = MetadataValue(n_layers, u32)
-    result["shard.role"] = MetadataValue(role, gguf.GGUFValueType.STRING)
-    result["shard.has_identity_block"] = MetadataValue(with_identity_block, gguf.GGUFValueType.BOOL)
-    result["shard.source_sha256"] = MetadataValue(source_sha256, gguf.GGUFValueType.STRING)
     tokens = header.metadata.get("tokenizer.ggml.tokens")
     if tokens is not None and isinstance(tokens.value, list):
         # Middle shards drop the vocabulary; the model's vocabulary size is still its contract.
@@ -346,7 +359,8 @@ def _write_shard(
     tensors: list[_TensorPlan],
     destination: Path,
     report: Callable[[int], None],
-) -> None:
+) -> str:
+    """Write the shard, seal it with its content digest (integrity.py), return the digest."""
     partial = destination.with_name(destination.name + ".partial")
     writer = gguf.GGUFWriter(partial, header.architecture, use_temp_file=False)
     writer.data_alignment = header.alignment
@@ -391,7 +405,9 @@ def _write_shard(
     output.flush()
     os.fsync(output.fileno())
     writer.close()
+    digest = seal_shard(partial)
     os.replace(partial, destination)
+    return digest
 
 
 def shard_file_name(source: Path, start: int, end: int, n_layers: int) -> str:
@@ -484,10 +500,11 @@ def split_model(
         metadata = _shard_metadata(header, start, end, source_sha256, with_identity_block)
         earlier = previous.get((start, end))
         if earlier is not None and earlier.get("file") == name and destination.is_file():
-            existing_sha256 = hash_cache().digest(
-                destination, "file", file_sha256, store=hash_store
-            )
-            if existing_sha256 == earlier.get("sha256"):
+            try:
+                existing_sha256: str | None = verify_shard_file(destination, store=hash_store)
+            except ShardIntegrityError:
+                existing_sha256 = None
+            if existing_sha256 is not None and existing_sha256 == earlier.get("sha256"):
                 size = destination.stat().st_size
                 shard_files.append(
                     ShardFile(start, end, name, existing_sha256, size, role, with_identity_block)
@@ -501,13 +518,13 @@ def split_model(
         def report(done: int, index: int = index, total: int = total) -> None:
             notify("write", index, done, total)
 
-        _write_shard(header, metadata, tensors, destination, report)
+        digest = _write_shard(header, metadata, tensors, destination, report)
         shard_files.append(
             ShardFile(
                 start,
                 end,
                 name,
-                file_sha256(destination),
+                digest,
                 destination.stat().st_size,
                 role,
                 with_identity_block,
