@@ -28,6 +28,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from shard_engine_llama._gguf.families import EMBEDDING_SCALE_HEAD_ONLY, FAMILIES
 from shard_engine_llama._gguf.integrity import (
     CONTENT_KEY,
     PLACEHOLDER,
@@ -35,6 +36,7 @@ from shard_engine_llama._gguf.integrity import (
     seal_shard,
     verify_shard_file,
 )
+from shard_engine_llama._gguf.layout import hyperparameters
 from shard_engine_llama._gguf.planning import (
     GEMMA3_27B_LAYER_COUNT,
     ShardingRefusedError,
@@ -69,7 +71,6 @@ MANIFEST_NAME = "manifest.json"
 # 2: a shard's "sha256" is its content digest (integrity.py), which the file also carries.
 MANIFEST_FORMAT = 2
 _COPY_CHUNK_BYTES = 16 * 1024 * 1024
-_GEMMA3_DEFAULT_SWA_PERIOD = 6
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def planned_layout(source: GGUFHeader, start: int, end: int) -> ShardLayout:
     return ShardLayout(
         is_head=role in ("head", "full"),
         is_tail=role in ("tail", "full"),
-        last_layer_index=end - start - 1,
+        last_layer_index=leading_identity_blocks(source, start) + end - start - 1,
     )
 
 
@@ -197,16 +198,32 @@ class _TensorPlan:
     fill: str = "zeros"
 
 
-def _gemma3_full_swa_pattern(header: GGUFHeader, n_layers: int) -> list[bool]:
-    key = "gemma3.attention.sliding_window_pattern"
+def leading_identity_blocks(header: GGUFHeader, start: int) -> int:
+    """Identity blocks a shard starting at ``start`` needs in front of its layers so that each
+    real layer keeps its index modulo the family's no-RoPE step (rule no-rope-step-padding)."""
+    family = FAMILIES.get(header.architecture)
+    step = family.no_rope_step if family is not None else 0
+    return start % step if step else 0
+
+
+def _full_swa_pattern(header: GGUFHeader, n_layers: int, default_period: int) -> list[bool]:
+    key = f"{header.architecture}.attention.sliding_window_pattern"
     entry = header.metadata.get(key)
     if entry is not None and isinstance(entry.value, list):
         return [bool(item) for item in entry.value[:n_layers]]
-    period = _GEMMA3_DEFAULT_SWA_PERIOD
+    period = default_period
     if entry is not None and isinstance(entry.value, int):
         period = entry.value
     # Mirrors llama_hparams::set_swa_pattern(n_pattern, dense_first=false).
     return [period == 0 or il % period < period - 1 for il in range(n_layers)]
+
+
+def _uses_sliding_window(header: GGUFHeader) -> bool:
+    family = FAMILIES.get(header.architecture)
+    if family is None or not family.swa_period:
+        return False
+    window = header.metadata.get(f"{header.architecture}.attention.sliding_window")
+    return window is not None and isinstance(window.value, int) and window.value > 0
 
 
 def _shard_metadata(
@@ -219,7 +236,8 @@ def _shard_metadata(
     arch = header.architecture
     n_layers = header.get_int(f"{arch}.block_count")
     role = role_of(start, end, n_layers)
-    n_blocks = end - start + (1 if with_identity_block else 0)
+    padding = leading_identity_blocks(header, start)
+    n_blocks = padding + end - start + (1 if with_identity_block else 0)
     u32 = gguf.GGUFValueType.UINT32
     # The shard keys come first: the content digest is then found within the first KiB
     # without parsing the (possibly large) vocabulary behind it.
@@ -231,6 +249,7 @@ def _shard_metadata(
         "shard.role": MetadataValue(role, gguf.GGUFValueType.STRING),
         "shard.has_identity_block": MetadataValue(with_identity_block, gguf.GGUFValueType.BOOL),
         "shard.source_sha256": MetadataValue(source_sha256, gguf.GGUFValueType.STRING),
+        "shard.leading_identity_blocks": MetadataValue(padding, u32),
     }
     for key, entry in header.metadata.items():
         if key == "general.architecture":
@@ -245,7 +264,7 @@ def _shard_metadata(
         ):
             # Per-layer hyper-parameters (head counts, ff sizes, window patterns): slice, and give
             # the identity block the last real layer's value so its tensor shapes match.
-            sliced = list(entry.value[start:end])
+            sliced = [entry.value[start]] * padding + list(entry.value[start:end])
             if with_identity_block:
                 sliced.append(entry.value[end - 1])
             value = MetadataValue(sliced, entry.value_type, entry.element_type)
@@ -254,23 +273,31 @@ def _shard_metadata(
     if role == "middle":
         result["tokenizer.ggml.model"] = MetadataValue("none", gguf.GGUFValueType.STRING)
         result[f"{arch}.vocab_size"] = MetadataValue(1, u32)
-    if arch == "gemma3":
-        full_pattern = _gemma3_full_swa_pattern(header, n_layers)
-        pattern = full_pattern[start:end]
+    family = FAMILIES[arch]
+    if _uses_sliding_window(header):
+        # Rule swa-pattern-explicit: without the explicit array a shard would apply the default
+        # pattern to its own renumbered layers.
+        full_pattern = _full_swa_pattern(header, n_layers, family.swa_period)
+        # llama.cpp asserts a sliding-window model has a local layer; identity blocks never run
+        # attention that matters, so they can always be local.
+        pattern = [True] * padding + full_pattern[start:end]
         if with_identity_block:
-            # llama.cpp asserts a sliding-window model has a local layer; the identity block
-            # never runs attention that matters, so it can always be the local one.
             pattern.append(True)
-        result["gemma3.attention.sliding_window_pattern"] = MetadataValue(
+        result[f"{arch}.attention.sliding_window_pattern"] = MetadataValue(
             [bool(item) for item in pattern], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL
         )
         if not any(pattern):
-            result["gemma3.attention.sliding_window"] = MetadataValue(0, u32)
-        if (n_layers == GEMMA3_27B_LAYER_COUNT) != (n_blocks == GEMMA3_27B_LAYER_COUNT):
-            raise ShardingRefusedError(
-                f"gemma3-layer-count-attention-scale: a gemma3 shard with {n_blocks} blocks of a "
-                f"{n_layers}-layer model would switch llama.cpp's layer-count-based attention scale"
-            )
+            result[f"{arch}.attention.sliding_window"] = MetadataValue(0, u32)
+    if EMBEDDING_SCALE_HEAD_ONLY in family.rules and role in ("middle", "tail"):
+        # 0 disables the multiplier llama.cpp would also apply to hidden-state input.
+        result[f"{arch}.embedding_scale"] = MetadataValue(0.0, gguf.GGUFValueType.FLOAT32)
+    if arch == "gemma3" and (
+        (n_layers == GEMMA3_27B_LAYER_COUNT) != (n_blocks == GEMMA3_27B_LAYER_COUNT)
+    ):
+        raise ShardingRefusedError(
+            f"gemma3-layer-count-attention-scale: a gemma3 shard with {n_blocks} blocks of a "
+            f"{n_layers}-layer model would switch llama.cpp's layer-count-based attention scale"
+        )
     result["general.name"] = MetadataValue(
         f"{_metadata_name(header)} layers [{start}, {end}) of {n_layers}", gguf.GGUFValueType.STRING
     )
@@ -300,6 +327,13 @@ def _shard_tensors(
         if index is not None:
             continue
         if record.name == "output.weight" and role not in ("tail", "full"):
+            if _output_required(header):
+                # This family's loader insists on an lm-head; a non-tail shard never runs it,
+                # so zeros of the shard's vocabulary width (a sparse hole) stand in.
+                n_vocab = 1 if role == "middle" else record.shape[1]
+                shape = (record.shape[0], n_vocab)
+                n_bytes = record.n_bytes // record.shape[1] * n_vocab
+                plans.append(_TensorPlan(record.name, shape, record.ggml_type, n_bytes))
             continue
         if record.name == "token_embd.weight":
             if role == "middle":
@@ -319,37 +353,53 @@ def _shard_tensors(
         plans.append(
             _TensorPlan(record.name, record.shape, record.ggml_type, record.n_bytes, source=record)
         )
+    padding = leading_identity_blocks(header, start)
+    for block in range(padding):
+        plans += _identity_block(header, start, block)
     for il in range(start, end):
         prefix = f"blk.{il}."
         for record in header.tensors.values():
             if record.name.startswith(prefix):
-                new_name = f"blk.{il - start}.{record.name[len(prefix) :]}"
+                new_name = f"blk.{padding + il - start}.{record.name[len(prefix) :]}"
                 plans.append(
                     _TensorPlan(
                         new_name, record.shape, record.ggml_type, record.n_bytes, source=record
                     )
                 )
     if with_identity_block:
-        prefix = f"blk.{end - 1}."
-        for record in header.tensors.values():
-            if not record.name.startswith(prefix):
-                continue
-            suffix = record.name[len(prefix) :]
-            new_name = f"blk.{end - start}.{suffix}"
-            if "norm" in suffix:
-                # Unit norms: with zero projections the block adds exactly 0 to the residual.
-                plans.append(
-                    _TensorPlan(
-                        new_name,
-                        record.shape,
-                        gguf.GGMLQuantizationType.F32,
-                        math.prod(record.shape) * 4,
-                        fill="ones",
-                    )
+        plans += _identity_block(header, end - 1, padding + end - start)
+    return plans
+
+
+def _output_required(header: GGUFHeader) -> bool:
+    family = FAMILIES[header.architecture]
+    needs = family.model_tensors(hyperparameters(header, family), lambda name: True)
+    return any(need.name == "output.weight" and need.required for need in needs)
+
+
+def _identity_block(header: GGUFHeader, like: int, index: int) -> list[_TensorPlan]:
+    """Block ``index`` shaped like source block ``like``, computing x + 0 exactly: unit norms
+    and all-zero weights (experts and router included), so attention and feed-forward add 0."""
+    prefix = f"blk.{like}."
+    plans: list[_TensorPlan] = []
+    for record in header.tensors.values():
+        if not record.name.startswith(prefix):
+            continue
+        suffix = record.name[len(prefix) :]
+        new_name = f"blk.{index}.{suffix}"
+        if "norm" in suffix:
+            plans.append(
+                _TensorPlan(
+                    new_name,
+                    record.shape,
+                    gguf.GGMLQuantizationType.F32,
+                    math.prod(record.shape) * 4,
+                    fill="ones",
                 )
-            else:
-                # All-zero bytes decode to 0 in every ggml type (zero scales, zero quants).
-                plans.append(_TensorPlan(new_name, record.shape, record.ggml_type, record.n_bytes))
+            )
+        else:
+            # All-zero bytes decode to 0 in every ggml type (zero scales, zero quants).
+            plans.append(_TensorPlan(new_name, record.shape, record.ggml_type, record.n_bytes))
     return plans
 
 
