@@ -95,7 +95,8 @@ IDENTITY_BLOCK = ShardRule(
 )
 MIDDLE_NO_VOCABULARY = ShardRule(
     "middle-no-vocabulary",
-    "middle shards carry tokenizer 'none', one token and a 1 x n_embd zero token embedding",
+    "no shard carries the tokenizer (tokenizer 'none' with <arch>.vocab_size nameless tokens); "
+    "middle shards have one token and a 1 x n_embd zero token embedding",
     "llama-vocab.cpp load (tokenizer_model == 'none'); loaders require token_embd",
 )
 SWA_PATTERN_EXPLICIT = ShardRule(

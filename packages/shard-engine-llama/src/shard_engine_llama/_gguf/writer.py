@@ -254,7 +254,9 @@ def _shard_metadata(
     for key, entry in header.metadata.items():
         if key == "general.architecture":
             continue
-        if role == "middle" and key.startswith("tokenizer."):
+        if key.startswith("tokenizer.") and role != "full":
+            # No partial shard tokenizes (token ids arrive encoded, the tail returns logits), so
+            # none carries the vocabulary: llama.cpp would build its token tables from it.
             continue
         value = entry
         if (
@@ -270,9 +272,12 @@ def _shard_metadata(
             value = MetadataValue(sliced, entry.value_type, entry.element_type)
         result[key] = value
     result[f"{arch}.block_count"] = MetadataValue(n_blocks, u32)
-    if role == "middle":
+    # Rule middle-no-vocabulary, and for head and tail shards a vocabulary of vocab_size
+    # nameless tokens: the token embedding and lm-head keep their shapes.
+    if role != "full":
+        n_vocab = header.tensors["token_embd.weight"].shape[1]
         result["tokenizer.ggml.model"] = MetadataValue("none", gguf.GGUFValueType.STRING)
-        result[f"{arch}.vocab_size"] = MetadataValue(1, u32)
+        result[f"{arch}.vocab_size"] = MetadataValue(1 if role == "middle" else n_vocab, u32)
     family = FAMILIES[arch]
     if _uses_sliding_window(header):
         # Rule swa-pattern-explicit: without the explicit array a shard would apply the default
