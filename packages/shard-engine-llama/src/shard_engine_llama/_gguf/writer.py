@@ -331,6 +331,8 @@ def _shard_tensors(
         index = layer_index(record.name)
         if index is not None:
             continue
+        if record.name == "output.weight" and role == "tail" and not _output_required(header):
+            continue  # moved into token_embd.weight above
         if record.name == "output.weight" and role not in ("tail", "full"):
             if _output_required(header):
                 # This family's loader insists on an lm-head; a non-tail shard never runs it,
@@ -349,8 +351,23 @@ def _shard_tensors(
                 )
                 continue
             if role == "tail" and has_output:
-                # The tail never looks tokens up (its input is hidden states) but needs the
-                # vocabulary-sized shape; zero bytes are written as a sparse hole.
+                output = header.tensors["output.weight"]
+                if not _output_required(header):
+                    # Rule tail-lm-head-as-embedding: the tail never looks tokens up (its
+                    # input is hidden states), so the lm-head's bytes take the embedding's
+                    # place and output.weight is left out; the loader then uses token_embd as
+                    # the lm-head (TENSOR_DUPLICATED): one vocabulary-sized matrix, not two.
+                    plans.append(
+                        _TensorPlan(
+                            record.name,
+                            output.shape,
+                            output.ggml_type,
+                            output.n_bytes,
+                            source=output,
+                        )
+                    )
+                    continue
+                # This family needs both: the unused embedding becomes a sparse zero hole.
                 plans.append(
                     _TensorPlan(record.name, record.shape, record.ggml_type, record.n_bytes)
                 )
