@@ -33,6 +33,8 @@ from shard_engine_api import (
 from shard_engine_api.cli import main
 from shard_engine_api.engine import EngineDescription, Tokenizer, get_plugin_manager, hookimpl
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def test_engines_lists_every_plugin_with_distribution_and_evidence(
     capsys: pytest.CaptureFixture[str],
@@ -421,3 +423,34 @@ def test_pipeline_over_the_wire_equals_in_process() -> None:
     finally:
         for engine in local + remote:
             engine.close()
+
+
+def test_discovering_engines_does_not_import_llama_cpp() -> None:
+    """Plugin discovery stays cheap: llama.cpp loads only when a llama engine or tokenizer is
+    made (importing it leaves files open that pytest then reports at exit)."""
+    probe = (
+        "import sys\n"
+        "from shard_engine_api import installed_engines\n"
+        "from shard_engine_api.engine import get_plugin_manager\n"
+        "names = [engine.name for engine in installed_engines(get_plugin_manager())]\n"
+        "assert 'llama' in names, names\n"
+        "assert 'llama_cpp' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def test_conformance_on_the_fake_exits_cleanly(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "shard_engine_api.cli", "conformance", "--engine", "fake"]
+    completed = subprocess.run(
+        [*command, "--report", str(report)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "SHARD_ENGINE_MODEL_STORE": str(tmp_path / "store")},
+    )
+    assert completed.returncode == 0, completed.stdout[-2000:]
+    assert "ResourceWarning" not in completed.stderr, completed.stderr
+    assert "Exception ignored" not in completed.stderr, completed.stderr
+    assert json.loads(report.read_text())["certification"] == "fixture-only"
