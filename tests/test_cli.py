@@ -454,3 +454,44 @@ def test_conformance_on_the_fake_exits_cleanly(tmp_path: Path) -> None:
     assert "ResourceWarning" not in completed.stderr, completed.stderr
     assert "Exception ignored" not in completed.stderr, completed.stderr
     assert json.loads(report.read_text())["certification"] == "fixture-only"
+
+
+def test_run_on_a_gguf_whose_vocabulary_llama_cpp_cannot_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF that passes the header checks but whose tokenizer llama.cpp refuses: one line
+    naming the file, exit 2 (the backend's ModelLoadError does not escape as a traceback)."""
+    from shard_engine_llama._fixtures import tiny_model_path
+
+    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", str(tmp_path / "store"))
+    data = tiny_model_path(tmp_path).read_bytes()
+    at = data.index(b"llama", data.index(b"tokenizer.ggml.model"))
+    broken = tmp_path / "bad-vocabulary.gguf"
+    broken.write_bytes(data[:at] + b"bogus" + data[at + len(b"llama") :])
+    assert main(["run", "--engine", "llama", "--model", str(broken)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "bad-vocabulary.gguf" in lines[0]
+    assert "Traceback" not in captured.err
+
+
+def test_the_driver_logs_crashes(caplog: pytest.LogCaptureFixture) -> None:
+    from shard_engine_api import EngineCrashed, Pipeline
+    from shard_engine_fake import Crash, FaultPlan, FaultRule
+
+    plan = FaultPlan(rules=(FaultRule(action=Crash(detail="boom"), operations=("decode",)),))
+    engines = [
+        load_engine(
+            "fake",
+            LoadConfig(
+                shard=ShardSpec(model="fake", n_layers=6, start=s, end=e),
+                options={"faults": plan} if s else {},
+            ),
+        )
+        for s, e in ((0, 3), (3, 6))
+    ]
+    caplog.set_level(logging.INFO, logger="shard_engine")
+    with Pipeline(engines) as pipeline, pytest.raises(EngineCrashed):
+        pipeline.generate((1, 2), 3)
+    assert any("shard 1 crashed" in record.getMessage() for record in caplog.records)
