@@ -387,7 +387,8 @@ def test_bundles_do_not_cross_models(tmp_path: Path) -> None:
 
 def test_installed_engines_through_a_fresh_plugin_manager() -> None:
     names = [engine.name for engine in installed_engines(get_plugin_manager())]
-    assert names == ["fake", "llama"]
+    assert {"fake", "llama"} <= set(names)  # and any other installed engine (remote)
+    assert names == sorted(names)
 
 
 def test_console_script_runs() -> None:
