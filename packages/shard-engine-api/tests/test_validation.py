@@ -347,7 +347,7 @@ NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("bundle session", replace_bundle(session=session("o")), "session"),
     ("hidden size", rebuild_bundle(lambda v: np.hstack([v, v])), "hidden_size"),
     ("dtype not loaded", rebuild_bundle(lambda v: v, "f16"), "dtype"),
-    ("dtype unknown", replace_bundle(dtype="bf16"), "dtype"),
+    ("dtype unknown", replace_bundle(dtype="bf16"), "result_fields"),
     ("layer", replace_bundle(layer=1), "layer"),
     ("fingerprint", replace_bundle(model_fingerprint="fp-other"), "fingerprint"),
     ("contract version", replace_bundle(contract_version=CONTRACT_VERSION + 1), "contract_version"),
@@ -472,10 +472,43 @@ BATCH_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("batch id", lambda r: msgspec.structs.replace(r, request_id="x"), "request_id"),
     ("missing item", _items(lambda items: items[:-1]), "batch_count"),
     ("extra item", _items(lambda items: (*items, items[0])), "batch_count"),
-    ("reordered", _items(lambda items: items[::-1]), "request_id"),
-    ("bad item", _items(lambda items: (items[0], replace_bundle(layer=9)(items[1]), items[2])),
-     "layer"),
 ]  # fmt: skip
+
+# A bad entry fails only its own item: the other items committed and are handed on.
+BATCH_ITEM_BREAKAGES: list[tuple[str, Mutation, dict[int, str]]] = [
+    ("reordered", _items(lambda items: items[::-1]), {0: "request_id", 2: "request_id"}),
+    ("item not a result", _items(lambda items: (*items[:2], "text")), {2: "result_type"}),
+    ("bad item", _items(lambda items: (items[0], replace_bundle(layer=9)(items[1]), items[2])),
+     {1: "layer"}),
+    ("wrong dtype", _items(lambda items: (rebuild_bundle(lambda v: v, "f16")(items[0]),
+                                           *items[1:])), {0: "dtype"}),
+    ("field type", _items(lambda items: (*items[:2], msgspec.structs.replace(items[2],
+                                                                             first_pos=1.0))),
+     {2: "result_fields"}),
+    ("bad error entry", _items(lambda items: (*items[:2], ErrorInfo(code="x", message="m",
+                                                                     retryable="no"))),  # type: ignore[arg-type]
+     {2: "error_fields"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mutate", "bad"), [pytest.param(m, b, id=name) for name, m, b in BATCH_ITEM_BREAKAGES]
+)
+def test_bad_batch_items_fail_alone(mutate: Mutation, bad: dict[int, str]) -> None:
+    engine, tamper = make(0, 2)
+    prime(engine)
+    tamper.mutate = mutate
+    result = engine.decode_batch(batch_request())
+    for index, outcome in enumerate(result.items):
+        if index in bad:
+            assert isinstance(outcome, ErrorInfo)
+            assert outcome.code == "malformed_output"
+            assert outcome.details == {"check": bad[index], "item": index}
+            assert outcome.message.startswith(f"batch item {index}: {bad[index]}:")
+        else:
+            assert isinstance(tamper.last, DecodeBatchResult)
+            assert outcome is tamper.last.items[index]
+    assert engine.metrics().decode_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -494,9 +527,10 @@ def test_bad_batch_item_names_its_index() -> None:
     engine, tamper = make(0, 2)
     prime(engine)
     tamper.mutate = _items(lambda items: (items[0], items[1], replace_bundle(checksum=0)(items[2])))
-    with pytest.raises(MalformedOutput, match="batch item 2: checksum") as caught:
-        engine.decode_batch(batch_request())
-    assert caught.value.details == {"check": "checksum", "item": 2}
+    outcome = engine.decode_batch(batch_request()).items[2]
+    assert isinstance(outcome, ErrorInfo)
+    assert outcome.message.startswith("batch item 2: checksum:")
+    assert outcome.details == {"check": "checksum", "item": 2}
 
 
 @pytest.mark.parametrize("method", ["cancel", "release"])
