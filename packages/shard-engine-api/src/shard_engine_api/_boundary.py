@@ -17,7 +17,9 @@ bits).
 
 One scan per hop: the checksum and finiteness passes read the whole payload, so a bundle that
 passed them carries a private mark recording it, and a later check of the same object skips them
-(the header checks are a few comparisons and always run). The mark is only set on a bundle whose
+(the header checks are a few comparisons and always run). ``from_array`` marks what it builds as
+checksummed (it just computed the checksum from the bytes it owns), so the checksum of a result
+is never recomputed by the wrapper that checks it. The mark is only set on a bundle whose
 payload cannot change: a read-only view of an immutable ``bytes`` object or of a read-only numpy
 array that owns its memory. A decoded bundle (a view into ``bytes``) scanned by the codec is
 therefore not rescanned by the engine core that receives it, and a result bundle scanned by
@@ -34,7 +36,13 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._checksum import (
+    SCANNED,
+    SCANNED_FINITE,
+    mark_scanned,
+    payload_checksum,
+    scanned,
+)
 from shard_engine_api._errors import (
     ChecksumMismatch,
     ContractVersionMismatch,
@@ -121,15 +129,21 @@ _ITEMSIZE: Final = {"f32": 4, "f16": 2}
 _FINITE_CHUNK_ITEMS: Final = 1 << 19
 _SMALL_ARRAY_ITEMS: Final = 256
 _F16_EXPONENT: Final = 0x7C00
+_F16: Final = np.dtype("<f2")
 _scratch = threading.local()
 
 
 def all_finite(values: npt.NDArray[np.floating]) -> bool:
     """Whether every value of a float array is finite (no NaN, no infinity)."""
-    flat = values.reshape(-1)
-    if flat.size <= _SMALL_ARRAY_ITEMS or flat.dtype != np.dtype("<f2"):
+    flat = values if values.ndim == 1 else values.reshape(-1)
+    size = flat.size
+    is_f16 = flat.dtype == _F16
+    if size <= _SMALL_ARRAY_ITEMS or (not is_f16 and size <= 2 * _FINITE_CHUNK_ITEMS):
+        # The decode step's case (one row): one vectorised pass, nothing else.
+        return bool(np.isfinite(flat).all())
+    if not is_f16:
         # numpy's isfinite is vectorised for f32; chunking only bounds the temporary.
-        for start in range(0, flat.size, 2 * _FINITE_CHUNK_ITEMS):
+        for start in range(0, size, 2 * _FINITE_CHUNK_ITEMS):
             if not np.isfinite(flat[start : start + 2 * _FINITE_CHUNK_ITEMS]).all():
                 return False
         return True
@@ -145,42 +159,6 @@ def all_finite(values: npt.NDArray[np.floating]) -> bool:
         if int(masked.max()) == _F16_EXPONENT:
             return False
     return True
-
-
-# ----------------------------------------------------------------------------- the scan mark
-
-_MARK: Final = "_shard_engine_scanned"
-_SCANNED: Final = 1
-"""Length and checksum verified."""
-_SCANNED_FINITE: Final = 2
-"""Length, checksum and finiteness verified."""
-
-
-def _immutable(payload: memoryview) -> bool:
-    """Whether no one can change ``payload``'s bytes (so a verification of them stays true)."""
-    if not payload.readonly:
-        return False
-    owner = payload.obj
-    if type(owner) is bytes:
-        return True
-    return (
-        isinstance(owner, np.ndarray)
-        and not owner.flags.writeable
-        and owner.flags.owndata
-        and owner.base is None
-    )
-
-
-def _scanned(bundle: BoundaryBundle) -> int:
-    level: int = getattr(bundle, _MARK, 0)
-    return level
-
-
-def _mark(bundle: BoundaryBundle, level: int) -> None:
-    payload = bundle.payload
-    if type(payload) is memoryview and _immutable(payload):
-        # Not a field: dict=True on BoundaryBundle gives the instance a __dict__ for this.
-        bundle.__dict__[_MARK] = level
 
 
 # ----------------------------------------------------------------------------- checks
@@ -275,17 +253,17 @@ def check_bundle(
             f"bundle payload has {size} bytes; header promises {rows} x {width} x {dtype} "
             f"= {expected_size}",
         )
-    scanned = _scanned(bundle)
-    if scanned >= (_SCANNED_FINITE if expect.check_finite else _SCANNED):
+    level = scanned(bundle)
+    if level >= (SCANNED_FINITE if expect.check_finite else SCANNED):
         return None
-    if not scanned and payload_checksum(payload) != bundle.checksum:
+    if not level and payload_checksum(payload) != bundle.checksum:
         return Violation(ViolationKind.CHECKSUM, "bundle payload does not match its checksum")
     if expect.check_finite:
         if not all_finite(np.frombuffer(payload, dtype=numpy_dtype(dtype))):
             return Violation(ViolationKind.FINITE, "bundle hidden states contain NaN or Inf")
-        _mark(bundle, _SCANNED_FINITE)
-    elif not scanned:
-        _mark(bundle, _SCANNED)
+        mark_scanned(bundle, SCANNED_FINITE)
+    elif not level:
+        mark_scanned(bundle, SCANNED)
     return None
 
 
@@ -330,7 +308,7 @@ def check_logits(
             f"logits payload has {size} bytes; header promises {rows} x {width} x f32 "
             f"= {expected_size}",
         )
-    if payload_checksum(payload) != result.checksum:
+    if not scanned(result) and payload_checksum(payload) != result.checksum:
         return Violation(ViolationKind.CHECKSUM, "logits payload does not match its checksum")
     if check_finite and not all_finite(np.frombuffer(payload, dtype=_LOGITS_DTYPE)):
         return Violation(ViolationKind.FINITE, "logits contain NaN or Inf")

@@ -303,7 +303,12 @@ def _load_config(wire: msgspec.Struct) -> LoadConfig:
                 f"LoadConfig.options: undecodable: {reason}",
                 details={"field": "LoadConfig.options"},
             ) from None
-        check_option_value(options)
+        try:
+            check_option_value(options)
+        except InvalidRequest as error:
+            raise InvalidRequest(
+                f"LoadConfig.options: {error.message}", details={"field": "LoadConfig.options"}
+            ) from None
     fields = {name: getattr(wire, name) for name in wire.__struct_fields__ if name != "options"}
     # The constructor runs the edge checks (types, bounds) once more on Python values.
     return LoadConfig(**fields, options=options)
@@ -465,10 +470,12 @@ class Codec:
         cannot carry (an integer beyond 64 bits, a value that is not a scalar) travels as its
         string form, and an over-long message is cut."""
         info = error.to_info()
-        try:
-            return _ENCODER.encode(info)
-        except (msgspec.MsgspecError, TypeError, ValueError, OverflowError):
-            return _ENCODER.encode(_sanitized(info))
+        if all(map(_wire_detail, info.details.values())):
+            try:
+                return _ENCODER.encode(info)
+            except (msgspec.MsgspecError, TypeError, ValueError, OverflowError):
+                pass
+        return _ENCODER.encode(_sanitized(info))
 
     # ----------------------------------------------------------------- decoding
 
@@ -584,16 +591,19 @@ class Codec:
 _MAX_ERROR_MESSAGE_CHARS: Final = 4096
 
 
+def _wire_detail(value: object) -> bool:
+    """Whether an error detail travels as is (the decoder's ErrorDetail types and ranges)."""
+    kind = type(value)
+    if kind is int:
+        return -(2**63) <= value < 2**63  # type: ignore[operator]
+    return value is None or kind is bool or kind is float or kind is str
+
+
 def _sanitized(info: ErrorInfo) -> ErrorInfo:
     """``info`` with every detail the wire carries as is, the others as strings."""
     details: dict[str, ErrorDetail] = {}
     for key, value in info.details.items():
-        wire_int = isinstance(value, int) and -(2**63) <= value < 2**63
-        carried: ErrorDetail = (
-            value
-            if value is None or isinstance(value, bool | float | str) or wire_int
-            else _safe_str(value)
-        )
+        carried: ErrorDetail = value if _wire_detail(value) else _safe_str(value)
         details[_safe_str(key)[:256]] = carried
     return ErrorInfo(
         code=_safe_str(info.code)[:256],

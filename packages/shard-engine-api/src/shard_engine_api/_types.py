@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._checksum import mark_checksummed, payload_checksum
 from shard_engine_api._errors import ErrorInfo, InvalidRequest
 
 __all__ = [
@@ -249,7 +249,7 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
             data = data.copy()
         data.setflags(write=False)
         payload = data.data.cast("B")
-        return cls(
+        bundle = cls(
             session=session,
             first_pos=first_pos,
             n_tokens=int(data.shape[0]),
@@ -260,6 +260,8 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
             payload=payload,
             checksum=payload_checksum(payload),
         )
+        mark_checksummed(bundle)
+        return bundle
 
     @property
     def expected_payload_bytes(self) -> int:
@@ -375,7 +377,7 @@ class BoundaryResult(msgspec.Struct, frozen=True, kw_only=True, tag="boundary_re
     timings: Timings = Timings()
 
 
-class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result"):
+class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result", dict=True):
     """The result of a tail or full shard: ``n_rows`` rows of ``vocab_size`` f32 logits for
     positions ``first_pos..first_pos+n_rows-1`` (the last position only, unless all rows were
     asked for). ``checksum`` is :func:`payload_checksum` of ``payload``."""
@@ -409,7 +411,7 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
             data = data.copy()
         data.setflags(write=False)
         payload = data.data.cast("B")
-        return cls(
+        result = cls(
             request_id=request_id,
             session=session,
             first_pos=first_pos,
@@ -420,6 +422,8 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
             checksum=payload_checksum(payload),
             timings=timings or Timings(),
         )
+        mark_checksummed(result)
+        return result
 
     def array(self) -> npt.NDArray[np.float32]:
         """The logits as a read-only ``(n_rows, vocab_size)`` f32 view of the payload."""
