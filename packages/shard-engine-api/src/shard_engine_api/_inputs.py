@@ -12,7 +12,6 @@ from shard_engine_api._boundary import BundleExpectation, check_bundle, violatio
 from shard_engine_api._errors import InvalidRequest, UnsupportedFeature, WrongRole
 from shard_engine_api._types import (
     AuxState,
-    BoundaryBundle,
     Capabilities,
     MtpState,
     SessionRef,
@@ -43,8 +42,6 @@ def decode_inputs(
     single_row: bool,
 ) -> InputRows:
     """Check the inputs against the role and the request; return tokens or hidden rows."""
-    if isinstance(inputs, BoundaryBundle):
-        check_reserved(inputs.mtp, inputs.aux)
     if start_pos < 0:
         raise InvalidRequest(f"position must be >= 0, got {start_pos}")
     shard = caps.shard
