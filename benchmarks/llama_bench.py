@@ -54,12 +54,7 @@ from shard_engine_api import (
 )
 from shard_engine_api.engine import model_store
 from shard_engine_api.wire import payload_checksum
-from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import (
-    Manifest,
-    inspect_gguf,
-    split_model,
-)
+from shard_engine_llama import LlamaEngine, Manifest, inspect_gguf, split_model
 from shard_engine_llama._tiny_model import write_tiny_model
 
 MODEL_ENV: Final = "SHARD_ENGINE_LLAMA_MODEL"
