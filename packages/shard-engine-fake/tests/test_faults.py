@@ -17,6 +17,7 @@ import pytest
 from conftest import EngineFactory, decode, decode_request, logits_of, prefill, session
 
 import shard_engine_api as api
+from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import (
     FAULTS_ENV_VAR,
     Crash,
@@ -84,7 +85,7 @@ def test_invalid_fault_plan_is_refused_at_load(faults: object) -> None:
     )
     with pytest.raises(api.InvalidRequest):
         engine.load(config)
-    assert engine.health().state == "loading"
+    assert engine.health().state == "unloaded"
 
 
 def test_plan_from_environment_file(
@@ -229,7 +230,8 @@ def test_crash_fails_the_engine(make_engine: EngineFactory) -> None:
     batch = api.DecodeBatchRequest(request_id="b", items=(decode_request(session(), 2, 1),))
     with pytest.raises(api.EngineCrashed):
         engine.decode_batch(batch)
-    assert engine.metrics().errors["engine_crashed"] == 5
+    # Every refusal a caller saw: decode, three prefills, release and the batch.
+    assert engine.metrics().errors["engine_crashed"] == 6
 
 
 def test_crash_with_exit_code_ends_the_process(tmp_path: Path) -> None:
@@ -358,6 +360,6 @@ def test_faults_apply_through_the_worker_visible_counters(make_engine: EngineFac
     )
     prefill(engine, session(), 0, [1])
     result = logits_of(decode(engine, session(), 1, 1))
-    assert result.checksum != api.payload_checksum(result.payload)
+    assert result.checksum != payload_checksum(result.payload)
     assert engine.metrics().decode_tokens == 1
     assert [event.kind for event in engine.fault_events()] == ["malformed"]

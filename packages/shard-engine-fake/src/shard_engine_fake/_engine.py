@@ -17,24 +17,20 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api import (
-    CancelToken,
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
     Determinism,
-    EngineCore,
     EngineCrashed,
     Features,
-    ForwardItem,
     InvalidRequest,
     LoadConfig,
-    ModelInfo,
-    OutputMode,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
     ShardResult,
 )
+from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_fake._corrupt import corrupt_result
 from shard_engine_fake._faults import (
     Crash,
@@ -134,6 +130,9 @@ class FakeEngine(EngineCore):
             determinism=Determinism(deterministic=True, split_exact=True, batch_invariant=True),
             features=Features(cancel=True, cancel_latency_ms=10.0),
             boundary_dtypes=("f32", "f16"),
+            # Caches are per-slot dicts, so one slot beyond max_sessions costs nothing and lets
+            # an LRU eviction wait for the new session's commit.
+            spare_slot=True,
         )
 
     def _forward(
