@@ -5,8 +5,10 @@ an engine); the child (``python _process_shard.py ENGINE``) loads the engine nam
 command line and answers one framed message at a time: an 8-byte little-endian length, then
 the msgpack message (``Codec.encode``). Requests are decoded with ``Codec.decode_request`` and
 replies with ``Codec.decode_reply``, both with their default checks (checksums verified,
-non-finite values rejected), as a worker behind a transport would. An empty frame ends the
-child. This is the in-repo measurement of process-per-shard until a served transport exists.
+non-finite values rejected), as a worker behind a transport would. Health and metrics, which
+have no request type, are asked for with the frames ``health`` and ``metrics``; an empty
+frame ends the child. This is the in-repo measurement of process-per-shard (a served transport
+measures its own).
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ from collections.abc import Mapping
 from typing import IO, Final
 
 from shard_engine_api import (
+    CancelRequest,
+    CancelResult,
     Capabilities,
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
     ErrorInfo,
+    Health,
+    InvalidRequest,
     LoadConfig,
+    Metrics,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
@@ -32,11 +39,12 @@ from shard_engine_api import (
     ShardResult,
     load_engine,
 )
-from shard_engine_api._codec import Codec, WireReply, WireRequest
-from shard_engine_api._errors import error_from_info
+from shard_engine_api.wire import Codec, WireReply, WireRequest, error_from_info
 
 _LENGTH_BYTES: Final = 8
 _CODEC: Final = Codec()
+_HEALTH: Final = b"health"
+_METRICS: Final = b"metrics"
 
 
 def _write_frame(stream: IO[bytes], payload: bytes) -> None:
@@ -90,10 +98,22 @@ class ProcessShard:
             raise
         if not isinstance(reply, Capabilities):
             raise TypeError(f"load answered {type(reply).__name__}")
-        self.capabilities = reply
+        self._engine = engine
+        self._capabilities = reply
 
-    def _call(self, request: WireRequest) -> WireReply:
-        _write_frame(self._to_child, _CODEC.encode(request))
+    @property
+    def name(self) -> str:
+        return self._engine
+
+    def load(self, config: LoadConfig) -> Capabilities:
+        raise InvalidRequest("a process shard is loaded when it starts")
+
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def _call(self, request: WireRequest | bytes) -> WireReply:
+        frame = request if isinstance(request, bytes) else _CODEC.encode(request)
+        _write_frame(self._to_child, frame)
         payload = _read_frame(self._from_child)
         if payload is None:
             raise EOFError(f"shard process exited (status {self._process.poll()})")
@@ -118,6 +138,24 @@ class ProcessShard:
         reply = self._call(request)
         if not isinstance(reply, DecodeBatchResult):
             raise TypeError(f"decode_batch answered {type(reply).__name__}")
+        return reply
+
+    def cancel(self, request: CancelRequest) -> CancelResult:
+        reply = self._call(request)
+        if not isinstance(reply, CancelResult):
+            raise TypeError(f"cancel answered {type(reply).__name__}")
+        return reply
+
+    def health(self) -> Health:
+        reply = self._call(_HEALTH)
+        if not isinstance(reply, Health):
+            raise TypeError(f"health answered {type(reply).__name__}")
+        return reply
+
+    def metrics(self) -> Metrics:
+        reply = self._call(_METRICS)
+        if not isinstance(reply, Metrics):
+            raise TypeError(f"metrics answered {type(reply).__name__}")
         return reply
 
     def release(self, request: ReleaseRequest) -> ReleaseResult:
@@ -153,8 +191,14 @@ def serve(engine_name: str, source: IO[bytes], sink: IO[bytes]) -> int:
     try:
         while (payload := _read_frame(source)) is not None:
             try:
-                request = _CODEC.decode_request(payload)
                 reply: WireReply
+                if payload == _HEALTH:
+                    _write_frame(sink, _CODEC.encode(engine.health()))
+                    continue
+                if payload == _METRICS:
+                    _write_frame(sink, _CODEC.encode(engine.metrics()))
+                    continue
+                request = _CODEC.decode_request(payload)
                 if isinstance(request, PrefillRequest):
                     reply = engine.prefill(request)
                 elif isinstance(request, DecodeRequest):
@@ -163,6 +207,8 @@ def serve(engine_name: str, source: IO[bytes], sink: IO[bytes]) -> int:
                     reply = engine.decode_batch(request)
                 elif isinstance(request, ReleaseRequest):
                     reply = engine.release(request)
+                elif isinstance(request, CancelRequest):
+                    reply = engine.cancel(request)
                 else:
                     raise TypeError(f"unexpected {type(request).__name__}")
                 _write_frame(sink, _CODEC.encode(reply))

@@ -14,7 +14,7 @@ For bundles of 1, 128 and 512 rows x 4096 in f16 and f32 it times, in one run:
 The bundle's checksum is computed when an engine creates it, so no encode path recomputes it.
 Each figure is the median of many repetitions, in microseconds.
 
-Usage: ``python benchmarks/codec_bench.py [--quick] [--results PATH]``
+Usage: ``python benchmarks/codec_bench.py [--quick | --smoke] [--results PATH]``
 """
 
 from __future__ import annotations
@@ -115,11 +115,14 @@ TARGET_CODEC_OVER_MEMCPY = 2.5
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter time budget per figure")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="shorter time budget per figure")
+    size.add_argument("--smoke", action="store_true", help="proves it runs, measures nothing")
     add_results_option(parser)
     args = parser.parse_args()
-    budget_s = 0.1 if args.quick else 0.5
-    results = Results(args.results, "codec", quick=args.quick, budget_s=budget_s)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    budget_s = {"smoke": 0.0, "quick": 0.1, "full": 0.5}[mode]
+    results = Results(args.results, "codec", mode=mode, budget_s=budget_s)
     columns = ["memcpy", "codec", "codec-allow", "pickle+sum", "gzip-1"]
     ratios = f"{'codec/memcpy':>14}{'allow/memcpy':>14}{'codec/pickle':>14}"
     print("codec = encode_bundle + decode_bundle() with its defaults (nonfinite='reject');")

@@ -31,14 +31,8 @@ import numpy as np
 import numpy.typing as npt
 
 import shard_engine_api as api
-from shard_engine_api import (
-    CancelToken,
-    EngineCore,
-    ForwardItem,
-    ModelInfo,
-    OutputMode,
-    payload_checksum,
-)
+from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
+from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import FakeEngine
 
 VOCAB = 512

@@ -1,11 +1,11 @@
 """Throughput of the fake engine through the full API (validation wrapper on, its defaults).
 
-Run: ``python benchmarks/fake_bench.py [--quick] [--steps N] [--repeats R] [--results PATH]``.
-Prints a table of medians: single-session decode steps per second at hidden size 64 and 1024
-(full shard), the same without the wrapper, a tail shard decoding received bundles (the
-received-bundle checks), and one batched decode step over 32 sessions (steps per second and
-tokens per second per session); then the wall time of the whole conformance run on the fake
-(needs pytest). Configurations are interleaved within every repetition.
+Run: ``python benchmarks/fake_bench.py [--quick | --smoke] [--steps N] [--repeats R]
+[--results PATH]``. Prints a table of medians: single-session decode steps per second at
+hidden size 64 and 1024 (full shard), the same without the wrapper, a tail shard decoding
+received bundles (the received-bundle checks), and one batched decode step over 32 sessions
+(steps per second and tokens per second per session); then the wall time of the whole
+conformance run on the fake (needs pytest).
 """
 
 from __future__ import annotations
@@ -131,14 +131,17 @@ def batched_decode(hidden: int, steps: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1,000 steps, 3 repeats")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="1,000 steps, 3 repeats")
+    size.add_argument("--smoke", action="store_true", help="proves it runs, measures nothing")
     parser.add_argument("--steps", type=int, help="decode steps per repeat (default 5,000)")
     parser.add_argument("--repeats", type=int, help="repeats, median reported (default 5)")
     add_results_option(parser)
     args = parser.parse_args()
-    steps = args.steps or (1000 if args.quick else 5000)
-    repeats = args.repeats or (3 if args.quick else 5)
-    results = Results(args.results, "fake", quick=args.quick, steps=steps, repeats=repeats)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    steps = args.steps or {"smoke": 100, "quick": 1000, "full": 5000}[mode]
+    repeats = args.repeats or {"smoke": 1, "quick": 3, "full": 5}[mode]
+    results = Results(args.results, "fake", mode=mode, steps=steps, repeats=repeats)
     print(f"fake engine via ValidatingEngine (nonfinite='reject'); medians of {repeats} repeats")
     print(f"{'benchmark':<44} {'hidden':>6} {'steps/s':>12} {'tok/s/session':>14}")
     for hidden in (64, 1024):

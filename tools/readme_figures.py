@@ -79,9 +79,7 @@ def _provenance(figures: Figures) -> str:
     if not runs:
         return "No benchmark results yet: run `python3 -m nox -s bench -- --readme`."
     started = sorted(str(run.get("started", "?")) for run in runs)
-    modes = sorted(
-        {str(run.get("mode") or ("quick" if run.get("quick") else "full")) for run in runs}
-    )
+    modes = sorted({str(run.get("mode", "full")) for run in runs})
     loads = [
         float(load)
         for run in runs

@@ -5,9 +5,10 @@ paths, so a float model cannot promise bitwise-identical logits across machines.
 arithmetic is exact, so any order, any split and any machine gives the same bits.
 
 Why packed lanes: a hidden state of ``hidden_size`` values is one Python integer holding one
-value per 16-bit lane (lane ``i`` = bits ``16i..16i+15``). A layer is about fifteen big-integer
-operations whatever the hidden size, which is several times faster than the same number of numpy
-calls on small arrays and keeps decode well above 20,000 steps per second through the API.
+value per 16-bit lane (lane ``i`` = bits ``16i..16i+15``). A layer is sixteen big-integer
+operations whatever the hidden size, several times cheaper than the same number of numpy calls on
+small arrays (``benchmarks/fake_bench.py`` measures the decode rate through the API, and
+``benchmarks/decode_profile.py`` where its instructions go).
 
 Every lane value lies in ``[0, 2048)``; on the wire it is read as an 11-bit two's-complement
 integer, in ``[-1024, 1024)``, which both f32 and f16 represent exactly. Boundaries therefore
