@@ -124,7 +124,7 @@ def bench(session: nox.Session) -> None:
     Arguments after ``--`` go to every benchmark (e.g. ``--quick``), except ``--readme``:
     after a full run, regenerate the README's "What has been measured" section from the
     results. The final measurement is that one command, on a quiet machine (nothing else
-    running; it takes ~15 minutes on 2 cores, ~25 with gemma3-270m in the model store)::
+    running; estimated ~10 minutes on 2 cores, ~15 with gemma3-270m in the model store)::
 
         python3 -m nox -s bench -- --readme
     """
