@@ -25,7 +25,9 @@ The defaults (``apply_threading_defaults``, called by ``_abi`` before it imports
   OpenMP library), the setting cannot take effect; :func:`threading_report` says so.
 * threads: ``LoadConfig.n_threads``, by default every core this process may run on
   (``os.sched_getaffinity``): the shards of one pipeline run one after another, so each may
-  use all of them.
+  use all of them. Thread pool: in an OpenMP build ggml runs each graph in libgomp's team of
+  the calling thread, created at its first decode and reused after (ggml's own threadpool API
+  is not used), so engines called from one thread share one team.
 * no affinity: ``OMP_PROC_BIND`` and ``GOMP_CPU_AFFINITY`` are left unset, because pinning the
   threads of several processes to the same cores makes them queue there while others idle.
 """
