@@ -16,7 +16,7 @@ import pluggy
 import pytest
 from conformance_engines import BROKEN_ENGINES, ReferencePlugin
 
-from shard_engine_api import EvidenceClass, get_plugin_manager
+from shard_engine_api import EvidenceClass
 from shard_engine_api.conformance import (
     STANDARD_TESTS,
     ConformanceReport,
@@ -26,6 +26,7 @@ from shard_engine_api.conformance import (
     pytest_arguments,
 )
 from shard_engine_api.conformance._report import certify, model_report
+from shard_engine_api.engine import get_plugin_manager
 
 pytest_plugins = ["pytester"]
 
@@ -80,7 +81,8 @@ from pathlib import Path
 
 from conformance_engines import CANCEL_OPTIONS, reference_fixture
 from conformance_engines import {engine} as Engine
-from shard_engine_api import ModelFixture, ShardEngine
+from shard_engine_api import ShardEngine
+from shard_engine_api.engine import ModelFixture
 from shard_engine_api.conformance import ShardEngineConformance, conformance_override
 
 
