@@ -11,9 +11,9 @@ from typing import ClassVar
 import msgspec
 import pytest
 
-from shard_engine_api import ModelFixture
 from shard_engine_api._plugins import get_plugin_manager, model_fixture
 from shard_engine_api.conformance import ShardEngineConformance
+from shard_engine_api.engine import ModelFixture
 
 
 class _RemoteSuite(ShardEngineConformance):

@@ -11,6 +11,7 @@ import pytest
 
 import shard_engine_api as api
 import shard_engine_remote
+from shard_engine_api.engine import EngineDescription, check_pending, get_plugin_manager
 from shard_engine_remote import RemoteEngine, is_loopback, plugin
 
 EXPECTED_ALL = [
@@ -46,24 +47,25 @@ def test_all_is_sorted_and_pinned() -> None:
         assert hasattr(shard_engine_remote, name), name
 
 
-def test_plugin_module_holds_only_hook_implementations() -> None:
-    functions = {
+def test_plugin_module_holds_one_registration_hook() -> None:
+    hooks = {
         name
         for name, value in vars(plugin).items()
-        if inspect.isfunction(value) and value.__module__ == plugin.__name__
+        if inspect.isfunction(value)
+        and value.__module__ == plugin.__name__
+        and hasattr(value, "shard_engine_impl")
     }
-    assert functions == {
-        "shard_engine_register",
-        "shard_engine_model_fixture",
-        "shard_engine_add_cli_commands",
-    }
-    for name in functions:
-        assert hasattr(getattr(plugin, name), "shard_engine_impl"), name
+    assert hooks == {"shard_engine_register"}
+    description = plugin.shard_engine_register()
+    assert isinstance(description, EngineDescription)
+    assert (description.name, description.evidence) == ("remote", "fixture")
+    assert description.model_fixture is not None
+    assert description.add_cli_commands is not None
 
 
 def test_entry_point_and_unloaded_engine() -> None:
-    manager = api.get_plugin_manager()
-    api.check_pending(manager)
+    manager = get_plugin_manager()
+    check_pending(manager)
     engines = {engine.name: engine for engine in api.installed_engines(manager)}
     assert engines["remote"].distribution == "shard-engine-remote"
     engine = api.load_engine("remote", manager=manager)
@@ -82,20 +84,22 @@ def test_model_fixture_serves_the_fake_in_a_child(
 ) -> None:
     monkeypatch.delenv(plugin.SERVED_ENGINE_ENV, raising=False)
     monkeypatch.delenv(plugin.ISOLATION_ENV, raising=False)
-    fixture = plugin.shard_engine_model_fixture(engine_name="remote", workdir=tmp_path)
-    assert fixture is not None
+    make_fixture = plugin.shard_engine_register().model_fixture
+    assert make_fixture is not None
+    fixture = make_fixture(tmp_path)
     assert fixture.options["spawn"] == "fake"
     assert fixture.cancel_options, "the served engine's cancel options are kept"
-    assert plugin.shard_engine_model_fixture(engine_name="fake", workdir=tmp_path) is None
     monkeypatch.setenv(plugin.ISOLATION_ENV, "thread")
     with pytest.raises(api.InvalidRequest, match="spawn"):
-        plugin.shard_engine_model_fixture(engine_name="remote", workdir=tmp_path)
+        make_fixture(tmp_path)
 
 
 def test_serve_command_is_added() -> None:
     parser = argparse.ArgumentParser()
     subparsers = parser.add_subparsers(dest="command")
-    plugin.shard_engine_add_cli_commands(subparsers=subparsers)
+    add_commands = plugin.shard_engine_register().add_cli_commands
+    assert add_commands is not None
+    add_commands(subparsers)
     args = parser.parse_args(
         ["serve", "--engine", "fake", "--layers", "2:4", "--option", "seed=7", "--option", "x=y"]
     )

@@ -36,6 +36,7 @@ import grpc
 import msgspec
 
 import shard_engine_api as api
+from shard_engine_api import wire
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._security import ClientSecurity, read_pem, read_token
 from shard_engine_remote._server import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, channel_options
@@ -489,7 +490,7 @@ class RemoteEngine:
         if isinstance(reply, Rejected):
             raise reply.error
         if isinstance(reply, api.ErrorInfo):
-            raise api.error_from_info(reply)
+            raise wire.error_from_info(reply)
         return reply
 
     def _transport_failure(

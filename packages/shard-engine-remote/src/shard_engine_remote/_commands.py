@@ -98,7 +98,7 @@ def _command_serve(args: argparse.Namespace) -> int:
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` to the ``shard-engine`` CLI."""
-    import shard_engine_api as api
+    from shard_engine_api import wire
 
     serve = subparsers.add_parser(
         "serve",
@@ -135,7 +135,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     serve.add_argument(
         "--max-payload-bytes",
         type=int,
-        default=api.DEFAULT_MAX_PAYLOAD_BYTES,
+        default=wire.DEFAULT_MAX_PAYLOAD_BYTES,
         help="largest payload accepted (the codec's limit; default 256 MiB)",
     )
     serve.add_argument("--workers", type=int, default=16, help="threads serving calls")

@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import shard_engine_api as api
+from shard_engine_api import wire
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._wire import (
     SERVICE_NAME,
@@ -51,7 +52,7 @@ __all__ = [
     "serve_until_signalled",
 ]
 
-DEFAULT_MAX_MESSAGE_BYTES: Final = api.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
+DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
 _SERVING_STATES: Final = ("ready", "degraded")

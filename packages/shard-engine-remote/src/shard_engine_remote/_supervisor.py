@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Final
 
 import shard_engine_api as api
+from shard_engine_api import wire
 from shard_engine_remote._security import TOKEN_ENV_VAR
 
 __all__ = ["ChildProcess", "describe_exit"]
@@ -128,7 +129,7 @@ class ChildProcess:
         self.stop(grace=1.0)
         if line.startswith("error "):
             _, code, message = [*line.split(" ", 2), "", ""][:3]
-            raise api.error_from_info(api.ErrorInfo(code=code, message=message, retryable=False))
+            raise wire.error_from_info(api.ErrorInfo(code=code, message=message, retryable=False))
         crashed = self.exit_error()
         if crashed is not None:
             raise crashed

@@ -2,7 +2,7 @@
 
 The service ``shard_engine.v1.Engine`` has one method, ``Call``. Its request is a tagged
 message of :data:`RemoteRequest` (the codec's requests plus three queries without arguments);
-its reply is a :data:`~shard_engine_api.WireReply` or an :class:`~shard_engine_api.ErrorInfo`.
+its reply is a :data:`~shard_engine_api.wire.WireReply` or an :class:`~shard_engine_api.ErrorInfo`.
 No protobuf code generation: the (de)serializers below are handed to gRPC's generic handlers.
 
 Deserializers never raise (gRPC would turn that into an opaque INTERNAL status): bytes that do not
@@ -18,6 +18,7 @@ from typing import Final, TypeAlias
 import msgspec
 
 import shard_engine_api as api
+from shard_engine_api import wire
 
 __all__ = [
     "CALL_METHOD",
@@ -51,10 +52,10 @@ class MetricsQuery(msgspec.Struct, frozen=True, kw_only=True, tag="metrics_query
     """Ask for the served engine's metrics."""
 
 
-RemoteRequest: TypeAlias = api.WireRequest | CapabilitiesQuery | HealthQuery | MetricsQuery
+RemoteRequest: TypeAlias = wire.WireRequest | CapabilitiesQuery | HealthQuery | MetricsQuery
 """Every message a client sends: the codec's requests and the argument-less queries."""
 
-RemoteReply: TypeAlias = api.WireReply | api.ErrorInfo
+RemoteReply: TypeAlias = wire.WireReply | api.ErrorInfo
 """Every message a server answers with."""
 
 
@@ -78,7 +79,7 @@ def encode_request(message: RemoteRequest) -> bytes:
     Raises InvalidRequest for values the codec cannot encode."""
     if isinstance(message, CapabilitiesQuery | HealthQuery | MetricsQuery):
         return _QUERY_ENCODER.encode(message)
-    return api.encode(message)
+    return wire.encode(message)
 
 
 def decode_request(buf: bytes) -> RemoteRequest | Rejected:
@@ -92,7 +93,7 @@ def decode_request(buf: bytes) -> RemoteRequest | Rejected:
 
 def encode_reply(message: RemoteReply) -> bytes:
     """The bytes of a reply (the codec's encoding)."""
-    return api.encode(message)
+    return wire.encode(message)
 
 
 def decode_reply(buf: bytes) -> RemoteReply | Rejected:
@@ -115,7 +116,7 @@ def _explain(buf: bytes, error: msgspec.MsgspecError) -> api.ShardEngineError:
     """The codec's own verdict on bytes the union decoder refused: a contract version mismatch
     when they name another version, else InvalidRequest with msgspec's reason."""
     try:
-        api.decode_message(buf)
+        wire.decode_message(buf)
     except api.ShardEngineError as verdict:
         if isinstance(verdict, api.ContractVersionMismatch):
             return verdict

@@ -1,41 +1,43 @@
-"""The ``remote`` plugin of the ``shard_engine`` entry-point group: hook implementations only."""
+"""The ``remote`` plugin of the ``shard_engine`` entry-point group: its one registration hook.
+
+grpc is imported only when a remote engine is made or a command runs, so listing engines stays
+cheap.
+"""
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 import msgspec
 
-from shard_engine_api import EngineSpec, InvalidRequest, ModelFixture, hookimpl
+from shard_engine_api import InvalidRequest, ShardEngine
+from shard_engine_api.engine import (
+    CliSubparsers,
+    EngineDescription,
+    ModelFixture,
+    get_plugin_manager,
+    hookimpl,
+)
 
 ENGINE_NAME = "remote"
 SERVED_ENGINE_ENV = "SHARD_ENGINE_REMOTE_SERVE"
-"""The engine the conformance fixture serves remotely (default ``fake``)."""
+"""The engine the model fixture serves remotely (default ``fake``)."""
 ISOLATION_ENV = "SHARD_ENGINE_REMOTE_ISOLATION"
-"""How the conformance fixture serves it: ``spawn`` (a child process, the default) or
-``in_process`` (a server in the test process)."""
+"""How the model fixture serves it: ``spawn`` (a child process, the default) or ``in_process``
+(a server in the calling process)."""
 
 
-@hookimpl
-def shard_engine_register() -> EngineSpec:
+def _new_engine() -> ShardEngine:
     from shard_engine_remote._client import RemoteEngine
 
-    return EngineSpec(
-        name=ENGINE_NAME,
-        factory=RemoteEngine,
-        # Results carry the served engine's evidence class; the plugin itself claims nothing.
-        evidence="fixture",
-        description="Another engine in a supervised child process or on another machine (gRPC)",
-    )
+    return RemoteEngine()
 
 
-@hookimpl
-def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture | None:
-    if engine_name != ENGINE_NAME:
-        return None
-    from shard_engine_api._plugins import get_plugin_manager, model_fixture
+def _model_fixture(workdir: Path) -> ModelFixture:
+    """The served engine's own fixture, loaded through a remote engine: the conformance suite
+    and ``shard-engine run --engine remote`` then cross the transport for every call."""
+    from shard_engine_api._plugins import model_fixture
 
     served = os.environ.get(SERVED_ENGINE_ENV, "fake")
     isolation = os.environ.get(ISOLATION_ENV, "spawn")
@@ -53,10 +55,20 @@ def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture 
     )
 
 
-@hookimpl
-def shard_engine_add_cli_commands(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
+def _add_cli_commands(subparsers: CliSubparsers) -> None:
     from shard_engine_remote import _commands
 
     _commands.add_commands(subparsers)
+
+
+@hookimpl
+def shard_engine_register() -> EngineDescription:
+    return EngineDescription(
+        name=ENGINE_NAME,
+        factory=_new_engine,
+        # Results carry the served engine's evidence class; the plugin itself claims nothing.
+        evidence="fixture",
+        summary="Another engine in a supervised child process or on another machine (gRPC)",
+        model_fixture=_model_fixture,
+        add_cli_commands=_add_cli_commands,
+    )
