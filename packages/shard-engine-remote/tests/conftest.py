@@ -20,7 +20,7 @@ def shard(start: int = 0, end: int = N_LAYERS) -> api.ShardSpec:
     return api.ShardSpec(model=FAKE_MODEL, n_layers=N_LAYERS, start=start, end=end)
 
 
-def config(start: int = 0, end: int = N_LAYERS, **options: object) -> api.LoadConfig:
+def config(start: int = 0, end: int = N_LAYERS, /, **options: object) -> api.LoadConfig:
     return api.LoadConfig(shard=shard(start, end), options=dict(options))
 
 

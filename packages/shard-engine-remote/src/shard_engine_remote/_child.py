@@ -9,6 +9,7 @@ stdin closes (the supervising process died), then drains and exits.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -26,9 +27,13 @@ __all__ = ["main"]
 
 def _watch_stdin(stop: threading.Event) -> None:
     # The parent holds the other end of this pipe: EOF means it is gone, and so should we be.
+    # Raw reads: a daemon thread blocked in a buffered read would hold the buffer's lock at
+    # interpreter shutdown, which aborts the process.
     try:
-        while sys.stdin.buffer.read(4096):
+        while os.read(0, 4096):
             pass
+    except OSError:
+        pass
     finally:
         stop.set()
 
@@ -60,4 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The engine is closed and the server drained; skip interpreter finalization, where
+    # gRPC's and a native engine's threads may still hold locks.
+    os._exit(code)

@@ -265,9 +265,13 @@ class RemoteEngine:
                 self._roundtrip(link, CapabilitiesQuery(), options.control_timeout_s, False),
                 api.Capabilities,
             )
-            if served.shard != config.shard:
+            # The layer range must match; the model reference is the server's to spell (a
+            # path there may differ from one here): its fingerprint is in the capabilities.
+            wanted, got = config.shard, served.shard
+            if (got.n_layers, got.start, got.end) != (wanted.n_layers, wanted.start, wanted.end):
                 raise api.ShardMismatch(
-                    f"{options.target} serves {served.shard}, not the requested {config.shard}"
+                    f"{options.target} serves layers [{got.start}, {got.end}) of {got.n_layers}, "
+                    f"not the requested [{wanted.start}, {wanted.end}) of {wanted.n_layers}"
                 )
             if config.boundary_dtype not in served.boundary_dtypes:
                 raise api.ShardMismatch(

@@ -129,6 +129,8 @@ class ChildProcess:
         self.stop(grace=1.0)
         if line.startswith("error "):
             _, code, message = [*line.split(" ", 2), "", ""][:3]
+            if code == api.UnknownEngine.code:
+                raise api.UnknownEngine(message)
             raise wire.error_from_info(api.ErrorInfo(code=code, message=message, retryable=False))
         crashed = self.exit_error()
         if crashed is not None:
