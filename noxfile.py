@@ -48,8 +48,9 @@ PACKAGE_TESTS = {
     "api": [API],
     "fake": [API, FAKE],
     "llama": [API, LLAMA],
-    # The remote engine's tests serve the fake; they serve llama too when it is installed.
-    "remote": [API, FAKE, REMOTE],
+    # The remote engine's tests serve the fake and the llama engine (conformance through a
+    # child process, a GGUF that makes llama.cpp abort).
+    "remote": [API, FAKE, LLAMA, REMOTE],
     "cross": [API, FAKE, LLAMA],
 }
 TEST_EXTRAS = {"remote": ["cryptography>=42"]}

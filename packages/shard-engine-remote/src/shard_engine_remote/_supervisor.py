@@ -43,6 +43,20 @@ _SIGNAL_NOTES: Final = {
 }
 
 
+_TELLING_MARKERS: Final = ("GGML_ASSERT", "Assertion", "assert", "Fatal", "Error", "error")
+
+
+def _last_words(tail: str) -> str:
+    """The most telling line of a dead child's stderr: the last one naming an assertion or an
+    error (native aborts often print a backtrace after it), else the last line."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    for marker in _TELLING_MARKERS:
+        for line in reversed(lines):
+            if marker in line:
+                return line
+    return lines[-1] if lines else ""
+
+
 def describe_exit(returncode: int) -> tuple[str, dict[str, api.ErrorDetail]]:
     """A sentence and details for a child's exit status (negative: killed by that signal)."""
     if returncode < 0:
@@ -185,10 +199,10 @@ class ChildProcess:
         tail = self.stderr_tail()
         if tail:
             details["stderr_tail"] = tail
-        last_line = tail.strip().splitlines()[-1] if tail.strip() else ""
         message = f"the {self.engine_name} engine process (pid {process.pid}) {sentence}"
-        if last_line:
-            message += f"; its last words: {last_line[:300]}"
+        last_words = _last_words(tail)
+        if last_words:
+            message += f"; its last words: {last_words[:300]}"
         return api.EngineCrashed(message, details=details)
 
     def stderr_tail(self) -> str:
