@@ -73,6 +73,17 @@ def test_child_exit_code_is_reported(remote: RemoteFactory) -> None:
     assert caught.value.details["exit_code"] == 7
 
 
+def test_engine_abort_is_engine_crashed(remote: RemoteFactory) -> None:
+    """An engine that calls abort() mid-prefill (what a failed GGML_ASSERT does): the child
+    dies of SIGABRT, this process sees EngineCrashed naming it."""
+    plan = {"rules": [{"action": {"kind": "crash", "abort": True}, "operations": ["prefill"]}]}
+    engine = remote(config(spawn="fake", faults=plan))
+    with pytest.raises(api.EngineCrashed, match="SIGABRT") as caught:
+        prefill(engine)
+    assert caught.value.details["signal"] == "SIGABRT"
+    assert engine.health().state == "failed"
+
+
 def test_stopped_child_meets_client_deadlines(remote: RemoteFactory) -> None:
     """A SIGSTOP'd child answers nothing: a decode fails at its deadline as OutcomeUnknown
     (it may have run), health and metrics answer at theirs, and after SIGCONT the session
