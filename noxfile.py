@@ -133,8 +133,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks: the wire codec against memcpy, pickle and gzip; the fake engine's decode
-    rate through the API; the llama engine unsplit vs split, batched vs sequential, memory."""
-    session.install("-e", API, "-e", FAKE, "-e", LLAMA)
+    rate through the API; the llama engine unsplit vs split, batched vs sequential, memory;
+    remote engines' per-hop overhead and a pipeline with a process per shard."""
+    session.install("-e", API, "-e", FAKE, "-e", LLAMA, "-e", REMOTE)
     for script in sorted((ROOT / "benchmarks").glob("*_bench.py")):
         session.run("python", str(script), *session.posargs)
 
