@@ -41,19 +41,14 @@ import numpy as np
 
 from shard_engine_api import (
     BoundaryBundle,
-    BoundaryResult,
     Cancelled,
     CancelRequest,
-    DecodeBatchRequest,
-    DecodeRequest,
-    ErrorInfo,
     LoadConfig,
-    LogitsResult,
+    Pipeline,
     PrefillRequest,
     ReleaseRequest,
     SessionRef,
     ShardInput,
-    ShardResult,
     ShardSpec,
     TokenInput,
 )
@@ -147,84 +142,9 @@ def _median(values: Sequence[float]) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-class Driver:
-    """Runs one pipeline (engines ordered head to tail) through the public ShardEngine API and
-    keeps the wall time and the engines' own compute time of every hop apart."""
-
-    def __init__(self, engines: Sequence[LlamaEngine]) -> None:
-        self.engines = list(engines)
-        self._counter = 0
-
-    def _request_id(self) -> str:
-        self._counter += 1
-        return f"bench-{id(self):x}-{self._counter}"
-
-    def step(
-        self, session: SessionRef, pos: int, token_ids: Sequence[int], *, prefill: bool
-    ) -> tuple[LogitsResult, float, float]:
-        """One prefill or decode step through every shard: (logits, wall ms, compute ms)."""
-        current: ShardInput = TokenInput(token_ids=tuple(token_ids))
-        compute_ms = 0.0
-        started = time.perf_counter()
-        result: ShardResult | None = None
-        for engine in self.engines:
-            if prefill:
-                result = engine.prefill(
-                    PrefillRequest(
-                        request_id=self._request_id(),
-                        session=session,
-                        start_pos=pos,
-                        inputs=current,
-                    )
-                )
-            else:
-                result = engine.decode(
-                    DecodeRequest(
-                        request_id=self._request_id(), session=session, pos=pos, inputs=current
-                    )
-                )
-            compute_ms += result.timings.compute_ms if result.timings else 0.0
-            if isinstance(result, BoundaryResult):
-                current = result.bundle
-        wall_ms = (time.perf_counter() - started) * 1000.0
-        if not isinstance(result, LogitsResult):
-            raise RuntimeError("the last shard did not return logits")
-        return result, wall_ms, compute_ms
-
-    def batch_step(
-        self, sessions: Sequence[SessionRef], pos: Sequence[int], token_ids: Sequence[int]
-    ) -> list[LogitsResult]:
-        """One decode step of several sessions: one ``decode_batch`` per shard."""
-        inputs: list[ShardInput] = [TokenInput(token_ids=(token,)) for token in token_ids]
-        outcomes: list[BoundaryResult | LogitsResult] = []
-        for engine in self.engines:
-            items = tuple(
-                DecodeRequest(
-                    request_id=self._request_id(), session=session, pos=position, inputs=inp
-                )
-                for session, position, inp in zip(sessions, pos, inputs, strict=True)
-            )
-            reply = engine.decode_batch(
-                DecodeBatchRequest(request_id=self._request_id(), items=items)
-            )
-            outcomes = []
-            for outcome in reply.items:
-                if isinstance(outcome, ErrorInfo):
-                    raise RuntimeError(f"batched decode item failed: {outcome}")
-                outcomes.append(outcome)
-            inputs = [o.bundle for o in outcomes if isinstance(o, BoundaryResult)]
-        logits = [o for o in outcomes if isinstance(o, LogitsResult)]
-        if len(logits) != len(sessions):
-            raise RuntimeError("the last shard did not return logits for every session")
-        return logits
-
-    def release(self, session: SessionRef) -> None:
-        for engine in self.engines:
-            engine.release(ReleaseRequest(session=session))
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
+Driver = Pipeline
+"""The API's pipeline driver: ``step`` keeps each hop's wall time and the engines' own compute
+time apart; ``decode_batch`` is one ``decode_batch`` per shard."""
 
 
 def _load_engine(
@@ -278,7 +198,7 @@ def _load_driver(
         for engine in engines:
             engine.close()
         raise
-    return Driver(engines)
+    return Driver(engines, request_prefix="bench")
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +220,8 @@ class SplitSamples:
 def _generate(
     driver: Driver, session: SessionRef, prompt: Sequence[int], n_decode: int, samples: SplitSamples
 ) -> None:
-    logits, wall_ms, compute_ms = driver.step(session, 0, prompt, prefill=True)
+    step = driver.step(session, 0, prompt)
+    logits, wall_ms, compute_ms = step.logits, step.wall_ms, step.compute_ms
     samples.prefill_tok_s.append(len(prompt) / (wall_ms / 1000.0))
     samples.prefill_overhead_ms.append(wall_ms - compute_ms)
     samples.prefill_compute_ms.append(compute_ms)
@@ -311,7 +232,8 @@ def _generate(
     for _ in range(n_decode):
         token = int(np.argmax(logits.array()[-1]))
         generated.append(token)
-        logits, wall_ms, compute_ms = driver.step(session, pos, [token], prefill=False)
+        step = driver.step(session, pos, [token], decode=True)
+        logits, wall_ms, compute_ms = step.logits, step.wall_ms, step.compute_ms
         walls.append(wall_ms)
         computes.append(compute_ms)
         pos += 1
@@ -450,16 +372,16 @@ def _batched_round(
     tokens: list[int] = []
     for index, session in enumerate(sessions):
         prompt = model.prompt_source(settings.batch_prompt_tokens, 1 + index)
-        logits, _, _ = driver.step(session, 0, prompt, prefill=True)
+        logits = driver.prefill(session, 0, prompt)
         tokens.append(int(np.argmax(logits.array()[-1])))
     pos = settings.batch_prompt_tokens
     started = time.perf_counter()
     for _ in range(settings.batch_steps):
         if mode == "batched":
-            results = driver.batch_step(sessions, [pos] * n, tokens)
+            results = driver.decode_batch(sessions, [pos] * n, tokens)
         else:
             results = [
-                driver.step(session, pos, [token], prefill=False)[0]
+                driver.decode(session, pos, token)
                 for session, token in zip(sessions, tokens, strict=True)
             ]
         tokens = [int(np.argmax(result.array()[-1])) for result in results]
@@ -793,11 +715,11 @@ _GEMMA3_TEXT = (
 
 
 def gemma3_model(path: Path) -> BenchModel:
-    from shard_engine_api._plugins import tokenize
-    from shard_engine_api.engine import get_plugin_manager
+    from shard_engine_api import load_tokenizer
 
     info = inspect_gguf(path)
-    ids = tokenize(get_plugin_manager(), "llama", str(path), _GEMMA3_TEXT * 40) or []
+    tokenizer = load_tokenizer("llama", str(path))
+    ids = tokenizer.encode(_GEMMA3_TEXT * 40) if tokenizer is not None else []
     if not ids:
         raise RuntimeError("the llama plugin returned no tokens for gemma3")
 

@@ -33,7 +33,8 @@ from shard_engine_api import (
     Timings,
     WrongRole,
 )
-from shard_engine_api._core import _Plan
+from shard_engine_api._fences import Fence, FenceTable
+from shard_engine_api._ledger import Admission
 from shard_engine_api.engine import (
     CancelToken,
     EngineCore,
@@ -241,16 +242,14 @@ class IgnoresEpochs(ReferenceEngine):
 
     def _plan_prefill(
         self, caps: Capabilities, session: SessionRef, start_pos: int, n_tokens: int
-    ) -> _Plan:
+    ) -> Admission:
         return super()._plan_prefill(caps, self._current_epoch(session), start_pos, n_tokens)
 
-    def _plan_decode(
-        self, caps: Capabilities, session: SessionRef, pos: int, pending_tokens: int
-    ) -> _Plan:
-        return super()._plan_decode(caps, self._current_epoch(session), pos, pending_tokens)
+    def _plan_decode(self, caps: Capabilities, session: SessionRef, pos: int) -> Admission:
+        return super()._plan_decode(caps, self._current_epoch(session), pos)
 
     def _current_epoch(self, session: SessionRef) -> SessionRef:
-        current = self._sessions.get(session.session_id)
+        current = self._ledger.sessions.get(session.session_id)
         if current is not None and session.epoch < current.epoch:
             return SessionRef(session_id=session.session_id, epoch=current.epoch)
         return session
@@ -329,20 +328,18 @@ class ResultsSayFixture(_MislabelsResults):
         return msgspec.structs.replace(info, evidence="real")
 
 
+class _ReleasesForgotten(FenceTable):
+    def get(self, session_id: str) -> Fence | None:
+        fence = super().get(session_id)
+        return None if fence is None or fence.released else fence
+
+
 class RecreatesReleased(ReferenceEngine):
     """Forgets tombstones: a released epoch silently gets a fresh session."""
 
-    def _plan_prefill(
-        self, caps: Capabilities, session: SessionRef, start_pos: int, n_tokens: int
-    ) -> _Plan:
-        self._tombstones.clear()
-        return super()._plan_prefill(caps, session, start_pos, n_tokens)
-
-    def _plan_decode(
-        self, caps: Capabilities, session: SessionRef, pos: int, pending_tokens: int
-    ) -> _Plan:
-        self._tombstones.clear()
-        return super()._plan_decode(caps, session, pos, pending_tokens)
+    def __init__(self) -> None:
+        super().__init__()
+        self._ledger.fences = _ReleasesForgotten()
 
 
 class DecodeIgnoresHistory(ReferenceEngine):

@@ -154,9 +154,10 @@ S1 = SessionRef(session_id="s1", epoch=1)
 
 def test_not_ready_before_load_and_after_close() -> None:
     engine = HistoryEngine()
-    assert engine.health().state == "loading"
-    with pytest.raises(NotReady):
+    assert engine.health().state == "unloaded"
+    with pytest.raises(NotReady, match="not loaded") as never_loaded:
         _prefill(engine, S1, [1])
+    assert never_loaded.value.retryable is False
     engine.load(LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=2)))
     assert engine.health().state == "ready"
     with pytest.raises(InvalidRequest):

@@ -85,7 +85,7 @@ def test_invalid_fault_plan_is_refused_at_load(faults: object) -> None:
     )
     with pytest.raises(api.InvalidRequest):
         engine.load(config)
-    assert engine.health().state == "loading"
+    assert engine.health().state == "unloaded"
 
 
 def test_plan_from_environment_file(
@@ -230,7 +230,8 @@ def test_crash_fails_the_engine(make_engine: EngineFactory) -> None:
     batch = api.DecodeBatchRequest(request_id="b", items=(decode_request(session(), 2, 1),))
     with pytest.raises(api.EngineCrashed):
         engine.decode_batch(batch)
-    assert engine.metrics().errors["engine_crashed"] == 5
+    # Every refusal a caller saw: decode, three prefills, release and the batch.
+    assert engine.metrics().errors["engine_crashed"] == 6
 
 
 def test_crash_with_exit_code_ends_the_process(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "get_plugin_manager",
     "installed_engines",
     "load_engine",
+    "load_tokenizer",
     "model_fixture",
     "plugin_problems",
     "tokenize",
@@ -352,6 +353,14 @@ def tokenizer(manager: pluggy.PluginManager, engine_name: str, model: str) -> To
     """The tokenizer of ``model`` on ``engine_name``, or None when there is none."""
     description = engine_description(engine_name, manager=manager)
     return description.tokenizer(model) if description.tokenizer is not None else None
+
+
+def load_tokenizer(
+    name: str, model: str, *, manager: pluggy.PluginManager | None = None
+) -> Tokenizer | None:
+    """The tokenizer engine ``name`` has for ``model``, or None when it has none. Raises
+    UnknownEngine like :func:`load_engine`."""
+    return tokenizer(manager or get_plugin_manager(), name, model)
 
 
 def tokenize(

@@ -61,7 +61,7 @@ CONTRACT_VERSION: Final = 1
 Role = Literal["head", "middle", "tail", "full"]
 EvidenceClass = Literal["fixture", "real"]
 BoundaryDtype = Literal["f32", "f16"]
-LifecycleState = Literal["loading", "ready", "degraded", "failed", "closed"]
+LifecycleState = Literal["unloaded", "loading", "ready", "degraded", "failed", "closed"]
 LogitsMode = Literal["last", "all"]
 EvictionPolicy = Literal["reject", "lru"]
 OptionValue = object
@@ -476,7 +476,8 @@ class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
 
 
 class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
-    """Counters since load. ``errors`` counts raised errors by code."""
+    """Counters since load. ``errors`` counts raised errors by code; ``fences_dropped`` counts
+    tombstones forgotten early (their old epochs would be accepted again)."""
 
     requests: int = 0
     prefill_requests: int = 0
@@ -489,6 +490,7 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
     releases: int = 0
     sessions_active: int = 0
     tombstones: int = 0
+    fences_dropped: int = 0
     kv_used_tokens: int = 0
     compute_ms: float = 0.0
     errors: dict[str, int] = msgspec.field(default_factory=dict)

@@ -130,6 +130,9 @@ class FakeEngine(EngineCore):
             determinism=Determinism(deterministic=True, split_exact=True, batch_invariant=True),
             features=Features(cancel=True, cancel_latency_ms=10.0),
             boundary_dtypes=("f32", "f16"),
+            # Caches are per-slot dicts, so one slot beyond max_sessions costs nothing and lets
+            # an LRU eviction wait for the new session's commit.
+            spare_slot=True,
         )
 
     def _forward(

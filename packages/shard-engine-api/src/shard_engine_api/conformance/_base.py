@@ -354,7 +354,7 @@ class ShardEngineConformance:
 
     def test_not_ready_before_load(self) -> None:
         """Before ``load``: capabilities and every request raise NotReady; health says
-        "loading" and metrics answer without raising.
+        "unloaded" and metrics answer without raising.
 
         Fix: check the lifecycle state at the top of every operation (EngineCore does)."""
         h = self.harness
@@ -386,7 +386,7 @@ class ShardEngineConformance:
             "decode before load",
         )
         _raises(NotReady, lambda: h.release(engine, session), "release before load")
-        assert engine.health().state == "loading", "health() before load must say 'loading'"
+        assert engine.health().state == "unloaded", "health() before load must say 'unloaded'"
         engine.metrics()
 
     def test_not_ready_after_close(self) -> None:
@@ -433,12 +433,12 @@ class ShardEngineConformance:
         assert result.n_rows == 1, "the engine must still serve after a refused second load"
 
     def test_health_states(self) -> None:
-        """Health goes loading -> ready -> closed and reports occupancy consistently.
+        """Health goes unloaded -> ready -> closed and reports occupancy consistently.
 
         Fix: keep Health.state in step with the lifecycle; count sessions and KV positions."""
         h = self.harness
         engine = h.new_engine()
-        assert engine.health().state == "loading"
+        assert engine.health().state == "unloaded"
         caps = engine.load(h.config())
         h.note_capabilities(caps)
         health = engine.health()

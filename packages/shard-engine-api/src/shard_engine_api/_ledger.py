@@ -1,0 +1,388 @@
+"""The session ledger: per session its epoch, committed length, slot and LRU position, plus the
+tombstones that fence released and evicted epochs.
+
+Pure bookkeeping: no threads, no backend calls, no clocks. Limits come in as arguments and the
+answers are decisions: ``admit_*`` returns an :class:`Admission` (which slot, what is cached now,
+the new length, which idle sessions to evict) or raises the contract's error, and changes
+nothing; ``commit`` applies admissions (evictions included) and returns the slots the backend
+must drop. So an operation that fails or is cancelled before ``commit`` leaves the ledger exactly
+as it was, evictions included. The owner (``EngineCore``) serialises every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from shard_engine_api._errors import CacheMiss, ResourceExhausted, ShardEngineError, StaleEpoch
+from shard_engine_api._fences import DEFAULT_GENERATION_SIZE, FenceTable
+
+__all__ = ["Admission", "LedgerLimits", "Release", "SessionEntry", "SessionLedger"]
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerLimits:
+    """What admission may use now. ``spare_slot``: the backend accepts one slot more than
+    ``max_sessions``, so a new session can run before its LRU victim is dropped."""
+
+    max_sessions: int
+    max_context: int
+    kv_budget: int
+    evict_lru: bool
+    spare_slot: bool = False
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    """A live session."""
+
+    session_id: str
+    epoch: int
+    slot: int
+    length: int
+    last_used: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What an admitted request will do to the ledger when it commits.
+
+    ``committed_length`` positions of ``slot`` are cached now; the backend replaces positions
+    from ``start_pos`` on. ``evict`` are idle sessions dropped at commit. ``evict_first`` names
+    the one victim whose slot must be handed over before the forward (only when every slot is
+    in use and the backend has no spare slot); see :meth:`SessionLedger.hand_over`.
+    """
+
+    session_id: str
+    epoch: int
+    slot: int
+    start_pos: int
+    committed_length: int
+    new_length: int
+    is_new: bool
+    evict: tuple[str, ...] = ()
+    evict_first: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The decision of a release: the freed slot (None for a no-op) and why."""
+
+    slot: int | None
+    length: int
+    detail: str
+
+
+class SessionLedger:
+    """Sessions, slots and fences of one engine."""
+
+    def __init__(self, fence_generation: int = DEFAULT_GENERATION_SIZE) -> None:
+        self.sessions: dict[str, SessionEntry] = {}
+        self.fences = FenceTable(fence_generation)
+        self.kv_used = 0
+        self._tick = 0
+        # Slots are handed out lazily (0, 1, 2, ...) and recycled: memory follows use, not
+        # the configured maximum.
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+
+    # ----------------------------------------------------------------- the fence rule
+
+    def _live_or_fenced(
+        self, session_id: str, epoch: int, *, releasing: bool = False
+    ) -> tuple[SessionEntry | None, str]:
+        """The one fence rule. Returns the live entry (or None) and, for a session with no
+        live state, whether its epoch was ``"evicted"``, ``"released"`` (only when releasing
+        again) or is an ``"unknown_session"``. Raises StaleEpoch for an epoch older than the
+        live one, not newer than a released one, or older than an evicted one."""
+        current = self.sessions.get(session_id)
+        if current is not None:
+            if epoch < current.epoch:
+                raise StaleEpoch(
+                    f"session {session_id!r} is at epoch {current.epoch}; request has {epoch}"
+                )
+            return current, "live"
+        fence = self.fences.get(session_id)
+        if fence is None:
+            return None, "unknown_session"
+        if epoch < fence.epoch or (epoch == fence.epoch and fence.released and not releasing):
+            kind = "released" if fence.released else "evicted"
+            raise StaleEpoch(
+                f"session {session_id!r} epoch {epoch} is fenced ({kind} epoch {fence.epoch})"
+            )
+        if epoch == fence.epoch:
+            return None, "released" if fence.released else "evicted"
+        return None, "unknown_session"
+
+    # ----------------------------------------------------------------- admission
+
+    def admit_prefill(
+        self, session_id: str, epoch: int, start_pos: int, n_tokens: int, limits: LedgerLimits
+    ) -> Admission:
+        """Admit a prefill of ``n_tokens`` at ``start_pos`` (truncating first), or raise."""
+        new_length = start_pos + n_tokens
+        if new_length > limits.max_context:
+            raise ResourceExhausted(
+                f"positions up to {new_length} exceed max_context {limits.max_context}",
+                retryable=False,
+                details={"resource": "context"},
+            )
+        current, status = self._live_or_fenced(session_id, epoch)
+        if current is not None:
+            length = current.length if epoch == current.epoch else 0
+            if start_pos > length:
+                raise CacheMiss(
+                    f"prefill at {start_pos} would leave a gap after {length} cached positions",
+                    committed_length=length,
+                    reason="gap" if epoch == current.epoch else "new_epoch",
+                )
+            evict = self._room_for(
+                session_id, new_length - current.length, is_new=False, limits=limits
+            )
+            return Admission(
+                session_id=session_id,
+                epoch=epoch,
+                slot=current.slot,
+                start_pos=start_pos,
+                committed_length=current.length,
+                new_length=new_length,
+                is_new=False,
+                evict=evict,
+            )
+        if start_pos > 0:
+            reason = "evicted" if status == "evicted" else "unknown_session"
+            raise CacheMiss(
+                f"session {session_id!r} has no cached positions ({reason}); prefill from 0",
+                committed_length=0,
+                reason=reason,
+            )
+        evict = self._room_for(session_id, new_length, is_new=True, limits=limits)
+        slot = self._peek_slot(limits)
+        first = None
+        if slot is None:
+            # Every slot is in use and the backend has no spare: the first victim's slot is
+            # handed over before the forward.
+            first, evict = evict[0], evict[1:]
+            slot = self.sessions[first].slot
+        return Admission(
+            session_id=session_id,
+            epoch=epoch,
+            slot=slot,
+            start_pos=0,
+            committed_length=0,
+            new_length=new_length,
+            is_new=True,
+            evict=evict,
+            evict_first=first,
+        )
+
+    def admit_decode(
+        self,
+        session_id: str,
+        epoch: int,
+        pos: int,
+        limits: LedgerLimits,
+        *,
+        batch: Collection[str] = (),
+        batch_tokens: int = 0,
+        batch_evictions: Collection[str] = (),
+    ) -> Admission:
+        """Admit one decode row at ``pos``, or raise. Within a batch, ``batch`` are its members
+        (never evicted), ``batch_tokens`` the rows already admitted and ``batch_evictions`` the
+        victims already chosen."""
+        current, status = self._live_or_fenced(session_id, epoch)
+        if current is None:
+            reason = "evicted" if status == "evicted" else "unknown_session"
+            raise CacheMiss(
+                f"session {session_id!r} has no cached state ({reason})",
+                committed_length=0,
+                reason=reason,
+            )
+        if epoch > current.epoch:
+            raise CacheMiss(
+                f"session {session_id!r} epoch {epoch} has not been prefilled",
+                committed_length=0,
+                reason="new_epoch",
+            )
+        if pos != current.length:
+            raise CacheMiss(
+                f"decode at {pos} but session {session_id!r} has {current.length} cached positions",
+                committed_length=current.length,
+                reason="position_mismatch",
+            )
+        if pos + 1 > limits.max_context:
+            raise ResourceExhausted(
+                f"position {pos} reaches max_context {limits.max_context}",
+                retryable=False,
+                details={"resource": "context"},
+            )
+        evict = self._room_for(
+            session_id,
+            1 + batch_tokens,
+            is_new=False,
+            limits=limits,
+            protect=batch,
+            already=batch_evictions,
+        )
+        return Admission(
+            session_id=session_id,
+            epoch=epoch,
+            slot=current.slot,
+            start_pos=pos,
+            committed_length=current.length,
+            new_length=pos + 1,
+            is_new=False,
+            evict=evict,
+        )
+
+    def admit_batch(
+        self, items: Sequence[tuple[str, int, int]], limits: LedgerLimits
+    ) -> list[Admission | ShardEngineError]:
+        """Admit one decode row per ``(session_id, epoch, pos)`` (distinct sessions). Members are
+        never evicted; idle sessions are evicted before an item is refused."""
+        members = frozenset(session_id for session_id, _, _ in items)
+        decisions: list[Admission | ShardEngineError] = []
+        chosen: list[str] = []
+        admitted = 0
+        for session_id, epoch, pos in items:
+            try:
+                admission = self.admit_decode(
+                    session_id,
+                    epoch,
+                    pos,
+                    limits,
+                    batch=members,
+                    batch_tokens=admitted,
+                    batch_evictions=chosen,
+                )
+            except ShardEngineError as error:
+                decisions.append(error)
+                continue
+            chosen.extend(admission.evict)
+            admitted += 1
+            decisions.append(admission)
+        return decisions
+
+    def _room_for(
+        self,
+        session_id: str,
+        extra_tokens: int,
+        *,
+        is_new: bool,
+        limits: LedgerLimits,
+        protect: Collection[str] = (),
+        already: Collection[str] = (),
+    ) -> tuple[str, ...]:
+        """The idle sessions (least recently used first) to evict so ``extra_tokens`` more
+        positions (and a session, if ``is_new``) fit; raise ResourceExhausted if they cannot."""
+        gone = [self.sessions[victim] for victim in already]
+        need_session = is_new and len(self.sessions) - len(gone) >= limits.max_sessions
+        over = self.kv_used - sum(s.length for s in gone) + extra_tokens - limits.kv_budget
+        if not need_session and over <= 0:
+            return ()
+        if not limits.evict_lru:
+            if need_session:
+                raise ResourceExhausted(
+                    f"all {len(self.sessions)} session slots are in use",
+                    details={"resource": "sessions"},
+                )
+            raise ResourceExhausted(
+                f"KV budget of {limits.kv_budget} positions would be exceeded by {over}",
+                details={"resource": "kv", "kv_used": self.kv_used, "kv_budget": limits.kv_budget},
+            )
+        excluded = {session_id, *protect, *already}
+        idle = sorted(
+            (s for s in self.sessions.values() if s.session_id not in excluded),
+            key=lambda s: s.last_used,
+        )
+        chosen: list[str] = []
+        for candidate in idle:
+            if not need_session and over <= 0:
+                break
+            chosen.append(candidate.session_id)
+            over -= candidate.length
+            need_session = False
+        if need_session or over > 0:
+            raise ResourceExhausted(
+                f"KV budget of {limits.kv_budget} positions cannot fit the request even after "
+                "evicting every idle session",
+                details={"resource": "kv", "kv_used": self.kv_used, "kv_budget": limits.kv_budget},
+            )
+        return tuple(chosen)
+
+    def _peek_slot(self, limits: LedgerLimits) -> int | None:
+        """The slot a new session would get now, without taking it."""
+        if self._free_slots:
+            return self._free_slots[-1]
+        pool = limits.max_sessions + (1 if limits.spare_slot and limits.evict_lru else 0)
+        return self._next_slot if self._next_slot < pool else None
+
+    def _take_slot(self, slot: int) -> None:
+        if slot == self._next_slot:
+            self._next_slot += 1
+        else:
+            self._free_slots.remove(slot)
+
+    # ----------------------------------------------------------------- changes
+
+    def hand_over(self, admission: Admission) -> int | None:
+        """Evict ``admission.evict_first`` now (its slot goes to the new session); return the
+        slot the backend must drop before the forward. The one eviction that cannot wait for
+        the commit: it happens only when no slot is free and the backend has no spare slot."""
+        if admission.evict_first is None:
+            return None
+        return self._evict(admission.evict_first)
+
+    def commit(self, admissions: Sequence[Admission]) -> tuple[int, ...]:
+        """Apply admitted operations that succeeded; return the evicted slots to drop."""
+        for admission in admissions:
+            self._tick += 1
+            current = self.sessions.get(admission.session_id)
+            if current is None:
+                self._take_slot(admission.slot)
+                self.sessions[admission.session_id] = SessionEntry(
+                    session_id=admission.session_id,
+                    epoch=admission.epoch,
+                    slot=admission.slot,
+                    length=admission.new_length,
+                    last_used=self._tick,
+                )
+                self.kv_used += admission.new_length
+            else:
+                self.kv_used += admission.new_length - current.length
+                current.length = admission.new_length
+                current.epoch = admission.epoch
+                current.last_used = self._tick
+        return tuple(self._evict(victim) for admission in admissions for victim in admission.evict)
+
+    def _evict(self, session_id: str) -> int:
+        victim = self.sessions.pop(session_id)
+        self.kv_used -= victim.length
+        self._free_slots.append(victim.slot)
+        self.fences.put(session_id, victim.epoch, released=False)
+        return victim.slot
+
+    def release(self, session_id: str, epoch: int) -> Release:
+        """Free a live session and fence ``epoch``; a no-op for a session with no live state.
+        Raises StaleEpoch for an epoch older than the live or fenced one."""
+        current, _ = self._live_or_fenced(session_id, epoch, releasing=True)
+        if current is None:
+            fenced = self.fences.get(session_id) is not None
+            detail = (
+                "already released or evicted; nothing to free"
+                if fenced
+                else "unknown session; nothing to free"
+            )
+            return Release(slot=None, length=0, detail=detail)
+        del self.sessions[session_id]
+        self.kv_used -= current.length
+        self._free_slots.append(current.slot)
+        self.fences.put(session_id, epoch, released=True)
+        return Release(slot=current.slot, length=current.length, detail="")
+
+    def clear(self) -> None:
+        """Forget every session (the engine is closing)."""
+        self.sessions.clear()
+        self.kv_used = 0
+        self._free_slots.clear()
+        self._next_slot = 0
