@@ -30,7 +30,7 @@ from __future__ import annotations
 import tempfile
 import threading
 from pathlib import Path
-from typing import ClassVar, Final, Literal, TypeVar, cast, get_args
+from typing import ClassVar, Final, Literal, TypeVar, cast
 
 import grpc
 import msgspec
@@ -172,11 +172,7 @@ class _Link:
 
 
 _State = Literal["loading", "ready", "crashed", "closed"]
-# What the contract calls a never-loaded engine ("unloaded" where the API has that state).
-_NEVER_LOADED: Final = cast(
-    api.LifecycleState,
-    "unloaded" if "unloaded" in get_args(api.LifecycleState) else "loading",
-)
+
 _NOT_SENT_MARKERS: Final = ("failed to connect to all addresses", "Connection refused")
 
 
@@ -381,7 +377,7 @@ class RemoteEngine:
         its process died. Never raises."""
         state = self._state
         if state == "loading":
-            return api.Health(state=_NEVER_LOADED, detail="not loaded")
+            return api.Health(state="unloaded", detail="not loaded")
         if state == "closed":
             return api.Health(state="closed", detail="closed")
         if state == "crashed":
