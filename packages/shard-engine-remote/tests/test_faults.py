@@ -3,6 +3,7 @@ servers that die mid-call; RPC deadlines that become engine cancels."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import (
     Background,
@@ -21,9 +23,10 @@ from conftest import (
     prefill,
     wait_until,
 )
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import shard_engine_api as api
-from shard_engine_remote import OutcomeUnknown, RemoteEngine, RemoteUnavailable
+from shard_engine_remote import SERVICE_NAME, OutcomeUnknown, RemoteEngine, RemoteUnavailable
 
 
 def _in_flight(engine: api.ShardEngine) -> bool:
@@ -241,3 +244,88 @@ def test_server_killed_mid_decode(tmp_path: Path, remote: RemoteFactory) -> None
         process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+def test_every_call_in_flight_sees_the_crash(remote: RemoteFactory) -> None:
+    """Several calls in flight when the child dies: each one raises EngineCrashed."""
+    engine = remote(config(spawn="fake", faults=delay("decode", 5000)))
+    for session in ("a", "b", "c"):
+        prefill(engine, session=session)
+    pending = [
+        Background(functools.partial(decode, engine, 3, session=session, request_id=session))
+        for session in ("a", "b", "c")
+    ]
+    wait_until(lambda: _in_flight(engine))
+    time.sleep(0.2)  # let every call reach the child
+    os.kill(_child_pid(engine), signal.SIGKILL)
+    for call in pending:
+        with pytest.raises(api.EngineCrashed, match="SIGKILL"):
+            call.result()
+
+
+def test_engine_errors_keep_class_code_and_retryable(remote: RemoteFactory) -> None:
+    """Errors raised by the served engine arrive as the same class with the same code,
+    retryable flag and details."""
+    engine = remote(config(in_process="fake"))
+    prefill(engine)
+    with pytest.raises(api.CacheMiss) as miss:
+        decode(engine, 7)
+    assert (miss.value.code, miss.value.retryable) == ("cache_miss", True)
+    assert miss.value.committed_length == 3
+    with pytest.raises(api.StaleEpoch) as stale:
+        engine.prefill(
+            api.PrefillRequest(
+                request_id="old",
+                session=api.SessionRef(session_id="s", epoch=0),
+                start_pos=0,
+                inputs=api.TokenInput(token_ids=(1,)),
+            )
+        )
+    assert not stale.value.retryable
+    with pytest.raises(api.InvalidRequest):
+        engine.cancel(api.CancelRequest())
+    assert engine.metrics().errors == {"cache_miss": 1, "stale_epoch": 1}
+
+
+def test_busy_server_refuses_compute_beyond_its_threads(
+    serve: ServeFactory, remote: RemoteFactory
+) -> None:
+    """With every compute slot taken, another prefill gets a retryable ResourceExhausted at
+    once, while health, metrics and cancel still answer."""
+    server = serve(config(faults=delay("prefill", 1500)), max_workers=5)
+    assert server.address is not None
+    engine = remote(config(target=server.address))
+    pending = Background(lambda: prefill(engine, session="a", request_id="slow"))
+    wait_until(lambda: _in_flight(engine))
+    with pytest.raises(api.ResourceExhausted) as busy:
+        prefill(engine, session="b")
+    assert busy.value.retryable
+    assert busy.value.details["resource"] == "server_threads"
+    assert engine.health().in_flight == 1
+    assert engine.cancel(api.CancelRequest(request_id="slow")).cancelled
+    with pytest.raises(api.Cancelled):
+        pending.result()
+    assert server.counters.snapshot()["busy"] == 1
+    prefill(engine, session="b", request_id="after")
+
+
+def test_standard_health_follows_the_engine(serve: ServeFactory, remote: RemoteFactory) -> None:
+    """grpc.health.v1 says SERVING while the engine serves and NOT_SERVING once it failed (an
+    engine-level crash: the server process itself lives on and says so)."""
+    plan = {"rules": [{"action": {"kind": "crash"}, "operations": ["decode"]}]}
+    server = serve(config(faults=plan))
+    assert server.address is not None
+    engine = remote(config(target=server.address))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        def status() -> int:
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+            return int(answer.status)
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        prefill(engine)
+        with pytest.raises(api.EngineCrashed, match="injected crash"):
+            decode(engine, 3)
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert engine.health().state == "failed"
