@@ -28,6 +28,7 @@ PACKAGES = ROOT / "packages"
 API = "packages/shard-engine-api"
 FAKE = "packages/shard-engine-fake"
 LLAMA = "packages/shard-engine-llama"
+REMOTE = "packages/shard-engine-remote"
 TEST_TOOLS = ["pytest>=8,<10", "hypothesis>=6.100,<7"]
 # Shards and generated models of tests stay inside the checkout, whatever $HOME is.
 TEST_MODEL_STORE = ROOT / ".nox" / "model-store"
@@ -58,8 +59,15 @@ PACKAGE_TESTS = {
     "api": [API],
     "fake": [API, FAKE],
     "llama": [API, LLAMA],
+    # The remote engine's tests serve the fake and the llama engine (conformance through a
+    # child process, a GGUF that makes llama.cpp abort).
+    "remote": [API, FAKE, LLAMA, REMOTE],
     "cross": [API, FAKE, LLAMA],
 }
+TEST_EXTRAS = {"remote": ["cryptography>=42"]}
+"""Test-only requirements of a package's tests (certificates generated in the test)."""
+CONFORMANCE_EXTRAS = {"remote": [FAKE]}
+"""Engines a plugin's conformance run needs besides itself (the remote plugin serves the fake)."""
 
 
 @nox.session(python="3.11")
@@ -67,7 +75,7 @@ PACKAGE_TESTS = {
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in a venv holding only that package and what it needs
     ("cross" runs tests/ across every package: pipelines, CLI, discovery, nox wiring)."""
-    session.install(*TEST_TOOLS)
+    session.install(*TEST_TOOLS, *TEST_EXTRAS.get(package, []))
     if package == "cross":
         # nox for the wiring tests; mypy for the test that type-checks the READMEs' examples.
         session.install("nox", "mypy==2.4.1")
@@ -84,7 +92,10 @@ def tests(session: nox.Session, package: str) -> None:
 def conformance(session: nox.Session, engine: str) -> None:
     """Run the shared conformance suite against one engine plugin, in a venv that holds only
     the API and that plugin; writes the JSON report to .nox/reports/."""
-    session.install("pytest>=8,<10", "-e", API, "-e", engine_plugins()[engine])
+    extras = [
+        argument for folder in CONFORMANCE_EXTRAS.get(engine, []) for argument in ("-e", folder)
+    ]
+    session.install("pytest>=8,<10", "-e", API, *extras, "-e", engine_plugins()[engine])
     report = ROOT / ".nox" / "reports" / f"conformance-{engine}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run(
@@ -101,10 +112,24 @@ def conformance(session: nox.Session, engine: str) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src and tests, tests/ and this noxfile."""
-    session.install("mypy==2.4.1", "nox", *TEST_TOOLS, "-e", API, "-e", FAKE, "-e", LLAMA)
+    session.install(
+        "mypy==2.4.1",
+        "nox",
+        *TEST_TOOLS,
+        *TEST_EXTRAS["remote"],
+        "types-grpcio>=1.80,<2",
+        "-e",
+        API,
+        "-e",
+        FAKE,
+        "-e",
+        LLAMA,
+        "-e",
+        REMOTE,
+    )
     # Each package's tests/ has its own conftest.py: checked one package at a time so the
     # test modules' top-level names do not collide.
-    for folder in (API, FAKE, LLAMA):
+    for folder in (API, FAKE, LLAMA, REMOTE):
         session.run("mypy", f"{folder}/src", f"{folder}/tests")
     session.run("mypy", "tests", "benchmarks", "tools", "noxfile.py")
 
@@ -122,7 +147,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks: the wire codec against memcpy, pickle and gzip; the fake engine's decode
     rate through the API; the llama engine unsplit vs split (in one process and one process
     per shard), batched vs sequential, memory, cancellation (gemma3-270m parts only when the
-    model is in the model store). Every figure is also merged into .nox/bench/results.json.
+    model is in the model store); remote engines' per-hop overhead and a pipeline with a
+    process per shard. Every figure is also merged into .nox/bench/results.json.
 
     Arguments after ``--`` go to every benchmark (e.g. ``--quick``), except ``--readme``:
     after a full run, regenerate the README's "What has been measured" section from the
@@ -131,7 +157,7 @@ def bench(session: nox.Session) -> None:
 
         python3 -m nox -s bench -- --readme
     """
-    session.install(*BENCH_REQUIREMENTS, "-e", API, "-e", FAKE, "-e", LLAMA)
+    session.install(*BENCH_REQUIREMENTS, "-e", API, "-e", FAKE, "-e", LLAMA, "-e", REMOTE)
     arguments = [argument for argument in session.posargs if argument != "--readme"]
     BENCH_RESULTS.unlink(missing_ok=True)
     env = {"SHARD_ENGINE_BENCH_RESULTS": str(BENCH_RESULTS)}

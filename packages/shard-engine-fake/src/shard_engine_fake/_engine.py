@@ -287,6 +287,8 @@ class FakeEngine(EngineCore):
                 self._set_kv_budget(self.config.kv_budget_tokens)
                 self._clear_degraded(_MEMORY_KEY)
             elif isinstance(action, Crash):
+                if action.abort:
+                    os.abort()
                 if action.exit_code is not None:
                     os._exit(action.exit_code)
                 # The core then refuses this very call with EngineCrashed (and counts it).
