@@ -49,10 +49,27 @@ def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture 
         cancel_options={
             "faults": {
                 "rules": [
-                    {"action": {"kind": "delay", "milliseconds": 200}, "operations": ["prefill"]}
+                    {
+                        "action": {"kind": "delay", "milliseconds": 200},
+                        "operations": ["prefill", "decode_batch"],
+                    }
                 ]
             }
         },
+        # The first prefill or decode crashes the engine (the suite's crash test).
+        crash_options={
+            "faults": {
+                "rules": [
+                    {
+                        "action": {"kind": "crash", "detail": "injected crash (conformance)"},
+                        "operations": ["prefill", "decode", "decode_batch"],
+                        "limit": 1,
+                    }
+                ]
+            }
+        },
+        # Uneven pipelines: a one-layer head, a one-layer middle, a one-layer tail.
+        splits=((0, 1, 6), (0, 2, 5, 6), (0, 4, 5, 6), (0, 1, 2, 3, 4, 5, 6)),
     )
 
 

@@ -17,6 +17,9 @@ Options:
 
 ``--shard-engine NAME``
     The engine to run the standard suite against.
+``--shard-engine-examples N``
+    Examples per shard configuration of the model-based state-machine test (default 8;
+    derandomized, so a run is repeatable; raise it for deeper runs).
 ``--shard-engine-report PATH``
     Write a JSON :class:`~shard_engine_api.conformance.ConformanceReport` at session end
     (default: none). It covers every conformance suite class that ran, with or without
@@ -54,6 +57,7 @@ from shard_engine_api.conformance._report import (
     certify,
     current_environment,
 )
+from shard_engine_api.conformance._stateful import DEFAULT_EXAMPLES
 
 __all__ = ["SUITE_MODULE", "build_reports"]
 
@@ -69,6 +73,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         default=None,
         help="run the shard-engine conformance suite against the installed engine NAME",
+    )
+    group.addoption(
+        "--shard-engine-examples",
+        metavar="N",
+        type=int,
+        default=None,
+        help="examples per shard configuration of the model-based test (default "
+        f"{DEFAULT_EXAMPLES}; more for deeper runs)",
     )
     group.addoption(
         "--shard-engine-report",
