@@ -27,14 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shard_engine_api import (
-    BoundaryBundle,
-    BoundaryDtype,
-    SessionRef,
-    decode_bundle,
-    encode_bundle,
-    payload_checksum,
-)
+from shard_engine_api import BoundaryBundle, BoundaryDtype, SessionRef
+from shard_engine_api.wire import decode_bundle, encode_bundle, payload_checksum
 
 SHAPES = [(1, 4096), (128, 4096), (512, 4096)]
 DTYPES: list[BoundaryDtype] = ["f16", "f32"]

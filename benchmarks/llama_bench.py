@@ -56,13 +56,13 @@ from shard_engine_api import (
     ShardResult,
     ShardSpec,
     TokenInput,
-    payload_checksum,
 )
+from shard_engine_api.engine import model_store
+from shard_engine_api.wire import payload_checksum
 from shard_engine_llama import LlamaEngine
 from shard_engine_llama._gguf_split import (
     Manifest,
     inspect_gguf,
-    resolve_model_store,
     split_model,
 )
 from shard_engine_llama._tiny_model import write_tiny_model
@@ -793,8 +793,8 @@ _GEMMA3_TEXT = (
 
 
 def gemma3_model(path: Path) -> BenchModel:
-    from shard_engine_api import get_plugin_manager
     from shard_engine_api._plugins import tokenize
+    from shard_engine_api.engine import get_plugin_manager
 
     info = inspect_gguf(path)
     ids = tokenize(get_plugin_manager(), "llama", str(path), _GEMMA3_TEXT * 40) or []
@@ -805,7 +805,7 @@ def gemma3_model(path: Path) -> BenchModel:
         offset = (seed * 37) % max(len(ids) - n, 1)
         return ids[offset : offset + n]
 
-    store = resolve_model_store(None)
+    store = model_store()
     return BenchModel(
         name=f"gemma3-270m Q4_K_M ({info.n_layers} layers, n_embd {info.n_embd})",
         path=path,
@@ -821,7 +821,7 @@ def find_gemma3(explicit: str | None) -> Path | None:
     candidate = explicit or os.environ.get(MODEL_ENV)
     if candidate:
         return Path(candidate) if Path(candidate).is_file() else None
-    path = resolve_model_store(None) / "models" / GEMMA3_FILE
+    path = model_store() / "models" / GEMMA3_FILE
     return path if path.is_file() else None
 
 

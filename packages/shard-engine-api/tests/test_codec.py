@@ -10,7 +10,6 @@ import pytest
 
 from shard_engine_api import (
     CONTRACT_VERSION,
-    DEFAULT_MAX_PAYLOAD_BYTES,
     BoundaryBundle,
     BoundaryDtype,
     BoundaryResult,
@@ -18,7 +17,6 @@ from shard_engine_api import (
     CancelResult,
     Capabilities,
     ChecksumMismatch,
-    Codec,
     ContractVersionMismatch,
     DecodeBatchRequest,
     DecodeBatchResult,
@@ -41,6 +39,11 @@ from shard_engine_api import (
     ShardSpec,
     TokenInput,
     _codec,
+)
+from shard_engine_api._codec import all_finite
+from shard_engine_api.wire import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    Codec,
     decode_bundle,
     decode_message,
     decode_reply,
@@ -50,7 +53,6 @@ from shard_engine_api import (
     encode_error,
     payload_checksum,
 )
-from shard_engine_api._codec import all_finite
 
 SESSION = SessionRef(session_id="sess", epoch=3)
 SPEC = ShardSpec(model="tiny", n_layers=4, start=0, end=2)

@@ -42,12 +42,8 @@ from shard_engine_api import (
     StaleEpoch,
     Timings,
     TokenInput,
-    WireMessage,
-    decode_bundle,
-    decode_message,
-    encode,
-    encode_bundle,
 )
+from shard_engine_api.wire import WireMessage, decode_bundle, decode_message, encode, encode_bundle
 
 PROPERTIES = settings(derandomize=True, deadline=None, database=None, max_examples=60)
 

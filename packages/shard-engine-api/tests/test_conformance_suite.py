@@ -16,7 +16,7 @@ import pluggy
 import pytest
 from conformance_engines import BROKEN_ENGINES, ReferencePlugin
 
-from shard_engine_api import EvidenceClass, get_plugin_manager
+from shard_engine_api import EvidenceClass
 from shard_engine_api.conformance import (
     STANDARD_TESTS,
     ConformanceReport,
@@ -26,6 +26,7 @@ from shard_engine_api.conformance import (
     pytest_arguments,
 )
 from shard_engine_api.conformance._report import certify, model_report
+from shard_engine_api.engine import get_plugin_manager
 
 pytest_plugins = ["pytester"]
 
@@ -110,7 +111,8 @@ from pathlib import Path
 
 from conformance_engines import CANCEL_OPTIONS, reference_fixture
 from conformance_engines import {engine} as Engine
-from shard_engine_api import ModelFixture, ShardEngine
+from shard_engine_api import ShardEngine
+from shard_engine_api.engine import ModelFixture
 from shard_engine_api.conformance import ShardEngineConformance, conformance_override
 
 
@@ -394,7 +396,11 @@ def test_deselected_tests_prevent_certification(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, report = _run_selected(
-        pytester, monkeypatch, ReferencePlugin(evidence="real"), "-k", "not test_truncate and not every_role"
+        pytester,
+        monkeypatch,
+        ReferencePlugin(evidence="real"),
+        "-k",
+        "not test_truncate and not every_role",
     )
     assert "test_truncate" in report.missing_standard_tests
     assert report.certification == "fixture-only"

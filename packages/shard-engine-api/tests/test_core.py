@@ -17,21 +17,16 @@ from shard_engine_api import (
     CacheMiss,
     Cancelled,
     CancelRequest,
-    CancelToken,
     DecodeBatchRequest,
     DecodeRequest,
     Determinism,
-    EngineCore,
     EngineCrashed,
     ErrorInfo,
-    ForwardItem,
     InvalidRequest,
     LoadConfig,
     LogitsResult,
-    ModelInfo,
     MtpState,
     NotReady,
-    OutputMode,
     PrefillRequest,
     ReleaseRequest,
     ResourceExhausted,
@@ -42,6 +37,7 @@ from shard_engine_api import (
     UnsupportedFeature,
     WrongRole,
 )
+from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 
 HIDDEN = 4
 VOCAB = 16

@@ -24,6 +24,8 @@ from shard_engine_api import (
     UnsupportedFeature,
     WrongRole,
     _errors,
+)
+from shard_engine_api.wire import (
     decode_error,
     decode_message,
     decode_reply,

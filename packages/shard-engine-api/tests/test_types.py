@@ -36,8 +36,8 @@ from shard_engine_api import (
     ShardSpec,
     TokenInput,
     _types,
-    decode_message,
 )
+from shard_engine_api.wire import decode_message
 
 # The wire identity of every tagged type. Changing a value here breaks every deployed peer:
 # tags are never renamed and never reused (add a new type with a new tag instead).

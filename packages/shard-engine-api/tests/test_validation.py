@@ -18,15 +18,12 @@ from shard_engine_api import (
     CacheMiss,
     CancelRequest,
     CancelResult,
-    CancelToken,
     Capabilities,
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
     Determinism,
-    EngineCore,
     ErrorInfo,
-    ForwardItem,
     Health,
     InvalidRequest,
     LoadConfig,
@@ -34,9 +31,7 @@ from shard_engine_api import (
     LogitsResult,
     MalformedOutput,
     Metrics,
-    ModelInfo,
     MtpState,
-    OutputMode,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
@@ -47,6 +42,7 @@ from shard_engine_api import (
     TokenInput,
     ValidatingEngine,
 )
+from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 
 HIDDEN = 8
 VOCAB = 12

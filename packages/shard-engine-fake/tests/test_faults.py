@@ -17,6 +17,7 @@ import pytest
 from conftest import EngineFactory, decode, decode_request, logits_of, prefill, session
 
 import shard_engine_api as api
+from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import (
     FAULTS_ENV_VAR,
     Crash,
@@ -358,6 +359,6 @@ def test_faults_apply_through_the_worker_visible_counters(make_engine: EngineFac
     )
     prefill(engine, session(), 0, [1])
     result = logits_of(decode(engine, session(), 1, 1))
-    assert result.checksum != api.payload_checksum(result.payload)
+    assert result.checksum != payload_checksum(result.payload)
     assert engine.metrics().decode_tokens == 1
     assert [event.kind for event in engine.fault_events()] == ["malformed"]

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
+
+import pytest
 
 import shard_engine_api as api
 import shard_engine_fake
+from shard_engine_api.engine import (
+    ModelFixture,
+    Tokenizer,
+    check_pending,
+    engine_description,
+    get_plugin_manager,
+)
 from shard_engine_fake import DEFAULT_MODEL, FakeEngine, detokenize, plugin, tokenize
 
 EXPECTED_ALL = [
@@ -49,31 +57,24 @@ def test_all_is_sorted_and_pinned() -> None:
         assert hasattr(shard_engine_fake, name), name
 
 
-def test_plugin_module_holds_only_hook_implementations() -> None:
-    functions = {
-        name
-        for name, value in vars(plugin).items()
-        if inspect.isfunction(value) and value.__module__ == plugin.__name__
-    }
-    hooks = {name for name in functions if name.startswith("shard_engine_")}
-    assert hooks == {
-        "shard_engine_register",
-        "shard_engine_model_fixture",
-        "shard_engine_tokenize",
-        "shard_engine_detokenize",
-    }
-    for name in hooks:
-        assert hasattr(getattr(plugin, name), "shard_engine_impl"), name
+def test_plugin_module_implements_only_the_registration_hook() -> None:
+    """No hook is keyed by engine name: the one hook returns the whole description."""
+    hooks = {name for name in vars(plugin) if name.startswith("shard_engine_")}
+    assert hooks == {"shard_engine_register"}
+    assert hasattr(plugin.shard_engine_register, "shard_engine_impl")
 
 
 def test_entry_point_discovery_and_load_engine() -> None:
-    manager = api.get_plugin_manager()
-    api.check_pending(manager)
+    manager = get_plugin_manager()
+    check_pending(manager)
     engines = {engine.name: engine for engine in api.installed_engines(manager)}
     assert engines["fake"].evidence == "fixture"
     assert engines["fake"].distribution == "shard-engine-fake"
-    fixture = manager.hook.shard_engine_model_fixture(engine_name="fake", workdir=Path("."))
-    assert isinstance(fixture, api.ModelFixture)
+    description = engine_description("fake", manager=manager)
+    assert description.model_fixture is not None
+    fixture = description.model_fixture(Path("never-created"))
+    assert not Path("never-created").exists()
+    assert isinstance(fixture, ModelFixture)
     assert (fixture.model, fixture.n_layers, fixture.has_tokenizer) == (DEFAULT_MODEL, 6, True)
     engine = api.load_engine("fake", fixture.config(0, 3), manager=manager)
     assert isinstance(engine, FakeEngine)
@@ -81,22 +82,33 @@ def test_entry_point_discovery_and_load_engine() -> None:
     engine.close()
 
 
-def test_other_engines_are_not_answered() -> None:
-    manager = api.get_plugin_manager(entry_points=False, plugins=[("fake", plugin)])
-    hook = manager.hook
-    assert hook.shard_engine_model_fixture(engine_name="llama", workdir=Path(".")) is None
-    assert hook.shard_engine_tokenize(engine_name="llama", model=DEFAULT_MODEL, text="x") is None
-    assert hook.shard_engine_tokenize(engine_name="fake", model="fake:vocab=100", text="x") is None
-    assert hook.shard_engine_detokenize(engine_name="fake", model="gguf", token_ids=[1]) is None
+def test_described_models_follow_the_reference() -> None:
+    description = plugin.shard_engine_register()
+    assert description.describe_model is not None
+    small = description.describe_model("fake:hidden=32,layers=4")
+    assert (small.n_layers, small.model) == (4, "fake:seed=0,hidden=32,vocab=512,layers=4")
+    assert small.config(0, 2).shard.n_layers == 4
+    assert not description.describe_model("fake:vocab=100").has_tokenizer
+    with pytest.raises(api.InvalidRequest, match="layers"):
+        description.describe_model("fake:layers=x")
+
+
+def test_tokenizer_only_for_byte_vocabularies() -> None:
+    description = plugin.shard_engine_register()
+    assert description.tokenizer is not None
+    assert description.tokenizer("fake:vocab=100") is None
+    assert description.tokenizer("gguf") is None
+    assert description.tokenizer(DEFAULT_MODEL) is not None
 
 
 def test_byte_tokenizer_round_trips() -> None:
-    manager = api.get_plugin_manager(entry_points=False, plugins=[("fake", plugin)])
+    manager = get_plugin_manager(entry_points=False, plugins=[("fake", plugin)])
     text = "héllo, shard ✓"
-    ids = manager.hook.shard_engine_tokenize(engine_name="fake", model=DEFAULT_MODEL, text=text)
+    tokenizer = engine_description("fake", manager=manager).tokenizer
+    assert tokenizer is not None
+    found = tokenizer(DEFAULT_MODEL)
+    assert isinstance(found, Tokenizer)
+    ids = found.encode(text)
     assert ids == tokenize(text) == list(text.encode())
-    back = manager.hook.shard_engine_detokenize(
-        engine_name="fake", model=DEFAULT_MODEL, token_ids=ids
-    )
-    assert back == text
+    assert found.decode(ids) == text
     assert detokenize([72, 105, 256, 511]) == "Hi" + chr(0x20 + 256 % 95) + chr(0x20 + 511 % 95)

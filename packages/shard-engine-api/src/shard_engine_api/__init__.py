@@ -1,24 +1,12 @@
-"""shard-engine-api: the project-owned contract between worker code and shard engines."""
+"""shard-engine-api: the project-owned contract between worker code and shard engines.
+
+Worker names live here. Engine authors import from :mod:`shard_engine_api.engine`; code that
+moves objects between processes imports the codec from :mod:`shard_engine_api.wire`.
+"""
+
+import logging as _logging
 
 from shard_engine_api._asyncio import AsyncShardEngine
-from shard_engine_api._checksum import CHECKSUM_ALGORITHM, payload_checksum
-from shard_engine_api._codec import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    Codec,
-    NonFinitePolicy,
-    WireMessage,
-    WireReply,
-    WireRequest,
-    decode_bundle,
-    decode_error,
-    decode_message,
-    decode_reply,
-    decode_request,
-    encode,
-    encode_bundle,
-    encode_error,
-)
-from shard_engine_api._core import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_api._errors import (
     CacheMiss,
     Cancelled,
@@ -36,19 +24,9 @@ from shard_engine_api._errors import (
     StaleEpoch,
     UnsupportedFeature,
     WrongRole,
-    error_from_info,
 )
-from shard_engine_api._hookspecs import EngineSpec, ModelFixture, hookimpl, hookspec
 from shard_engine_api._pipeline import GenerationResult, Pipeline, ShardTimings, split_layers
-from shard_engine_api._plugins import (
-    ENTRY_POINT_GROUP,
-    InstalledEngine,
-    UnknownEngine,
-    check_pending,
-    get_plugin_manager,
-    installed_engines,
-    load_engine,
-)
+from shard_engine_api._plugins import InstalledEngine, UnknownEngine, installed_engines, load_engine
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
     CONTRACT_VERSION,
@@ -92,11 +70,11 @@ from shard_engine_api._validation import ValidatingEngine
 
 __version__ = "0.1.0"
 
+# Silent unless the application configures logging (``shard-engine -v`` does).
+_logging.getLogger("shard_engine").addHandler(_logging.NullHandler())
+
 __all__ = [
-    "CHECKSUM_ALGORITHM",
     "CONTRACT_VERSION",
-    "DEFAULT_MAX_PAYLOAD_BYTES",
-    "ENTRY_POINT_GROUP",
     "AsyncShardEngine",
     "AuxState",
     "BoundaryBundle",
@@ -105,25 +83,20 @@ __all__ = [
     "CacheMiss",
     "CancelRequest",
     "CancelResult",
-    "CancelToken",
     "Cancelled",
     "Capabilities",
     "ChecksumMismatch",
-    "Codec",
     "ContractVersionMismatch",
     "DecodeBatchRequest",
     "DecodeBatchResult",
     "DecodeRequest",
     "Determinism",
-    "EngineCore",
     "EngineCrashed",
-    "EngineSpec",
     "ErrorDetail",
     "ErrorInfo",
     "EvictionPolicy",
     "EvidenceClass",
     "Features",
-    "ForwardItem",
     "GenerationResult",
     "Health",
     "HookStatus",
@@ -136,13 +109,9 @@ __all__ = [
     "LogitsResult",
     "MalformedOutput",
     "Metrics",
-    "ModelFixture",
-    "ModelInfo",
     "MtpState",
-    "NonFinitePolicy",
     "NotReady",
     "OptionValue",
-    "OutputMode",
     "Pipeline",
     "PrefillRequest",
     "ReleaseRequest",
@@ -164,26 +133,9 @@ __all__ = [
     "UnknownEngine",
     "UnsupportedFeature",
     "ValidatingEngine",
-    "WireMessage",
-    "WireReply",
-    "WireRequest",
     "WrongRole",
     "__version__",
-    "check_pending",
-    "decode_bundle",
-    "decode_error",
-    "decode_message",
-    "decode_reply",
-    "decode_request",
-    "encode",
-    "encode_bundle",
-    "encode_error",
-    "error_from_info",
-    "get_plugin_manager",
-    "hookimpl",
-    "hookspec",
     "installed_engines",
     "load_engine",
-    "payload_checksum",
     "split_layers",
 ]

@@ -1,7 +1,10 @@
-"""Hook specifications of the ``shard_engine`` plugin project.
+"""Hook specification of the ``shard_engine`` plugin project, and what a plugin registers.
 
-An engine distribution registers a module under the entry-point group ``shard_engine``; the
-entry-point name is the engine name. The module holds only ``@hookimpl`` functions.
+An engine distribution names a module under the entry-point group ``shard_engine``; the
+entry-point name is the engine name. The module holds one ``@hookimpl`` function,
+``shard_engine_register``, returning an :class:`EngineDescription`: everything the project
+asks of an engine (a factory, its evidence class, optionally a model fixture, a model
+describer, a tokenizer and CLI subcommands) in one object, so no hook is keyed by engine name.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 import pluggy
@@ -18,8 +22,11 @@ from shard_engine_api._types import EvidenceClass, LoadConfig, OptionValue, Shar
 
 __all__ = [
     "PROJECT_NAME",
-    "EngineSpec",
+    "CliSubparsers",
+    "EngineDescription",
+    "EngineHookSpecs",
     "ModelFixture",
+    "Tokenizer",
     "hookimpl",
     "hookspec",
 ]
@@ -29,15 +36,21 @@ PROJECT_NAME = "shard_engine"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
+CliSubparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+"""What ``shard-engine`` hands to :attr:`EngineDescription.add_cli_commands`."""
 
-class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """An engine a plugin provides: its name (equal to its entry-point name), a factory that
-    returns a new, unloaded engine, the evidence class its results carry, a one-line summary."""
 
-    name: str
-    factory: Callable[[], ShardEngine]
-    evidence: EvidenceClass
-    description: str = ""
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text to token ids and back, for one model."""
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text``."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (ids without text render as the engine chooses)."""
+        ...
 
 
 class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,38 +96,55 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.convert(fields, LoadConfig, from_attributes=True, strict=False)
 
 
+class EngineDescription(msgspec.Struct, frozen=True, kw_only=True):
+    """What a plugin's ``shard_engine_register`` returns: one engine and what it supplies.
+
+    Required: ``name`` (equal to the entry-point name), ``factory`` (returns a new, unloaded
+    engine; called once per engine instance), ``evidence`` (the class every result carries).
+    Optional (None = not supplied):
+
+    - ``summary``: one line for ``shard-engine engines``.
+    - ``model_fixture(workdir) -> ModelFixture``: the small model the conformance suite and
+      ``shard-engine run`` use when no model is given; files it generates go under
+      ``workdir`` (created by the engine if needed, checked with ``model_store(workdir)``).
+    - ``describe_model(model) -> ModelFixture``: what a user-given model reference (a GGUF
+      path, ``fake:layers=4``) is: its layer count and options. Raises InvalidRequest or
+      UnsupportedFeature for a model the engine cannot run.
+    - ``tokenizer(model) -> Tokenizer | None``: text in and out for ``model``; None when that
+      model has no tokenizer.
+    - ``add_cli_commands(subparsers)``: add subcommands to ``shard-engine``; each sets
+      ``func`` (``Callable[[argparse.Namespace], int]``) with ``set_defaults``.
+    """
+
+    name: str
+    factory: Callable[[], ShardEngine]
+    evidence: EvidenceClass
+    summary: str = ""
+    model_fixture: Callable[[Path], ModelFixture] | None = None
+    describe_model: Callable[[str], ModelFixture] | None = None
+    tokenizer: Callable[[str], Tokenizer | None] | None = None
+    add_cli_commands: Callable[[CliSubparsers], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"EngineDescription.name must be a non-empty string: {self.name!r}")
+        if self.evidence not in ("fixture", "real"):
+            raise TypeError(
+                f"EngineDescription.evidence must be 'fixture' or 'real', got {self.evidence!r}"
+            )
+        for field in ("factory", "model_fixture", "describe_model", "tokenizer"):
+            value = getattr(self, field)
+            if value is not None and not callable(value):
+                raise TypeError(f"EngineDescription.{field} must be callable, got {value!r}")
+        if self.add_cli_commands is not None and not callable(self.add_cli_commands):
+            raise TypeError("EngineDescription.add_cli_commands must be callable")
+
+
 class EngineHookSpecs:
-    """The hooks engines implement. Every hook is optional except ``shard_engine_register``."""
+    """The hook an engine plugin implements (the only one: everything else is a field of the
+    description it returns)."""
 
     @hookspec
-    def shard_engine_register(self) -> EngineSpec:  # type: ignore[empty-body]
-        """Return the engine this plugin provides."""
-
-    @hookspec(firstresult=True)
-    def shard_engine_model_fixture(self, engine_name: str, workdir: Path) -> ModelFixture | None:
-        """Return the small model that ``engine_name`` runs the conformance suite and the
-        ``run`` command on, generating files under ``workdir`` if needed; None if this plugin
-        does not provide ``engine_name``."""
-
-    @hookspec(firstresult=True)
-    def shard_engine_describe_model(self, engine_name: str, model: str) -> ModelFixture | None:
-        """Describe a user-given model reference (e.g. a GGUF path passed to ``run --model``):
-        its layer count and options; None if this plugin does not provide ``engine_name``.
-        Raise InvalidRequest/UnsupportedFeature for a model the engine cannot run."""
-
-    @hookspec(firstresult=True)
-    def shard_engine_tokenize(self, engine_name: str, model: str, text: str) -> list[int] | None:
-        """Return the token ids of ``text`` for ``model``, or None if not this plugin's."""
-
-    @hookspec(firstresult=True)
-    def shard_engine_detokenize(
-        self, engine_name: str, model: str, token_ids: Sequence[int]
-    ) -> str | None:
-        """Return the text of ``token_ids`` for ``model``, or None if not this plugin's."""
-
-    @hookspec
-    def shard_engine_add_cli_commands(
-        self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
-    ) -> None:
-        """Add the plugin's own subcommands to the ``shard-engine`` CLI. A subcommand sets
-        ``func`` (``Callable[[argparse.Namespace], int]``) with ``set_defaults``."""
+    def shard_engine_register(self) -> EngineDescription:  # type: ignore[empty-body]
+        """Return the engine this plugin provides. Called once per plugin manager; keep it
+        cheap (import heavy backends inside ``factory``, not at module level)."""

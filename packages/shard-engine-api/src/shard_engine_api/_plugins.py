@@ -1,125 +1,307 @@
-"""Plugin discovery: a plugin manager per caller (no global state), typed hook wrappers and
-``load_engine`` to select one engine by its entry-point name."""
+"""Plugin discovery: a plugin manager per caller, the engines its plugins describe, and
+``load_engine`` to select one engine by its entry-point name.
+
+The ``shard_engine`` entry points are scanned and imported once per process. Each plugin
+manager asks each of its plugins once for its :class:`EngineDescription` and keeps the answer.
+A plugin that fails (its module does not import, it implements a hook no spec declares, its
+``shard_engine_register`` raises or returns something else, its entry-point name is not its
+engine name) is recorded as a :class:`PluginProblem` under its name and left out; the other
+engines stay available. ``shard-engine engines`` lists both.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
+import logging
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 import msgspec
 import pluggy
 
-from shard_engine_api._errors import InvalidRequest
-from shard_engine_api._hookspecs import PROJECT_NAME, EngineHookSpecs, EngineSpec, ModelFixture
+from shard_engine_api._errors import InvalidRequest, UnsupportedFeature
+from shard_engine_api._hookspecs import (
+    PROJECT_NAME,
+    EngineDescription,
+    EngineHookSpecs,
+    ModelFixture,
+    Tokenizer,
+)
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import LoadConfig
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "BrokenPlugin",
     "InstalledEngine",
+    "PluginProblem",
     "UnknownEngine",
     "add_cli_commands",
     "check_pending",
     "describe_model",
     "detokenize",
+    "engine_description",
     "get_plugin_manager",
     "installed_engines",
     "load_engine",
     "model_fixture",
+    "plugin_problems",
     "tokenize",
+    "tokenizer",
 ]
 
 ENTRY_POINT_GROUP = "shard_engine"
+_LOG = logging.getLogger("shard_engine.plugins")
 
 
 class UnknownEngine(InvalidRequest):
-    """Raised by ``load_engine`` when no installed plugin provides the named engine; the
-    message lists the installed ones."""
+    """Raised when no installed plugin provides the named engine; the message lists the
+    installed ones (and the broken ones, by name)."""
 
     code = "unknown_engine"
 
 
+class BrokenPlugin(UnknownEngine):
+    """Raised when the named engine's plugin is installed but failed (see PluginProblem)."""
+
+    code = "broken_plugin"
+
+
 class InstalledEngine(msgspec.Struct, frozen=True, kw_only=True):
-    """An engine found through its entry point: what ``shard-engine engines`` lists."""
+    """An engine found through its plugin: what ``shard-engine engines`` lists."""
 
     name: str
     distribution: str
     version: str
     evidence: str
-    description: str
+    summary: str
+
+
+class PluginProblem(msgspec.Struct, frozen=True, kw_only=True):
+    """A plugin that was left out, under the name it was registered with (the entry-point
+    name), with the distribution that ships it and one line saying what went wrong."""
+
+    plugin: str
+    distribution: str
+    version: str
+    problem: str
+
+
+class _EntryPoint(msgspec.Struct, frozen=True):
+    name: str
+    distribution: str
+    version: str
+    plugin: object | None
+    problem: str | None
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+@functools.cache
+def _entry_points() -> tuple[_EntryPoint, ...]:
+    """Every ``shard_engine`` entry point, imported once per process."""
+    found: list[_EntryPoint] = []
+    seen: set[str] = set()
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name in seen:
+            continue
+        seen.add(entry.name)
+        distribution = entry.dist.name if entry.dist is not None else "unknown"
+        version = entry.dist.version if entry.dist is not None else "unknown"
+        try:
+            plugin: object | None = entry.load()
+            problem = None
+        except Exception as error:  # noqa: BLE001 - any import failure of a third-party plugin
+            plugin, problem = None, f"failed to import {entry.value}: {_one_line(error)}"
+        found.append(_EntryPoint(entry.name, distribution, version, plugin, problem))
+    return tuple(sorted(found, key=lambda entry: entry.name))
+
+
+class _Engine(msgspec.Struct, frozen=True):
+    description: EngineDescription
+    distribution: str
+    version: str
+
+
+class _Catalog:
+    """What one plugin manager's plugins provide, asked once."""
+
+    def __init__(self) -> None:
+        self.origins: dict[str, tuple[str, str]] = {}
+        self.problems: list[PluginProblem] = []
+        self.engines: dict[str, _Engine] | None = None
+
+    def problem(self, plugin: str, problem: str) -> None:
+        distribution, version = self.origins.get(plugin, ("unknown", "unknown"))
+        _LOG.warning("engine plugin %r (%s): %s", plugin, distribution, problem)
+        self.problems.append(
+            PluginProblem(
+                plugin=plugin, distribution=distribution, version=version, problem=problem
+            )
+        )
+
+
+_CATALOGS: weakref.WeakKeyDictionary[pluggy.PluginManager, _Catalog] = weakref.WeakKeyDictionary()
+
+
+def _catalog_of(manager: pluggy.PluginManager) -> _Catalog:
+    catalog = _CATALOGS.get(manager)
+    if catalog is None:
+        catalog = _CATALOGS[manager] = _Catalog()
+    return catalog
+
+
+def _register(manager: pluggy.PluginManager, catalog: _Catalog, name: str, plugin: object) -> None:
+    try:
+        manager.register(plugin, name=name)
+    except (pluggy.PluginValidationError, ValueError) as error:
+        catalog.problem(name, _one_line(error))
 
 
 def get_plugin_manager(
     *, entry_points: bool = True, plugins: Sequence[tuple[str, object]] = ()
 ) -> pluggy.PluginManager:
-    """A new plugin manager with the hookspecs, the ``shard_engine`` entry points (unless
-    ``entry_points`` is false) and ``plugins`` (name, module-or-object) registered."""
+    """A new plugin manager with the hookspec, the ``shard_engine`` entry points (unless
+    ``entry_points`` is false) and ``plugins`` (name, module-or-object) registered.
+
+    Broken plugins are not registered; :func:`plugin_problems` says why."""
     manager = pluggy.PluginManager(PROJECT_NAME)
     manager.add_hookspecs(EngineHookSpecs)
+    catalog = _catalog_of(manager)
     if entry_points:
-        manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        for entry in _entry_points():
+            catalog.origins[entry.name] = (entry.distribution, entry.version)
+            if entry.plugin is None:
+                catalog.problem(entry.name, entry.problem or "failed to import")
+            else:
+                _register(manager, catalog, entry.name, entry.plugin)
     for name, plugin in plugins:
-        manager.register(plugin, name=name)
+        _register(manager, catalog, name, plugin)
     return manager
 
 
 def check_pending(manager: pluggy.PluginManager) -> None:
-    """Raise if a plugin implements a hook that no hookspec declares (a typo'd hook name)."""
-    manager.check_pending()
-
-
-def _distribution_of(manager: pluggy.PluginManager, plugin: object) -> tuple[str, str]:
-    for plugin_object, distribution in manager.list_plugin_distinfo():
-        if plugin_object is plugin:
-            return distribution.project_name, distribution.version
-    module = plugin if isinstance(plugin, ModuleType) else None
-    package = module.__name__.split(".")[0] if module else type(plugin).__module__.split(".")[0]
+    """Raise InvalidRequest naming the plugin and the hook if a plugin implements a hook that
+    no hookspec declares (a misspelt hook name)."""
     try:
-        return package, importlib.metadata.version(package.replace("_", "-"))
+        manager.check_pending()
+    except pluggy.PluginValidationError as error:
+        raise InvalidRequest(
+            f"plugin {manager.get_name(error.plugin)!r}: {_one_line(error)}"
+        ) from error
+
+
+def _drop_plugins_with_unknown_hooks(manager: pluggy.PluginManager, catalog: _Catalog) -> None:
+    # check_pending() stops at the first offender; drop it and look again, so one misspelt
+    # hook leaves out its own plugin only.
+    for _ in range(len(manager.get_plugins()) + 1):
+        try:
+            manager.check_pending()
+            return
+        except pluggy.PluginValidationError as error:
+            name = manager.get_name(error.plugin) or repr(error.plugin)
+            catalog.problem(name, f"{_one_line(error)} (a misspelt hook name?)")
+            manager.unregister(error.plugin)
+
+
+def _engines(manager: pluggy.PluginManager) -> dict[str, _Engine]:
+    catalog = _catalog_of(manager)
+    if catalog.engines is not None:
+        return catalog.engines
+    _drop_plugins_with_unknown_hooks(manager, catalog)
+    engines: dict[str, _Engine] = {}
+    for implementation in manager.hook.shard_engine_register.get_hookimpls():
+        name = implementation.plugin_name
+        try:
+            description = implementation.function()
+        except Exception as error:  # noqa: BLE001 - a third-party plugin's own failure
+            catalog.problem(name, f"shard_engine_register raised {_one_line(error)}")
+            continue
+        if not isinstance(description, EngineDescription):
+            catalog.problem(
+                name,
+                f"shard_engine_register returned {type(description).__name__}, not an "
+                "EngineDescription",
+            )
+            continue
+        if name in catalog.origins and name != description.name:
+            catalog.problem(
+                name,
+                f"the entry point {name!r} registers engine {description.name!r}; the "
+                "entry-point name must be the engine name",
+            )
+            continue
+        if description.name in engines:
+            catalog.problem(name, f"engine {description.name!r} is already provided")
+            continue
+        distribution, version = catalog.origins.get(name, _origin_of(implementation.plugin))
+        engines[description.name] = _Engine(description, distribution, version)
+    catalog.engines = dict(sorted(engines.items()))
+    return catalog.engines
+
+
+def _origin_of(plugin: object) -> tuple[str, str]:
+    module = getattr(plugin, "__name__", None) or type(plugin).__module__
+    package = str(module).split(".")[0]
+    try:
+        return package.replace("_", "-"), importlib.metadata.version(package.replace("_", "-"))
     except importlib.metadata.PackageNotFoundError:
         return package, "unknown"
 
 
 def installed_engines(manager: pluggy.PluginManager) -> list[InstalledEngine]:
-    """Every engine the registered plugins provide, sorted by name. A plugin registered under
-    an entry-point name must provide the engine of that name."""
-    found: list[InstalledEngine] = []
-    for plugin in manager.get_plugins():
-        impl = getattr(plugin, "shard_engine_register", None)
-        if impl is None:
-            continue
-        spec = impl()
-        if not isinstance(spec, EngineSpec):
-            raise InvalidRequest(f"plugin {manager.get_name(plugin)!r} registered {spec!r}")
-        registered_name = manager.get_name(plugin)
-        if (
-            registered_name is not None
-            and registered_name != spec.name
-            and not str(registered_name).isdigit()
-        ):
-            raise InvalidRequest(
-                f"entry point {registered_name!r} provides engine {spec.name!r}; the entry-point "
-                "name must be the engine name"
-            )
-        distribution, version = _distribution_of(manager, plugin)
-        found.append(
-            InstalledEngine(
-                name=spec.name,
-                distribution=distribution,
-                version=version,
-                evidence=spec.evidence,
-                description=spec.description,
-            )
+    """Every engine the manager's working plugins provide, sorted by name."""
+    return [
+        InstalledEngine(
+            name=name,
+            distribution=engine.distribution,
+            version=engine.version,
+            evidence=engine.description.evidence,
+            summary=engine.description.summary,
         )
-    return sorted(found, key=lambda engine: engine.name)
+        for name, engine in _engines(manager).items()
+    ]
 
 
-def _engine_specs(manager: pluggy.PluginManager) -> dict[str, EngineSpec]:
-    specs: list[EngineSpec] = manager.hook.shard_engine_register()
-    return {spec.name: spec for spec in specs}
+def plugin_problems(manager: pluggy.PluginManager) -> list[PluginProblem]:
+    """The plugins that were left out, and why."""
+    _engines(manager)
+    return list(_catalog_of(manager).problems)
+
+
+def _installed_list(manager: pluggy.PluginManager) -> str:
+    names = ", ".join(_engines(manager)) or "none"
+    broken = [problem.plugin for problem in _catalog_of(manager).problems]
+    return f"installed: {names}" + (f"; broken: {', '.join(broken)}" if broken else "")
+
+
+def engine_description(
+    name: str, *, manager: pluggy.PluginManager | None = None
+) -> EngineDescription:
+    """The description the named engine's plugin registered.
+
+    Raises UnknownEngine (listing the installed engines) when no plugin provides ``name``, and
+    BrokenPlugin when the plugin of that name is installed but failed."""
+    manager = manager or get_plugin_manager()
+    engine = _engines(manager).get(name)
+    if engine is not None:
+        return engine.description
+    for problem in _catalog_of(manager).problems:
+        if problem.plugin == name:
+            raise BrokenPlugin(
+                f"engine {name!r} ({problem.distribution} {problem.version}) is installed but "
+                f"its plugin failed: {problem.problem}"
+            )
+    raise UnknownEngine(
+        f"engine {name!r} is not installed ({_installed_list(manager)}); install a "
+        f"distribution that declares a {ENTRY_POINT_GROUP!r} entry point named {name!r}"
+    )
 
 
 def load_engine(
@@ -132,63 +314,72 @@ def load_engine(
 
     Raises UnknownEngine (listing the installed engines) when no plugin provides ``name``.
     """
-    manager = manager or get_plugin_manager()
-    specs = _engine_specs(manager)
-    spec = specs.get(name)
-    if spec is None:
-        installed = ", ".join(sorted(specs)) or "none"
-        raise UnknownEngine(
-            f"no shard engine named {name!r} is installed (installed: {installed}); install a "
-            f"distribution that declares a {ENTRY_POINT_GROUP!r} entry point named {name!r}"
-        )
-    engine = spec.factory()
+    engine = engine_description(name, manager=manager).factory()
     if config is not None:
-        engine.load(config)
+        try:
+            engine.load(config)
+        except BaseException:
+            engine.close()
+            raise
     return engine
 
 
 def model_fixture(manager: pluggy.PluginManager, engine_name: str, workdir: Path) -> ModelFixture:
-    """The small model ``engine_name`` runs its conformance suite and ``run`` on."""
-    fixture: ModelFixture | None = manager.hook.shard_engine_model_fixture(
-        engine_name=engine_name, workdir=workdir
-    )
-    if fixture is None:
-        raise UnknownEngine(f"engine {engine_name!r} supplies no model fixture")
-    return fixture
+    """The small model ``engine_name`` runs its conformance suite and ``run`` on.
+
+    Raises UnknownEngine, or UnsupportedFeature when the engine supplies no fixture."""
+    description = engine_description(engine_name, manager=manager)
+    if description.model_fixture is None:
+        raise UnsupportedFeature(
+            f"engine {engine_name!r} supplies no built-in model; name one with --model"
+        )
+    return description.model_fixture(workdir)
 
 
 def describe_model(manager: pluggy.PluginManager, engine_name: str, model: str) -> ModelFixture:
-    """What ``engine_name`` knows of a user-given model reference (layer count, options)."""
-    fixture: ModelFixture | None = manager.hook.shard_engine_describe_model(
-        engine_name=engine_name, model=model
-    )
-    if fixture is None:
-        raise UnknownEngine(f"engine {engine_name!r} cannot describe model {model!r}")
-    return fixture
+    """What ``engine_name`` knows of a user-given model reference (layer count, options).
+
+    Raises UnknownEngine, or UnsupportedFeature when the engine cannot describe models."""
+    description = engine_description(engine_name, manager=manager)
+    if description.describe_model is None:
+        raise UnsupportedFeature(
+            f"engine {engine_name!r} does not take a --model; it runs its built-in model only"
+        )
+    return description.describe_model(model)
+
+
+def tokenizer(manager: pluggy.PluginManager, engine_name: str, model: str) -> Tokenizer | None:
+    """The tokenizer of ``model`` on ``engine_name``, or None when there is none."""
+    description = engine_description(engine_name, manager=manager)
+    return description.tokenizer(model) if description.tokenizer is not None else None
 
 
 def tokenize(
     manager: pluggy.PluginManager, engine_name: str, model: str, text: str
 ) -> list[int] | None:
     """Token ids of ``text``, or None when the engine has no tokenizer for ``model``."""
-    result: list[int] | None = manager.hook.shard_engine_tokenize(
-        engine_name=engine_name, model=model, text=text
-    )
-    return result
+    found = tokenizer(manager, engine_name, model)
+    return None if found is None else found.encode(text)
 
 
 def detokenize(
     manager: pluggy.PluginManager, engine_name: str, model: str, token_ids: Sequence[int]
 ) -> str | None:
     """Text of ``token_ids``, or None when the engine has no tokenizer for ``model``."""
-    result: str | None = manager.hook.shard_engine_detokenize(
-        engine_name=engine_name, model=model, token_ids=list(token_ids)
-    )
-    return result
+    found = tokenizer(manager, engine_name, model)
+    return None if found is None else found.decode(list(token_ids))
 
 
 def add_cli_commands(
     manager: pluggy.PluginManager, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 ) -> None:
-    """Let every plugin add its subcommands."""
-    manager.hook.shard_engine_add_cli_commands(subparsers=subparsers)
+    """Let every engine add its subcommands; one that fails is recorded and left out."""
+    catalog = _catalog_of(manager)
+    for name, engine in _engines(manager).items():
+        add = engine.description.add_cli_commands
+        if add is None:
+            continue
+        try:
+            add(subparsers)
+        except Exception as error:  # noqa: BLE001 - a third-party plugin's own failure
+            catalog.problem(name, f"add_cli_commands raised {_one_line(error)}")

@@ -11,7 +11,6 @@ Engines add their own subcommands through the ``shard_engine_add_cli_commands`` 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -32,9 +31,11 @@ from shard_engine_api._plugins import (
     installed_engines,
     load_engine,
     model_fixture,
+    plugin_problems,
     tokenize,
 )
 from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._store import model_store, unchecked_model_store
 from shard_engine_api._types import BoundaryDtype, SessionRef
 from shard_engine_api._validation import ValidatingEngine
 
@@ -45,12 +46,10 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _workdir(explicit: str | None) -> Path:
-    """Where engines may generate fixture models: --workdir, SHARD_ENGINE_MODEL_STORE, or the
-    user cache."""
-    chosen = explicit or os.environ.get("SHARD_ENGINE_MODEL_STORE")
-    path = Path(chosen) if chosen else Path.home() / ".cache" / "shard-engine"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where engines may generate fixture models: --workdir (checked now), else the model store
+    (checked by the engine if it writes there: the fake never does). Nothing is created here;
+    an engine that writes a fixture creates the directory it writes into."""
+    return model_store(explicit) if explicit else unchecked_model_store()
 
 
 def _fixture(
@@ -143,17 +142,23 @@ def _generate(
 def _command_engines(args: argparse.Namespace) -> int:
     manager = get_plugin_manager()
     engines = installed_engines(manager)
+    problems = plugin_problems(manager)
     if args.json:
-        print(msgspec.json.encode(engines).decode())
+        print(msgspec.json.encode({"engines": engines, "broken": problems}).decode())
         return 0
     if not engines:
         print("no shard engines installed (entry-point group 'shard_engine')")
-        return 0
-    print(f"{'name':<10} {'distribution':<22} {'version':<10} {'evidence':<9} description")
+    else:
+        print(f"{'name':<10} {'distribution':<22} {'version':<10} {'evidence':<9} summary")
     for engine in engines:
         print(
             f"{engine.name:<10} {engine.distribution:<22} {engine.version:<10} "
-            f"{engine.evidence:<9} {engine.description}"
+            f"{engine.evidence:<9} {engine.summary}"
+        )
+    for problem in problems:
+        print(
+            f"broken plugin {problem.plugin!r} ({problem.distribution} {problem.version}): "
+            f"{problem.problem}"
         )
     return 0
 

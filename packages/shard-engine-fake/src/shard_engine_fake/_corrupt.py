@@ -11,12 +11,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api import (
-    BoundaryBundle,
-    LogitsResult,
-    ShardResult,
-    payload_checksum,
-)
+from shard_engine_api import BoundaryBundle, LogitsResult, ShardResult
+from shard_engine_api.wire import payload_checksum
 from shard_engine_fake._faults import Defect
 
 __all__ = ["corrupt_result"]

@@ -17,24 +17,20 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api import (
-    CancelToken,
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
     Determinism,
-    EngineCore,
     EngineCrashed,
     Features,
-    ForwardItem,
     InvalidRequest,
     LoadConfig,
-    ModelInfo,
-    OutputMode,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
     ShardResult,
 )
+from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_fake._corrupt import corrupt_result
 from shard_engine_fake._faults import (
     Crash,

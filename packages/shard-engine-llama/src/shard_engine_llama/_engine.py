@@ -19,20 +19,16 @@ import numpy.typing as npt
 
 from shard_engine_api import (
     Cancelled,
-    CancelToken,
     Determinism,
-    EngineCore,
     EngineCrashed,
     Features,
-    ForwardItem,
     InvalidRequest,
     LoadConfig,
-    ModelInfo,
-    OutputMode,
     ResourceExhausted,
     ShardMismatch,
     UnsupportedFeature,
 )
+from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_llama import _abi
 from shard_engine_llama._gguf_split import (
     GGUFHeader,

@@ -1,8 +1,8 @@
-"""The ``llama`` engine plugin: hook implementations only."""
+"""The ``llama`` engine plugin: the one registration hook and the callables its description
+names. llama.cpp itself is imported only when an engine or a tokenizer is really needed."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 from collections.abc import Sequence
@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shard_engine_api import (
-    EngineSpec,
-    InvalidRequest,
+from shard_engine_api import InvalidRequest, ShardEngine, UnsupportedFeature
+from shard_engine_api.engine import (
+    EngineDescription,
     ModelFixture,
-    UnsupportedFeature,
+    Tokenizer,
     hookimpl,
+    model_store,
 )
 from shard_engine_llama import _commands
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
@@ -26,33 +27,22 @@ if TYPE_CHECKING:
 
 ENGINE_NAME = "llama"
 
-
-@hookimpl
-def shard_engine_register() -> EngineSpec:
-    from shard_engine_llama._engine import LlamaEngine
-
-    return EngineSpec(
-        name=ENGINE_NAME,
-        factory=LlamaEngine,
-        evidence="real",
-        description="llama.cpp (llama-cpp-python, CPU) running GGUF layer ranges bit-exactly",
-    )
-
-
 MODEL_ENV = "SHARD_ENGINE_LLAMA_MODEL"
 """A GGUF path that replaces the generated tiny model (e.g. for certification on a real model)."""
 
 
-@hookimpl
-def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture | None:
-    if engine_name != ENGINE_NAME:
-        return None
+def _new_engine() -> ShardEngine:
+    from shard_engine_llama._engine import LlamaEngine
+
+    return LlamaEngine()
+
+
+def _model_fixture(workdir: Path) -> ModelFixture:
     real_model = os.environ.get(MODEL_ENV)
     if real_model:
-        described = shard_engine_describe_model(engine_name, real_model)
-        assert described is not None
-        return msgspec.structs.replace(described, options={"n_ubatch": 16})
-    path = tiny_model_path(workdir)
+        return msgspec.structs.replace(_describe_model(real_model), options={"n_ubatch": 16})
+    # The store check: the tiny model is written there, and never under /home.
+    path = tiny_model_path(model_store(workdir))
     return ModelFixture(
         model=str(path),
         n_layers=TINY_MODEL_LAYERS,
@@ -63,14 +53,8 @@ def shard_engine_model_fixture(engine_name: str, workdir: Path) -> ModelFixture 
     )
 
 
-@hookimpl
-def shard_engine_describe_model(engine_name: str, model: str) -> ModelFixture | None:
-    if engine_name != ENGINE_NAME:
-        return None
-    from shard_engine_llama._gguf_split import (
-        GGUFValidationError,
-        inspect_gguf,
-    )
+def _describe_model(model: str) -> ModelFixture:
+    from shard_engine_llama._gguf_split import GGUFValidationError, inspect_gguf
 
     path = Path(model)
     if not path.is_file():
@@ -90,30 +74,36 @@ def shard_engine_describe_model(engine_name: str, model: str) -> ModelFixture | 
     )
 
 
+class _VocabularyTokenizer:
+    """A GGUF model's own tokenizer, through llama.cpp (vocabulary only, no weights)."""
+
+    def __init__(self, vocabulary: Vocabulary) -> None:
+        self._vocabulary = vocabulary
+
+    def encode(self, text: str) -> list[int]:
+        return self._vocabulary.tokenize(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._vocabulary.detokenize(token_ids)
+
+
 @functools.lru_cache(maxsize=4)
-def _vocabulary(model: str) -> Vocabulary:
+def _tokenizer(model: str) -> Tokenizer | None:
     # Imported here: llama_cpp loads only when a tokenizer is really needed.
     from shard_engine_llama._abi import Vocabulary
 
-    return Vocabulary(model)
+    return _VocabularyTokenizer(Vocabulary(model))
 
 
 @hookimpl
-def shard_engine_tokenize(engine_name: str, model: str, text: str) -> list[int] | None:
-    if engine_name != ENGINE_NAME:
-        return None
-    return _vocabulary(model).tokenize(text)
-
-
-@hookimpl
-def shard_engine_detokenize(engine_name: str, model: str, token_ids: Sequence[int]) -> str | None:
-    if engine_name != ENGINE_NAME:
-        return None
-    return _vocabulary(model).detokenize(token_ids)
-
-
-@hookimpl
-def shard_engine_add_cli_commands(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
-    _commands.add_commands(subparsers)
+def shard_engine_register() -> EngineDescription:
+    return EngineDescription(
+        name=ENGINE_NAME,
+        factory=_new_engine,
+        evidence="real",
+        summary="llama.cpp (llama-cpp-python, CPU) running GGUF layer ranges bit-exactly",
+        model_fixture=_model_fixture,
+        describe_model=_describe_model,
+        tokenizer=_tokenizer,
+        add_cli_commands=_commands.add_commands,
+    )

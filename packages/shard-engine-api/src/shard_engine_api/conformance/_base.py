@@ -7,9 +7,9 @@ An engine's test module subclasses it in one line::
     class TestMyEngine(ShardEngineConformance):
         engine_name = "mine"
 
-The engine is found through its ``shard_engine`` entry point and runs on the model its
-``shard_engine_model_fixture`` hook supplies. A subclass may instead override the
-``make_engine`` and ``model_fixture`` classmethods (no entry point needed).
+The engine is found through its ``shard_engine`` entry point and runs on the model the
+``model_fixture`` of its registered EngineDescription supplies. A subclass may instead override
+the ``make_engine`` and ``model_fixture`` classmethods (no entry point needed).
 
 Optional class attributes:
 
@@ -60,8 +60,9 @@ from shard_engine_api._errors import (
     UnsupportedFeature,
     WrongRole,
 )
-from shard_engine_api._hookspecs import EngineSpec, ModelFixture
+from shard_engine_api._hookspecs import ModelFixture
 from shard_engine_api._plugins import (
+    engine_description,
     get_plugin_manager,
     installed_engines,
     load_engine,
@@ -268,7 +269,7 @@ class ShardEngineConformance(TargetedTests):
     @classmethod
     def model_fixture(cls, name: str, workdir: Path) -> ModelFixture:
         """The small model the suite runs on, generated under ``workdir``. Override to
-        supply one without the ``shard_engine_model_fixture`` hook."""
+        supply one without an EngineDescription ``model_fixture``."""
         return plugin_model_fixture(cls.plugin_manager(), name, workdir)
 
     @classmethod
@@ -303,8 +304,7 @@ class ShardEngineConformance(TargetedTests):
             for installed in installed_engines(manager):
                 if installed.name == name:
                     record.distributions[installed.distribution] = installed.version
-            specs: list[EngineSpec] = manager.hook.shard_engine_register()
-            record.spec_evidence = [spec.evidence for spec in specs if spec.name == name]
+            record.spec_evidence = [engine_description(str(name), manager=manager).evidence]
             factory: Callable[[], ShardEngine] = functools.partial(suite.make_engine, str(name))
         else:
             factory = functools.partial(suite.make_engine, str(name))
@@ -1576,7 +1576,7 @@ class ShardEngineConformance(TargetedTests):
         engine's run is therefore never reported as a real-model certification.
 
         Fix: stamp ``capabilities.evidence`` on every result; register the same class in
-        the EngineSpec."""
+        the EngineDescription."""
         h = self.harness
         engines = [h.load()]
         if h.n_layers >= 2:
@@ -1585,7 +1585,7 @@ class ShardEngineConformance(TargetedTests):
         spec_evidence = h.record.spec_evidence
         if spec_evidence:
             assert set(spec_evidence) == {full_caps.evidence}, (
-                f"the registered EngineSpec says {spec_evidence}, capabilities say "
+                f"the registered EngineDescription says {spec_evidence}, capabilities say "
                 f"{full_caps.evidence!r}"
             )
         for engine in engines:

@@ -18,6 +18,7 @@ from typing import Final, Literal
 
 import msgspec
 
+from shard_engine_api._store import file_sha256
 from shard_engine_api._types import EvidenceClass, ShardSpec
 
 __all__ = [
@@ -43,8 +44,8 @@ TestOutcome = Literal["passed", "failed", "skipped", "error"]
 
 class ModelReport(msgspec.Struct, frozen=True, kw_only=True):
     """The model fixture the suite ran on. ``sha256`` hashes the model file (or every file of
-    a model directory, path and content, in sorted order) when ``reference`` is a path; else
-    the reference string itself (``hashed == "reference"``)."""
+    a model directory: each relative path and its content's sha256, in sorted order) when
+    ``reference`` is a path; else the reference string itself (``hashed == "reference"``)."""
 
     reference: str
     description: str
@@ -117,12 +118,6 @@ class ConformanceReport(msgspec.Struct, frozen=True, kw_only=True):
     overrides: tuple[OverrideRecord, ...] = ()
 
 
-def _sha256_file(path: Path, digest: hashlib._Hash) -> None:
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-
-
 def model_report(
     reference: str, *, description: str, n_layers: int, synthetic: bool = True
 ) -> ModelReport:
@@ -131,13 +126,12 @@ def model_report(
     path = Path(reference)
     # A built-in model name is not a path; only hash the file system when it really is one.
     if path.is_file():
-        _sha256_file(path, digest)
         return ModelReport(
             reference=reference,
             description=description,
             n_layers=n_layers,
             synthetic=synthetic,
-            sha256=digest.hexdigest(),
+            sha256=file_sha256(path),
             hashed="file",
             files=(path.name,),
         )
@@ -145,7 +139,7 @@ def model_report(
         files = sorted(p for p in path.rglob("*") if p.is_file())
         for file in files:
             digest.update(file.relative_to(path).as_posix().encode() + b"\0")
-            _sha256_file(file, digest)
+            digest.update(file_sha256(file).encode() + b"\0")
         return ModelReport(
             reference=reference,
             description=description,

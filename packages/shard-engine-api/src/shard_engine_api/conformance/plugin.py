@@ -3,7 +3,7 @@
 It is inactive unless ``--shard-engine NAME`` is given. Then the standard suite
 (:mod:`shard_engine_api.conformance.suite`) is collected against the engine of that name,
 found through its ``shard_engine`` entry point, on the model fixture its
-``shard_engine_model_fixture`` hook generates into a temporary directory::
+``EngineDescription.model_fixture`` generates into a temporary directory::
 
     pytest --shard-engine fake
     pytest --shard-engine fake --shard-engine-report conformance-fake.json

@@ -1,0 +1,55 @@
+"""Names for engine authors: the core an engine builds on, the registration hook and the
+description it returns, plugin discovery, and the model store. Worker code needs none of these;
+it imports from ``shard_engine_api``. See the package README for a plugin author's guide."""
+
+from shard_engine_api._core import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
+from shard_engine_api._hookspecs import (
+    CliSubparsers,
+    EngineDescription,
+    ModelFixture,
+    Tokenizer,
+    hookimpl,
+    hookspec,
+)
+from shard_engine_api._plugins import (
+    ENTRY_POINT_GROUP,
+    BrokenPlugin,
+    PluginProblem,
+    check_pending,
+    engine_description,
+    get_plugin_manager,
+    plugin_problems,
+)
+from shard_engine_api._store import (
+    DEFAULT_MODEL_STORE,
+    MODEL_STORE_ENV,
+    ModelStoreRefused,
+    file_sha256,
+    model_store,
+)
+
+__all__ = [
+    "DEFAULT_MODEL_STORE",
+    "ENTRY_POINT_GROUP",
+    "MODEL_STORE_ENV",
+    "BrokenPlugin",
+    "CancelToken",
+    "CliSubparsers",
+    "EngineCore",
+    "EngineDescription",
+    "ForwardItem",
+    "ModelFixture",
+    "ModelInfo",
+    "ModelStoreRefused",
+    "OutputMode",
+    "PluginProblem",
+    "Tokenizer",
+    "check_pending",
+    "engine_description",
+    "file_sha256",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+    "model_store",
+    "plugin_problems",
+]

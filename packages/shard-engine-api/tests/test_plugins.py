@@ -1,0 +1,164 @@
+"""Plugin discovery: one registration hook, broken plugins reported by name and never hiding
+the others, misspelt hooks named, one entry-point scan per process."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conformance_engines import ReferenceEngine, ReferencePlugin
+
+from shard_engine_api import InvalidRequest, UnknownEngine, installed_engines, load_engine
+from shard_engine_api import _plugins as plugins_module
+from shard_engine_api.engine import (
+    BrokenPlugin,
+    EngineDescription,
+    check_pending,
+    engine_description,
+    get_plugin_manager,
+    hookimpl,
+    plugin_problems,
+)
+
+
+class _Misspelt:
+    @hookimpl
+    def shard_engine_register(self) -> EngineDescription:
+        return EngineDescription(name="misspelt", factory=ReferenceEngine, evidence="fixture")
+
+    @hookimpl
+    def shard_engine_registr(self) -> None:
+        """A typo: no hookspec declares it."""
+
+
+class _Raising:
+    @hookimpl
+    def shard_engine_register(self) -> EngineDescription:
+        raise RuntimeError("backend library missing")
+
+
+class _WrongType:
+    @hookimpl
+    def shard_engine_register(self) -> object:
+        return {"name": "wrong"}
+
+
+def test_a_good_plugin_is_described_once() -> None:
+    calls: list[int] = []
+
+    class Counting(ReferencePlugin):
+        @hookimpl
+        def shard_engine_register(self) -> EngineDescription:
+            calls.append(1)
+            return super().shard_engine_register()
+
+    manager = get_plugin_manager(entry_points=False, plugins=[("reference", Counting())])
+    check_pending(manager)
+    assert [engine.name for engine in installed_engines(manager)] == ["reference"]
+    assert engine_description("reference", manager=manager).summary
+    load_engine("reference", manager=manager).close()
+    assert calls == [1]
+
+
+def test_broken_plugins_are_named_and_hide_nothing() -> None:
+    manager = get_plugin_manager(
+        entry_points=False,
+        plugins=[
+            ("reference", ReferencePlugin()),
+            ("misspelt", _Misspelt()),
+            ("raising", _Raising()),
+            ("wrong", _WrongType()),
+        ],
+    )
+    assert [engine.name for engine in installed_engines(manager)] == ["reference"]
+    problems = {problem.plugin: problem.problem for problem in plugin_problems(manager)}
+    assert set(problems) == {"misspelt", "raising", "wrong"}
+    assert "shard_engine_registr" in problems["misspelt"]
+    assert "backend library missing" in problems["raising"]
+    assert "not an EngineDescription" in problems["wrong"]
+    with pytest.raises(BrokenPlugin, match="backend library missing"):
+        load_engine("raising", manager=manager)
+    with pytest.raises(UnknownEngine, match=r"installed: reference; broken: "):
+        load_engine("nosuch", manager=manager)
+
+
+def test_check_pending_names_the_misspelt_hook() -> None:
+    manager = get_plugin_manager(entry_points=False, plugins=[("misspelt", _Misspelt())])
+    with pytest.raises(InvalidRequest, match="shard_engine_registr"):
+        check_pending(manager)
+
+
+def test_unknown_engine_says_not_installed() -> None:
+    manager = get_plugin_manager(entry_points=False, plugins=[("reference", ReferencePlugin())])
+    with pytest.raises(UnknownEngine, match=r"'nosuch' is not installed \(installed: reference\)"):
+        engine_description("nosuch", manager=manager)
+
+
+def test_description_fields_are_checked() -> None:
+    with pytest.raises(TypeError, match="evidence"):
+        EngineDescription(name="x", factory=ReferenceEngine, evidence="gold")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="name"):
+        EngineDescription(name="", factory=ReferenceEngine, evidence="fixture")
+    with pytest.raises(TypeError, match="tokenizer"):
+        EngineDescription(
+            name="x",
+            factory=ReferenceEngine,
+            evidence="fixture",
+            tokenizer="bytes",  # type: ignore[arg-type]
+        )
+
+
+@pytest.fixture
+def broken_distribution(tmp_path: Path) -> Iterator[Path]:
+    """An installed distribution whose ``shard_engine`` entry point cannot be imported, and one
+    whose entry-point name is not the engine name it registers."""
+    info = tmp_path / "broken_engine-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-engine\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[shard_engine]\nbroken = no_such_module_for_shard_engine\nrenamed = renamed_plugin\n"
+    )
+    (tmp_path / "renamed_plugin.py").write_text(
+        "from conformance_engines import ReferencePlugin\n"
+        "shard_engine_register = ReferencePlugin('other').shard_engine_register\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    plugins_module._entry_points.cache_clear()
+    try:
+        yield tmp_path
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("renamed_plugin", None)
+        plugins_module._entry_points.cache_clear()
+
+
+def test_an_entry_point_that_fails_to_import_is_reported(broken_distribution: Path) -> None:
+    manager = get_plugin_manager(plugins=[("reference", ReferencePlugin())])
+    assert "reference" in [engine.name for engine in installed_engines(manager)]
+    problems = {problem.plugin: problem for problem in plugin_problems(manager)}
+    assert problems["broken"].distribution == "broken-engine"
+    assert "no_such_module_for_shard_engine" in problems["broken"].problem
+    assert "entry-point name must be the engine name" in problems["renamed"].problem
+    with pytest.raises(BrokenPlugin, match=r"broken-engine 1\.0"):
+        load_engine("broken", manager=manager)
+
+
+def test_entry_points_are_scanned_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    scans: list[str] = []
+    original = importlib.metadata.entry_points
+
+    def counting(**kwargs: str) -> object:
+        scans.append(kwargs.get("group", ""))
+        return original(**kwargs)
+
+    plugins_module._entry_points.cache_clear()
+    monkeypatch.setattr(importlib.metadata, "entry_points", counting)
+    try:
+        for _ in range(3):
+            installed_engines(get_plugin_manager())
+    finally:
+        plugins_module._entry_points.cache_clear()
+    assert scans == ["shard_engine"]

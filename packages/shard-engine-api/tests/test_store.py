@@ -1,0 +1,48 @@
+"""The model store resolver and the file-hash helper."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from shard_engine_api.engine import ModelStoreRefused, file_sha256, model_store
+
+
+def test_explicit_then_environment_then_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", str(tmp_path / "env"))
+    assert model_store() == (tmp_path / "env").resolve()
+    assert model_store(tmp_path / "explicit") == (tmp_path / "explicit").resolve()
+    monkeypatch.delenv("SHARD_ENGINE_MODEL_STORE")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert model_store() == (tmp_path / "h" / ".cache" / "shard-engine").resolve()
+    assert not (tmp_path / "h").exists(), "resolving the store must create nothing"
+
+
+@pytest.mark.parametrize("where", ["argument", "environment", "default"])
+def test_home_is_refused_wherever_the_path_comes_from(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SHARD_ENGINE_MODEL_STORE", raising=False)
+    if where == "environment":
+        monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", "/home/someone/models")
+    if where == "default":
+        monkeypatch.setenv("HOME", "/home/someone")
+    explicit = "/home/someone/models" if where == "argument" else None
+    with pytest.raises(ModelStoreRefused, match="under /home") as raised:
+        model_store(explicit)
+    assert raised.value.code == "model_store_refused"
+    assert not raised.value.retryable
+    if where == "environment":
+        assert "SHARD_ENGINE_MODEL_STORE" in raised.value.message
+
+
+def test_file_sha256_streams_the_file(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 1000
+    path = tmp_path / "model.bin"
+    path.write_bytes(data)
+    assert file_sha256(path) == hashlib.sha256(data).hexdigest()
+    assert file_sha256(str(path)) == hashlib.sha256(data).hexdigest()
