@@ -8,6 +8,7 @@ subclasses ShardEngineConformance for one engine of ``conformance_engines``.
 from __future__ import annotations
 
 import hashlib
+import struct
 from pathlib import Path
 from typing import Final
 
@@ -519,16 +520,120 @@ def test_certification_rules(
     totals: Totals,
     missing: tuple[str, ...],
     expected: tuple[str, str],
+    tmp_path: Path,
 ) -> None:
+    model = tmp_path / "weights.bin"
+    model.write_bytes(b"real weights")
     assert (
         certify(
             totals=totals,
             evidence_sources=sources,
             missing_standard_tests=missing,
             synthetic_model=False,
+            model=model_report(str(model), description="", n_layers=2, synthetic=False),
         )
         == expected
     )
+
+
+_ALL_REAL: Final[dict[str, list[EvidenceClass]]] = {
+    "spec": ["real"],
+    "capabilities": ["real"],
+    "results": ["real"],
+}
+
+
+def _gguf_bytes(metadata: dict[str, str]) -> bytes:
+    """A GGUF v3 header with string metadata and no tensors."""
+
+    def text(value: str) -> bytes:
+        data = value.encode()
+        return struct.pack("<Q", len(data)) + data
+
+    body = b"".join(
+        text(key) + struct.pack("<I", 8) + text(value) for key, value in metadata.items()
+    )
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(metadata)) + body
+
+
+@pytest.mark.parametrize(
+    ("metadata", "generated"),
+    [
+        ({"general.name": "tiny-llama-f32-seed0"}, True),
+        ({"general.name": "tiny-gemma3-q8_0-seed7 layers [0, 2) of 4"}, True),
+        ({"general.name": "Gemma 3 270m", "shard_engine.generated_by": "tiny-model"}, True),
+        ({"general.name": "Gemma 3 270m"}, False),
+        ({"general.name": "tiny-but-real"}, False),
+    ],
+)
+def test_generated_models_are_recognised_and_never_certify(
+    tmp_path: Path, metadata: dict[str, str], generated: bool
+) -> None:
+    """The suite opens the model itself: a file of the project's tiny-model generator (or a
+    shard of one) is recognised by its GGUF metadata and never certifies real-model, even when
+    the plugin declares it not synthetic."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(_gguf_bytes(metadata))
+    report = model_report(str(path), description="", n_layers=4, synthetic=False)
+    assert report.hashed == "file"
+    assert report.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert report.generated_by_project is generated
+    _, certification = certify(
+        totals=Totals(total=1, passed=1),
+        evidence_sources=_ALL_REAL,
+        missing_standard_tests=(),
+        synthetic_model=False,
+        model=report,
+    )
+    assert certification == ("synthetic-model" if generated else "real-model")
+
+
+def test_a_model_the_suite_could_not_hash_never_certifies() -> None:
+    """A model that is no file (a built-in name) cannot be real-model, whatever is claimed."""
+    report = model_report("builtin:tiny", description="", n_layers=2, synthetic=False)
+    assert report.hashed == "reference"
+    for model in (report, None):
+        assert certify(
+            totals=Totals(total=1, passed=1),
+            evidence_sources=_ALL_REAL,
+            missing_standard_tests=(),
+            synthetic_model=False,
+            model=model,
+        ) == ("real", "synthetic-model")
+
+
+def test_report_separates_verified_facts_from_declarations(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, report = _run_selected(
+        pytester, monkeypatch, ReferencePlugin(evidence="real"), "-k", "capabilities_fields"
+    )
+    assert report.verified is not None
+    assert report.declared is not None
+    assert report.verified.model_hashed_by_suite
+    assert report.model is not None
+    assert report.verified.model_sha256 == report.model.sha256
+    assert not report.verified.model_generated_by_project
+    assert report.verified.standard_tests_run == 1
+    assert report.verified.capability_evidence == ("real",)
+    assert report.declared.registered_evidence == ("real",)
+    assert report.declared.model_synthetic is False
+    assert report.declared.determinism["split_exact"] is True
+    assert report.declared.features["cancel"] is True
+
+
+def test_an_engine_that_is_not_installed_fails_with_one_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _use_plugin_manager(monkeypatch, ReferencePlugin())
+    result = pytester.runpytest_inprocess(*INNER_OPTIONS, *pytest_arguments("no-such-engine"))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if "no-such-engine" in line]
+    assert errors == [
+        "ERROR: shard-engine conformance: no engine named 'no-such-engine' is installed "
+        "(installed: reference)"
+    ]
+    assert "passed" not in result.stdout.str()
 
 
 def test_real_engine_on_a_generated_model_is_not_a_real_model_certification() -> None:

@@ -141,6 +141,10 @@ class Harness:
             record.capability_evidence.add(caps.evidence)
             record.engine_version = caps.engine_version
             record.contract_version = caps.contract_version
+            if not record.declared_determinism:
+                record.declared_determinism = msgspec.structs.asdict(caps.determinism)
+                record.declared_features = msgspec.structs.asdict(caps.features)
+                record.boundary_dtypes = tuple(caps.boundary_dtypes)
         if self._vocab_size is None:
             self._vocab_size = caps.vocab_size
 
