@@ -5,6 +5,10 @@ The engine names load llama.cpp on first use, so that discovering the plugin (ev
 shard builder is public and needs no llama.cpp: :func:`inspect_gguf` describes a model and its
 shardability, :func:`parts_by_bytes` plans balanced ranges, :func:`split_model` writes the shard
 files and their :class:`Manifest`.
+
+The engine names load llama.cpp on first use, so that discovering the plugin (every
+``shard-engine`` command, every conformance run of another engine) does not import it; the
+shard builder does not need llama.cpp and is imported eagerly.
 """
 
 from typing import TYPE_CHECKING

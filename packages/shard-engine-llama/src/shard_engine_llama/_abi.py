@@ -95,6 +95,11 @@ def _check_version() -> str:
 
 LLAMA_CPP_PYTHON_VERSION = _check_version()
 
+# libgomp reads its spin count when llama_cpp loads it: the default must be in place first.
+from shard_engine_llama._threading import apply_threading_defaults  # noqa: E402
+
+apply_threading_defaults()
+
 import llama_cpp  # noqa: E402  (imported only once the pinned version is confirmed)
 
 _GGML_TYPE_F32 = 0
