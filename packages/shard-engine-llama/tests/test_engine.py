@@ -393,3 +393,19 @@ def test_more_sessions_than_batch_rows_loads(tiny_model: Path) -> None:
             tiny_model, start, end, TINY_MODEL_LAYERS, max_batch_tokens=4, max_sessions=8
         )
         engine.close()
+
+
+def test_a_shard_file_has_no_tokenizer_and_says_so(tiny_model: Path, tmp_path: Path) -> None:
+    """Shards carry tokenizer "none"; the plugin answers None instead of a tokenizer that could
+    not encode anything, and the full model still tokenizes."""
+    from shard_engine_api.engine import engine_description
+
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    describe = engine_description("llama")
+    assert describe.tokenizer is not None
+    assert describe.tokenizer(str(manifest.shard_path(0))) is None
+    full = describe.tokenizer(str(tiny_model))
+    assert full is not None
+    assert full.encode("hi")
+    assert describe.describe_model is not None
+    assert not describe.describe_model(str(manifest.shard_path(1))).has_tokenizer

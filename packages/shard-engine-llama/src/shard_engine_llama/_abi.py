@@ -650,6 +650,10 @@ class Vocabulary:
         self._model: int | None = int(model)
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        # Shard files carry tokenizer "none": nameless tokens that nothing can encode into.
+        self.has_tokenizer = (
+            int(llama_cpp.llama_vocab_type(self._vocab)) != llama_cpp.LLAMA_VOCAB_TYPE_NONE
+        )
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of ``text`` (with the model's BOS when ``add_special``)."""

@@ -69,7 +69,8 @@ def _describe_model(model: str) -> ModelFixture:
         model=str(path.resolve()),
         n_layers=info.n_layers,
         description=f"{path.name} ({info.architecture}, {info.n_layers} layers)",
-        has_tokenizer=True,
+        # Shard files carry no tokenizer (the full model does).
+        has_tokenizer=not info.is_shard,
         synthetic=False,
     )
 
@@ -92,7 +93,8 @@ def _tokenizer(model: str) -> Tokenizer | None:
     # Imported here: llama_cpp loads only when a tokenizer is really needed.
     from shard_engine_llama._abi import Vocabulary
 
-    return _VocabularyTokenizer(Vocabulary(model))
+    vocabulary = Vocabulary(model)
+    return _VocabularyTokenizer(vocabulary) if vocabulary.has_tokenizer else None
 
 
 @hookimpl
