@@ -4,6 +4,8 @@ payload). Reserved hooks (MTP, aux) are refused here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -12,6 +14,7 @@ from shard_engine_api._errors import (
     ChecksumMismatch,
     ContractVersionMismatch,
     InvalidRequest,
+    ShardEngineError,
     ShardMismatch,
     UnsupportedFeature,
     WrongRole,
@@ -21,13 +24,14 @@ from shard_engine_api._types import (
     AuxState,
     BoundaryBundle,
     Capabilities,
+    DecodeRequest,
     MtpState,
     SessionRef,
     ShardInput,
     TokenInput,
 )
 
-__all__ = ["InputRows", "check_reserved", "decode_inputs", "n_rows"]
+__all__ = ["InputRows", "batch_rows", "check_reserved", "decode_inputs", "n_rows"]
 
 InputRows = tuple[npt.NDArray[np.int32] | None, npt.NDArray[np.float32] | None]
 """Token ids (head/full) or hidden rows (middle/tail): exactly one is set."""
@@ -125,3 +129,25 @@ def n_rows(rows: InputRows) -> int:
         return int(tokens.shape[0])
     assert hidden is not None
     return int(hidden.shape[0])
+
+
+def batch_rows(
+    items: Sequence[DecodeRequest], decode: Callable[[DecodeRequest], InputRows]
+) -> tuple[dict[int, InputRows], dict[int, ShardEngineError]]:
+    """The rows of each batch item (by index) and the per-item errors: a session named twice,
+    a reserved hook, or whatever ``decode`` refuses."""
+    rows: dict[int, InputRows] = {}
+    errors: dict[int, ShardEngineError] = {}
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        try:
+            if item.session.session_id in seen:
+                raise InvalidRequest(
+                    f"session {item.session.session_id!r} appears twice in one batch"
+                )
+            seen.add(item.session.session_id)
+            check_reserved(item.mtp, item.aux)
+            rows[index] = decode(item)
+        except ShardEngineError as error:
+            errors[index] = error
+    return rows, errors
