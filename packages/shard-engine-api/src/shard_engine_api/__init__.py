@@ -25,9 +25,27 @@ from shard_engine_api._errors import (
     UnsupportedFeature,
     WrongRole,
 )
-from shard_engine_api._pipeline import GenerationResult, Pipeline, ShardTimings, split_layers
-from shard_engine_api._plugins import InstalledEngine, UnknownEngine, installed_engines, load_engine
+from shard_engine_api._hookspecs import Tokenizer
+from shard_engine_api._pipeline import (
+    FinishReason,
+    GeneratedToken,
+    GenerationResult,
+    Pipeline,
+    PipelineStep,
+    ShardTimings,
+    TokenStream,
+    load_pipeline,
+    split_layers,
+)
+from shard_engine_api._plugins import (
+    InstalledEngine,
+    UnknownEngine,
+    installed_engines,
+    load_engine,
+    load_tokenizer,
+)
 from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._sampling import GREEDY, Sampler, Sampling
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     AuxState,
@@ -75,6 +93,7 @@ _logging.getLogger("shard_engine").addHandler(_logging.NullHandler())
 
 __all__ = [
     "CONTRACT_VERSION",
+    "GREEDY",
     "AsyncShardEngine",
     "AuxState",
     "BoundaryBundle",
@@ -97,6 +116,8 @@ __all__ = [
     "EvictionPolicy",
     "EvidenceClass",
     "Features",
+    "FinishReason",
+    "GeneratedToken",
     "GenerationResult",
     "Health",
     "HookStatus",
@@ -113,12 +134,15 @@ __all__ = [
     "NotReady",
     "OptionValue",
     "Pipeline",
+    "PipelineStep",
     "PrefillRequest",
     "ReleaseRequest",
     "ReleaseResult",
     "ReservedHooks",
     "ResourceExhausted",
     "Role",
+    "Sampler",
+    "Sampling",
     "SessionRef",
     "ShardEngine",
     "ShardEngineError",
@@ -130,6 +154,8 @@ __all__ = [
     "StaleEpoch",
     "Timings",
     "TokenInput",
+    "TokenStream",
+    "Tokenizer",
     "UnknownEngine",
     "UnsupportedFeature",
     "ValidatingEngine",
@@ -137,5 +163,7 @@ __all__ = [
     "__version__",
     "installed_engines",
     "load_engine",
+    "load_pipeline",
+    "load_tokenizer",
     "split_layers",
 ]

@@ -13,6 +13,10 @@ Threading: operations on one engine are serialised by a compute lock (a model co
 re-entrant); ``cancel``, ``health`` and ``metrics`` never wait for it. Every counter and the
 ledger change only under the state lock, which is also where ``cancel`` and the commit point
 decide, so ``cancel`` answers ``cancelled=True`` only for an operation that will not commit.
+
+The edge: each public entry point first checks its request's types, ranges and literals
+(shard_engine_api._edge, one call, before any state or counter is touched), so a badly typed
+request is InvalidRequest and changes nothing; only a backend's own failure can fail the engine.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy.typing as npt
 
 from shard_engine_api._backend import ForwardItem, ModelInfo, OutputMode, describe
 from shard_engine_api._cancel import CancelToken
+from shard_engine_api._edge import check_request
 from shard_engine_api._errors import (
     Cancelled,
     EngineCrashed,
@@ -218,6 +223,7 @@ class EngineCore(abc.ABC):
     def load(self, config: LoadConfig) -> Capabilities:
         """Open the shard; the engine becomes ready. Raises InvalidRequest on a second load
         (a failed load may be retried) and EngineCrashed after a crash."""
+        check_request(config, LoadConfig)
         with self._compute_lock:
             with self._state_lock:
                 self._lifecycle.begin_load()
@@ -253,6 +259,7 @@ class EngineCore(abc.ABC):
 
     def prefill(self, request: PrefillRequest) -> ShardResult:
         """Process a run of tokens or boundary rows; see the contract's session semantics."""
+        check_request(request, PrefillRequest)
         session = request.session
         with self._operation(request.request_id, (session.session_id,)) as token:
             caps = self._require_serving()
@@ -289,6 +296,7 @@ class EngineCore(abc.ABC):
 
     def decode(self, request: DecodeRequest) -> ShardResult:
         """Process one row at ``pos`` (which must equal the committed length)."""
+        check_request(request, DecodeRequest)
         session = request.session
         with self._operation(request.request_id, (session.session_id,)) as token:
             caps = self._require_serving()
@@ -317,6 +325,7 @@ class EngineCore(abc.ABC):
 
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """One decode step for several distinct sessions; one result or error per item."""
+        check_request(request, DecodeBatchRequest)
         sessions = tuple(item.session.session_id for item in request.items)
         with self._operation(request.request_id, sessions) as token:
             caps = self._require_serving()
@@ -373,6 +382,7 @@ class EngineCore(abc.ABC):
         counted request will not commit (its caller gets Cancelled); False for unknown,
         finished or already committing requests. Raises InvalidRequest (neither or both of
         request_id and session_id) and EngineCrashed after a crash."""
+        check_request(request, CancelRequest)
         with self._errors_counted():
             if (request.request_id is None) == (request.session_id is None):
                 raise InvalidRequest("cancel needs exactly one of request_id and session_id")
@@ -391,6 +401,7 @@ class EngineCore(abc.ABC):
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Free a session and tombstone its epoch. Unknown sessions are a no-op that says so;
         a second release frees nothing."""
+        check_request(request, ReleaseRequest)
         session = request.session
         with self._errors_counted():
             self._require_serving()

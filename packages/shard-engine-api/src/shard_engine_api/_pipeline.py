@@ -1,25 +1,42 @@
-"""A sharded pipeline: head -> middle... -> tail engines driven for one session, with greedy
-decoding. Worker code does this across machines; here it runs in one process, for the ``run``
-command, benchmarks and tests."""
+"""The one pipeline driver: engines ordered head -> middle... -> tail, driven for one or more
+sessions in one process. The ``run`` and ``bench`` commands, the fake's helpers, the benchmarks,
+the conformance suite and worker code all step through :class:`Pipeline`; workers generate with
+:meth:`Pipeline.stream` (an iterator of tokens that always releases its session)."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from types import TracebackType
+from typing import Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._codec import Codec, encode_bundle
-from shard_engine_api._errors import InvalidRequest, MalformedOutput
+from shard_engine_api._errors import (
+    CacheMiss,
+    Cancelled,
+    EngineCrashed,
+    ErrorInfo,
+    InvalidRequest,
+    MalformedOutput,
+    ShardEngineError,
+    error_from_info,
+)
+from shard_engine_api._hookspecs import ModelFixture, Tokenizer
 from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._sampling import GREEDY, Sampler, Sampling
 from shard_engine_api._types import (
     BoundaryBundle,
     BoundaryResult,
+    DecodeBatchRequest,
     DecodeRequest,
+    LogitsMode,
     LogitsResult,
     PrefillRequest,
     ReleaseRequest,
@@ -29,14 +46,31 @@ from shard_engine_api._types import (
     TokenInput,
 )
 
-__all__ = ["GenerationResult", "Pipeline", "ShardTimings", "split_layers"]
+__all__ = [
+    "FinishReason",
+    "GeneratedToken",
+    "GenerationResult",
+    "Pipeline",
+    "PipelineStep",
+    "ShardTimings",
+    "TokenStream",
+    "load_pipeline",
+    "split_layers",
+]
+
+_LOG = logging.getLogger("shard_engine.pipeline")
+
+FinishReason = Literal["stop", "length"]
+"""Why a generation ended: a stop token was drawn, or ``max_new_tokens`` were generated."""
 
 
 def split_layers(n_layers: int, n_parts: int) -> list[tuple[int, int]]:
     """Split ``n_layers`` into ``n_parts`` contiguous ranges as evenly as possible (earlier
-    ranges get the extra layer)."""
+    ranges get the extra layer). Raises InvalidRequest unless ``1 <= n_parts <= n_layers``."""
     if not 1 <= n_parts <= n_layers:
-        raise InvalidRequest(f"cannot split {n_layers} layers into {n_parts} shards")
+        raise InvalidRequest(
+            f"cannot split {n_layers} layers into {n_parts} shards (choose 1 to {n_layers})"
+        )
     base, extra = divmod(n_layers, n_parts)
     ranges: list[tuple[int, int]] = []
     start = 0
@@ -45,6 +79,16 @@ def split_layers(n_layers: int, n_parts: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+class PipelineStep(msgspec.Struct, frozen=True, kw_only=True):
+    """One prefill or decode through every shard: the tail's logits, the wall time of each
+    shard's call, and the compute time the shards reported (all in milliseconds)."""
+
+    logits: LogitsResult
+    shard_ms: tuple[float, ...]
+    wall_ms: float
+    compute_ms: float
 
 
 class ShardTimings(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,9 +100,19 @@ class ShardTimings(msgspec.Struct, frozen=True, kw_only=True):
     decode_ms_total: float
 
 
+class GeneratedToken(msgspec.Struct, frozen=True, kw_only=True):
+    """One generated token: its id, the position it occupies, and the text it adds (None
+    without a tokenizer; possibly empty while a multi-byte character is incomplete)."""
+
+    token_id: int
+    position: int
+    text: str | None = None
+
+
 class GenerationResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What a greedy generation produced: the new token ids, the last logits row of every
-    step (prefill then each decode), and timings."""
+    """What a whole generation produced: the new token ids (and text where a tokenizer
+    exists), the last logits row of every step (prefill then each decode), timings, and the
+    bytes of bundles that crossed boundaries over the wire (0 in process)."""
 
     prompt_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
@@ -67,6 +121,8 @@ class GenerationResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_ms: float
     decode_ms_median: float
     wire_bytes: int = 0
+    finish_reason: FinishReason = "length"
+    text: str | None = None
 
     def logits(self) -> npt.NDArray[np.float32]:
         """``(steps, vocab)`` array of the last-row logits of every step."""
@@ -77,10 +133,20 @@ class Pipeline:
     """Engines ordered head to tail (one engine of role "full" is a pipeline too).
 
     With ``wire=True`` every bundle crosses each boundary as msgpack bytes, decoded by a
-    :class:`Codec` that expects the next shard's fingerprint and layer, as it would between
-    machines; ``wire_bytes`` counts what crossed."""
+    :class:`~shard_engine_api.wire.Codec` that expects the next shard's fingerprint and layer,
+    as it would between machines; ``wire_bytes`` counts what crossed. ``observe`` sees every
+    shard result (the conformance suite records evidence with it). The pipeline does not own
+    its engines unless used as a context manager or closed with :meth:`close`.
+    """
 
-    def __init__(self, engines: Sequence[ShardEngine], *, wire: bool = False) -> None:
+    def __init__(
+        self,
+        engines: Sequence[ShardEngine],
+        *,
+        wire: bool = False,
+        observe: Callable[[ShardResult], object] | None = None,
+        request_prefix: str | None = None,
+    ) -> None:
         if not engines:
             raise InvalidRequest("a pipeline needs at least one engine")
         specs = [engine.capabilities().shard for engine in engines]
@@ -93,8 +159,10 @@ class Pipeline:
                     "are not contiguous"
                 )
         self.engines = list(engines)
-        self._counter = 0
         self.wire_bytes = 0
+        self._observe = observe
+        self._prefix = request_prefix or f"pipeline-{id(self):x}"
+        self._counter = itertools.count(1)
         self._codecs: list[Codec | None] = [None] * len(self.engines)
         if wire:
             for index, engine in enumerate(self.engines[1:], start=1):
@@ -103,103 +171,471 @@ class Pipeline:
                     expected_fingerprint=caps.model_fingerprint, expected_layer=caps.shard.start
                 )
 
-    def _request_id(self) -> str:
-        self._counter += 1
-        return f"pipeline-{id(self):x}-{self._counter}"
+    # ----------------------------------------------------------------- lifetime
 
-    def _step(
-        self, session: SessionRef, pos: int, inputs: ShardInput, *, prefill: bool
-    ) -> tuple[LogitsResult, list[float]]:
-        elapsed: list[float] = []
-        current: ShardInput = inputs
-        result: ShardResult | None = None
-        for engine, codec in zip(self.engines, self._codecs, strict=True):
-            started = time.perf_counter()
-            if codec is not None and isinstance(current, BoundaryBundle):
-                encoded = encode_bundle(current)
-                self.wire_bytes += len(encoded)
-                current = codec.decode_bundle(encoded)
-            if prefill:
-                result = engine.prefill(
-                    PrefillRequest(
-                        request_id=self._request_id(),
-                        session=session,
-                        start_pos=pos,
-                        inputs=current,
+    def close(self) -> None:
+        """Close every engine (each is closed even if another's close raises)."""
+        errors: list[BaseException] = []
+        for engine in self.engines:
+            try:
+                engine.close()
+            except Exception as error:  # noqa: BLE001 - re-raised after the others closed
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- steps
+
+    def _request_id(self) -> str:
+        return f"{self._prefix}-{next(self._counter)}"
+
+    def _cross(self, index: int, inputs: ShardInput) -> ShardInput:
+        codec = self._codecs[index]
+        if codec is None or not isinstance(inputs, BoundaryBundle):
+            return inputs
+        encoded = encode_bundle(inputs)
+        self.wire_bytes += len(encoded)
+        return codec.decode_bundle(encoded)
+
+    def step(
+        self,
+        session: SessionRef,
+        pos: int,
+        inputs: Sequence[int] | TokenInput,
+        *,
+        decode: bool = False,
+        logits: LogitsMode = "last",
+        request_id: str | None = None,
+    ) -> PipelineStep:
+        """Run tokens at ``pos`` through every shard (a prefill, or with ``decode`` a decode
+        of one token) and return the tail's logits with timings. Shard ``i`` gets request id
+        ``f"{request_id}/{i}"``. Raises whatever a shard raises, and MalformedOutput when a
+        shard returns the wrong kind of result for its place."""
+        base = request_id or self._request_id()
+        current: ShardInput = (
+            inputs if isinstance(inputs, TokenInput) else TokenInput(token_ids=tuple(inputs))
+        )
+        shard_ms: list[float] = []
+        compute_ms = 0.0
+        started = time.perf_counter()
+        last = len(self.engines) - 1
+        for index, engine in enumerate(self.engines):
+            shard_started = time.perf_counter()
+            current = self._cross(index, current)
+            shard_request = f"{base}/{index}"
+            result: ShardResult
+            try:
+                if decode:
+                    result = engine.decode(
+                        DecodeRequest(
+                            request_id=shard_request, session=session, pos=pos, inputs=current
+                        )
                     )
+                else:
+                    result = engine.prefill(
+                        PrefillRequest(
+                            request_id=shard_request,
+                            session=session,
+                            start_pos=pos,
+                            inputs=current,
+                            logits=logits if index == last else "last",
+                        )
+                    )
+            except ShardEngineError as error:
+                _log_failure(index, shard_request, error)
+                raise
+            shard_ms.append((time.perf_counter() - shard_started) * 1000.0)
+            compute_ms += result.timings.compute_ms
+            if self._observe is not None:
+                self._observe(result)
+            if isinstance(result, BoundaryResult) and index < last:
+                current = result.bundle
+            elif isinstance(result, LogitsResult) and index == last:
+                return PipelineStep(
+                    logits=result,
+                    shard_ms=tuple(shard_ms),
+                    wall_ms=(time.perf_counter() - started) * 1000.0,
+                    compute_ms=compute_ms,
                 )
             else:
-                result = engine.decode(
-                    DecodeRequest(
-                        request_id=self._request_id(), session=session, pos=pos, inputs=current
-                    )
+                raise MalformedOutput(
+                    f"shard {index} of {last + 1} returned a {type(result).__name__}"
                 )
-            elapsed.append((time.perf_counter() - started) * 1000.0)
-            if isinstance(result, BoundaryResult):
-                current = result.bundle
-        if not isinstance(result, LogitsResult):
-            raise MalformedOutput("the last shard of a pipeline did not return logits")
-        return result, elapsed
+        raise AssertionError("unreachable: a pipeline has at least one engine")
+
+    def prefill(
+        self,
+        session: SessionRef,
+        start_pos: int,
+        tokens: Sequence[int],
+        *,
+        logits: LogitsMode = "last",
+    ) -> LogitsResult:
+        """Prefill ``tokens`` at ``start_pos`` on every shard; the tail's logits."""
+        return self.step(session, start_pos, tokens, logits=logits).logits
+
+    def decode(self, session: SessionRef, pos: int, token: int) -> LogitsResult:
+        """Decode one token at ``pos`` on every shard; the tail's logits."""
+        return self.step(session, pos, (token,), decode=True).logits
+
+    def decode_batch(
+        self, sessions: Sequence[SessionRef], positions: Sequence[int], tokens: Sequence[int]
+    ) -> list[LogitsResult]:
+        """One decode step of several sessions: one ``decode_batch`` per shard. Raises the
+        first item's error (as its own class) when any item fails."""
+        inputs: list[ShardInput] = [TokenInput(token_ids=(token,)) for token in tokens]
+        last = len(self.engines) - 1
+        results: list[LogitsResult] = []
+        for index, engine in enumerate(self.engines):
+            items = tuple(
+                DecodeRequest(
+                    request_id=self._request_id(),
+                    session=session,
+                    pos=position,
+                    inputs=self._cross(index, item),
+                )
+                for session, position, item in zip(sessions, positions, inputs, strict=True)
+            )
+            reply = engine.decode_batch(
+                DecodeBatchRequest(request_id=self._request_id(), items=items)
+            )
+            next_inputs: list[ShardInput] = []
+            results = []
+            for outcome in reply.items:
+                if isinstance(outcome, ErrorInfo):
+                    raise error_from_info(outcome)
+                if self._observe is not None:
+                    self._observe(outcome)
+                if isinstance(outcome, BoundaryResult) and index < last:
+                    next_inputs.append(outcome.bundle)
+                elif isinstance(outcome, LogitsResult) and index == last:
+                    results.append(outcome)
+                else:
+                    raise MalformedOutput(
+                        f"shard {index} of {last + 1} returned a {type(outcome).__name__}"
+                    )
+            inputs = next_inputs
+        return results
+
+    def release(self, session: SessionRef) -> None:
+        """Release ``session`` on every shard, even when one of them fails (the first error
+        is raised after the others were released)."""
+        errors: list[ShardEngineError] = []
+        for engine in self.engines:
+            try:
+                engine.release(ReleaseRequest(session=session))
+            except ShardEngineError as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    # ----------------------------------------------------------------- generation
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        stop_tokens: Sequence[int] = (),
+        tokenizer: Tokenizer | None = None,
+        session: SessionRef | None = None,
+    ) -> TokenStream:
+        """Prefill ``prompt_ids`` and generate up to ``max_new_tokens`` tokens, one at a time.
+
+        The stream ends after ``max_new_tokens`` tokens (``finish_reason == "length"``) or
+        when a token in ``stop_tokens`` is drawn (``"stop"``; the stop token is not yielded).
+        Its session (a fresh one unless ``session`` is given) is released on every exit: the
+        end, an exception, an early ``break`` inside ``with``, or :meth:`TokenStream.close`.
+        Raises InvalidRequest for an empty prompt or a negative ``max_new_tokens``."""
+        return TokenStream(
+            _Generation(
+                self,
+                _check_prompt(prompt_ids),
+                max_new_tokens=_check_max_new_tokens(max_new_tokens),
+                sampling=sampling,
+                stop_tokens=frozenset(int(token) for token in stop_tokens),
+                tokenizer=tokenizer,
+                session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
+                record=False,
+            )
+        )
 
     def generate(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         *,
+        sampling: Sampling = GREEDY,
+        stop_tokens: Sequence[int] = (),
+        tokenizer: Tokenizer | None = None,
         session: SessionRef | None = None,
     ) -> GenerationResult:
-        """Prefill ``prompt_ids`` then greedily decode ``max_new_tokens`` tokens (argmax, lowest
-        id on ties). The session is released afterwards."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt has no tokens")
-        session = session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1)
-        per_shard_prefill: list[float] = []
-        per_shard_decode: list[list[float]] = [[] for _ in self.engines]
-        step_logits: list[bytes] = []
-        new_tokens: list[int] = []
-        started = time.perf_counter()
-        logits, per_shard_prefill = self._step(
-            session, 0, TokenInput(token_ids=tuple(prompt_ids)), prefill=True
-        )
-        prefill_ms = (time.perf_counter() - started) * 1000.0
-        decode_times: list[float] = []
-        pos = len(prompt_ids)
-        for step in range(max_new_tokens + 1):
-            row = logits.array()[-1]
-            step_logits.append(row.tobytes())
-            if step == max_new_tokens:
-                break
-            token = int(np.argmax(row))
-            new_tokens.append(token)
-            started = time.perf_counter()
-            logits, elapsed = self._step(
-                session, pos, TokenInput(token_ids=(token,)), prefill=False
+        """The whole of :meth:`stream`, with the logits of every step (the last generated
+        token is decoded too, so its logits are there to compare) and timings."""
+        stream = TokenStream(
+            _Generation(
+                self,
+                _check_prompt(prompt_ids),
+                max_new_tokens=_check_max_new_tokens(max_new_tokens),
+                sampling=sampling,
+                stop_tokens=frozenset(int(token) for token in stop_tokens),
+                tokenizer=tokenizer,
+                session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
+                record=True,
             )
-            decode_times.append((time.perf_counter() - started) * 1000.0)
-            for index, value in enumerate(elapsed):
-                per_shard_decode[index].append(value)
+        )
+        with stream:
+            for _ in stream:
+                pass
+        return stream.result()
+
+
+def _check_prompt(prompt_ids: Sequence[int]) -> tuple[int, ...]:
+    if not prompt_ids:
+        raise InvalidRequest("the prompt has no tokens")
+    return tuple(prompt_ids)
+
+
+def _check_max_new_tokens(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"max_new_tokens must be an integer >= 0, got {value!r}")
+    return value
+
+
+class _Generation:
+    """The state of one generation. The token generator holds this, not the TokenStream, so
+    dropping an unfinished stream frees the generator at once (no reference cycle), which
+    closes it and releases the session."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        prompt_ids: tuple[int, ...],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_tokens: frozenset[int],
+        tokenizer: Tokenizer | None,
+        session: SessionRef,
+        record: bool,
+    ) -> None:
+        self.pipeline = pipeline
+        self.session = session
+        self.prompt_ids = prompt_ids
+        self.max_new_tokens = max_new_tokens
+        self.sampler = Sampler(sampling)
+        self.stop_tokens = stop_tokens
+        self.tokenizer = tokenizer
+        self.record = record
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.text = ""
+        self.step_logits: list[bytes] = []
+        self.shard_prefill: tuple[float, ...] = ()
+        self.shard_decode: list[tuple[float, ...]] = []
+        self.prefill_ms = 0.0
+        self.decode_ms: list[float] = []
+        self.wire_bytes_before = pipeline.wire_bytes
+        self.wire_bytes = 0
+        self.started = False
+        self.released = False
+
+    def release(self) -> None:
+        if self.released or not self.started:
+            return
+        self.released = True
+        self.wire_bytes = self.pipeline.wire_bytes - self.wire_bytes_before
+        try:
+            self.pipeline.release(self.session)
+        except ShardEngineError as error:
+            # Releasing must not hide why the generation ended; a crashed engine lost the
+            # session anyway.
+            _LOG.warning("releasing session %s failed: %s", self.session.session_id, error)
+
+    def piece(self) -> str | None:
+        if self.tokenizer is None:
+            return None
+        # An incomplete multi-byte character decodes to U+FFFD: hold it back until the next
+        # token completes it. A tokenizer that rewrites earlier text yields "" here; the
+        # stream's ``text`` is always the decode of every token.
+        stable = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
+        if not stable.startswith(self.text):
+            return ""
+        piece, self.text = stable[len(self.text) :], stable
+        return piece
+
+
+def _tokens(state: _Generation) -> Generator[GeneratedToken, None, None]:
+    pipeline, session = state.pipeline, state.session
+    state.started = True
+    try:
+        step = pipeline.step(session, 0, state.prompt_ids)
+        state.prefill_ms = step.wall_ms
+        state.shard_prefill = step.shard_ms
+        pos = len(state.prompt_ids)
+        while True:
+            row = step.logits.array()[-1]
+            if state.record:
+                state.step_logits.append(row.tobytes())
+            if len(state.token_ids) == state.max_new_tokens:
+                state.finish_reason = "length"
+                return
+            token = state.sampler(row)
+            if token in state.stop_tokens:
+                state.finish_reason = "stop"
+                return
+            state.token_ids.append(token)
+            yield GeneratedToken(token_id=token, position=pos, text=state.piece())
+            if len(state.token_ids) == state.max_new_tokens and not state.record:
+                # A stream does not pay for a decode whose logits nobody reads.
+                state.finish_reason = "length"
+                return
+            step = pipeline.step(session, pos, (token,), decode=True)
+            state.decode_ms.append(step.wall_ms)
+            state.shard_decode.append(step.shard_ms)
             pos += 1
-        for engine in self.engines:
-            engine.release(ReleaseRequest(session=session))
-        timings = tuple(
-            ShardTimings(
-                shard=_describe(engine),
-                prefill_ms=per_shard_prefill[index],
-                decode_ms_median=statistics.median(per_shard_decode[index])
-                if per_shard_decode[index]
-                else 0.0,
-                decode_ms_total=sum(per_shard_decode[index]),
+    finally:
+        if state.tokenizer is not None and state.token_ids:
+            state.text = state.tokenizer.decode(state.token_ids)
+        state.release()
+
+
+class TokenStream:
+    """An iterator of :class:`GeneratedToken` over one session; see :meth:`Pipeline.stream`.
+
+    Use it in a ``with`` block (or call :meth:`close`) so that leaving early releases the
+    session at once. After the end, ``finish_reason``, ``token_ids`` and ``text`` say what was
+    generated."""
+
+    def __init__(self, state: _Generation) -> None:
+        self._state = state
+        self._tokens = _tokens(state)
+
+    @property
+    def session(self) -> SessionRef:
+        return self._state.session
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self._state.prompt_ids
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The tokens generated so far."""
+        return tuple(self._state.token_ids)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """ "stop" or "length" once the stream has ended; None before."""
+        return self._state.finish_reason
+
+    @property
+    def text(self) -> str | None:
+        """The text generated so far (None without a tokenizer)."""
+        return None if self._state.tokenizer is None else self._state.text
+
+    def __iter__(self) -> Iterator[GeneratedToken]:
+        return self
+
+    def __next__(self) -> GeneratedToken:
+        return next(self._tokens)
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop generating and release the session (idempotent)."""
+        self._tokens.close()
+        self._state.release()
+
+    def result(self) -> GenerationResult:
+        """What was generated, with timings (complete once the stream has ended)."""
+        state = self._state
+        timings: list[ShardTimings] = []
+        for index, engine in enumerate(state.pipeline.engines):
+            per_step = [shard_ms[index] for shard_ms in state.shard_decode]
+            timings.append(
+                ShardTimings(
+                    shard=_describe(engine),
+                    prefill_ms=state.shard_prefill[index] if state.shard_prefill else 0.0,
+                    decode_ms_median=statistics.median(per_step) if per_step else 0.0,
+                    decode_ms_total=sum(per_step),
+                )
             )
-            for index, engine in enumerate(self.engines)
-        )
         return GenerationResult(
-            prompt_ids=tuple(prompt_ids),
-            token_ids=tuple(new_tokens),
-            step_logits=tuple(step_logits),
-            shard_timings=timings,
-            prefill_ms=prefill_ms,
-            decode_ms_median=statistics.median(decode_times) if decode_times else 0.0,
+            prompt_ids=state.prompt_ids,
+            token_ids=tuple(state.token_ids),
+            step_logits=tuple(state.step_logits),
+            shard_timings=tuple(timings),
+            prefill_ms=state.prefill_ms,
+            decode_ms_median=statistics.median(state.decode_ms) if state.decode_ms else 0.0,
+            wire_bytes=state.wire_bytes,
+            finish_reason=state.finish_reason or "length",
+            text=self.text,
         )
+
+
+def load_pipeline(
+    factory: Callable[[], ShardEngine],
+    fixture: ModelFixture,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    wire: bool = False,
+    wrap: Callable[[ShardEngine], ShardEngine] | None = None,
+    **overrides: object,
+) -> Pipeline:
+    """New engines from ``factory`` (each passed through ``wrap``, e.g. ValidatingEngine),
+    loaded with layers ``ranges`` of ``fixture`` and ``overrides`` of its LoadConfig; every
+    engine already loaded is closed again if one load fails."""
+    engines: list[ShardEngine] = []
+    try:
+        for start, end in ranges:
+            config = fixture.config(start, end, **overrides)
+            engine = factory()
+            engines.append(wrap(engine) if wrap is not None else engine)
+            engines[-1].load(config)
+            _LOG.info("loaded %s layers [%d, %d)", fixture.model, start, end)
+        return Pipeline(engines, wire=wire)
+    except BaseException:
+        for engine in engines:
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 - the load failure is what the caller must see
+                _LOG.warning("closing an engine after a failed load raised", exc_info=True)
+        raise
+
+
+def _log_failure(index: int, request_id: str, error: ShardEngineError) -> None:
+    # Cancellations, crashes and evictions as the driver meets them; silent unless the
+    # application configures the "shard_engine" loggers.
+    if isinstance(error, EngineCrashed):
+        _LOG.error("shard %d crashed on %s: %s", index, request_id, error.message)
+    elif isinstance(error, Cancelled):
+        _LOG.info("shard %d: %s was cancelled", index, request_id)
+    elif isinstance(error, CacheMiss) and error.reason == "evicted":
+        _LOG.info("shard %d evicted the session of %s", index, request_id)
+    else:
+        _LOG.debug("shard %d: %s raised %s", index, request_id, error.code)
 
 
 def _describe(engine: ShardEngine) -> str:

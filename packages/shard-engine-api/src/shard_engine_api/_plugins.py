@@ -47,6 +47,7 @@ __all__ = [
     "get_plugin_manager",
     "installed_engines",
     "load_engine",
+    "load_tokenizer",
     "model_fixture",
     "plugin_problems",
     "tokenize",
@@ -216,6 +217,8 @@ def _engines(manager: pluggy.PluginManager) -> dict[str, _Engine]:
         return catalog.engines
     _drop_plugins_with_unknown_hooks(manager, catalog)
     engines: dict[str, _Engine] = {}
+    # Each plugin's implementation is called on its own (not manager.hook.shard_engine_register()
+    # for all at once), so that one plugin's exception names that plugin and leaves the rest.
     for implementation in manager.hook.shard_engine_register.get_hookimpls():
         name = implementation.plugin_name
         try:
@@ -352,6 +355,14 @@ def tokenizer(manager: pluggy.PluginManager, engine_name: str, model: str) -> To
     """The tokenizer of ``model`` on ``engine_name``, or None when there is none."""
     description = engine_description(engine_name, manager=manager)
     return description.tokenizer(model) if description.tokenizer is not None else None
+
+
+def load_tokenizer(
+    name: str, model: str, *, manager: pluggy.PluginManager | None = None
+) -> Tokenizer | None:
+    """The tokenizer engine ``name`` has for ``model``, or None when it has none. Raises
+    UnknownEngine like :func:`load_engine`."""
+    return tokenizer(manager or get_plugin_manager(), name, model)
 
 
 def tokenize(

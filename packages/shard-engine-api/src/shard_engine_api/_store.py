@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Final
 
@@ -22,6 +24,8 @@ __all__ = [
     "ModelStoreRefused",
     "file_sha256",
     "model_store",
+    "portable_path",
+    "portable_text",
 ]
 
 MODEL_STORE_ENV: Final = "SHARD_ENGINE_MODEL_STORE"
@@ -77,3 +81,53 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         while chunk := handle.read(_HASH_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _anchors(root: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
+    """(absolute prefix, portable spelling), longest prefix first, so a store inside the
+    repository reads as a repository path and a repository inside the home as one too."""
+    anchors: dict[str, str] = {}
+    home = Path.home()
+    temporary = Path(tempfile.gettempdir())
+    for prefix, spelling in (
+        (temporary, "$TMPDIR"),
+        (home, "~"),
+        (_candidate(None)[0], f"${MODEL_STORE_ENV}"),
+        (Path(root) if root is not None else None, "."),
+    ):
+        if prefix is None:
+            continue
+        for form in {str(prefix), str(Path(prefix).resolve())}:
+            if form not in ("", "/"):
+                anchors[form] = spelling
+    return sorted(anchors.items(), key=lambda item: len(item[0]), reverse=True)
+
+
+def portable_path(
+    path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
+) -> str:
+    """``path`` as evidence and reports record it: relative to ``root`` (the repository) as
+    ``./...``, or to the model store as ``$SHARD_ENGINE_MODEL_STORE/...``, the temporary
+    directory as ``$TMPDIR/...`` or the home as ``~/...``; a path under none of them keeps
+    only its last two parts (``.../dir/name``). Relative paths and non-paths (``fake``) are
+    returned unchanged."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        return text
+    for prefix, spelling in _anchors(root):
+        if text == prefix:
+            return spelling
+        if text.startswith(prefix + os.sep):
+            return spelling + "/" + Path(text[len(prefix) + 1 :]).as_posix()
+    parts = Path(text).parts
+    return ".../" + "/".join(parts[-2:]) if len(parts) > 2 else text
+
+
+def portable_text(text: str, *, root: str | os.PathLike[str] | None = None) -> str:
+    """``text`` (a command's output, a report) with every absolute prefix
+    :func:`portable_path` knows replaced by its portable spelling."""
+    for prefix, spelling in _anchors(root):
+        # Only whole path components: /root must not rewrite /rootfs.
+        pattern = re.compile(re.escape(prefix) + r"(?![\w.-])")
+        text = pattern.sub(spelling.replace("\\", "\\\\"), text)
+    return text

@@ -1,48 +1,142 @@
 """The ``shard-engine`` command line.
 
-    shard-engine engines                  list installed engines
-    shard-engine run [--engine fake]      a sharded greedy generation, verified against one shard
+    shard-engine engines                  list installed engines (and broken plugins)
+    shard-engine run [--engine fake]      a sharded generation, verified against one shard
     shard-engine bench [--engine fake]    prefill/decode throughput, unsplit vs split
     shard-engine conformance --engine N   run the conformance suite on an installed engine
 
-Engines add their own subcommands through the ``shard_engine_add_cli_commands`` hook.
+Engines add their own subcommands through ``EngineDescription.add_cli_commands``. Every bad
+input ends in one line on stderr naming the problem, and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
+import math
 import statistics
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn, cast
 
 import msgspec
 import numpy as np
 import pluggy
 
+from shard_engine_api import __version__
 from shard_engine_api._errors import ShardEngineError
-from shard_engine_api._hookspecs import ModelFixture
-from shard_engine_api._pipeline import GenerationResult, Pipeline, split_layers
+from shard_engine_api._hookspecs import CliSubparsers, EngineDescription, ModelFixture, Tokenizer
+from shard_engine_api._pipeline import GenerationResult, load_pipeline, split_layers
 from shard_engine_api._plugins import (
     add_cli_commands,
     describe_model,
-    detokenize,
+    engine_description,
     get_plugin_manager,
     installed_engines,
-    load_engine,
     model_fixture,
     plugin_problems,
-    tokenize,
+    tokenizer,
 )
-from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._sampling import Sampling
 from shard_engine_api._store import model_store, unchecked_model_store
-from shard_engine_api._types import BoundaryDtype, SessionRef
+from shard_engine_api._types import SessionRef
 from shard_engine_api._validation import ValidatingEngine
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 _DEFAULT_PROMPT = "The quick brown fox"
+_LOG_HANDLER = "shard-engine-cli"
 Command = Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """A bad command-line value found after parsing (reported like an argparse error)."""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS or not action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --------------------------------------------------------------------------- value types
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text.strip(), 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _finite_at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _finite_at_least_zero(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text!r}")
+    return value
+
+
+def _integer_list(minimum: int) -> Callable[[str], list[int]]:
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        values: list[int] = []
+        for index, part in enumerate(parts, start=1):
+            if not part.strip():
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: item {index} is empty; use comma-separated integers like 1,2,3"
+                )
+            value = _integer(part)
+            if value < minimum:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: item {index} is {value}; every item must be >= {minimum}"
+                )
+            values.append(value)
+        return values
+
+    parse.__name__ = "comma-separated integers"
+    return parse
+
+
+_positive = _at_least(1)
+_non_negative = _at_least(0)
+
+
+# --------------------------------------------------------------------------- helpers
 
 
 def _workdir(explicit: str | None) -> Path:
@@ -55,60 +149,25 @@ def _workdir(explicit: str | None) -> Path:
 def _fixture(
     manager: pluggy.PluginManager, engine: str, model: str | None, workdir: str | None
 ) -> ModelFixture:
+    engine_description(engine, manager=manager)  # an unknown engine is the first thing to say
     if model:
         return describe_model(manager, engine, model)
     return model_fixture(manager, engine, _workdir(workdir))
 
 
-def _load_pipeline(
-    manager: pluggy.PluginManager,
-    engine_name: str,
-    fixture: ModelFixture,
-    ranges: Sequence[tuple[int, int]],
-    *,
-    boundary_dtype: BoundaryDtype,
-    n_threads: int,
-    max_context: int,
-) -> list[ShardEngine]:
-    engines: list[ShardEngine] = []
-    try:
-        for start, end in ranges:
-            # One session of known length: size the KV cache for it, not for a server's load.
-            config = fixture.config(
-                start,
-                end,
-                boundary_dtype=boundary_dtype,
-                n_threads=n_threads,
-                max_sessions=1,
-                max_context=max_context,
-            )
-            # Validated from before load, as a worker would: every result is checked against
-            # the contract, so the demo cannot print a result that breaks it.
-            validated = ValidatingEngine(load_engine(engine_name, manager=manager))
-            engines.append(validated)
-            validated.load(config)
-    except BaseException:
-        for engine in engines:
-            engine.close()
-        raise
-    return engines
+def _ranges(fixture: ModelFixture, shards: int) -> list[tuple[int, int]]:
+    if shards > fixture.n_layers:
+        raise UsageError(
+            f"argument --shards: {shards} shards of a {fixture.n_layers}-layer model; choose 1 "
+            f"to {fixture.n_layers}"
+        )
+    return split_layers(fixture.n_layers, shards)
 
 
-def _prompt_ids(
-    manager: pluggy.PluginManager, engine: str, fixture: ModelFixture, args: argparse.Namespace
-) -> list[int]:
-    if args.tokens:
-        return [int(part) for part in args.tokens.split(",") if part.strip()]
-    ids = tokenize(manager, engine, fixture.model, args.prompt)
-    if ids is None:
-        raise SystemExit(f"engine {engine!r} has no tokenizer for this model; pass --tokens 1,2,3")
-    return ids
-
-
-def _format_text(
-    manager: pluggy.PluginManager, engine: str, fixture: ModelFixture, ids: Sequence[int]
-) -> str | None:
-    return detokenize(manager, engine, fixture.model, ids)
+def _sampling(args: argparse.Namespace) -> Sampling:
+    return Sampling(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
 
 
 def _generate(
@@ -117,34 +176,53 @@ def _generate(
     fixture: ModelFixture,
     ranges: Sequence[tuple[int, int]],
     prompt: Sequence[int],
-) -> tuple[GenerationResult, list[ShardEngine]]:
-    engines = _load_pipeline(
-        manager,
-        args.engine,
+    found_tokenizer: Tokenizer | None,
+) -> GenerationResult:
+    description = engine_description(args.engine, manager=manager)
+    if args.isolation == "process":
+        # Each shard in its own supervised child process, through the remote engine (which
+        # passes every other option on to the engine it spawns).
+        description = engine_description("remote", manager=manager)
+        fixture = msgspec.structs.replace(
+            fixture, options={"spawn": args.engine, **fixture.options}
+        )
+    # Validated from before load, as a worker would: every result is checked against the
+    # contract, so the demo cannot print a result that breaks it. Every bundle crosses the
+    # wire codec. One session of known length: size the KV cache for it.
+    pipeline = load_pipeline(
+        description.factory,
         fixture,
         ranges,
+        wire=True,
+        wrap=ValidatingEngine,
         boundary_dtype=args.boundary_dtype,
         n_threads=args.threads,
+        max_sessions=1,
         max_context=max(256, len(prompt) + args.max_new_tokens + 1),
     )
-    try:
-        pipeline = Pipeline(engines, wire=True)
-        result = pipeline.generate(
-            prompt, args.max_new_tokens, session=SessionRef(session_id="cli-run", epoch=1)
+    with pipeline:
+        return pipeline.generate(
+            prompt,
+            args.max_new_tokens,
+            sampling=_sampling(args),
+            stop_tokens=args.stop_tokens or (),
+            tokenizer=found_tokenizer,
+            session=SessionRef(session_id="cli-run", epoch=1),
         )
-        result = msgspec.structs.replace(result, wire_bytes=pipeline.wire_bytes)
-    finally:
-        for engine in engines:
-            engine.close()
-    return result, engines
 
 
-def _command_engines(args: argparse.Namespace) -> int:
-    manager = get_plugin_manager()
+def _print_json(value: object) -> None:
+    print(msgspec.json.encode(value).decode())
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _command_engines(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
     engines = installed_engines(manager)
     problems = plugin_problems(manager)
     if args.json:
-        print(msgspec.json.encode({"engines": engines, "broken": problems}).decode())
+        _print_json({"engines": engines, "broken": problems})
         return 0
     if not engines:
         print("no shard engines installed (entry-point group 'shard_engine')")
@@ -163,19 +241,114 @@ def _command_engines(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command_run(args: argparse.Namespace) -> int:
-    manager = get_plugin_manager()
+def _prompt_text(args: argparse.Namespace) -> str:
+    # None (not the default text) when --prompt is absent, so that --prompt with --tokens is
+    # refused while --tokens alone is not.
+    return _DEFAULT_PROMPT if args.prompt is None else str(args.prompt)
+
+
+def _prompt_ids(
+    args: argparse.Namespace, engine: str, found_tokenizer: Tokenizer | None
+) -> list[int]:
+    if args.tokens is not None:
+        return list(args.tokens)
+    if found_tokenizer is None:
+        raise UsageError(
+            f"engine {engine!r} has no tokenizer for this model; pass --tokens 1,2,3 instead "
+            "of --prompt"
+        )
+    ids = found_tokenizer.encode(_prompt_text(args))
+    if not ids:
+        raise UsageError("argument --prompt: the prompt has no tokens")
+    return ids
+
+
+def _verify(
+    manager: pluggy.PluginManager,
+    args: argparse.Namespace,
+    fixture: ModelFixture,
+    prompt: Sequence[int],
+    found_tokenizer: Tokenizer | None,
+    result: GenerationResult,
+) -> dict[str, object]:
+    full = _generate(manager, args, fixture, [(0, fixture.n_layers)], prompt, found_tokenizer)
+    same_tokens = full.token_ids == result.token_ids
+    bitwise = full.step_logits == result.step_logits
+    comparable = len(full.step_logits) == len(result.step_logits)
+    difference = float(np.max(np.abs(full.logits() - result.logits()))) if comparable else math.inf
+    passed = same_tokens and (bitwise or difference <= args.tolerance)
+    return {
+        "passed": passed,
+        "tokens_equal": same_tokens,
+        "bitwise": bitwise,
+        "max_abs_logit_difference": 0.0 if bitwise else difference,
+        "steps": len(result.step_logits),
+        "tolerance": args.tolerance,
+    }
+
+
+def _command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
+    if args.tokens is not None and args.prompt is not None:
+        raise UsageError("argument --tokens: give --prompt or --tokens, not both")
     fixture = _fixture(manager, args.engine, args.model, args.workdir)
-    ranges = split_layers(fixture.n_layers, min(args.shards, fixture.n_layers))
-    prompt = _prompt_ids(manager, args.engine, fixture, args)
+    ranges = _ranges(fixture, args.shards)
+    description = engine_description(args.engine, manager=manager)
+    found_tokenizer = tokenizer(manager, args.engine, fixture.model)
+    prompt = _prompt_ids(args, args.engine, found_tokenizer)
+    prompt_text = _prompt_text(args) if args.tokens is None else None
+    result = _generate(manager, args, fixture, ranges, prompt, found_tokenizer)
+    verification = (
+        _verify(manager, args, fixture, prompt, found_tokenizer, result) if args.verify else None
+    )
+    if args.json:
+        _print_json(
+            {
+                "engine": args.engine,
+                "evidence": description.evidence,
+                "model": fixture.model,
+                "model_description": fixture.description,
+                "n_layers": fixture.n_layers,
+                "shards": [list(pair) for pair in ranges],
+                "prompt": prompt_text,
+                "prompt_ids": list(prompt),
+                "token_ids": list(result.token_ids),
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+                "prefill_ms": result.prefill_ms,
+                "decode_ms_median": result.decode_ms_median,
+                "wire_bytes": result.wire_bytes,
+                "shard_timings": result.shard_timings,
+                "verify": verification,
+            }
+        )
+    else:
+        _print_run(args, description, fixture, ranges, prompt, prompt_text, result, verification)
+    return 0 if verification is None or verification["passed"] else 1
+
+
+def _print_run(
+    args: argparse.Namespace,
+    description: EngineDescription,
+    fixture: ModelFixture,
+    ranges: Sequence[tuple[int, int]],
+    prompt: Sequence[int],
+    prompt_text: str | None,
+    result: GenerationResult,
+    verification: dict[str, object] | None,
+) -> None:
     print(f"engine: {args.engine}   model: {fixture.description or fixture.model}")
     print(f"shards: {' '.join(f'[{s}:{e})' for s, e in ranges)} of {fixture.n_layers} layers")
+    if prompt_text is not None:
+        print(f"prompt: {prompt_text!r}")
     print(f"prompt ids ({len(prompt)}): {list(prompt)}")
-    result, _ = _generate(manager, args, fixture, ranges, prompt)
     print(f"generated ids ({len(result.token_ids)}): {list(result.token_ids)}")
-    text = _format_text(manager, args.engine, fixture, result.token_ids)
-    if text is not None:
-        print(f"generated text: {text!r}")
+    if result.text is not None:
+        print(f"generated text: {result.text!r}")
+        if description.evidence == "fixture":
+            print(
+                "note: a fixture engine is deterministic arithmetic, not a language model; "
+                "its text is meaningless by design"
+            )
     print(f"prefill: {result.prefill_ms:.2f} ms   decode: {result.decode_ms_median:.3f} ms/token")
     if len(ranges) > 1:
         print(
@@ -188,125 +361,262 @@ def _command_run(args: argparse.Namespace) -> int:
             f"{timing.shard:<34} {timing.prefill_ms:>11.3f} {timing.decode_ms_median:>19.4f} "
             f"{timing.decode_ms_total:>18.3f}"
         )
-    if not args.verify:
-        return 0
-    full, _ = _generate(manager, args, fixture, [(0, fixture.n_layers)], prompt)
-    same_tokens = full.token_ids == result.token_ids
-    difference = float(np.max(np.abs(full.logits() - result.logits())))
-    bitwise = full.step_logits == result.step_logits
-    verdict = "bitwise identical" if bitwise else f"max |delta logits| = {difference:.3g}"
-    status = "PASS" if same_tokens and (bitwise or args.tolerance >= difference) else "FAIL"
-    print(
-        f"verify against one full shard: {status} (tokens {'equal' if same_tokens else 'DIFFER'}"
-        f", logits {verdict} over {len(result.step_logits)} steps)"
+    if verification is None:
+        return
+    verdict = (
+        "bitwise identical"
+        if verification["bitwise"]
+        else f"max |delta logits| = {verification['max_abs_logit_difference']:.3g}"
     )
-    return 0 if status == "PASS" else 1
+    print(
+        f"verify against one full shard: {'PASS' if verification['passed'] else 'FAIL'} "
+        f"(tokens {'equal' if verification['tokens_equal'] else 'DIFFER'}, logits {verdict} "
+        f"over {verification['steps']} steps)"
+    )
 
 
-def _command_bench(args: argparse.Namespace) -> int:
-    manager = get_plugin_manager()
+def _command_bench(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
     fixture = _fixture(manager, args.engine, args.model, args.workdir)
+    for parts in args.splits:
+        if parts > fixture.n_layers:
+            raise UsageError(
+                f"argument --splits: {parts} shards of a {fixture.n_layers}-layer model; "
+                f"choose 1 to {fixture.n_layers}"
+            )
+    found_tokenizer = tokenizer(manager, args.engine, fixture.model)
     prompt = list(range(1, args.prompt_tokens + 1))
-    ids = tokenize(manager, args.engine, fixture.model, "x" * args.prompt_tokens)
-    if ids:
-        prompt = ids[: args.prompt_tokens]
-    splits = [int(part) for part in args.splits.split(",")]
-    print(
-        f"engine {args.engine}, model {fixture.description or fixture.model}, prompt "
-        f"{len(prompt)} tokens, {args.max_new_tokens} decode steps, {args.repeat} repeats (medians)"
-    )
-    print(
-        f"{'shards':>6} {'prefill tok/s':>14} {'decode tok/s':>13} "
-        f"{'prefill ratio':>14} {'decode ratio':>13}"
-    )
+    if found_tokenizer is not None:
+        prompt = found_tokenizer.encode("x" * args.prompt_tokens)[: args.prompt_tokens] or prompt
+    rows: list[dict[str, float | int]] = []
+    if not args.json:
+        print(
+            f"engine {args.engine}, model {fixture.description or fixture.model}, prompt "
+            f"{len(prompt)} tokens, {args.max_new_tokens} decode steps, {args.repeat} repeats "
+            "(medians)"
+        )
+        print(
+            f"{'shards':>6} {'prefill tok/s':>14} {'decode tok/s':>13} "
+            f"{'prefill ratio':>14} {'decode ratio':>13}"
+        )
     baseline: tuple[float, float] | None = None
-    for parts in splits:
-        ranges = split_layers(fixture.n_layers, min(parts, fixture.n_layers))
+    for parts in args.splits:
+        ranges = split_layers(fixture.n_layers, parts)
         prefill_rates: list[float] = []
         decode_rates: list[float] = []
         for _ in range(args.repeat):
-            result, _ = _generate(manager, args, fixture, ranges, prompt)
-            prefill_rates.append(len(prompt) / (result.prefill_ms / 1000.0))
-            decode_rates.append(
-                1000.0 / result.decode_ms_median if result.decode_ms_median else 0.0
-            )
+            result = _generate(manager, args, fixture, ranges, prompt, None)
+            prefill_rates.append(len(prompt) / max(result.prefill_ms / 1000.0, 1e-9))
+            decode_rates.append(1000.0 / max(result.decode_ms_median, 1e-9))
         prefill_rate = statistics.median(prefill_rates)
         decode_rate = statistics.median(decode_rates)
         if baseline is None:
             baseline = (prefill_rate, decode_rate)
-        print(
-            f"{parts:>6} {prefill_rate:>14.1f} {decode_rate:>13.1f} "
-            f"{prefill_rate / baseline[0]:>14.3f} {decode_rate / baseline[1]:>13.3f}"
+        row = {
+            "shards": parts,
+            "prefill_tokens_per_s": prefill_rate,
+            "decode_tokens_per_s": decode_rate,
+            "prefill_ratio": prefill_rate / baseline[0],
+            "decode_ratio": decode_rate / baseline[1],
+        }
+        rows.append(row)
+        if not args.json:
+            print(
+                f"{parts:>6} {prefill_rate:>14.1f} {decode_rate:>13.1f} "
+                f"{row['prefill_ratio']:>14.3f} {row['decode_ratio']:>13.3f}"
+            )
+    if args.json:
+        _print_json(
+            {
+                "engine": args.engine,
+                "model": fixture.model,
+                "prompt_tokens": len(prompt),
+                "decode_steps": args.max_new_tokens,
+                "repeat": args.repeat,
+                "rows": rows,
+            }
         )
     return 0
 
 
-def _command_conformance(args: argparse.Namespace) -> int:
+def _check_report_path(report: str) -> None:
+    path = Path(report)
+    if path.is_dir():
+        raise UsageError(f"argument --report: {report!r} is a directory; name a JSON file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"argument --report: directory {str(parent)!r} does not exist")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"argument --report: {report!r} is not a regular file")
+
+
+def _command_conformance(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
+    # Everything that can be checked is checked before the suite spends minutes running.
+    if args.report:
+        _check_report_path(args.report)
+    engine_description(args.engine, manager=manager)
     try:
         import pytest
     except ImportError:
-        print("the conformance suite needs pytest: pip install pytest", file=sys.stderr)
-        return 2
+        raise UsageError(
+            "the conformance suite needs pytest: pip install 'shard-engine-api[conformance]'"
+        ) from None
     from shard_engine_api.conformance import pytest_arguments
 
     return int(pytest.main(pytest_arguments(args.engine, args.report, args.pytest_args)))
 
 
-def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.ArgumentParser:
-    """The argument parser, with every installed plugin's subcommands."""
-    parser = argparse.ArgumentParser(prog="shard-engine", description=__doc__.split("\n\n")[0])
-    subparsers = parser.add_subparsers(dest="command", required=True)
+# --------------------------------------------------------------------------- the parser
 
-    engines = subparsers.add_parser("engines", help="list installed engines")
+
+def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.ArgumentParser:
+    """The argument parser, with every installed engine's subcommands."""
+    manager = manager or get_plugin_manager()
+    formatter = _Formatter
+    parser = _Parser(
+        prog="shard-engine", description=(__doc__ or "").split("\n\n")[0], formatter_class=formatter
+    )
+    parser.add_argument("--version", action="version", version=f"shard-engine {__version__}")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log what happens to stderr (-v: loads, files, evictions; -vv: debug)",
+    )
+    # Typed as plain ArgumentParser subparsers: what engines' add_cli_commands receive.
+    subparsers = cast(
+        "CliSubparsers",
+        parser.add_subparsers(dest="command", required=True, parser_class=_Parser),
+    )
+
+    def command(function: Callable[..., int]) -> Command:
+        return functools.partial(function, manager=manager)
+
+    engines = subparsers.add_parser(
+        "engines", help="list installed engines", formatter_class=formatter
+    )
     engines.add_argument("--json", action="store_true", help="print JSON")
-    engines.set_defaults(func=_command_engines)
+    engines.set_defaults(func=command(_command_engines))
 
     def pipeline_options(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--engine", default="fake", help="engine entry-point name (default fake)")
-        sub.add_argument("--model", help="model reference (e.g. a GGUF path); default: built-in")
-        sub.add_argument("--workdir", help="where fixture models are generated")
-        sub.add_argument("--max-new-tokens", type=int, default=16)
-        sub.add_argument("--boundary-dtype", choices=["f32", "f16"], default="f32")
-        sub.add_argument("--threads", type=int, default=0, help="0 = engine default")
+        sub.add_argument("--engine", default="fake", help="engine entry-point name")
+        sub.add_argument(
+            "--model",
+            help="model reference (a GGUF path, fake:layers=4); default: the engine's built-in",
+        )
+        sub.add_argument(
+            "--workdir",
+            help="where a built-in model may be generated; default: the model store "
+            "($SHARD_ENGINE_MODEL_STORE or ~/.cache/shard-engine)",
+        )
+        sub.add_argument("--max-new-tokens", type=_positive, default=16, help="tokens to generate")
+        sub.add_argument(
+            "--boundary-dtype",
+            choices=["f32", "f16"],
+            default="f32",
+            help="dtype of the hidden states crossing each boundary",
+        )
+        sub.add_argument("--threads", type=_non_negative, default=0, help="0 = engine default")
+        sub.add_argument(
+            "--isolation",
+            choices=["none", "process"],
+            default="none",
+            help="process: every shard in its own supervised process (shard-engine-remote)",
+        )
+        sub.add_argument("--json", action="store_true", help="print one JSON object")
 
-    run = subparsers.add_parser("run", help="greedy generation through a sharded pipeline")
+    run = subparsers.add_parser(
+        "run", help="a generation through a sharded pipeline", formatter_class=formatter
+    )
     pipeline_options(run)
-    run.add_argument("--shards", type=int, default=3, help="number of shards (default 3)")
-    run.add_argument("--prompt", default=_DEFAULT_PROMPT)
-    run.add_argument("--tokens", help="comma-separated prompt token ids (instead of --prompt)")
-    run.add_argument("--no-verify", dest="verify", action="store_false")
-    run.add_argument("--tolerance", type=float, default=0.0, help="allowed max |delta logits|")
-    run.set_defaults(func=_command_run)
+    run.add_argument("--shards", type=_positive, default=3, help="number of shards")
+    run.add_argument("--prompt", default=None, help=f"prompt text; default {_DEFAULT_PROMPT!r}")
+    run.add_argument(
+        "--tokens", type=_integer_list(0), help="comma-separated prompt token ids (not --prompt)"
+    )
+    run.add_argument("--temperature", type=_finite_at_least_zero, default=0.0, help="0 = greedy")
+    run.add_argument("--top-k", type=_non_negative, default=0, help="0 = no cut")
+    run.add_argument("--top-p", type=_probability, default=1.0, help="1 = no cut")
+    run.add_argument("--seed", type=_non_negative, default=0, help="sampling seed")
+    run.add_argument("--stop-tokens", type=_integer_list(0), help="comma-separated token ids")
+    run.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the comparison with one full shard",
+    )
+    run.add_argument(
+        "--tolerance", type=_finite_at_least_zero, default=0.0, help="allowed max |delta logits|"
+    )
+    run.set_defaults(func=command(_command_run))
 
-    bench = subparsers.add_parser("bench", help="throughput unsplit vs split")
+    bench = subparsers.add_parser(
+        "bench", help="throughput unsplit vs split", formatter_class=formatter
+    )
     pipeline_options(bench)
-    bench.add_argument("--splits", default="1,2,3", help="shard counts to compare")
-    bench.add_argument("--prompt-tokens", type=int, default=32)
-    bench.add_argument("--repeat", type=int, default=3)
-    bench.set_defaults(func=_command_bench, max_new_tokens=16)
+    bench.add_argument("--splits", type=_integer_list(1), default="1,2,3", help="shard counts")
+    bench.add_argument("--prompt-tokens", type=_positive, default=32, help="prompt length")
+    bench.add_argument("--repeat", type=_positive, default=3, help="repeats (medians reported)")
+    bench.set_defaults(
+        func=command(_command_bench), temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_tokens=()
+    )
 
-    conformance = subparsers.add_parser("conformance", help="run the conformance suite")
-    conformance.add_argument("--engine", required=True)
-    conformance.add_argument("--report", help="write the JSON report here")
+    conformance = subparsers.add_parser(
+        "conformance", help="run the conformance suite", formatter_class=formatter
+    )
+    conformance.add_argument("--engine", required=True, help="engine entry-point name")
+    conformance.add_argument("--report", help="write the JSON report to this file")
     conformance.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
-    conformance.set_defaults(func=_command_conformance)
+    conformance.set_defaults(func=command(_command_conformance))
 
-    add_cli_commands(manager or get_plugin_manager(), subparsers)
+    add_cli_commands(manager, subparsers)
     return parser
 
 
+def _configure_logging(verbosity: int) -> None:
+    if verbosity <= 0:
+        return
+    root = logging.getLogger("shard_engine")
+    root.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)
+    if any(handler.get_name() == _LOG_HANDLER for handler in root.handlers):
+        return  # main() called again in the same process
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_LOG_HANDLER)
+    handler.setFormatter(logging.Formatter("shard-engine: %(name)s: %(message)s"))
+    root.addHandler(handler)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``shard-engine``; returns the exit code."""
-    parser = build_parser()
+    """Entry point of ``shard-engine``; returns the exit code (2 for every bad input)."""
+    manager = get_plugin_manager()
+    parser = build_parser(manager)
     args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
     func: Command = args.func
+    prog = f"{parser.prog} {args.command}"
     try:
         return func(args)
+    except UsageError as error:
+        print(f"{prog}: error: {_one_line(str(error))}", file=sys.stderr)
     except ShardEngineError as error:
         print(
-            f"shard-engine: {type(error).__name__} [{error.code}]: {error.message}", file=sys.stderr
+            f"{prog}: {type(error).__name__} [{error.code}]: {_one_line(error.message)}",
+            file=sys.stderr,
         )
-        return 2
+    except (OSError, ValueError, RuntimeError) as error:
+        # An engine's or plugin's own exception that escaped its mapping to the contract's
+        # errors: still one line (the traceback with -vv).
+        if args.verbose > 1:
+            traceback.print_exc()
+        print(f"{prog}: {type(error).__name__}: {_one_line(str(error))}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 2
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from shard_engine_api._store import (
     ModelStoreRefused,
     file_sha256,
     model_store,
+    portable_path,
+    portable_text,
 )
 
 __all__ = [
@@ -52,4 +54,6 @@ __all__ = [
     "hookspec",
     "model_store",
     "plugin_problems",
+    "portable_path",
+    "portable_text",
 ]

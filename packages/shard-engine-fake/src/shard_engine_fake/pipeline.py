@@ -1,6 +1,5 @@
-"""A minimal in-process pipeline for tests and benchmarks: drive engines head -> ... -> tail for
-one session, prefill then greedy decode. (The API's generic pipeline is what the CLI uses; this
-one exists so the fake's tests need nothing beyond the contract.)"""
+"""Short names over the API's pipeline driver (:class:`shard_engine_api.Pipeline`) for the
+fake's tests: one step through every shard, and greedy generation that keeps its session."""
 
 from __future__ import annotations
 
@@ -10,17 +9,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api import (
-    BoundaryResult,
-    DecodeRequest,
-    InvalidRequest,
-    LogitsResult,
-    PrefillRequest,
-    SessionRef,
-    ShardEngine,
-    ShardInput,
-    TokenInput,
-)
+from shard_engine_api import GREEDY, LogitsResult, Pipeline, Sampler, SessionRef, ShardEngine
 
 __all__ = ["Generation", "generate", "step"]
 
@@ -43,30 +32,9 @@ def step(
     decode: bool = False,
 ) -> LogitsResult:
     """Run ``token_ids`` at ``pos`` through every shard (prefill, or decode of one token) and
-    return the tail's logits. Raises whatever a shard raises, and InvalidRequest when a shard
-    returns the wrong kind of result for its place in the chain."""
-    inputs: ShardInput = TokenInput(token_ids=tuple(token_ids))
-    for index, engine in enumerate(engines):
-        shard_request_id = f"{request_id}/{index}"
-        result = (
-            engine.decode(
-                DecodeRequest(request_id=shard_request_id, session=session, pos=pos, inputs=inputs)
-            )
-            if decode
-            else engine.prefill(
-                PrefillRequest(
-                    request_id=shard_request_id, session=session, start_pos=pos, inputs=inputs
-                )
-            )
-        )
-        is_last = index == len(engines) - 1
-        if isinstance(result, BoundaryResult) and not is_last:
-            inputs = result.bundle
-        elif isinstance(result, LogitsResult) and is_last:
-            return result
-        else:
-            raise InvalidRequest(f"shard {index} returned {type(result).__name__} out of place")
-    raise InvalidRequest("a pipeline needs at least one engine")
+    return the tail's logits; shard ``i`` gets request id ``f"{request_id}/{i}"``."""
+    pipeline = Pipeline(engines)
+    return pipeline.step(session, pos, token_ids, decode=decode, request_id=request_id).logits
 
 
 def generate(
@@ -78,17 +46,19 @@ def generate(
     start_pos: int = 0,
     request_prefix: str = "gen",
 ) -> Generation:
-    """Prefill ``prompt`` at ``start_pos`` then greedily decode ``n_tokens`` tokens."""
-    result = step(engines, session, start_pos, prompt, request_id=f"{request_prefix}/prefill")
-    logits = [np.array(result.array()[-1])]
+    """Prefill ``prompt`` at ``start_pos`` then greedily decode ``n_tokens`` tokens. Unlike
+    :meth:`Pipeline.generate` the session is kept (the tests continue it)."""
+    pipeline = Pipeline(engines)
+    choose = Sampler(GREEDY)
+    result = pipeline.step(session, start_pos, prompt, request_id=f"{request_prefix}/prefill")
+    logits = [np.array(result.logits.array()[-1])]
     tokens: list[int] = []
     pos = start_pos + len(prompt)
     for index in range(n_tokens):
-        token = int(np.argmax(logits[-1]))
-        tokens.append(token)
-        result = step(
-            engines, session, pos, (token,), request_id=f"{request_prefix}/{index}", decode=True
+        tokens.append(choose(logits[-1]))
+        result = pipeline.step(
+            session, pos, tokens[-1:], decode=True, request_id=f"{request_prefix}/{index}"
         )
-        logits.append(np.array(result.array()[-1]))
+        logits.append(np.array(result.logits.array()[-1]))
         pos += 1
     return Generation(tokens=tuple(tokens), logits=tuple(logits))

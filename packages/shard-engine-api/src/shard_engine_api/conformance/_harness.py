@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._hookspecs import ModelFixture
+from shard_engine_api._pipeline import Pipeline
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
     BoundaryBundle,
@@ -74,9 +75,15 @@ def assert_matches(
     tolerance: float,
     what: str,
 ) -> None:
-    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``."""
+    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``.
+    NaN or infinity on either side never matches (two NaNs are not equal outputs)."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
+    for side, values in (("output", actual), ("expected output", expected)):
+        if not np.isfinite(values).all():
+            raise AssertionError(
+                f"{what}: the {side} holds NaN or infinity (outputs must be finite)"
+            )
     if exact:
         if actual.tobytes() != expected.tobytes():
             difference = float(np.max(np.abs(actual.astype(np.float64) - expected)))
@@ -135,6 +142,10 @@ class Harness:
             record.capability_evidence.add(caps.evidence)
             record.engine_version = caps.engine_version
             record.contract_version = caps.contract_version
+            if not record.declared_determinism:
+                record.declared_determinism = msgspec.structs.asdict(caps.determinism)
+                record.declared_features = msgspec.structs.asdict(caps.features)
+                record.boundary_dtypes = tuple(caps.boundary_dtypes)
         if self._vocab_size is None:
             self._vocab_size = caps.vocab_size
 
@@ -200,6 +211,10 @@ class Harness:
 
     # ----------------------------------------------------------------- pipelines
 
+    def pipeline(self, engines: Sequence[ShardEngine]) -> Pipeline:
+        """The API's pipeline driver over ``engines``, recording every result's evidence."""
+        return Pipeline(engines, observe=self.observe, request_prefix=self.request_id())
+
     def pipeline_prefill(
         self,
         engines: Sequence[ShardEngine],
@@ -210,18 +225,12 @@ class Harness:
         logits: LogitsMode = "last",
     ) -> LogitsResult:
         """Tokens into the first shard, each bundle into the next; the last shard's logits."""
-        inputs: ShardInput = TokenInput(token_ids=tuple(tokens))
-        for engine in engines[:-1]:
-            inputs = bundle_of(self.prefill(engine, session, start_pos, inputs))
-        return logits_of(self.prefill(engines[-1], session, start_pos, inputs, logits=logits))
+        return self.pipeline(engines).prefill(session, start_pos, tokens, logits=logits)
 
     def pipeline_decode(
         self, engines: Sequence[ShardEngine], session: SessionRef, pos: int, token: int
     ) -> LogitsResult:
-        inputs: ShardInput = TokenInput(token_ids=(token,))
-        for engine in engines[:-1]:
-            inputs = bundle_of(self.decode(engine, session, pos, inputs))
-        return logits_of(self.decode(engines[-1], session, pos, inputs))
+        return self.pipeline(engines).decode(session, pos, token)
 
     def head_bundle(
         self, head: ShardEngine, session: SessionRef, start_pos: int, tokens: Sequence[int]

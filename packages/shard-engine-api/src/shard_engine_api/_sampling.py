@@ -1,0 +1,85 @@
+"""Choosing the next token from a logits row: greedy, or seeded sampling with temperature,
+top-k and top-p. The same settings, seed and logits give the same tokens on every machine."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from shard_engine_api._errors import InvalidRequest, MalformedOutput
+
+__all__ = ["GREEDY", "Sampler", "Sampling"]
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """How the next token is chosen.
+
+    ``temperature == 0`` (the default) is greedy: the highest logit, the lowest id on ties;
+    ``top_k`` and ``top_p`` are then irrelevant. Otherwise logits are divided by
+    ``temperature``, cut to the ``top_k`` highest (0 = no cut), then to the smallest set whose
+    probabilities sum to at least ``top_p`` (1 = no cut), and one token is drawn with a
+    ``numpy`` PCG64 generator seeded with ``seed``.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+            raise InvalidRequest(f"temperature must be a number, got {self.temperature!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
+            raise InvalidRequest(f"top_p must be a number, got {self.top_p!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must lie in (0, 1], got {self.top_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidRequest(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling()
+
+
+class Sampler:
+    """Draws tokens for one generation (owns the seeded random stream)."""
+
+    def __init__(self, sampling: Sampling = GREEDY) -> None:
+        self.sampling = sampling
+        self._random = np.random.Generator(np.random.PCG64(sampling.seed))
+
+    def __call__(self, row: npt.NDArray[np.floating]) -> int:
+        """The next token id from one row of logits."""
+        logits = np.asarray(row, dtype=np.float64)
+        if logits.ndim != 1 or logits.size == 0:
+            raise MalformedOutput(f"cannot sample from logits of shape {logits.shape}")
+        if not np.all(np.isfinite(logits)):
+            raise MalformedOutput("cannot sample from logits that are not all finite")
+        settings = self.sampling
+        if settings.greedy:
+            return int(np.argmax(logits))
+        # A stable order (highest logit first, lowest id on ties) makes the cut reproducible.
+        order = np.lexsort((np.arange(logits.size), -logits))
+        if settings.top_k:
+            order = order[: settings.top_k]
+        scaled = logits[order] / settings.temperature
+        weights = np.exp(scaled - scaled[0])
+        probabilities = weights / weights.sum()
+        if settings.top_p < 1:
+            cumulative = np.cumsum(probabilities)
+            keep = int(np.searchsorted(cumulative, settings.top_p, side="left")) + 1
+            order, probabilities = order[:keep], probabilities[:keep]
+            probabilities = probabilities / probabilities.sum()
+        draw = self._random.random()
+        index = int(np.searchsorted(np.cumsum(probabilities), draw, side="right"))
+        return int(order[min(index, order.size - 1)])

@@ -1,0 +1,223 @@
+"""The pipeline driver and the generate/stream API: split pipelines equal one shard, sampling is
+seeded and reproducible, stop tokens and max_new_tokens end a stream, and the session is
+released on every exit path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conformance_engines import ReferenceEngine, reference_fixture
+
+from shard_engine_api import (
+    GREEDY,
+    BoundaryResult,
+    DecodeRequest,
+    InvalidRequest,
+    LogitsResult,
+    MalformedOutput,
+    Pipeline,
+    Sampler,
+    Sampling,
+    SessionRef,
+    ShardEngine,
+    load_pipeline,
+    split_layers,
+)
+from shard_engine_api.engine import ModelFixture
+
+
+@pytest.fixture
+def fixture(tmp_path: Path) -> ModelFixture:
+    return reference_fixture(tmp_path)
+
+
+def _pipeline(fixture: ModelFixture, parts: int) -> Pipeline:
+    return load_pipeline(
+        ReferenceEngine, fixture, split_layers(fixture.n_layers, parts), max_sessions=4
+    )
+
+
+@pytest.fixture
+def pipeline(fixture: ModelFixture) -> Iterator[Pipeline]:
+    with _pipeline(fixture, 2) as built:
+        yield built
+
+
+def _sessions(engines: Sequence[ShardEngine]) -> list[int]:
+    return [engine.health().sessions for engine in engines]
+
+
+def test_split_generation_equals_one_shard(fixture: ModelFixture) -> None:
+    with _pipeline(fixture, 1) as full, _pipeline(fixture, 3) as split:
+        one = full.generate((1, 2, 3), 5)
+        three = split.generate((1, 2, 3), 5)
+    assert one.token_ids == three.token_ids
+    assert one.step_logits == three.step_logits
+    assert len(one.step_logits) == 6
+    assert three.shard_timings[0].shard.endswith("(head)")
+
+
+def test_stream_yields_tokens_and_positions(pipeline: Pipeline) -> None:
+    expected = pipeline.generate((4, 5), 4).token_ids
+    with pipeline.stream((4, 5), max_new_tokens=4) as stream:
+        tokens = list(stream)
+    assert tuple(token.token_id for token in tokens) == expected
+    assert [token.position for token in tokens] == [2, 3, 4, 5]
+    assert all(token.text is None for token in tokens)
+    assert stream.finish_reason == "length"
+    assert _sessions(pipeline.engines) == [0, 0]
+
+
+def test_stop_tokens_end_the_stream_without_yielding_the_stop(pipeline: Pipeline) -> None:
+    tokens = pipeline.generate((4, 5), 6).token_ids
+    stop = tokens[2]
+    first = tokens.index(stop)
+    with pipeline.stream((4, 5), max_new_tokens=6, stop_tokens=[stop]) as stream:
+        got = [token.token_id for token in stream]
+    assert got == list(tokens[:first])
+    assert stream.finish_reason == "stop"
+
+
+def test_session_is_released_on_early_break(pipeline: Pipeline) -> None:
+    with pipeline.stream((4, 5), max_new_tokens=10) as stream:
+        for _ in stream:
+            assert _sessions(pipeline.engines) == [1, 1]
+            break
+    assert _sessions(pipeline.engines) == [0, 0]
+
+
+def test_session_is_released_when_the_stream_is_closed_or_dropped(pipeline: Pipeline) -> None:
+    stream = pipeline.stream((4, 5), max_new_tokens=10)
+    next(stream)
+    stream.close()
+    assert _sessions(pipeline.engines) == [0, 0]
+    stream.close()  # idempotent
+    for _ in pipeline.stream((4, 5), max_new_tokens=10):
+        break
+    # The stream was a temporary: dropping it closed its generator.
+    assert _sessions(pipeline.engines) == [0, 0]
+
+
+def test_session_is_released_when_a_step_raises(
+    pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Failing(RuntimeError):
+        pass
+
+    tail = pipeline.engines[-1]
+    original = tail.decode
+    calls: list[DecodeRequest] = []
+
+    def decode(request: DecodeRequest) -> BoundaryResult | LogitsResult:
+        calls.append(request)
+        if len(calls) == 2:
+            raise Failing("backend died")
+        return original(request)
+
+    monkeypatch.setattr(tail, "decode", decode)
+    with pytest.raises(Failing), pipeline.stream((4, 5), max_new_tokens=5) as stream:
+        for _ in stream:
+            pass
+    assert _sessions(pipeline.engines) == [0, 0]
+
+
+def test_a_stream_that_never_started_touches_nothing(pipeline: Pipeline) -> None:
+    stream = pipeline.stream((4, 5), max_new_tokens=3)
+    stream.close()
+    assert all(engine.metrics().requests == 0 for engine in pipeline.engines)
+
+
+def test_sampling_is_seeded_and_reproducible(pipeline: Pipeline) -> None:
+    sampling = Sampling(temperature=1.5, top_k=10, top_p=0.9, seed=11)
+    first = pipeline.generate((4, 5), 8, sampling=sampling).token_ids
+    again = pipeline.generate((4, 5), 8, sampling=sampling).token_ids
+    other = pipeline.generate((4, 5), 8, sampling=Sampling(temperature=1.5, seed=12)).token_ids
+    greedy = pipeline.generate((4, 5), 8).token_ids
+    assert first == again
+    assert len({first, other, greedy}) > 1
+
+
+def test_sampler_cuts() -> None:
+    row = np.array([0.0, 5.0, 4.0, 5.0, -1.0], dtype=np.float32)
+    assert Sampler(GREEDY)(row) == 1  # lowest id on ties
+    top_two = Sampler(Sampling(temperature=1.0, top_k=2, seed=3))
+    assert {top_two(row) for _ in range(200)} == {1, 3}
+    nucleus = Sampler(Sampling(temperature=1.0, top_p=0.01, seed=3))
+    assert {nucleus(row) for _ in range(50)} == {1}
+    with pytest.raises(MalformedOutput):
+        Sampler(Sampling(temperature=1.0))(np.array([np.nan, 1.0]))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"seed": -1},
+    ],
+)
+def test_bad_sampling_settings_are_invalid(settings: dict[str, float]) -> None:
+    with pytest.raises(InvalidRequest):
+        Sampling(**settings)  # type: ignore[arg-type]
+
+
+def test_bad_generation_requests_are_invalid(pipeline: Pipeline) -> None:
+    with pytest.raises(InvalidRequest, match="no tokens"):
+        pipeline.stream((), max_new_tokens=3)
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        pipeline.generate((1,), -3)
+
+
+class _Letters:
+    """A toy tokenizer: id i is the letter chr(97 + i % 26); 25 is a two-byte character
+    emitted as two ids so text must wait for its second half."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(character) - 97 for character in text]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(97 + token % 26) for token in token_ids)
+
+
+def test_text_pieces_add_up_to_the_text(pipeline: Pipeline) -> None:
+    with pipeline.stream((4, 5), max_new_tokens=5, tokenizer=_Letters()) as stream:
+        pieces = [token.text for token in stream]
+    assert "".join(piece or "" for piece in pieces) == stream.text
+    assert stream.text == _Letters().decode(stream.token_ids)
+
+
+def test_pipelines_must_cover_every_layer_contiguously(fixture: ModelFixture) -> None:
+    with _pipeline(fixture, 2) as split:
+        with pytest.raises(InvalidRequest, match="start at layer 0"):
+            Pipeline(split.engines[1:])
+        with pytest.raises(InvalidRequest, match="at least one engine"):
+            Pipeline([])
+    with pytest.raises(InvalidRequest, match="choose 1 to 4"):
+        split_layers(4, 5)
+
+
+def test_a_failed_load_closes_what_was_loaded(fixture: ModelFixture) -> None:
+    made: list[ReferenceEngine] = []
+
+    def factory() -> ShardEngine:
+        engine = ReferenceEngine()
+        made.append(engine)
+        return engine
+
+    with pytest.raises(InvalidRequest):
+        load_pipeline(factory, fixture, [(0, 2), (2, 9)])
+    assert made
+    assert all(engine.health().state == "closed" for engine in made)
+
+
+def test_explicit_session(pipeline: Pipeline) -> None:
+    session = SessionRef(session_id="mine", epoch=3)
+    result = pipeline.generate((4, 5), 2, session=session)
+    assert len(result.token_ids) == 2
+    assert _sessions(pipeline.engines) == [0, 0]
