@@ -288,10 +288,11 @@ def _check_array(what: str, values: object) -> None:
     (instead of the AttributeError, IndexError or ValueError numpy would raise)."""
     if not isinstance(values, np.ndarray):
         raise InvalidRequest(f"{what} must be a numpy array, got {type(values).__name__}")
-    if values.ndim != 2:
-        raise InvalidRequest(f"{what} must be 2-D (rows, width), got shape {values.shape}")
-    if values.shape[0] < 1 or values.shape[1] < 1:
-        raise InvalidRequest(f"{what} must have at least one row and column, got {values.shape}")
+    shape = values.shape
+    if len(shape) != 2:
+        raise InvalidRequest(f"{what} must be 2-D (rows, width), got shape {shape}")
+    if not (shape[0] and shape[1]):
+        raise InvalidRequest(f"{what} must have at least one row and column, got {shape}")
     if values.dtype.kind not in "fiu":
         raise InvalidRequest(f"{what} must be a real numeric array, got dtype {values.dtype}")
 
