@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar, Final, Literal
+from typing import ClassVar, Final, Literal, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,7 @@ from shard_engine_api._backend import ForwardItem, ModelInfo, OutputMode, check_
 from shard_engine_api._cancel import CancelToken
 from shard_engine_api._edge import check_request
 from shard_engine_api._errors import (
+    Cancelled,
     EngineCrashed,
     ErrorInfo,
     InvalidRequest,
@@ -77,6 +79,8 @@ __all__ = [
     "ModelInfo",
     "OutputMode",
 ]
+
+_log = logging.getLogger("shard_engine.core")
 
 _SERVING: Final[frozenset[LifecycleState]] = frozenset({"ready", "degraded"})
 
@@ -184,6 +188,7 @@ class EngineCore(abc.ABC):
             if self._state not in ("closed", "failed"):
                 self._state = "failed"
                 self._detail = detail
+                _log.error("%s engine failed: %s", self.engine_name, detail)
 
     def _set_kv_budget(self, tokens: int) -> None:
         """Change the KV budget (memory pressure). Sessions over it are evicted or new work is
@@ -209,7 +214,7 @@ class EngineCore(abc.ABC):
     def name(self) -> str:
         return self.engine_name
 
-    def __enter__(self) -> EngineCore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -420,7 +425,9 @@ class EngineCore(abc.ABC):
             with self._compute_lock:
                 self._require_serving()
                 with self._state_lock:
+                    fences_dropped = self._ledger.fences.dropped
                     decision = self._ledger.release(session.session_id, session.epoch)
+                    self._note_fences(fences_dropped)
                     if decision.slot is not None:
                         self._counters.releases += 1
                 if decision.slot is None:
@@ -486,6 +493,8 @@ class EngineCore(abc.ABC):
                 self._counters.count_error(error)
             if isinstance(error, EngineCrashed):
                 self._fail(error.message)
+            elif isinstance(error, Cancelled):
+                _log.info("%s: %s; rolled back", self.engine_name, error.message)
             raise
         except Exception as error:
             crashed = EngineCrashed(f"backend failure: {type(error).__name__}: {error}")
@@ -620,7 +629,9 @@ class EngineCore(abc.ABC):
             compute_ms = (time.perf_counter() - started) * 1000.0
             with self._state_lock:
                 token.seal()  # the commit point: a cancel from now on answers False
+                fences_dropped = self._ledger.fences.dropped
                 dropped = self._ledger.commit(admitted)
+                self._note_fences(fences_dropped)
                 counters = self._counters
                 n_tokens = sum(item.n_tokens for item in items)
                 if work.kind == "prefill":
@@ -636,7 +647,19 @@ class EngineCore(abc.ABC):
             self._commit(admission.slot)
         for slot in dropped:
             self._drop(slot)
+        if dropped:
+            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
         return outputs
+
+    def _note_fences(self, dropped_before: int) -> None:
+        """Say so when fences were forgotten early (also counted in metrics and health)."""
+        dropped = self._ledger.fences.dropped - dropped_before
+        if dropped:
+            _log.warning(
+                "%s dropped %d session fences early: their old epochs are accepted again",
+                self.engine_name,
+                dropped,
+            )
 
     def _hand_over(self, admission: Admission) -> None:
         """The one eviction that precedes the forward: every slot is in use and the backend
@@ -644,10 +667,13 @@ class EngineCore(abc.ABC):
         if admission.evict_first is None:
             return
         with self._state_lock:
+            fences_dropped = self._ledger.fences.dropped
             slot = self._ledger.hand_over(admission)
+            self._note_fences(fences_dropped)
             self._counters.evictions += 1
         if slot is not None:
             self._drop(slot)
+            _log.info("%s evicted 1 idle session (LRU) for a slot", self.engine_name)
 
     def _rollback_all(self, admitted: Sequence[Admission]) -> None:
         for admission in admitted:

@@ -19,6 +19,9 @@ import numpy.typing as npt
 
 from shard_engine_api._codec import Codec, encode_bundle
 from shard_engine_api._errors import (
+    CacheMiss,
+    Cancelled,
+    EngineCrashed,
     ErrorInfo,
     InvalidRequest,
     MalformedOutput,
@@ -232,22 +235,26 @@ class Pipeline:
             current = self._cross(index, current)
             shard_request = f"{base}/{index}"
             result: ShardResult
-            if decode:
-                result = engine.decode(
-                    DecodeRequest(
-                        request_id=shard_request, session=session, pos=pos, inputs=current
+            try:
+                if decode:
+                    result = engine.decode(
+                        DecodeRequest(
+                            request_id=shard_request, session=session, pos=pos, inputs=current
+                        )
                     )
-                )
-            else:
-                result = engine.prefill(
-                    PrefillRequest(
-                        request_id=shard_request,
-                        session=session,
-                        start_pos=pos,
-                        inputs=current,
-                        logits=logits if index == last else "last",
+                else:
+                    result = engine.prefill(
+                        PrefillRequest(
+                            request_id=shard_request,
+                            session=session,
+                            start_pos=pos,
+                            inputs=current,
+                            logits=logits if index == last else "last",
+                        )
                     )
-                )
+            except ShardEngineError as error:
+                _log_failure(index, shard_request, error)
+                raise
             shard_ms.append((time.perf_counter() - shard_started) * 1000.0)
             compute_ms += result.timings.compute_ms
             if self._observe is not None:
@@ -616,6 +623,19 @@ def load_pipeline(
             except Exception:  # noqa: BLE001 - the load failure is what the caller must see
                 _LOG.warning("closing an engine after a failed load raised", exc_info=True)
         raise
+
+
+def _log_failure(index: int, request_id: str, error: ShardEngineError) -> None:
+    # Cancellations, crashes and evictions as the driver meets them; silent unless the
+    # application configures the "shard_engine" loggers.
+    if isinstance(error, EngineCrashed):
+        _LOG.error("shard %d crashed on %s: %s", index, request_id, error.message)
+    elif isinstance(error, Cancelled):
+        _LOG.info("shard %d: %s was cancelled", index, request_id)
+    elif isinstance(error, CacheMiss) and error.reason == "evicted":
+        _LOG.info("shard %d evicted the session of %s", index, request_id)
+    else:
+        _LOG.debug("shard %d: %s raised %s", index, request_id, error.code)
 
 
 def _describe(engine: ShardEngine) -> str:

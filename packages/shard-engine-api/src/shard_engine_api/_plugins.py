@@ -217,6 +217,8 @@ def _engines(manager: pluggy.PluginManager) -> dict[str, _Engine]:
         return catalog.engines
     _drop_plugins_with_unknown_hooks(manager, catalog)
     engines: dict[str, _Engine] = {}
+    # Each plugin's implementation is called on its own (not manager.hook.shard_engine_register()
+    # for all at once), so that one plugin's exception names that plugin and leaves the rest.
     for implementation in manager.hook.shard_engine_register.get_hookimpls():
         name = implementation.plugin_name
         try:

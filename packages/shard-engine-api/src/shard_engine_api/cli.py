@@ -48,7 +48,7 @@ from shard_engine_api._validation import ValidatingEngine
 __all__ = ["build_parser", "main"]
 
 _DEFAULT_PROMPT = "The quick brown fox"
-_LOG = logging.getLogger("shard_engine.cli")
+_LOG_HANDLER = "shard-engine-cli"
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -179,6 +179,13 @@ def _generate(
     found_tokenizer: Tokenizer | None,
 ) -> GenerationResult:
     description = engine_description(args.engine, manager=manager)
+    if args.isolation == "process":
+        # Each shard in its own supervised child process, through the remote engine (which
+        # passes every other option on to the engine it spawns).
+        description = engine_description("remote", manager=manager)
+        fixture = msgspec.structs.replace(
+            fixture, options={"spawn": args.engine, **fixture.options}
+        )
     # Validated from before load, as a worker would: every result is checked against the
     # contract, so the demo cannot print a result that breaks it. Every bundle crosses the
     # wire codec. One session of known length: size the KV cache for it.
@@ -234,6 +241,12 @@ def _command_engines(args: argparse.Namespace, *, manager: pluggy.PluginManager)
     return 0
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    # None (not the default text) when --prompt is absent, so that --prompt with --tokens is
+    # refused while --tokens alone is not.
+    return _DEFAULT_PROMPT if args.prompt is None else str(args.prompt)
+
+
 def _prompt_ids(
     args: argparse.Namespace, engine: str, found_tokenizer: Tokenizer | None
 ) -> list[int]:
@@ -244,7 +257,7 @@ def _prompt_ids(
             f"engine {engine!r} has no tokenizer for this model; pass --tokens 1,2,3 instead "
             "of --prompt"
         )
-    ids = found_tokenizer.encode(args.prompt)
+    ids = found_tokenizer.encode(_prompt_text(args))
     if not ids:
         raise UsageError("argument --prompt: the prompt has no tokens")
     return ids
@@ -275,14 +288,14 @@ def _verify(
 
 
 def _command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
-    if args.tokens is not None and args.prompt_given:
+    if args.tokens is not None and args.prompt is not None:
         raise UsageError("argument --tokens: give --prompt or --tokens, not both")
     fixture = _fixture(manager, args.engine, args.model, args.workdir)
     ranges = _ranges(fixture, args.shards)
     description = engine_description(args.engine, manager=manager)
     found_tokenizer = tokenizer(manager, args.engine, fixture.model)
     prompt = _prompt_ids(args, args.engine, found_tokenizer)
-    prompt_text = args.prompt if args.tokens is None else None
+    prompt_text = _prompt_text(args) if args.tokens is None else None
     result = _generate(manager, args, fixture, ranges, prompt, found_tokenizer)
     verification = (
         _verify(manager, args, fixture, prompt, found_tokenizer, result) if args.verify else None
@@ -504,6 +517,12 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
             help="dtype of the hidden states crossing each boundary",
         )
         sub.add_argument("--threads", type=_non_negative, default=0, help="0 = engine default")
+        sub.add_argument(
+            "--isolation",
+            choices=["none", "process"],
+            default="none",
+            help="process: every shard in its own supervised process (shard-engine-remote)",
+        )
         sub.add_argument("--json", action="store_true", help="print one JSON object")
 
     run = subparsers.add_parser(
@@ -557,11 +576,14 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
 def _configure_logging(verbosity: int) -> None:
     if verbosity <= 0:
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("shard-engine: %(name)s: %(message)s"))
     root = logging.getLogger("shard_engine")
-    root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)
+    if any(handler.get_name() == _LOG_HANDLER for handler in root.handlers):
+        return  # main() called again in the same process
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_LOG_HANDLER)
+    handler.setFormatter(logging.Formatter("shard-engine: %(name)s: %(message)s"))
+    root.addHandler(handler)
 
 
 def _one_line(text: str) -> str:
@@ -574,9 +596,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(manager)
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
-    args.prompt_given = getattr(args, "prompt", None) is not None
-    if getattr(args, "prompt", "") is None:
-        args.prompt = _DEFAULT_PROMPT
     func: Command = args.func
     prog = f"{parser.prog} {args.command}"
     try:
