@@ -83,8 +83,10 @@ MAX_RESERVED_ITEMS: Final = 64
 """The most reserved MTP/aux entries a message may carry (any non-empty use is refused)."""
 MAX_OPTIONS: Final = 256
 """The most entries of ``LoadConfig.options``."""
-MAX_SESSIONS: Final = 1 << 20
-"""The largest ``LoadConfig.max_sessions``: a million concurrent sessions per shard."""
+MAX_SESSIONS: Final = INT32_MAX
+"""The largest ``LoadConfig.max_sessions``: session slots are int32 indices on every backend.
+The core allocates per session in use, never per configured slot, so a large limit costs
+nothing until sessions exist (a backend with a smaller limit reports it in ModelInfo)."""
 MAX_CONTEXT: Final = 1 << 24
 """The largest ``LoadConfig.max_context`` (16M positions)."""
 MAX_KV_BUDGET_TOKENS: Final = 1 << 36
