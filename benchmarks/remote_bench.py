@@ -188,7 +188,7 @@ class PipelineModel:
 
 
 def _generated_model(directory: Path, quick: bool) -> PipelineModel:
-    from shard_engine_llama._tiny_model import write_tiny_model
+    from shard_engine_llama import write_tiny_model
 
     if quick:
         path = directory / "remote-bench-llama-64d-6l-f32.gguf"
