@@ -142,7 +142,10 @@ def _sample_results() -> dict[str, object]:
     run = {"started": "2026-12-01T11:00:00+00:00", "cpus": 2, "load_average_before": 0.05}
     return {
         "benches": {
-            "llama": {"run": {**run, "mode": "full"}, "figures": figures(llama)},
+            "llama": {
+                "run": {**run, "mode": "full", "batch_sessions": 8},
+                "figures": figures(llama),
+            },
             "fake": {
                 "run": run,
                 "figures": figures(
@@ -165,6 +168,7 @@ def test_renderer_quotes_the_figures_and_names_non_defaults() -> None:
     block = " ".join(rendered.split())  # unwrapped
     assert "51,234 decode steps/s" in block
     assert "0.93 of the same split in one process" in block
+    assert "8 sessions, one `decode_batch` per step: 2.2x sequential" in block
     assert "gemma3-270m was not in the model store" in block
     assert "**Wire codec**: not measured in this run." in block
     assert 'nonfinite="reject"' in block
