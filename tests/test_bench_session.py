@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -184,3 +185,18 @@ def test_smoke_llama_runs_measure_nothing() -> None:
     block = " ".join(readme_figures.render(document).split())
     assert "**Split overhead (llama engine)**: not measured in this run." in block
     assert "**Cancellation**: not measured in this run." in block
+
+
+def test_every_benchmark_takes_the_session_arguments() -> None:
+    """`nox -s bench -- ARGS` hands ARGS to every *_bench.py: each takes --quick, --smoke
+    (proves it runs) and --results (figures for the README). Fix: add the missing option."""
+    for script in sorted(BENCHMARKS.glob("*_bench.py")):
+        shown = subprocess.run(
+            [sys.executable, str(script), "--help"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        ).stdout
+        for option in ("--quick", "--smoke", "--results"):
+            assert option in shown, f"{script.name} does not take {option}"
