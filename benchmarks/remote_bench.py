@@ -16,9 +16,12 @@ Side by side in one run:
 
 Threads: llama.cpp's OpenMP workers spin-wait after each graph (``GOMP_SPINCOUNT``,
 ``OMP_WAIT_POLICY``), so an idle shard process keeps burning the cores the active one needs;
-with 3 processes on one machine that, not the transport, dominates decode. Children inherit
-this process's environment; ``--child-env OMP_WAIT_POLICY=passive`` (or ``GOMP_SPINCOUNT=0``)
-overrides it for the children only, and ``--threads`` sets each shard's thread count.
+with 3 processes on one machine that, not the transport, can dominate decode. The llama engine
+sets its own default (``shard_engine_llama._threading``: ``GOMP_SPINCOUNT=10000`` unless the
+environment says otherwise) and children inherit this process's environment, so the default
+run measures those defaults; ``--child-env GOMP_SPINCOUNT=300000`` (libgomp's own) or
+``--child-env OMP_WAIT_POLICY=passive`` overrides them in the children only, and
+``--threads`` sets each shard's thread count.
 
 Numbers are printed, never asserted: a benchmark that fails on a noisy machine teaches nothing.
 """
