@@ -88,8 +88,9 @@ def test_run_reports_errors_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
 # Every bad input: (arguments, a piece of the one line on stderr). Exit status 2, one line,
 # no traceback, and (for conformance) before the suite runs.
 BAD_INPUTS: list[tuple[list[str], str]] = [
-    (["run", "--max-new-tokens", "-3"], "--max-new-tokens: must be an integer >= 1, got -3"),
-    (["run", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
+    (["run", "--max-new-tokens", "-3"], "--max-new-tokens: must be an integer in [1, 1048576]"),
+    (["run", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer in [1, 1048576]"),
+    (["run", "--max-new-tokens", "100000000"], "must be an integer in [1, 1048576], got 1000"),
     (["run", "--max-new-tokens", "many"], "--max-new-tokens: 'many' is not an integer"),
     (["run", "--tokens", "1,,x"], "--tokens: '1,,x': item 2 is empty"),
     (["run", "--tokens", "1,x"], "--tokens: 'x' is not an integer"),
@@ -125,7 +126,7 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["bench", "--splits", "0"], "item 1 is 0; every item must be >= 1"),
     (["bench", "--splits", "1,9"], "--splits: 9 shards of a 6-layer model"),
     (["bench", "--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
-    (["bench", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1, got 0"),
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer in [1, 1048576]"),
     (["bench", "--prompt-tokens", "0"], "--prompt-tokens: must be an integer >= 1"),
     (["bench", "--engine", "nosuch"], "'nosuch' is not installed"),
     (["conformance"], "the following arguments are required: --engine"),
