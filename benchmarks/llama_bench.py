@@ -1,15 +1,24 @@
 """Benchmarks of the llama engine: split vs unsplit, batched decode, shard memory, cancellation.
 
-    python benchmarks/llama_bench.py [--quick] [--model GEMMA3.gguf] [--repeat N]
+    python benchmarks/llama_bench.py [--quick | --smoke] [--model GEMMA3.gguf] [--repeat N]
+        [--spin-counts 300000,passive] [--results PATH]
 
 Measured side by side in one process, on a generated model large enough for compute to dominate
 (n_embd 512, 8 layers, F16) and on gemma3-270m when it is present (SHARD_ENGINE_LLAMA_MODEL or the
 model store's ``models/gemma-3-270m-q4_k_m.gguf``):
 
-* prefill and decode tokens/s, unsplit vs 2-way vs 3-way, through the ShardEngine API; the
-  configurations are interleaved within every repetition (in rotating order) so that machine
-  noise hits all of them alike, and medians are reported. A breakdown separates the time spent
-  inside llama.cpp (the engines' ``compute_ms``) from the per-hop Python overhead;
+* prefill and decode tokens/s, unsplit vs 2-way vs 3-way, through the ShardEngine API, in one
+  process and with one process per shard (``_process_shard``: each engine in its own process
+  behind pipes speaking the wire codec; also the unsplit model alone behind the same pipes,
+  which isolates the transport); the configurations are interleaved within every repetition
+  (in rotating order) so that machine noise hits all of them alike, and medians are reported.
+  A breakdown separates the time spent inside llama.cpp (the engines' ``compute_ms``) from the
+  per-hop overhead (Python, and pipes plus codec for the process configurations).
+  ``--spin-counts`` adds process-per-shard configurations whose workers run with another
+  ``GOMP_SPINCOUNT`` (``passive``: ``OMP_WAIT_POLICY=PASSIVE``), side by side;
+* the CPU time a process burns in the 50 ms after a decode returns, per spin count (OpenMP
+  threads that keep spinning take the cores from the next shard; see
+  ``shard_engine_llama._threading``);
 * 8 sessions decoded with one ``decode_batch`` per step vs 8 single decodes per step;
 * peak RSS of every shard vs the full model, each in a fresh subprocess, above the RSS of a
   process that imports everything but loads no model;
@@ -32,33 +41,38 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import numpy as np
+from _process_shard import ProcessShard
+from _results import Results, add_results_option
 
 from shard_engine_api import (
     BoundaryBundle,
     Cancelled,
     CancelRequest,
+    DecodeRequest,
     LoadConfig,
     Pipeline,
     PrefillRequest,
     ReleaseRequest,
     SessionRef,
+    ShardEngine,
     ShardInput,
     ShardSpec,
     TokenInput,
 )
 from shard_engine_api.engine import model_store
 from shard_engine_api.wire import payload_checksum
-from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import (
-    Manifest,
-    inspect_gguf,
-    split_model,
+from shard_engine_llama import LlamaEngine, Manifest, inspect_gguf, split_model
+from shard_engine_llama._threading import (
+    DEFAULT_SPIN_COUNT,
+    SPIN_COUNT_ENV,
+    WAIT_POLICY_ENV,
+    threading_report,
 )
 from shard_engine_llama._tiny_model import write_tiny_model
 
@@ -103,6 +117,18 @@ FULL: Final = Settings(
     cancel_repeat=7,
     cancel_prompt_tokens=2048,
 )
+SMOKE: Final = Settings(
+    repeat=1,
+    prompt_tokens=8,
+    decode_tokens=2,
+    batch_sessions=2,
+    batch_prompt_tokens=4,
+    batch_steps=2,
+    batch_repeat=1,
+    cancel_repeat=1,
+    cancel_prompt_tokens=256,
+)
+"""Only proves every section runs to completion: its figures are not measurements."""
 QUICK: Final = Settings(
     repeat=3,
     prompt_tokens=64,
@@ -129,6 +155,17 @@ class BenchModel:
     prompt_source: Callable[[int, int], list[int]]
 
 
+@dataclass(frozen=True)
+class Recorder:
+    """Records figures of one model under a key prefix ("generated", "gemma3")."""
+
+    results: Results
+    prefix: str
+
+    def record(self, key: str, value: float | int | str | bool, unit: str = "") -> None:
+        self.results.record(f"{self.prefix}_{key}", value, unit)
+
+
 def _ratio_mark(value: float, target: float) -> str:
     return "ok" if value >= target else "MISSED"
 
@@ -147,19 +184,39 @@ Driver = Pipeline
 time apart; ``decode_batch`` is one ``decode_batch`` per shard."""
 
 
+def _load_config(
+    spec: ShardSpec,
+    *,
+    max_sessions: int,
+    max_context: int,
+    max_batch_tokens: int = N_UBATCH,
+    self_test: bool = True,
+) -> LoadConfig:
+    options: dict[str, object] = {"n_ubatch": min(N_UBATCH, max_batch_tokens)}
+    if not self_test:
+        # The parent process already proved the split recipe on this machine.
+        options["self_test"] = False
+    return LoadConfig(
+        shard=spec,
+        n_threads=N_THREADS,
+        max_sessions=max_sessions,
+        max_context=max_context,
+        max_batch_tokens=max_batch_tokens,
+        kv_budget_tokens=max_sessions * max_context,
+        options=options,
+    )
+
+
 def _load_engine(
     spec: ShardSpec, *, max_sessions: int, max_context: int, max_batch_tokens: int = N_UBATCH
 ) -> LlamaEngine:
     engine = LlamaEngine()
     engine.load(
-        LoadConfig(
-            shard=spec,
-            n_threads=N_THREADS,
+        _load_config(
+            spec,
             max_sessions=max_sessions,
             max_context=max_context,
             max_batch_tokens=max_batch_tokens,
-            kv_budget_tokens=max_sessions * max_context,
-            options={"n_ubatch": min(N_UBATCH, max_batch_tokens)},
         )
     )
     return engine
@@ -188,17 +245,43 @@ def _shard_specs(model: BenchModel, ranges: Ranges) -> list[ShardSpec]:
 
 
 def _load_driver(
-    model: BenchModel, ranges: Ranges, *, max_sessions: int, max_context: int
+    model: BenchModel,
+    ranges: Ranges,
+    *,
+    max_sessions: int,
+    max_context: int,
+    processes: Mapping[str, str | None] | None = None,
 ) -> Driver:
-    engines: list[LlamaEngine] = []
+    """In-process engines, or with ``processes`` (environment overrides for the children)
+    one child process per shard."""
+    engines: list[ShardEngine] = []
     try:
         for spec in _shard_specs(model, ranges):
-            engines.append(_load_engine(spec, max_sessions=max_sessions, max_context=max_context))
+            if processes is None:
+                engines.append(
+                    _load_engine(spec, max_sessions=max_sessions, max_context=max_context)
+                )
+            else:
+                config = _load_config(
+                    spec, max_sessions=max_sessions, max_context=max_context, self_test=False
+                )
+                engines.append(ProcessShard("llama", config, env=processes))
     except BaseException:
         for engine in engines:
             engine.close()
         raise
     return Driver(engines, request_prefix="bench")
+
+
+def _spin_env(spin: str) -> dict[str, str | None]:
+    """Child environment for a spin-count setting: a number, or "passive"."""
+    if spin == "passive":
+        return {SPIN_COUNT_ENV: None, WAIT_POLICY_ENV: "PASSIVE"}
+    return {SPIN_COUNT_ENV: spin, WAIT_POLICY_ENV: None}
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_").replace("__", "_")
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,20 +329,46 @@ def _generate(
     samples.tokens.append(tuple(generated))
 
 
-def bench_split(model: BenchModel, settings: Settings) -> None:
+def _split_configs(
+    model: BenchModel, spin_counts: Sequence[str]
+) -> dict[str, tuple[Ranges, Mapping[str, str | None] | None]]:
+    """Configuration name -> (ranges, child environment or None for in-process)."""
+    three_way = model.splits["3-way"]
+    configs: dict[str, tuple[Ranges, Mapping[str, str | None] | None]] = {
+        name: (ranges, None) for name, ranges in model.splits.items()
+    }
+    # The children inherit this process's environment, where importing shard_engine_llama
+    # put the default spin count (or the user's own).
+    configs["unsplit/proc"] = (model.splits["unsplit"], {})
+    configs["3-way/proc"] = (three_way, {})
+    for spin in spin_counts:
+        configs[f"3-way/proc spin={spin}"] = (three_way, _spin_env(spin))
+    return configs
+
+
+def bench_split(
+    model: BenchModel, settings: Settings, results: Recorder, spin_counts: Sequence[str]
+) -> None:
     print(
         f"\n## {model.name}: unsplit vs split (through the API, {N_THREADS} threads, "
         f"n_ubatch {N_UBATCH}, prompt {settings.prompt_tokens} tokens, "
         f"{settings.decode_tokens} decode steps, {settings.repeat} interleaved repetitions)"
     )
-    drivers = {
-        name: _load_driver(model, ranges, max_sessions=1, max_context=512)
-        for name, ranges in model.splits.items()
-    }
-    samples = {name: SplitSamples() for name in drivers}
-    prompt = model.prompt_source(settings.prompt_tokens, 0)
-    names = list(drivers)
+    print(
+        "'/proc' = one process per shard behind pipes and the wire codec (default checks); "
+        f"{SPIN_COUNT_ENV}={os.environ.get(SPIN_COUNT_ENV)} in this process and its children "
+        "unless the name says otherwise"
+    )
+    configs = _split_configs(model, spin_counts)
+    drivers: dict[str, Driver] = {}
     try:
+        for name, (ranges, processes) in configs.items():
+            drivers[name] = _load_driver(
+                model, ranges, max_sessions=1, max_context=512, processes=processes
+            )
+        samples = {name: SplitSamples() for name in drivers}
+        prompt = model.prompt_source(settings.prompt_tokens, 0)
+        names = list(drivers)
         # One untimed pass per configuration: first calls allocate compute buffers and fault in
         # weight pages, which would otherwise land on whichever configuration runs first.
         for name in names:
@@ -277,8 +386,9 @@ def bench_split(model: BenchModel, settings: Settings) -> None:
     base = samples[names[0]]
     base_prefill = _median(base.prefill_tok_s)
     base_decode = _median(base.decode_tok_s)
+    in_process_decode = _median(samples["3-way"].decode_tok_s)
     print(
-        f"{'config':<9} {'shards':<22} {'prefill tok/s':>13} {'ratio':>6} "
+        f"{'config':<24} {'shards':<22} {'prefill tok/s':>13} {'ratio':>6} "
         f"{'decode tok/s':>13} {'ratio':>6}   targets: prefill >= {TARGET_PREFILL_RATIO}, "
         f"decode >= {TARGET_DECODE_RATIO}"
     )
@@ -286,36 +396,51 @@ def bench_split(model: BenchModel, settings: Settings) -> None:
         s = samples[name]
         prefill = _median(s.prefill_tok_s)
         decode = _median(s.decode_tok_s)
-        ranges = " ".join(f"{a}:{b}" for a, b in model.splits[name])
+        shards = " ".join(f"{a}:{b}" for a, b in configs[name][0])
         verdict = ""
         if name != names[0]:
             verdict = (
                 f"  prefill {_ratio_mark(prefill / base_prefill, TARGET_PREFILL_RATIO)}, "
                 f"decode {_ratio_mark(decode / base_decode, TARGET_DECODE_RATIO)}"
             )
+        if name.startswith("3-way/proc"):
+            verdict += f"; {decode / in_process_decode:.3f} of 3-way in one process"
+            results.record(
+                f"{_slug(name)}_decode_over_in_process", round(decode / in_process_decode, 3), "x"
+            )
+        key = _slug(name)
+        results.record(f"{key}_prefill_tok_s", round(prefill, 1), "tokens/s")
+        results.record(f"{key}_decode_tok_s", round(decode, 1), "tokens/s")
+        results.record(f"{key}_prefill_ratio", round(prefill / base_prefill, 3), "x")
+        results.record(f"{key}_decode_ratio", round(decode / base_decode, 3), "x")
         print(
-            f"{name:<9} {ranges:<22} {prefill:>13.1f} {prefill / base_prefill:>6.3f} "
+            f"{name:<24} {shards:<22} {prefill:>13.1f} {prefill / base_prefill:>6.3f} "
             f"{decode:>13.1f} {decode / base_decode:>6.3f}{verdict}"
         )
     print(
         "where the time goes (medians; compute = inside llama.cpp as the engines report it, "
-        "overhead = wall - compute = the API/Python side of every hop):"
+        "overhead = wall - compute = the API/Python side of every hop, plus pipes and codec "
+        "for /proc):"
     )
     print(
-        f"{'config':<9} {'prefill compute ms':>18} {'prefill overhead ms':>19} "
+        f"{'config':<24} {'prefill compute ms':>18} {'prefill overhead ms':>19} "
         f"{'decode compute ms':>17} {'decode overhead ms':>18} {'overhead/hop ms':>15}"
     )
     for name in names:
         s = samples[name]
-        hops = len(model.splits[name])
+        hops = len(configs[name][0])
         decode_overhead = _median(s.decode_overhead_ms)
+        results.record(
+            f"{_slug(name)}_decode_overhead_per_hop_ms", round(decode_overhead / hops, 3)
+        )
         print(
-            f"{name:<9} {_median(s.prefill_compute_ms):>18.2f} "
+            f"{name:<24} {_median(s.prefill_compute_ms):>18.2f} "
             f"{_median(s.prefill_overhead_ms):>19.3f} {_median(s.decode_compute_ms):>17.3f} "
             f"{decode_overhead:>18.3f} {decode_overhead / hops:>15.3f}"
         )
     reference = base.tokens[0]
     consistent = all(t == reference for s in samples.values() for t in s.tokens)
+    results.record("greedy_tokens_identical", consistent)
     print(f"greedy tokens identical across every configuration and repetition: {consistent}")
     for name in names[1:]:
         s = samples[name]
@@ -329,11 +454,105 @@ def bench_split(model: BenchModel, settings: Settings) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# 1b. OpenMP spin-wait: what a finished decode leaves running
+# --------------------------------------------------------------------------------------------
+
+IDLE_WINDOW_S: Final = 0.05
+
+
+def spin_child(spec_json: str) -> int:
+    """Subprocess body: decode on the unsplit model; after each decode returns, measure the
+    CPU time the whole process burns while this thread sleeps (spinning OpenMP threads)."""
+    spec = json.loads(spec_json)
+    engine = _load_engine(
+        ShardSpec(model=spec["model"], n_layers=spec["n_layers"], start=0, end=spec["n_layers"]),
+        max_sessions=1,
+        max_context=512,
+    )
+    session = SessionRef(session_id="spin", epoch=1)
+    prompt = [int(token) for token in spec["prompt"]]
+    engine.prefill(
+        PrefillRequest(
+            request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=tuple(prompt))
+        )
+    )
+    idle_cpu_ms: list[float] = []
+    decode_ms: list[float] = []
+    for step in range(spec["steps"]):
+        started = time.perf_counter()
+        engine.decode(
+            DecodeRequest(
+                request_id=f"d{step}",
+                session=session,
+                pos=len(prompt) + step,
+                inputs=TokenInput(token_ids=(prompt[-1],)),
+            )
+        )
+        decode_ms.append((time.perf_counter() - started) * 1000.0)
+        cpu = time.process_time()
+        time.sleep(IDLE_WINDOW_S)
+        idle_cpu_ms.append((time.process_time() - cpu) * 1000.0)
+    engine.close()
+    print(json.dumps({"idle_cpu_ms": _median(idle_cpu_ms), "decode_ms": _median(decode_ms)}))
+    return 0
+
+
+def bench_spin(
+    model: BenchModel, settings: Settings, results: Recorder, spin_counts: Sequence[str]
+) -> None:
+    chosen = [str(DEFAULT_SPIN_COUNT), "300000", "passive"]
+    chosen += [spin for spin in spin_counts if spin not in chosen]
+    print(
+        f"\n## {model.name}: OpenMP spin-wait ({N_THREADS} threads, unsplit, fresh process per "
+        f"setting, {settings.decode_tokens} decodes): CPU time the process burns in the "
+        f"{IDLE_WINDOW_S * 1000:.0f} ms after each decode returns (median)"
+    )
+    print(f"{'setting':<34} {'idle CPU ms':>11} {'decode ms':>10}")
+    for spin in chosen:
+        spec = {
+            "model": str(model.path),
+            "n_layers": model.n_layers,
+            "prompt": model.prompt_source(8, 0),
+            "steps": max(settings.decode_tokens, 2),
+        }
+        env = dict(os.environ)
+        for key, value in _spin_env(spin).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        completed = subprocess.run(
+            [sys.executable, __file__, "--spin-child", json.dumps(spec)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        measured = json.loads(completed.stdout.strip().splitlines()[-1])
+        label = "OMP_WAIT_POLICY=PASSIVE" if spin == "passive" else f"{SPIN_COUNT_ENV}={spin}"
+        if spin == str(DEFAULT_SPIN_COUNT):
+            label += " (the default)"
+        elif spin == "300000":
+            label += " (libgomp's own)"
+        key = _slug(f"spin_{spin}")
+        results.record(f"{key}_idle_cpu_ms", round(measured["idle_cpu_ms"], 2), "ms")
+        results.record(f"{key}_decode_ms", round(measured["decode_ms"], 3), "ms")
+        print(f"{label:<34} {measured['idle_cpu_ms']:>11.2f} {measured['decode_ms']:>10.3f}")
+    print(
+        "idle CPU is stolen from whatever runs next on these cores (the next shard's process); "
+        "decode ms is the one engine alone, where spinning helps a little"
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # 2. batched vs sequential decode
 # --------------------------------------------------------------------------------------------
 
 
-def bench_batched(model: BenchModel, settings: Settings, configs: Sequence[str]) -> None:
+def bench_batched(
+    model: BenchModel, settings: Settings, configs: Sequence[str], results: Recorder
+) -> None:
     n = settings.batch_sessions
     print(
         f"\n## {model.name}: {n} sessions, one decode_batch per step vs {n} single decodes "
@@ -358,6 +577,7 @@ def bench_batched(model: BenchModel, settings: Settings, configs: Sequence[str])
         sequential = _median(rates["sequential"])
         batched = _median(rates["batched"])
         speedup = batched / sequential
+        results.record(f"{_slug(name)}_batched_speedup", round(speedup, 2), "x")
         print(
             f"{name:<9} {sequential:>16.1f} {batched:>14.1f} {speedup:>7.2f}x   "
             f"{_ratio_mark(speedup, TARGET_BATCH_SPEEDUP)}"
@@ -539,7 +759,7 @@ def bench_memory(model: BenchModel, configs: Sequence[str]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def bench_cancel(model: BenchModel, settings: Settings) -> None:
+def bench_cancel(model: BenchModel, settings: Settings, results: Recorder) -> None:
     n_tokens = settings.cancel_prompt_tokens
     print(
         f"\n## {model.name}: cancellation latency (cancel() -> Cancelled, unsplit, "
@@ -569,6 +789,9 @@ def bench_cancel(model: BenchModel, settings: Settings) -> None:
         rolled_back = engine.health().kv_used_tokens == 0
     finally:
         engine.close()
+    results.record("cancel_latency_median_ms", round(_median(latencies), 2), "ms")
+    results.record("cancel_latency_max_ms", round(max(latencies, default=float("nan")), 2), "ms")
+    results.record("cancel_rolled_back", rolled_back)
     print(
         f"uncancelled prefill: {full_ms:.0f} ms; cancel -> Cancelled latency: median "
         f"{_median(latencies):.2f} ms, max {max(latencies, default=float('nan')):.2f} ms over "
@@ -747,30 +970,38 @@ def find_gemma3(explicit: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
-SECTIONS: Final = ("split", "batched", "memory", "cancel", "hops")
+SECTIONS: Final = ("split", "spin", "batched", "memory", "cancel", "hops")
 
 
 def run_sections(
     model: BenchModel,
     settings: Settings,
     sections: set[str],
+    results: Recorder,
     *,
     batched: Sequence[str],
     memory: Sequence[str] | None = None,
+    spin_counts: Sequence[str] = (),
 ) -> None:
     if "split" in sections:
-        bench_split(model, settings)
+        bench_split(model, settings, results, spin_counts)
+    if "spin" in sections:
+        bench_spin(model, settings, results, spin_counts)
     if "batched" in sections:
-        bench_batched(model, settings, batched)
+        bench_batched(model, settings, batched, results)
     if "memory" in sections:
         bench_memory(model, list(model.splits) if memory is None else memory)
     if "cancel" in sections:
-        bench_cancel(model, settings)
+        bench_cancel(model, settings, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, shorter runs")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repetitions, shorter runs")
+    size.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: proves it runs, measures nothing"
+    )
     parser.add_argument("--repeat", type=int, help="repetitions of the split comparison")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
     parser.add_argument("--skip-gemma3", action="store_true")
@@ -779,29 +1010,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)}",
     )
+    parser.add_argument(
+        "--spin-counts",
+        default="",
+        help="comma-separated extra GOMP_SPINCOUNT values (or 'passive') for process-per-shard "
+        "configurations side by side",
+    )
+    add_results_option(parser)
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--spin-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
         return rss_child(args.rss_child)
-    settings = QUICK if args.quick else FULL
+    if args.spin_child:
+        return spin_child(args.spin_child)
+    settings = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.repeat:
         settings = dataclasses.replace(settings, repeat=args.repeat)
-    started = time.perf_counter()
-    print(
-        f"# llama engine benchmarks ({'quick' if args.quick else 'full'} run, pid {os.getpid()},"
-        f" {os.cpu_count()} CPUs)"
+    spin_counts = [spin for spin in args.spin_counts.split(",") if spin]
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    report = threading_report()
+    results = Results(
+        args.results,
+        "llama",
+        mode=mode,
+        repeat=settings.repeat,
+        n_threads=N_THREADS,
+        gomp_spincount=str(report["gomp_spincount"]),
+        omp_wait_policy=str(report["omp_wait_policy"]),
+        spin_source=str(report["source"]),
     )
+    started = time.perf_counter()
+    print(f"# llama engine benchmarks ({mode} run, pid {os.getpid()}, {os.cpu_count()} CPUs)")
+    print(f"threading: {report}")
     sections = set(args.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="shard-engine-bench-") as scratch:
         generated = generated_model(Path(scratch))
-        run_sections(generated, settings, sections, batched=["unsplit", "3-way"])
+        run_sections(
+            generated,
+            settings,
+            sections,
+            Recorder(results, "generated"),
+            batched=["unsplit", "3-way"],
+            spin_counts=spin_counts,
+        )
         if "hops" in sections:
             bench_hop_costs(512)
     gemma3 = None if args.skip_gemma3 else find_gemma3(args.model)
+    results.record("gemma3_measured", gemma3 is not None)
     if gemma3 is None:
         print(
             f"\n## gemma3-270m: skipped ({'--skip-gemma3' if args.skip_gemma3 else 'not found'};"
-            f" set {MODEL_ENV} or run `nox -s certify` to assemble it)"
+            f" set {MODEL_ENV} or run `nox -s certify` to assemble it into the model store)"
         )
     else:
         # A 512-token prefill already takes about a second on this model.
@@ -809,11 +1069,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_sections(
             gemma3_model(gemma3),
             gemma_settings,
-            sections,
+            sections - {"spin"},
+            Recorder(results, "gemma3"),
             batched=["unsplit"],
             memory=["unsplit", "3-way"],
+            spin_counts=spin_counts,
         )
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    total = time.perf_counter() - started
+    results.record("total_seconds", round(total))
+    print(f"\ntotal {total:.0f} s")
+    results.save()
     return 0
 
 

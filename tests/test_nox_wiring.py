@@ -16,11 +16,12 @@ def test_engine_plugins_are_discovered_from_pyprojects() -> None:
     assert noxfile.engine_plugins() == {
         "fake": "packages/shard-engine-fake",
         "llama": "packages/shard-engine-llama",
+        "remote": "packages/shard-engine-remote",
     }
 
 
 def test_one_conformance_session_per_plugin() -> None:
-    """`nox -l` lists conformance(engine='fake') and conformance(engine='llama'), and the
+    """`nox -l` lists conformance(engine=...) for fake, llama and remote, and the
     default sessions run tests, conformance, typecheck and lint."""
     listing = subprocess.run(
         [sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")],
@@ -29,11 +30,12 @@ def test_one_conformance_session_per_plugin() -> None:
         check=True,
         cwd=ROOT,
     ).stdout
-    for name in ("fake", "llama"):
+    for name in ("fake", "llama", "remote"):
         assert f"* conformance(engine='{name}')" in listing
-    for session in ("tests(package='api')", "typecheck", "lint"):
+    for session in ("tests(package='api')", "tests(package='remote')", "typecheck", "lint"):
         assert f"* {session}" in listing
     assert "- certify" in listing, "certify must be opt-in (not a default session)"
+    assert "- fuzz" in listing, "fuzz must be opt-in (not a default session)"
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -48,8 +48,7 @@ from shard_engine_api import (
     load_tokenizer,
 )
 from shard_engine_api.engine import file_sha256, model_store, portable_path, portable_text
-from shard_engine_llama import LlamaEngine
-from shard_engine_llama._gguf_split import Manifest, inspect_gguf, split_model
+from shard_engine_llama import LlamaEngine, Manifest, inspect_gguf, split_model
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 STORY: Final = "DGR-033"

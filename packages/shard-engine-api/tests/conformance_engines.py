@@ -49,6 +49,7 @@ from shard_engine_api.engine import (
 __all__ = [
     "BROKEN_ENGINES",
     "CANCEL_OPTIONS",
+    "CRASH_OPTIONS",
     "ReferenceEngine",
     "ReferencePlugin",
     "reference_fixture",
@@ -57,6 +58,8 @@ __all__ = [
 REFERENCE_LAYERS: Final = 4
 CANCEL_OPTIONS: Final[dict[str, object]] = {"forward_delay_ms": 1.0}
 """Load options that make a forward slow enough (1 ms per row) to be cancelled mid-way."""
+CRASH_OPTIONS: Final[dict[str, object]] = {"crash": True}
+"""Load options under which the first forward fails as a backend would (an exception)."""
 
 Array = npt.NDArray[np.float32]
 
@@ -75,6 +78,9 @@ def reference_fixture(
         description=f"toy history-dependent model, {n_layers} layers, hidden 8, vocab 32",
         # Claiming real evidence stands in for a real model in these tests of the report.
         synthetic=evidence == "fixture",
+        cancel_options=dict(CANCEL_OPTIONS),
+        crash_options=dict(CRASH_OPTIONS),
+        splits=((0, 1, 4), (0, 1, 3, 4), (0, 3, 4)),
     )
 
 
@@ -127,7 +133,8 @@ class _ToyModel:
 
 class ReferenceEngine(EngineCore):
     """A correct engine on EngineCore. Options: ``forward_delay_ms`` (cancellable sleep per
-    row, for the cancellation test) and ``evidence`` ("fixture" by default)."""
+    row, for the cancellation test), ``crash`` (the first forward raises, for the crash test)
+    and ``evidence`` ("fixture" by default)."""
 
     engine_name: ClassVar[str] = "reference"
 
@@ -137,11 +144,12 @@ class ReferenceEngine(EngineCore):
         self._sums: dict[int, Array] = {}
         self._undo: dict[int, tuple[int, Array]] = {}
         self._delay_s = 0.0
+        self._crash = False
 
     # ----------------------------------------------------------------- backend steps
 
     def _open(self, config: LoadConfig) -> ModelInfo:
-        unknown = set(config.options) - {"forward_delay_ms", "evidence"}
+        unknown = set(config.options) - {"forward_delay_ms", "evidence", "crash"}
         if unknown:
             raise InvalidRequest(f"unknown options {sorted(unknown)}")
         model = _ToyModel(Path(config.shard.model))
@@ -152,6 +160,7 @@ class ReferenceEngine(EngineCore):
         if not isinstance(delay_ms, int | float):
             raise InvalidRequest(f"forward_delay_ms must be a number, got {delay_ms!r}")
         self._delay_s = float(delay_ms) / 1000.0
+        self._crash = config.options.get("crash") is True
         evidence = config.options.get("evidence", "fixture")
         if evidence not in ("fixture", "real"):
             raise InvalidRequest(f"evidence must be fixture or real, got {evidence!r}")
@@ -186,6 +195,8 @@ class ReferenceEngine(EngineCore):
         return np.asarray(sums[layer, pos - 1], dtype=np.float32)
 
     def _forward(self, item: ForwardItem, output: OutputMode, token: CancelToken) -> Array:
+        if self._crash:
+            raise RuntimeError("injected backend failure")
         toy = self.toy
         shard = self.config.shard
         sums = self._slot_sums(item.slot)
@@ -377,20 +388,57 @@ class MetricsNotCounting(ReferenceEngine):
         return msgspec.structs.replace(metrics, prefill_tokens=0, decode_tokens=0, errors={})
 
 
+_MACHINE: Final = ("test_state_machine_every_role", "test_state_machine_full_shard")
+"""The model-based tests: they catch every bug that shows in outcomes, metrics or outputs."""
+
 BROKEN_ENGINES: Final[dict[str, tuple[type[ReferenceEngine], tuple[str, ...]]]] = {
     # Without StaleEpoch errors the error counters differ too.
-    "ignores_epochs": (IgnoresEpochs, ("test_health_metrics_consistent", "test_stale_epoch")),
-    "shared_cache": (SharedCache, ("test_session_isolation",)),
+    "ignores_epochs": (
+        IgnoresEpochs,
+        (
+            "test_error_codes_match_taxonomy",
+            "test_health_metrics_consistent",
+            "test_newer_epoch_sees_no_old_cache",
+            "test_stale_epoch",
+            "test_truncate_and_new_epoch_every_role",
+            "test_wire_round_trip_of_every_returned_object",
+            *_MACHINE,
+        ),
+    ),
+    "shared_cache": (
+        SharedCache,
+        (
+            "test_batched_decode_same_session_twice",
+            "test_cancel_running_batch",
+            "test_long_and_shared_prefix_session_ids",
+            "test_session_isolation",
+            *_MACHINE,
+        ),
+    ),
     "no_rollback": (NoRollback, ("test_cancel_rolls_back",)),
-    "wrong_positions": (WrongPositions, ("test_result_fields",)),
-    "results_say_real": (ResultsSayReal, ("test_evidence_class",)),
-    "results_say_fixture": (ResultsSayFixture, ("test_evidence_class",)),
-    "recreates_released": (RecreatesReleased, ("test_release_tombstone",)),
-    "decode_ignores_history": (DecodeIgnoresHistory, ("test_decode_consistency",)),
+    "wrong_positions": (WrongPositions, ("test_result_fields", *_MACHINE)),
+    "results_say_real": (ResultsSayReal, ("test_evidence_class", *_MACHINE)),
+    "results_say_fixture": (ResultsSayFixture, ("test_evidence_class", *_MACHINE)),
+    "recreates_released": (
+        RecreatesReleased,
+        (
+            "test_fence_holds_after_slot_reuse",
+            "test_newer_epoch_sees_no_old_cache",
+            "test_release_tombstone",
+            *_MACHINE,
+        ),
+    ),
+    "decode_ignores_history": (
+        DecodeIgnoresHistory,
+        ("test_decode_consistency", "test_long_prefill_vs_chunked_and_decode", *_MACHINE),
+    ),
     "wrong_error_for_role": (
         WrongErrorForRole,
         ("test_wrong_role_tokens_to_bundle_shard", "test_wrong_role_bundle_to_token_shard"),
     ),
-    "metrics_not_counting": (MetricsNotCounting, ("test_health_metrics_consistent",)),
+    "metrics_not_counting": (
+        MetricsNotCounting,
+        ("test_batched_decode_metrics", "test_health_metrics_consistent", *_MACHINE),
+    ),
 }
 """Each broken engine and the standard tests that must fail on it."""

@@ -38,6 +38,7 @@ from shard_engine_api import (
     ShardMismatch,
     ShardSpec,
     TokenInput,
+    _boundary,
     _codec,
 )
 from shard_engine_api._codec import all_finite
@@ -167,9 +168,31 @@ def test_requests_and_replies_have_their_own_decoders() -> None:
                 decode_request(buf)
 
 
-def test_encode_refuses_unencodable_options() -> None:
+def test_unencodable_options_are_refused_when_built() -> None:
+    with pytest.raises(InvalidRequest, match=r"LoadConfig\.options: option values must be JSON"):
+        LoadConfig(shard=SPEC, options={"bad": object()})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"start_pos": 2**64},
+        {"start_pos": -(2**63) - 1},
+        {"inputs": TokenInput(token_ids=(object(),))},  # type: ignore[arg-type]
+    ],
+    ids=["int above 64 bits", "int below 64 bits", "not encodable"],
+)
+def test_encode_refuses_unencodable_values(bad: dict[str, Any]) -> None:
+    # Structs without construction checks hold anything; encoding still ends typed.
+    fields: dict[str, Any] = {
+        "request_id": "p",
+        "session": SessionRef(session_id="s", epoch=1),
+        "start_pos": 0,
+        "inputs": TokenInput(token_ids=(1,)),
+    }
+    request = PrefillRequest(**(fields | bad))
     with pytest.raises(InvalidRequest, match="cannot encode"):
-        encode(LoadConfig(shard=SPEC, options={"bad": object()}))
+        encode(request)
 
 
 def test_error_reply_raises_typed_error() -> None:
@@ -316,14 +339,14 @@ def test_version_one_with_a_broken_shape_is_plain_invalid_request() -> None:
         ("hidden_size", 7, "header promises"),
         ("dtype", "f16", "header promises"),
         ("n_tokens", 0, "out of range"),
-        ("n_tokens", -3, "out of range"),
+        ("n_tokens", -3, "Expected `int` >= 0"),
         ("hidden_size", 0, "out of range"),
-        ("first_pos", -1, "out of range"),
+        ("first_pos", -1, "Expected `int` >= 0"),
         ("layer", 0, "layer"),
         ("n_tokens", 2**40, "header promises"),
         ("hidden_size", 2**62, "header promises"),
-        ("n_tokens", 2**64 - 1, "header promises"),
-        ("first_pos", -(2**63), "out of range"),
+        ("n_tokens", 2**64 - 1, "Expected `int` <= 9223372036854775807"),
+        ("first_pos", -(2**63), "Expected `int` >= 0"),
         ("dtype", "bf16", "bf16"),
         ("dtype", 4, "Expected `str`"),
         ("payload", "text", "Expected `bytes`"),
@@ -402,7 +425,7 @@ def test_payload_over_the_limit_is_refused_before_hashing(
     def forbidden(payload: object) -> int:
         raise AssertionError("hashed an oversized payload")
 
-    monkeypatch.setattr(_codec, "payload_checksum", forbidden)
+    monkeypatch.setattr(_boundary, "payload_checksum", forbidden)
     with pytest.raises(ResourceExhausted) as caught:
         decode_bundle(buf, max_payload_bytes=1023)
     assert not caught.value.retryable
@@ -410,6 +433,7 @@ def test_payload_over_the_limit_is_refused_before_hashing(
         "resource": "payload_bytes",
         "payload_bytes": 1024,
         "limit": 1023,
+        "violation": "payload_limit",
     }
 
 

@@ -84,7 +84,7 @@ def bundles(draw: st.DrawFn, n_tokens: int | None = None) -> BoundaryBundle:
         session=draw(sessions),
         first_pos=draw(COUNT),
         layer=draw(st.integers(1, 10_000)),
-        model_fingerprint=draw(st.text(max_size=40)),
+        model_fingerprint=draw(st.text(min_size=1, max_size=40)),
         dtype=dtype,  # type: ignore[arg-type]
     )
 
@@ -178,7 +178,7 @@ messages: st.SearchStrategy[Any] = st.one_of(
         LoadConfig,
         shard=shard_specs(),
         boundary_dtype=st.sampled_from(["f32", "f16"]),
-        max_sessions=positive,
+        max_sessions=st.integers(1, 2**20),
         eviction=st.sampled_from(["reject", "lru"]),
         n_threads=st.integers(0, 64),
         options=st.dictionaries(NAME, option_values, max_size=3),

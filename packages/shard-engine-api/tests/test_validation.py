@@ -162,11 +162,21 @@ def hidden_bundle(n: int, first_pos: int = 0, layer: int = 2) -> BoundaryBundle:
 
 
 def make(
-    start: int, end: int, mutate: Mutation = lambda r: r, *, nonfinite: str = "reject"
+    start: int,
+    end: int,
+    mutate: Mutation = lambda r: r,
+    *,
+    nonfinite: str = "reject",
+    loaded_before: bool = False,
 ) -> tuple[ValidatingEngine, Tamper]:
+    """A wrapped tampering engine, loaded through the wrapper or (``loaded_before``) loaded
+    first and wrapped afterwards, as a worker that adopts a running engine does."""
     tamper = Tamper(TinyEngine(), mutate)
+    if loaded_before:
+        tamper.load(config(start, end))
     engine = ValidatingEngine(tamper, nonfinite=nonfinite)  # type: ignore[arg-type]
-    engine.load(config(start, end))
+    if not loaded_before:
+        engine.load(config(start, end))
     return engine, tamper
 
 
@@ -343,7 +353,7 @@ NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("bundle session", replace_bundle(session=session("o")), "session"),
     ("hidden size", rebuild_bundle(lambda v: np.hstack([v, v])), "hidden_size"),
     ("dtype not loaded", rebuild_bundle(lambda v: v, "f16"), "dtype"),
-    ("dtype unknown", replace_bundle(dtype="bf16"), "dtype"),
+    ("dtype unknown", replace_bundle(dtype="bf16"), "result_fields"),
     ("layer", replace_bundle(layer=1), "layer"),
     ("fingerprint", replace_bundle(model_fingerprint="fp-other"), "fingerprint"),
     ("contract version", replace_bundle(contract_version=CONTRACT_VERSION + 1), "contract_version"),
@@ -356,12 +366,15 @@ NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("loaded_before", [False, True], ids=["wrapped, loaded", "loaded, wrapped"])
 @pytest.mark.parametrize(
     ("mutate", "check"),
     [pytest.param(m, c, id=name) for name, m, c in NON_TAIL_BREAKAGES],
 )
-def test_broken_boundary_results_are_caught(mutate: Mutation, check: str) -> None:
-    engine, _ = make(0, 2, mutate)
+def test_broken_boundary_results_are_caught(
+    mutate: Mutation, check: str, loaded_before: bool
+) -> None:
+    engine, _ = make(0, 2, mutate, loaded_before=loaded_before)
     with pytest.raises(MalformedOutput) as caught:
         engine.prefill(head_prefill())
     assert caught.value.details["check"] == check
@@ -415,11 +428,14 @@ TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("loaded_before", [False, True], ids=["wrapped, loaded", "loaded, wrapped"])
 @pytest.mark.parametrize(
     ("mutate", "check"), [pytest.param(m, c, id=name) for name, m, c in TAIL_BREAKAGES]
 )
-def test_broken_logits_results_are_caught(mutate: Mutation, check: str) -> None:
-    engine, _ = make(2, 4, mutate)
+def test_broken_logits_results_are_caught(
+    mutate: Mutation, check: str, loaded_before: bool
+) -> None:
+    engine, _ = make(2, 4, mutate, loaded_before=loaded_before)
     request = PrefillRequest(
         request_id="p", session=session(), start_pos=0, inputs=hidden_bundle(3, 0, 2)
     )
@@ -468,10 +484,46 @@ BATCH_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("batch id", lambda r: msgspec.structs.replace(r, request_id="x"), "request_id"),
     ("missing item", _items(lambda items: items[:-1]), "batch_count"),
     ("extra item", _items(lambda items: (*items, items[0])), "batch_count"),
-    ("reordered", _items(lambda items: items[::-1]), "request_id"),
-    ("bad item", _items(lambda items: (items[0], replace_bundle(layer=9)(items[1]), items[2])),
-     "layer"),
 ]  # fmt: skip
+
+# A bad entry fails only its own item: the other items committed and are handed on.
+BATCH_ITEM_BREAKAGES: list[tuple[str, Mutation, dict[int, str]]] = [
+    ("reordered", _items(lambda items: items[::-1]), {0: "request_id", 2: "request_id"}),
+    ("item not a result", _items(lambda items: (*items[:2], "text")), {2: "result_type"}),
+    ("bad item", _items(lambda items: (items[0], replace_bundle(layer=9)(items[1]), items[2])),
+     {1: "layer"}),
+    ("wrong dtype", _items(lambda items: (rebuild_bundle(lambda v: v, "f16")(items[0]),
+                                           *items[1:])), {0: "dtype"}),
+    ("field type", _items(lambda items: (*items[:2], msgspec.structs.replace(items[2],
+                                                                             first_pos=1.0))),
+     {2: "result_fields"}),
+    ("bad error entry", _items(lambda items: (*items[:2], ErrorInfo(code="x", message="m",
+                                                                     retryable="no"))),  # type: ignore[arg-type]
+     {2: "error_fields"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mutate", "bad"), [pytest.param(m, b, id=name) for name, m, b in BATCH_ITEM_BREAKAGES]
+)
+@pytest.mark.parametrize("loaded_before", [False, True], ids=["wrapped, loaded", "loaded, wrapped"])
+def test_bad_batch_items_fail_alone(
+    mutate: Mutation, bad: dict[int, str], loaded_before: bool
+) -> None:
+    engine, tamper = make(0, 2, loaded_before=loaded_before)
+    prime(engine)
+    tamper.mutate = mutate
+    result = engine.decode_batch(batch_request())
+    for index, outcome in enumerate(result.items):
+        if index in bad:
+            assert isinstance(outcome, ErrorInfo)
+            assert outcome.code == "malformed_output"
+            assert outcome.details == {"check": bad[index], "item": index}
+            assert outcome.message.startswith(f"batch item {index}: {bad[index]}:")
+        else:
+            assert isinstance(tamper.last, DecodeBatchResult)
+            assert outcome is tamper.last.items[index]
+    assert engine.metrics().decode_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -490,9 +542,10 @@ def test_bad_batch_item_names_its_index() -> None:
     engine, tamper = make(0, 2)
     prime(engine)
     tamper.mutate = _items(lambda items: (items[0], items[1], replace_bundle(checksum=0)(items[2])))
-    with pytest.raises(MalformedOutput, match="batch item 2: checksum") as caught:
-        engine.decode_batch(batch_request())
-    assert caught.value.details == {"check": "checksum", "item": 2}
+    outcome = engine.decode_batch(batch_request()).items[2]
+    assert isinstance(outcome, ErrorInfo)
+    assert outcome.message.startswith("batch item 2: checksum:")
+    assert outcome.details == {"check": "checksum", "item": 2}
 
 
 @pytest.mark.parametrize("method", ["cancel", "release"])
@@ -549,3 +602,30 @@ def test_capabilities_must_not_change_after_load() -> None:
     )
     with pytest.raises(MalformedOutput, match="capabilities_changed"):
         engine.capabilities()
+
+
+def test_an_engine_that_does_not_report_its_dtype_gets_its_first_dtype_pinned() -> None:
+    # Capabilities from an engine that predates Capabilities.boundary_dtype: the first bundle's
+    # dtype becomes the one every later bundle must carry.
+    tamper = Tamper(TinyEngine())
+    capabilities = tamper.load(config(0, 2))
+    tamper.capabilities_override = msgspec.structs.replace(capabilities, boundary_dtype=None)
+    engine = ValidatingEngine(tamper)
+    engine.prefill(head_prefill())
+    tamper.mutate = rebuild_bundle(lambda v: v, "f16")
+    with pytest.raises(MalformedOutput) as caught:
+        engine.decode(
+            DecodeRequest(
+                request_id="d", session=session(), pos=3, inputs=TokenInput(token_ids=(1,))
+            )
+        )
+    assert caught.value.details["check"] == "dtype"
+
+
+def test_capabilities_with_fields_of_the_wrong_type_are_caught() -> None:
+    tamper = Tamper(TinyEngine())
+    capabilities = tamper.load(config(0, 2))
+    tamper.capabilities_override = msgspec.structs.replace(capabilities, hidden_size="8")
+    with pytest.raises(MalformedOutput) as caught:
+        ValidatingEngine(tamper).capabilities()
+    assert caught.value.details["check"] == "capabilities_fields"

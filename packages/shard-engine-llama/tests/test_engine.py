@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf_edit import f32, rewrite
 
 from shard_engine_api import (
     BoundaryResult,
@@ -33,7 +34,8 @@ from shard_engine_api import (
 )
 from shard_engine_llama import LlamaEngine, _abi
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
-from shard_engine_llama._gguf_split import split_model
+from shard_engine_llama._gguf import read_gguf_header, split_model
+from shard_engine_llama._gguf import store as store_module
 from shard_engine_llama._tiny_model import write_tiny_model
 
 PROMPT = (5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11)
@@ -287,6 +289,28 @@ def test_bad_files_and_unsupported_architectures(tmp_path: Path) -> None:
     assert refused.value.details["rule"] == "embedding-input-scaled"
 
 
+@pytest.mark.parametrize("role", [(0, 2), (0, 1), (1, 2)])
+def test_negative_epsilon_is_refused_before_llama_cpp_sees_it(
+    tmp_path: Path, role: tuple[int, int]
+) -> None:
+    """Such a file used to load "ready" and abort the process on the first prefill
+    (GGML_ASSERT(eps >= 0.0f)); now loading any shard of it is an InvalidRequest naming the
+    field, and the process lives on."""
+    source = tmp_path / "good.gguf"
+    write_tiny_model(source, n_layers=2)
+    broken = rewrite(
+        source,
+        tmp_path / "negative-eps.gguf",
+        metadata={"llama.attention.layer_norm_rms_epsilon": f32(-1e-5)},
+    )
+    with pytest.raises(InvalidRequest) as refused:
+        _load(broken, role[0], role[1], 2)
+    assert refused.value.details == {
+        "rule": "hparam-positive-finite",
+        "field": "llama.attention.layer_norm_rms_epsilon",
+    }
+
+
 def test_prebuilt_shard_file_as_model(tiny_model: Path, tmp_path: Path) -> None:
     """A worker that downloads only its shard file loads it directly; the range must match."""
     manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
@@ -299,3 +323,63 @@ def test_prebuilt_shard_file_as_model(tiny_model: Path, tmp_path: Path) -> None:
         _load(manifest.shard_path(0), 0, 3, TINY_MODEL_LAYERS)
     with pytest.raises(InvalidRequest):
         _load(tiny_model, 0, 2, TINY_MODEL_LAYERS + 1)
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    """Alter one byte of tensor data (not the header), as a damaged download or a tamperer
+    would: the file still parses and validates."""
+    header = read_gguf_header(path)
+    record = max(header.tensors.values(), key=lambda r: r.n_bytes)
+    with path.open("r+b") as handle:
+        handle.seek(record.offset + record.n_bytes // 2)
+        value = handle.read(1)
+        handle.seek(record.offset + record.n_bytes // 2)
+        handle.write(bytes([value[0] ^ 0x40]))
+
+
+def test_a_tampered_shard_file_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    """Altered after split, a shard used to load and report the source's fingerprint while
+    computing something else; now its bytes are checked against the digest it carries."""
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    tail = manifest.shard_path(1)
+    _flip_tensor_byte(tail)
+    with pytest.raises(InvalidRequest) as refused:
+        _load(tail, 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    assert refused.value.details["rule"] == "shard-integrity"
+
+
+def test_a_tampered_shard_in_the_store_is_rewritten(tiny_model: Path, tmp_path: Path) -> None:
+    """The engine's own shard file is verified before reuse; a damaged one is written again
+    and the pipeline still equals the unsplit model."""
+    store = tmp_path / "store"
+    options = {"model_store": str(store)}
+    full = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS, options=options)
+    head = _load(tiny_model, 0, 3, TINY_MODEL_LAYERS, options=options)
+    assert head.shard_path is not None
+    head.close()
+    _flip_tensor_byte(head.shard_path)
+    head = _load(tiny_model, 0, 3, TINY_MODEL_LAYERS, options=options)
+    tail = _load(tiny_model, 3, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS, options=options)
+    try:
+        expected = Pipeline([full]).generate(PROMPT, 3)
+        actual = Pipeline([head, tail]).generate(PROMPT, 3)
+        assert expected.step_logits == actual.step_logits
+    finally:
+        _close([full, head, tail])
+
+
+def test_verification_is_cached_per_file_identity(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker does not re-hash an unchanged file on every load; a changed one is re-hashed."""
+    monkeypatch.setattr(store_module, "RACY_SECONDS", 0.0)
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    cache = store_module.hash_cache()
+    _load(manifest.shard_path(1), 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS).close()
+    computed = cache.computed
+    _load(manifest.shard_path(1), 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS).close()
+    assert cache.computed == computed, "an unchanged shard was hashed again"
+    _flip_tensor_byte(manifest.shard_path(1))
+    with pytest.raises(InvalidRequest):
+        _load(manifest.shard_path(1), 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    assert cache.computed == computed + 1

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shard_engine_llama._abi import ContextSettings, ShardRuntime
-from shard_engine_llama._gguf_split import split_model
+from shard_engine_llama._gguf import split_model
 from shard_engine_llama._reference import ReferenceModel
 from shard_engine_llama._tiny_model import write_tiny_model
 
@@ -16,7 +16,7 @@ TOLERANCE = 1e-4
 OPTIONS = ContextSettings(n_ctx=128, n_seq_max=1, n_threads=2, n_batch=64, n_ubatch=16)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
 def test_logits_match_reference(tmp_path: Path, arch: str) -> None:
     path = tmp_path / f"{arch}.gguf"
     write_tiny_model(path, arch=arch, seed=2)

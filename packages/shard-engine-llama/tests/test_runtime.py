@@ -19,9 +19,9 @@ from shard_engine_llama._abi import (
     KVFullError,
     LlamaRuntimeError,
     ShardRuntime,
-    self_test,
 )
-from shard_engine_llama._gguf_split import Manifest, split_model
+from shard_engine_llama._gguf import Manifest, split_model
+from shard_engine_llama._self_test import self_test
 from shard_engine_llama._tiny_model import write_tiny_model
 
 Logits = npt.NDArray[np.float32]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,16 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard_engine_llama._gguf_split import (
+from shard_engine_llama._gguf import (
+    GGUFModelInfo,
     GGUFValidationError,
-    ModelInfo,
-    ModelStoreError,
     ShardingRefusedError,
     SplitProgress,
     inspect_gguf,
     parts_by_bytes,
     read_gguf_header,
-    resolve_model_store,
     split_model,
     validate_gguf,
 )
@@ -243,15 +240,15 @@ def test_embedding_scaling_architecture_is_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_is_refused(tiny: Path, tmp_path: Path) -> None:
-    renamed: dict[str, int | str] = {"general.architecture": "phi3"}
+    renamed: dict[str, int | str] = {"general.architecture": "starcoder2"}
     header = read_gguf_header(tiny)
     for key in header.metadata:
         if key.startswith("llama."):
-            renamed_key = "phi3." + key[len("llama.") :]
+            renamed_key = "starcoder2." + key[len("llama.") :]
             entry = header.metadata[key]
             if isinstance(entry.value, int | str) and not isinstance(entry.value, bool):
                 renamed[renamed_key] = entry.value
-    path = _rewrite(tiny, tmp_path / "phi3.gguf", metadata=renamed)
+    path = _rewrite(tiny, tmp_path / "starcoder2.gguf", metadata=renamed)
     info = inspect_gguf(path)
     assert info.refusal is not None
     assert info.refusal.startswith("architecture-not-allowed")
@@ -276,8 +273,8 @@ def test_shard_files_are_not_resplit(tiny: Path, tmp_path: Path) -> None:
 # -- planning -------------------------------------------------------------------------------------
 
 
-def _info(layer_bytes: list[int]) -> ModelInfo:
-    return ModelInfo(
+def _info(layer_bytes: list[int]) -> GGUFModelInfo:
+    return GGUFModelInfo(
         path=Path("x.gguf"),
         architecture="llama",
         n_layers=len(layer_bytes),
@@ -411,24 +408,6 @@ def test_gemma3_pattern_is_sliced(tmp_path: Path) -> None:
         assert windows == (0 if index == 2 else 8)
     # Full model: local where il % 6 < 5; identity blocks are local.
     assert patterns == [[True, True, True], [True, True, True, True], [False]]
-
-
-# -- model store ------------------------------------------------------------------------------
-
-
-def test_model_store_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", str(tmp_path / "env"))
-    assert resolve_model_store(None) == (tmp_path / "env").resolve()
-    assert resolve_model_store(tmp_path / "explicit") == (tmp_path / "explicit").resolve()
-    with pytest.raises(ModelStoreError, match="/home"):
-        resolve_model_store("/home/someone/models")
-    monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", "/home/x")
-    with pytest.raises(ModelStoreError, match="SHARD_ENGINE_MODEL_STORE"):
-        resolve_model_store(None)
-    monkeypatch.delenv("SHARD_ENGINE_MODEL_STORE")
-    monkeypatch.setenv("HOME", str(tmp_path / "h"))
-    assert resolve_model_store(None) == (tmp_path / "h" / ".cache" / "shard-engine").resolve()
-    assert os.environ["HOME"] == str(tmp_path / "h")
 
 
 def test_duplicate_token_strings_are_refused(tiny: Path, tmp_path: Path) -> None:

@@ -1,5 +1,21 @@
-"""An asyncio adapter: runs any engine's blocking calls off the event loop, and turns task
-cancellation into an engine cancel so the session is rolled back before the task ends."""
+"""An asyncio adapter: runs any engine's blocking calls on a thread pool, and makes task
+cancellation mean what it says.
+
+Cancelling a task that awaits one of the adapter's calls:
+
+- a call still queued in the executor is withdrawn before it runs: ``CancelledError``, nothing
+  happened;
+- a running prefill, decode or batch is cancelled in the engine (by request id), and the task
+  waits until the call has ended, so the caller never races a half-finished operation. If it
+  rolled back (or failed), the task ends with ``CancelledError``; if it committed before the
+  cancel reached it, **the result stands and is returned**: the cancellation is absorbed
+  rather than reported as a rollback that did not happen;
+- a running call that has no request id (``release``, ``load``, ``close``) cannot be stopped:
+  the task waits for it and returns its result (a release that ran says so), or ends with
+  ``CancelledError`` if it failed.
+
+So ``CancelledError`` always means "this call changed nothing".
+"""
 
 from __future__ import annotations
 
@@ -7,8 +23,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 from collections.abc import Callable
-from typing import TypeVar
+from types import TracebackType
+from typing import Self, TypeVar
 
+from shard_engine_api._errors import ShardEngineError
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
     CancelRequest,
@@ -32,8 +50,11 @@ _T = TypeVar("_T")
 
 
 class AsyncShardEngine:
-    """Await an engine's operations. ``executor`` defaults to a private thread pool whose
-    size bounds how many calls wait on the engine at once (the engine serialises compute)."""
+    """Await an engine's operations (see the module docstring for cancellation).
+
+    ``executor`` defaults to a private thread pool whose size bounds how many calls wait on the
+    engine at once (the engine serialises compute). ``async with`` closes the engine on exit.
+    """
 
     def __init__(
         self, engine: ShardEngine, *, executor: concurrent.futures.Executor | None = None
@@ -44,58 +65,87 @@ class AsyncShardEngine:
             max_workers=8, thread_name_prefix=f"shard-engine-{engine.name}"
         )
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
     async def _run(self, call: Callable[[], _T], request_id: str | None = None) -> _T:
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, call)
+        submitted = self._executor.submit(call)
+        future = asyncio.wrap_future(submitted)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
+            if submitted.cancel():
+                raise  # still queued: withdrawn before it ran
             if request_id is not None:
-                self.engine.cancel(CancelRequest(request_id=request_id))
-                # Wait for the engine to stop and roll back, so the caller never races a
-                # half-finished operation on the same session.
-                with contextlib.suppress(BaseException):
-                    await future
-            raise
+                # A failed engine ends the call by itself.
+                with contextlib.suppress(ShardEngineError):
+                    self.engine.cancel(CancelRequest(request_id=request_id))
+            await _settled(future)
+            if future.cancelled() or future.exception() is not None:
+                raise  # rolled back, or failed: nothing changed
+            # It committed before the cancel could stop it: the result stands.
+            return future.result()
 
     async def load(self, config: LoadConfig) -> Capabilities:
-        """See ShardEngine.load."""
+        """Await ShardEngine.load on the executor."""
         return await self._run(lambda: self.engine.load(config))
 
     async def capabilities(self) -> Capabilities:
-        """See ShardEngine.capabilities."""
+        """Await ShardEngine.capabilities on the executor."""
         return await self._run(self.engine.capabilities)
 
     async def prefill(self, request: PrefillRequest) -> ShardResult:
-        """See ShardEngine.prefill; cancelling the awaiting task cancels the request."""
+        """Await ShardEngine.prefill; cancelling the task cancels the request (see above)."""
         return await self._run(lambda: self.engine.prefill(request), request.request_id)
 
     async def decode(self, request: DecodeRequest) -> ShardResult:
-        """See ShardEngine.decode; cancelling the awaiting task cancels the request."""
+        """Await ShardEngine.decode; cancelling the task cancels the request (see above)."""
         return await self._run(lambda: self.engine.decode(request), request.request_id)
 
     async def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
-        """See ShardEngine.decode_batch; cancelling the awaiting task cancels the batch."""
+        """Await ShardEngine.decode_batch; cancelling the task cancels the batch (see above)."""
         return await self._run(lambda: self.engine.decode_batch(request), request.request_id)
 
     async def cancel(self, request: CancelRequest) -> CancelResult:
-        """See ShardEngine.cancel (runs inline: it never blocks)."""
+        """ShardEngine.cancel, called on the event loop's thread without an executor hop:
+        it never waits for compute, so it cannot be stuck behind the work it cancels."""
         return self.engine.cancel(request)
 
     async def release(self, request: ReleaseRequest) -> ReleaseResult:
-        """See ShardEngine.release."""
+        """Await ShardEngine.release on the executor. A cancelled release is withdrawn if still
+        queued; once running it completes and its result is returned."""
         return await self._run(lambda: self.engine.release(request))
 
     async def health(self) -> Health:
-        """See ShardEngine.health (runs inline: it never blocks)."""
+        """ShardEngine.health, called on the event loop's thread (it never blocks)."""
         return self.engine.health()
 
     async def metrics(self) -> Metrics:
-        """See ShardEngine.metrics (runs inline: it never blocks)."""
+        """ShardEngine.metrics, called on the event loop's thread (it never blocks)."""
         return self.engine.metrics()
 
     async def close(self) -> None:
-        """Close the engine and the private executor."""
-        await self._run(self.engine.close)
-        if self._owns_executor:
-            self._executor.shutdown(wait=False)
+        """Close the engine, then the private executor."""
+        try:
+            await self._run(self.engine.close)
+        finally:
+            if self._owns_executor:
+                self._executor.shutdown(wait=False)
+
+
+async def _settled(future: asyncio.Future[_T]) -> None:
+    """Wait until ``future`` is done, however often the waiting task is cancelled meanwhile:
+    leaving early would let the caller race an operation that is still running."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue

@@ -102,6 +102,7 @@ def describe(engine_name: str, config: LoadConfig, info: ModelInfo) -> Capabilit
         features=msgspec.structs.replace(info.features, eviction=config.eviction == "lru"),
         determinism=info.determinism,
         reserved=ReservedHooks(),
+        boundary_dtype=config.boundary_dtype,
     )
 
 

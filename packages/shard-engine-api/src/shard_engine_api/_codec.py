@@ -6,11 +6,21 @@ thread-safe), and a decoded message is checked before it is returned, so a calle
 complete, verified object or a typed :class:`~shard_engine_api.InvalidRequest` (or subclass),
 never a partial object and never a raw msgspec exception.
 
+Decoding is bounded by the codec's limits before anything large is built: the message size
+(``max_payload_bytes`` plus :data:`MESSAGE_OVERHEAD_BYTES`), every container's length (the
+``msgspec.Meta`` bounds of shard_engine_api._types, checked from the length header before any
+element is decoded), the nesting depth (no decoder recurses without bound: a nested-array bomb
+is InvalidRequest, never RecursionError), and engine options (``LoadConfig.options`` is decoded
+only after its encoded size passed :data:`MAX_OPTIONS_BYTES`, then held to the bounds of
+:func:`shard_engine_api._edge.check_option_value`).
+
 Payloads (bundle hidden states and logits) decode zero-copy: the ``payload`` memoryview is a
 view into the input buffer, and ``array()`` is ``np.frombuffer`` on it. The decoded object keeps
-the input buffer alive. Decoding verifies, in this order, cheapest first: contract version, header
-values, payload size limit (before any hashing), payload length against the header, the
-receiver's expected model fingerprint and layer, checksum, and finiteness.
+the input buffer alive. Decoding verifies every bundle and logits payload with the checks of
+shard_engine_api._boundary (cheapest first: contract version, reserved state, header values,
+dtype, the receiver's expected hidden size, model fingerprint and layer, payload size limit
+before any hashing, payload length, checksum, finiteness); a bundle verified here is marked so
+the engine core that receives it does not scan its payload again.
 
 Checksums are computed once, by the engine that creates a bundle, so encoding never recomputes
 them; decoding always verifies them.
@@ -26,22 +36,25 @@ decoder of these types ignores the unknown field, so it is not a wire change.
 
 from __future__ import annotations
 
-import threading
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias, TypeVar
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
-from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._boundary import (
+    BundleExpectation,
+    all_finite,
+    check_bundle,
+    check_logits,
+    violation_error,
+)
+from shard_engine_api._edge import check_option_value
 from shard_engine_api._errors import (
-    ChecksumMismatch,
     ContractVersionMismatch,
+    ErrorDetail,
     ErrorInfo,
     InvalidRequest,
     ResourceExhausted,
     ShardEngineError,
-    ShardMismatch,
     error_from_info,
 )
 from shard_engine_api._types import (
@@ -61,16 +74,18 @@ from shard_engine_api._types import (
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
-    numpy_dtype,
 )
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "MAX_OPTIONS_BYTES",
+    "MESSAGE_OVERHEAD_BYTES",
     "Codec",
     "NonFinitePolicy",
     "WireMessage",
     "WireReply",
     "WireRequest",
+    "all_finite",
     "decode_bundle",
     "decode_error",
     "decode_message",
@@ -87,6 +102,13 @@ InvalidRequest (``"reject"``, the default) or pass them through (``"allow"``).""
 
 DEFAULT_MAX_PAYLOAD_BYTES: Final = 256 * 1024 * 1024
 """The default limit on one payload (256 MiB: 16k rows of hidden size 4096 in f32)."""
+MESSAGE_OVERHEAD_BYTES: Final = 64 * 1024 * 1024
+"""How much more than ``max_payload_bytes`` a whole message may be (headers, token ids, the
+items of a batch): a longer message is refused before it is decoded."""
+MAX_OPTIONS_BYTES: Final = 64 * 1024
+"""The largest encoded ``LoadConfig.options``: decoded, that is at most a few MiB of objects
+(msgpack's one-byte empty containers are the worst case), and the decoded options must then
+also pass the depth and count bounds of the edge checks."""
 
 WireRequest: TypeAlias = (
     LoadConfig
@@ -131,6 +153,28 @@ WireMessage: TypeAlias = (
 """Every top-level message of the wire: requests, replies, errors and bare bundles.
 (``TokenInput``, ``MtpState`` and ``AuxState`` are tagged too, but only travel nested.)"""
 
+
+def _wire_load_config() -> type[msgspec.Struct]:
+    """LoadConfig as the decoders see it: ``options`` stays raw msgpack until its size is
+    checked (an ``Any`` field would otherwise build whatever the bytes describe). Derived from
+    LoadConfig's own fields, so the two cannot drift apart."""
+    fields: list[tuple[str, object, object]] = []
+    for info in msgspec.structs.fields(LoadConfig):
+        if info.name == "options":
+            # An empty Raw stands for "absent" (an encoded value is never empty).
+            fields.append((info.name, msgspec.Raw, msgspec.Raw()))
+        elif info.required:
+            fields.append((info.name, info.type, msgspec.NODEFAULT))
+        else:
+            fields.append((info.name, info.type, info.default))
+    return msgspec.defstruct(
+        "LoadConfig", fields, tag="load", frozen=True, kw_only=True, module=__name__
+    )
+
+
+_WireLoadConfig: Final = _wire_load_config()
+_OPTIONS_DECODER: Final = msgspec.msgpack.Decoder(dict[str, object])
+
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _ALIGNMENT: Final = 16
 _ALIGN_FROM_BYTES: Final = 64 * 1024
@@ -141,8 +185,32 @@ _PAYLOAD_KEY: Final = _ENCODER.encode("payload")
 _PAD_KEY: Final = _ENCODER.encode("_pad")
 _TAG_KEY: Final = _ENCODER.encode("type")
 # msgspec's stubs type a decoder built from a union as Decoder[Any]; pin the real types.
-_MESSAGE_DECODER: Final[msgspec.msgpack.Decoder[WireMessage]] = msgspec.msgpack.Decoder(WireMessage)
-_REQUEST_DECODER: Final[msgspec.msgpack.Decoder[WireRequest]] = msgspec.msgpack.Decoder(WireRequest)
+_MESSAGE_DECODER: Final[msgspec.msgpack.Decoder[WireMessage]] = msgspec.msgpack.Decoder(
+    _WireLoadConfig  # stands in for LoadConfig, see _wire_load_config
+    | PrefillRequest
+    | DecodeRequest
+    | DecodeBatchRequest
+    | CancelRequest
+    | ReleaseRequest
+    | Capabilities
+    | BoundaryResult
+    | LogitsResult
+    | DecodeBatchResult
+    | CancelResult
+    | ReleaseResult
+    | Health
+    | Metrics
+    | ErrorInfo
+    | BoundaryBundle
+)
+_REQUEST_DECODER: Final[msgspec.msgpack.Decoder[WireRequest]] = msgspec.msgpack.Decoder(
+    _WireLoadConfig
+    | PrefillRequest
+    | DecodeRequest
+    | DecodeBatchRequest
+    | CancelRequest
+    | ReleaseRequest
+)
 _REPLY_DECODER: Final[msgspec.msgpack.Decoder[WireReply | ErrorInfo]] = msgspec.msgpack.Decoder(
     WireReply | ErrorInfo
 )
@@ -150,6 +218,7 @@ _BUNDLE_DECODER: Final = msgspec.msgpack.Decoder(BoundaryBundle)
 _ERROR_DECODER: Final = msgspec.msgpack.Decoder(ErrorInfo)
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
+_T = TypeVar("_T")
 
 
 class _VersionProbe(msgspec.Struct):
@@ -181,12 +250,14 @@ def _probe_versions(probe: _VersionProbe) -> int | None:
     return None
 
 
-def _decode_failure(buf: Buffer, error: msgspec.MsgspecError) -> InvalidRequest:
+def _decode_failure(buf: Buffer, error: Exception) -> InvalidRequest:
     """The typed error for bytes the full decoder refused: a version mismatch when the bytes
     name another contract version, else InvalidRequest with msgspec's reason."""
+    if isinstance(error, RecursionError):
+        return InvalidRequest("undecodable message: nested too deeply")
     try:
         foreign = _probe_versions(_PROBE_DECODER.decode(buf))
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         foreign = None
     if foreign is not None:
         return ContractVersionMismatch(
@@ -196,46 +267,59 @@ def _decode_failure(buf: Buffer, error: msgspec.MsgspecError) -> InvalidRequest:
     return InvalidRequest(f"undecodable message: {error}")
 
 
+def _decode(decoder: msgspec.msgpack.Decoder[_T], buf: Buffer, max_bytes: int) -> _T:
+    """``decoder.decode(buf)`` within the size bound, every failure typed."""
+    size = memoryview(buf).nbytes
+    if size > max_bytes:
+        raise ResourceExhausted(
+            f"message of {size} bytes exceeds the limit of {max_bytes}",
+            retryable=False,
+            details={"resource": "message_bytes", "message_bytes": size, "limit": max_bytes},
+        )
+    try:
+        return decoder.decode(buf)
+    except (msgspec.MsgspecError, RecursionError) as error:
+        # msgspec unwinds cleanly from its recursion guard (it is raised before any frame is
+        # corrupted), so a depth bomb is just another undecodable message.
+        raise _decode_failure(buf, error) from None
+
+
+def _load_config(wire: msgspec.Struct) -> LoadConfig:
+    """The LoadConfig a decoded wire form stands for, its options decoded within bounds."""
+    raw: msgspec.Raw = getattr(wire, "options")  # noqa: B009 (a defstruct field)
+    options: dict[str, object] = {}
+    if len(raw):
+        if len(raw) > MAX_OPTIONS_BYTES:
+            raise InvalidRequest(
+                f"LoadConfig.options: {len(raw)} encoded bytes exceed the limit of "
+                f"{MAX_OPTIONS_BYTES}",
+                details={"field": "LoadConfig.options"},
+            )
+        try:
+            options = _OPTIONS_DECODER.decode(raw)
+        except (msgspec.MsgspecError, RecursionError) as error:
+            reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+            raise InvalidRequest(
+                f"LoadConfig.options: undecodable: {reason}",
+                details={"field": "LoadConfig.options"},
+            ) from None
+        try:
+            check_option_value(options)
+        except InvalidRequest as error:
+            raise InvalidRequest(
+                f"LoadConfig.options: {error.message}", details={"field": "LoadConfig.options"}
+            ) from None
+    fields = {name: getattr(wire, name) for name in wire.__struct_fields__ if name != "options"}
+    # The constructor runs the edge checks (types, bounds) once more on Python values.
+    return LoadConfig(**fields, options=options)
+
+
 def _check_version(version: int, what: str) -> None:
     if version != CONTRACT_VERSION:
         raise ContractVersionMismatch(
             f"{what} speaks contract version {version}; this library speaks {CONTRACT_VERSION}",
             details={"contract_version": version, "supported": CONTRACT_VERSION},
         )
-
-
-# Finiteness of f16 is checked on the raw bits: numpy's isfinite on float16 runs an unvectorised
-# loop (~30x slower than a memory copy), while an f16 value is NaN or infinite iff its five
-# exponent bits are all ones, which two vectorised integer passes find. Work runs in bounded
-# chunks through a per-thread scratch buffer so a large payload never allocates a temporary of
-# its own size (and never pays page faults for one).
-_FINITE_CHUNK_ITEMS: Final = 1 << 19
-_SMALL_ARRAY_ITEMS: Final = 256
-_F16_EXPONENT: Final = 0x7C00
-_scratch = threading.local()
-
-
-def all_finite(values: npt.NDArray[np.floating]) -> bool:
-    """Whether every value of a float array is finite (no NaN, no infinity)."""
-    flat = values.reshape(-1)
-    if flat.size <= _SMALL_ARRAY_ITEMS or flat.dtype != np.dtype("<f2"):
-        # numpy's isfinite is vectorised for f32; chunking only bounds the temporary.
-        for start in range(0, flat.size, 2 * _FINITE_CHUNK_ITEMS):
-            if not np.isfinite(flat[start : start + 2 * _FINITE_CHUNK_ITEMS]).all():
-                return False
-        return True
-    bits = flat.view("<u2")
-    scratch: npt.NDArray[np.uint16] | None = getattr(_scratch, "f16_bits", None)
-    if scratch is None:
-        scratch = np.empty(_FINITE_CHUNK_ITEMS, dtype="<u2")
-        _scratch.f16_bits = scratch
-    for start in range(0, bits.size, _FINITE_CHUNK_ITEMS):
-        chunk = bits[start : start + _FINITE_CHUNK_ITEMS]
-        masked = scratch[: chunk.size]
-        np.bitwise_and(chunk, _F16_EXPONENT, out=masked)
-        if int(masked.max()) == _F16_EXPONENT:
-            return False
-    return True
 
 
 _Carrier: TypeAlias = (
@@ -310,13 +394,21 @@ def _encode_aligned(message: WireMessage) -> bytes:
 
 class Codec:
     """A receiver's decoding policy: payload size limit, non-finite policy and, optionally,
-    the model fingerprint and layer index every received bundle must carry.
+    the model fingerprint, layer index and hidden size every received bundle must carry.
 
     Encoding needs no policy; the methods are here so one object serves both directions.
     A Codec is immutable and thread-safe.
     """
 
-    __slots__ = ("expected_fingerprint", "expected_layer", "max_payload_bytes", "nonfinite")
+    __slots__ = (
+        "_expectation",
+        "expected_fingerprint",
+        "expected_hidden_size",
+        "expected_layer",
+        "max_message_bytes",
+        "max_payload_bytes",
+        "nonfinite",
+    )
 
     def __init__(
         self,
@@ -325,22 +417,33 @@ class Codec:
         nonfinite: NonFinitePolicy = "reject",
         expected_fingerprint: str | None = None,
         expected_layer: int | None = None,
+        expected_hidden_size: int | None = None,
     ) -> None:
         """Raises InvalidRequest for a non-positive size limit or an unknown policy."""
-        if max_payload_bytes < 1:
-            raise InvalidRequest(f"max_payload_bytes must be >= 1, got {max_payload_bytes}")
+        if type(max_payload_bytes) is not int or max_payload_bytes < 1:
+            raise InvalidRequest(f"max_payload_bytes must be >= 1, got {max_payload_bytes!r}")
         if nonfinite not in ("reject", "allow"):
             raise InvalidRequest(f"nonfinite must be 'reject' or 'allow', got {nonfinite!r}")
         self.max_payload_bytes = max_payload_bytes
+        self.max_message_bytes = max_payload_bytes + MESSAGE_OVERHEAD_BYTES
         self.nonfinite: NonFinitePolicy = nonfinite
         self.expected_fingerprint = expected_fingerprint
         self.expected_layer = expected_layer
+        self.expected_hidden_size = expected_hidden_size
+        self._expectation = BundleExpectation(
+            fingerprint=expected_fingerprint,
+            layer=expected_layer,
+            hidden_size=expected_hidden_size,
+            max_payload_bytes=max_payload_bytes,
+            check_finite=nonfinite == "reject",
+        )
 
     def __repr__(self) -> str:
         return (
             f"Codec(max_payload_bytes={self.max_payload_bytes}, nonfinite={self.nonfinite!r}, "
             f"expected_fingerprint={self.expected_fingerprint!r}, "
-            f"expected_layer={self.expected_layer!r})"
+            f"expected_layer={self.expected_layer!r}, "
+            f"expected_hidden_size={self.expected_hidden_size!r})"
         )
 
     # ----------------------------------------------------------------- encoding
@@ -348,36 +451,45 @@ class Codec:
     @staticmethod
     def encode(message: WireMessage) -> bytes:
         """Encode any wire message. Raises InvalidRequest when a value cannot be encoded
-        (e.g. an engine option that is not JSON-like)."""
+        (an integer beyond 64 bits, a value of a type the wire does not carry)."""
         try:
             return _encode_aligned(message)
-        except (msgspec.MsgspecError, TypeError, ValueError) as error:
+        except (msgspec.MsgspecError, TypeError, ValueError, OverflowError) as error:
             raise InvalidRequest(f"cannot encode {type(message).__name__}: {error}") from error
 
     @staticmethod
     def encode_bundle(bundle: BoundaryBundle) -> bytes:
-        """Encode a bundle as is (its checksum was computed by its producer)."""
-        return _encode_aligned(bundle)
+        """Encode a bundle as is (its checksum was computed by its producer). Raises
+        InvalidRequest only for a bundle built with values the wire cannot carry (which the
+        edge checks refuse before any engine sees it)."""
+        return Codec.encode(bundle)
 
     @staticmethod
     def encode_error(error: ShardEngineError) -> bytes:
-        """Encode an error as its :class:`ErrorInfo` wire form."""
-        return _ENCODER.encode(error.to_info())
+        """Encode an error as its :class:`ErrorInfo` wire form. Never raises: a detail the wire
+        cannot carry (an integer beyond 64 bits, a value that is not a scalar) travels as its
+        string form, and an over-long message is cut."""
+        info = error.to_info()
+        if all(map(_wire_detail, info.details.values())):
+            try:
+                return _ENCODER.encode(info)
+            except (msgspec.MsgspecError, TypeError, ValueError, OverflowError):
+                pass
+        return _ENCODER.encode(_sanitized(info))
 
     # ----------------------------------------------------------------- decoding
 
     def decode_bundle(self, buf: Buffer) -> BoundaryBundle:
         """Decode and verify one bundle; its payload is a view into ``buf``.
 
-        Raises ContractVersionMismatch, InvalidRequest (undecodable bytes, wrong tag, bad header
-        values, unsupported dtype, payload length disagreeing with the header, non-finite values
-        under the "reject" policy), ResourceExhausted (payload above ``max_payload_bytes``),
-        ShardMismatch (fingerprint or layer other than expected), ChecksumMismatch.
+        Raises ContractVersionMismatch, InvalidRequest (undecodable bytes, too deeply nested,
+        wrong tag, bad header values, unsupported dtype, empty fingerprint, payload length
+        disagreeing with the header, non-finite values under the "reject" policy),
+        UnsupportedFeature (reserved MTP/aux state), ResourceExhausted (message or payload
+        above the limits), ShardMismatch (fingerprint, layer or hidden size other than
+        expected), ChecksumMismatch.
         """
-        try:
-            bundle = _BUNDLE_DECODER.decode(buf)
-        except msgspec.MsgspecError as error:
-            raise _decode_failure(buf, error) from None
+        bundle = _decode(_BUNDLE_DECODER, buf, self.max_message_bytes)
         self.verify_bundle(bundle)
         return bundle
 
@@ -385,13 +497,13 @@ class Codec:
         """Decode any wire message (an error comes back as :class:`ErrorInfo`, not raised) and
         verify every payload in it as :meth:`decode_bundle` does.
 
-        Raises InvalidRequest (undecodable bytes, unknown tag, bad values),
-        ContractVersionMismatch, ResourceExhausted, ShardMismatch, ChecksumMismatch.
+        Raises InvalidRequest (undecodable bytes, unknown tag, bad values, too deeply nested,
+        options beyond their bounds), ContractVersionMismatch, UnsupportedFeature,
+        ResourceExhausted, ShardMismatch, ChecksumMismatch.
         """
-        try:
-            message = _MESSAGE_DECODER.decode(buf)
-        except msgspec.MsgspecError as error:
-            raise _decode_failure(buf, error) from None
+        message: WireMessage = _decode(_MESSAGE_DECODER, buf, self.max_message_bytes)
+        if type(message) is _WireLoadConfig:
+            return _load_config(message)
         self._verify_message(message)
         return message
 
@@ -400,10 +512,9 @@ class Codec:
 
         Raises what :meth:`decode_message` raises; a reply or error tag is InvalidRequest.
         """
-        try:
-            request = _REQUEST_DECODER.decode(buf)
-        except msgspec.MsgspecError as error:
-            raise _decode_failure(buf, error) from None
+        request: WireRequest = _decode(_REQUEST_DECODER, buf, self.max_message_bytes)
+        if type(request) is _WireLoadConfig:
+            return _load_config(request)
         self._verify_message(request)
         return request
 
@@ -414,25 +525,21 @@ class Codec:
         Raises the engine's error, or what :meth:`decode_message` raises; a request tag is
         InvalidRequest.
         """
-        try:
-            reply = _REPLY_DECODER.decode(buf)
-        except msgspec.MsgspecError as error:
-            raise _decode_failure(buf, error) from None
+        reply = _decode(_REPLY_DECODER, buf, self.max_message_bytes)
         if isinstance(reply, ErrorInfo):
             raise error_from_info(reply)
         self._verify_message(reply)
         return reply
 
-    @staticmethod
-    def decode_error(buf: Buffer) -> ShardEngineError:
+    def decode_error(self, buf: Buffer) -> ShardEngineError:
         """Decode an :class:`ErrorInfo` and return (not raise) the typed error it stands for.
 
         Raises InvalidRequest when the bytes are not an ErrorInfo.
         """
         try:
-            info = _ERROR_DECODER.decode(buf)
-        except msgspec.MsgspecError as error:
-            raise InvalidRequest(f"undecodable error: {error}") from None
+            info = _decode(_ERROR_DECODER, buf, self.max_message_bytes)
+        except InvalidRequest as error:
+            raise InvalidRequest(f"undecodable error: {error.message}") from None
         return error_from_info(info)
 
     # ----------------------------------------------------------------- verification
@@ -440,79 +547,20 @@ class Codec:
     def verify_bundle(self, bundle: BoundaryBundle) -> None:
         """Check a bundle against the contract and this policy (see :meth:`decode_bundle` for
         what is raised). Usable on bundles that did not come through this codec."""
-        _check_version(bundle.contract_version, "bundle")
-        if bundle.n_tokens < 1 or bundle.hidden_size < 1 or bundle.first_pos < 0:
-            raise InvalidRequest(
-                f"bundle header out of range: n_tokens={bundle.n_tokens} (>= 1), "
-                f"hidden_size={bundle.hidden_size} (>= 1), first_pos={bundle.first_pos} (>= 0)"
-            )
-        if bundle.layer < 1:
-            raise InvalidRequest(
-                f"bundle layer must be >= 1 (the producer's end), got {bundle.layer}"
-            )
-        size = len(bundle.payload)
-        self._check_size(size, "bundle")
-        if size != bundle.expected_payload_bytes:
-            raise InvalidRequest(
-                f"bundle payload has {size} bytes; header promises {bundle.n_tokens} x "
-                f"{bundle.hidden_size} x {bundle.dtype} = {bundle.expected_payload_bytes}"
-            )
-        if (
-            self.expected_fingerprint is not None
-            and bundle.model_fingerprint != self.expected_fingerprint
-        ):
-            raise ShardMismatch(
-                f"bundle is for model {bundle.model_fingerprint!r}; expected "
-                f"{self.expected_fingerprint!r}"
-            )
-        if self.expected_layer is not None and bundle.layer != self.expected_layer:
-            raise ShardMismatch(
-                f"bundle enters layer {bundle.layer}; expected layer {self.expected_layer}"
-            )
-        if payload_checksum(bundle.payload) != bundle.checksum:
-            raise ChecksumMismatch("bundle payload does not match its checksum")
-        if self.nonfinite == "reject":
-            values = np.frombuffer(bundle.payload, dtype=numpy_dtype(bundle.dtype))
-            if not all_finite(values):
-                raise InvalidRequest("bundle hidden states contain NaN or Inf")
+        violation = check_bundle(bundle, self._expectation)
+        if violation is not None:
+            raise violation_error(violation)
 
     def verify_logits(self, result: LogitsResult) -> None:
         """Check a logits result's header, payload length, checksum and (under "reject")
         finiteness. Raises InvalidRequest, ResourceExhausted, ChecksumMismatch."""
-        if result.n_rows < 1 or result.vocab_size < 1 or result.first_pos < 0:
-            raise InvalidRequest(
-                f"logits header out of range: n_rows={result.n_rows} (>= 1), "
-                f"vocab_size={result.vocab_size} (>= 1), first_pos={result.first_pos} (>= 0)"
-            )
-        size = len(result.payload)
-        self._check_size(size, "logits")
-        expected = result.n_rows * result.vocab_size * 4
-        if size != expected:
-            raise InvalidRequest(
-                f"logits payload has {size} bytes; header promises {result.n_rows} x "
-                f"{result.vocab_size} x f32 = {expected}"
-            )
-        if payload_checksum(result.payload) != result.checksum:
-            raise ChecksumMismatch("logits payload does not match its checksum")
-        if self.nonfinite == "reject" and not all_finite(
-            np.frombuffer(result.payload, dtype=np.dtype("<f4"))
-        ):
-            raise InvalidRequest("logits contain NaN or Inf")
-
-    def _check_size(self, size: int, what: str) -> None:
-        # Checked before hashing so an oversized payload costs nothing to refuse. It is a
-        # receiver limit, not a malformed message, hence ResourceExhausted; retrying the same
-        # payload cannot succeed, hence not retryable.
-        if size > self.max_payload_bytes:
-            raise ResourceExhausted(
-                f"{what} payload of {size} bytes exceeds the limit of {self.max_payload_bytes}",
-                retryable=False,
-                details={
-                    "resource": "payload_bytes",
-                    "payload_bytes": size,
-                    "limit": self.max_payload_bytes,
-                },
-            )
+        violation = check_logits(
+            result,
+            max_payload_bytes=self.max_payload_bytes,
+            check_finite=self.nonfinite == "reject",
+        )
+        if violation is not None:
+            raise violation_error(violation)
 
     def _verify_message(self, message: WireMessage) -> None:
         match message:
@@ -538,6 +586,38 @@ class Codec:
                 _check_version(version, "capabilities")
             case _:
                 pass
+
+
+_MAX_ERROR_MESSAGE_CHARS: Final = 4096
+
+
+def _wire_detail(value: object) -> bool:
+    """Whether an error detail travels as is (the decoder's ErrorDetail types and ranges)."""
+    kind = type(value)
+    if kind is int:
+        return -(2**63) <= value < 2**63  # type: ignore[operator]
+    return value is None or kind is bool or kind is float or kind is str
+
+
+def _sanitized(info: ErrorInfo) -> ErrorInfo:
+    """``info`` with every detail the wire carries as is, the others as strings."""
+    details: dict[str, ErrorDetail] = {}
+    for key, value in info.details.items():
+        carried: ErrorDetail = value if _wire_detail(value) else _safe_str(value)
+        details[_safe_str(key)[:256]] = carried
+    return ErrorInfo(
+        code=_safe_str(info.code)[:256],
+        message=_safe_str(info.message)[:_MAX_ERROR_MESSAGE_CHARS],
+        retryable=info.retryable is True,
+        details=details,
+    )
+
+
+def _safe_str(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 (a hostile __str__ must not stop the error)
+        return f"<unprintable {type(value).__name__}>"
 
 
 _DEFAULT_CODEC: Final = Codec()
@@ -570,12 +650,13 @@ def encode(message: WireMessage) -> bytes:
 
 
 def encode_bundle(bundle: BoundaryBundle) -> bytes:
-    """Encode a bundle (its producer already computed the checksum). Never raises."""
+    """Encode a bundle (its producer already computed the checksum). Raises InvalidRequest
+    only for values the wire cannot carry."""
     return Codec.encode_bundle(bundle)
 
 
 def encode_error(error: ShardEngineError) -> bytes:
-    """Encode an error as its ErrorInfo wire form. Never raises."""
+    """Encode an error as its ErrorInfo wire form. Never raises (see Codec.encode_error)."""
     return Codec.encode_error(error)
 
 
@@ -626,4 +707,4 @@ def decode_reply(
 def decode_error(buf: Buffer) -> ShardEngineError:
     """Decode an ErrorInfo into its typed error (returned, not raised). Raises InvalidRequest
     when the bytes are not an ErrorInfo."""
-    return Codec.decode_error(buf)
+    return _DEFAULT_CODEC.decode_error(buf)

@@ -13,25 +13,32 @@ Threading: operations on one engine are serialised by a compute lock (a model co
 re-entrant); ``cancel``, ``health`` and ``metrics`` never wait for it. Every counter and the
 ledger change only under the state lock, which is also where ``cancel`` and the commit point
 decide, so ``cancel`` answers ``cancelled=True`` only for an operation that will not commit.
+
+The edge: each public entry point first checks its request's types, ranges and literals
+(shard_engine_api._edge, one call, before any state or counter is touched), so a badly typed
+request is InvalidRequest and changes nothing; only a backend's own failure can fail the engine.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar, Final, Literal
+from typing import ClassVar, Final, Literal, Self
 
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._backend import ForwardItem, ModelInfo, OutputMode, check_rows, describe
 from shard_engine_api._cancel import CancelToken
+from shard_engine_api._edge import check_request
 from shard_engine_api._errors import (
+    Cancelled,
     EngineCrashed,
     ErrorInfo,
     InvalidRequest,
@@ -72,6 +79,8 @@ __all__ = [
     "ModelInfo",
     "OutputMode",
 ]
+
+_log = logging.getLogger("shard_engine.core")
 
 _SERVING: Final[frozenset[LifecycleState]] = frozenset({"ready", "degraded"})
 
@@ -179,6 +188,7 @@ class EngineCore(abc.ABC):
             if self._state not in ("closed", "failed"):
                 self._state = "failed"
                 self._detail = detail
+                _log.error("%s engine failed: %s", self.engine_name, detail)
 
     def _set_kv_budget(self, tokens: int) -> None:
         """Change the KV budget (memory pressure). Sessions over it are evicted or new work is
@@ -204,7 +214,7 @@ class EngineCore(abc.ABC):
     def name(self) -> str:
         return self.engine_name
 
-    def __enter__(self) -> EngineCore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -218,6 +228,7 @@ class EngineCore(abc.ABC):
     def load(self, config: LoadConfig) -> Capabilities:
         """Open the shard; the engine becomes ready. Raises InvalidRequest on a second load
         (a failed load may be retried) and EngineCrashed after a crash."""
+        check_request(config, LoadConfig)
         with self._compute_lock:
             with self._state_lock:
                 if self._state == "failed":
@@ -255,6 +266,7 @@ class EngineCore(abc.ABC):
 
     def prefill(self, request: PrefillRequest) -> ShardResult:
         """Process a run of tokens or boundary rows; see the contract's session semantics."""
+        check_request(request, PrefillRequest)
         session = request.session
         with self._operation(request.request_id, (session.session_id,)) as token:
             caps = self._require_serving()
@@ -291,6 +303,7 @@ class EngineCore(abc.ABC):
 
     def decode(self, request: DecodeRequest) -> ShardResult:
         """Process one row at ``pos`` (which must equal the committed length)."""
+        check_request(request, DecodeRequest)
         session = request.session
         with self._operation(request.request_id, (session.session_id,)) as token:
             caps = self._require_serving()
@@ -319,6 +332,7 @@ class EngineCore(abc.ABC):
 
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """One decode step for several distinct sessions; one result or error per item."""
+        check_request(request, DecodeBatchRequest)
         sessions = tuple(item.session.session_id for item in request.items)
         with self._operation(request.request_id, sessions) as token:
             caps = self._require_serving()
@@ -384,6 +398,7 @@ class EngineCore(abc.ABC):
         counted request will not commit (its caller gets Cancelled); False for unknown,
         finished or already committing requests. Raises InvalidRequest (neither or both of
         request_id and session_id) and EngineCrashed after a crash."""
+        check_request(request, CancelRequest)
         with self._errors_counted():
             if (request.request_id is None) == (request.session_id is None):
                 raise InvalidRequest("cancel needs exactly one of request_id and session_id")
@@ -403,13 +418,16 @@ class EngineCore(abc.ABC):
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Free a session and tombstone its epoch. Unknown sessions are a no-op that says so;
         a second release frees nothing."""
+        check_request(request, ReleaseRequest)
         session = request.session
         with self._errors_counted():
             self._require_serving()
             with self._compute_lock:
                 self._require_serving()
                 with self._state_lock:
+                    fences_dropped = self._ledger.fences.dropped
                     decision = self._ledger.release(session.session_id, session.epoch)
+                    self._note_fences(fences_dropped)
                     if decision.slot is not None:
                         self._counters.releases += 1
                 if decision.slot is None:
@@ -475,6 +493,8 @@ class EngineCore(abc.ABC):
                 self._counters.count_error(error)
             if isinstance(error, EngineCrashed):
                 self._fail(error.message)
+            elif isinstance(error, Cancelled):
+                _log.info("%s: %s; rolled back", self.engine_name, error.message)
             raise
         except Exception as error:
             crashed = EngineCrashed(f"backend failure: {type(error).__name__}: {error}")
@@ -609,7 +629,9 @@ class EngineCore(abc.ABC):
             compute_ms = (time.perf_counter() - started) * 1000.0
             with self._state_lock:
                 token.seal()  # the commit point: a cancel from now on answers False
+                fences_dropped = self._ledger.fences.dropped
                 dropped = self._ledger.commit(admitted)
+                self._note_fences(fences_dropped)
                 counters = self._counters
                 n_tokens = sum(item.n_tokens for item in items)
                 if work.kind == "prefill":
@@ -625,7 +647,19 @@ class EngineCore(abc.ABC):
             self._commit(admission.slot)
         for slot in dropped:
             self._drop(slot)
+        if dropped:
+            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
         return outputs
+
+    def _note_fences(self, dropped_before: int) -> None:
+        """Say so when fences were forgotten early (also counted in metrics and health)."""
+        dropped = self._ledger.fences.dropped - dropped_before
+        if dropped:
+            _log.warning(
+                "%s dropped %d session fences early: their old epochs are accepted again",
+                self.engine_name,
+                dropped,
+            )
 
     def _hand_over(self, admission: Admission) -> None:
         """The one eviction that precedes the forward: every slot is in use and the backend
@@ -633,10 +667,13 @@ class EngineCore(abc.ABC):
         if admission.evict_first is None:
             return
         with self._state_lock:
+            fences_dropped = self._ledger.fences.dropped
             slot = self._ledger.hand_over(admission)
+            self._note_fences(fences_dropped)
             self._counters.evictions += 1
         if slot is not None:
             self._drop(slot)
+            _log.info("%s evicted 1 idle session (LRU) for a slot", self.engine_name)
 
     def _rollback_all(self, admitted: Sequence[Admission]) -> None:
         for admission in admitted:

@@ -68,6 +68,14 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
     synthetic: bool = True
     """True for a generated or built-in model: results on it are never a real-model
     certification, whatever the engine's evidence class."""
+    crash_options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
+    """Extra load options under which the engine's backend fails on its next prefill or decode
+    (an injected crash): the conformance suite checks that the call and every later one raise
+    EngineCrashed and that health says "failed". Empty: the crash test is skipped."""
+    splits: tuple[tuple[int, ...], ...] = ()
+    """Pipelines the suite checks for split invariance besides its own even 2- and 3-way splits,
+    each as its layer boundaries from 0 to ``n_layers`` (``(0, 1, 6)`` is ``[0, 1) + [1, 6)``).
+    Uneven splits are the interesting ones."""
 
     def shard(self, start: int, end: int) -> ShardSpec:
         """The spec of layers ``[start, end)`` of this model."""

@@ -1,25 +1,17 @@
 """A request's inputs turned into backend arrays: the role decides tokens or a boundary bundle,
 and the bundle must be the one this shard expects (model, layer, session, position, size,
-payload). Reserved hooks (MTP, aux) are refused here."""
+payload: the checks of shard_engine_api._boundary). Reserved hooks (MTP, aux) are refused here.
+Field types were checked at the edge (shard_engine_api._edge) before anything got here."""
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._checksum import payload_checksum
-from shard_engine_api._errors import (
-    ChecksumMismatch,
-    ContractVersionMismatch,
-    InvalidRequest,
-    ShardMismatch,
-    UnsupportedFeature,
-    WrongRole,
-)
+from shard_engine_api._boundary import BundleExpectation, check_bundle, violation_error
+from shard_engine_api._errors import InvalidRequest, UnsupportedFeature, WrongRole
 from shard_engine_api._types import (
-    CONTRACT_VERSION,
     AuxState,
-    BoundaryBundle,
     Capabilities,
     MtpState,
     SessionRef,
@@ -50,8 +42,6 @@ def decode_inputs(
     single_row: bool,
 ) -> InputRows:
     """Check the inputs against the role and the request; return tokens or hidden rows."""
-    if isinstance(inputs, BoundaryBundle):
-        check_reserved(inputs.mtp, inputs.aux)
     if start_pos < 0:
         raise InvalidRequest(f"position must be >= 0, got {start_pos}")
     shard = caps.shard
@@ -72,51 +62,39 @@ def decode_inputs(
     if shard.takes_tokens:
         raise WrongRole(f"a {shard.role} shard takes token ids, not a boundary bundle")
     bundle = inputs
-    if bundle.contract_version != CONTRACT_VERSION:
-        raise ContractVersionMismatch(
-            f"bundle speaks contract version {bundle.contract_version}; "
-            f"this engine speaks {CONTRACT_VERSION}"
-        )
-    if bundle.model_fingerprint != caps.model_fingerprint:
-        raise ShardMismatch(
-            f"bundle is for model {bundle.model_fingerprint!r}; "
-            f"this shard runs {caps.model_fingerprint!r}"
-        )
-    if bundle.layer != shard.start:
-        raise ShardMismatch(
-            f"bundle enters layer {bundle.layer}; this shard starts at layer {shard.start}"
-        )
-    if bundle.hidden_size != caps.hidden_size:
-        raise ShardMismatch(
-            f"bundle hidden size {bundle.hidden_size} != shard hidden size {caps.hidden_size}"
-        )
-    if bundle.dtype not in caps.boundary_dtypes:
-        raise InvalidRequest(f"bundle dtype {bundle.dtype} is not accepted")
-    if bundle.session != session:
-        raise InvalidRequest(
-            f"bundle belongs to session {bundle.session.session_id!r} epoch "
-            f"{bundle.session.epoch}; request names {session.session_id!r} "
-            f"epoch {session.epoch}"
-        )
-    if bundle.first_pos != start_pos:
-        raise InvalidRequest(
-            f"bundle starts at position {bundle.first_pos}, request at {start_pos}"
-        )
-    if bundle.n_tokens < 1:
-        raise InvalidRequest("bundle carries no rows")
-    if single_row and bundle.n_tokens != 1:
-        raise InvalidRequest(f"decode takes exactly one row, bundle has {bundle.n_tokens}")
-    if len(bundle.payload) != bundle.expected_payload_bytes:
-        raise InvalidRequest(
-            f"bundle payload has {len(bundle.payload)} bytes; header promises "
-            f"{bundle.expected_payload_bytes}"
-        )
-    if payload_checksum(bundle.payload) != bundle.checksum:
-        raise ChecksumMismatch("bundle payload does not match its checksum")
-    hidden = np.asarray(bundle.array(), dtype=np.float32)
-    if not np.isfinite(hidden).all():
-        raise InvalidRequest("bundle hidden states contain NaN or Inf")
-    return None, hidden
+    violation = check_bundle(
+        bundle,
+        _expectation(caps),
+        session=session,
+        first_pos=start_pos,
+        n_tokens=1 if single_row else None,
+    )
+    if violation is not None:
+        raise violation_error(violation)
+    # A bundle the codec (or a ValidatingEngine) already scanned is not scanned again: see
+    # shard_engine_api._boundary.
+    return None, np.asarray(bundle.array(), dtype=np.float32)
+
+
+# One expectation per capabilities object (engines keep theirs for their whole life).
+_EXPECTATIONS: dict[int, tuple[Capabilities, BundleExpectation]] = {}
+
+
+def _expectation(caps: Capabilities) -> BundleExpectation:
+    found = _EXPECTATIONS.get(id(caps))
+    if found is not None and found[0] is caps:
+        return found[1]
+    expectation = BundleExpectation(
+        fingerprint=caps.model_fingerprint,
+        layer=caps.shard.start,
+        hidden_size=caps.hidden_size,
+        dtypes=frozenset(caps.boundary_dtypes),
+        check_finite=True,
+    )
+    if len(_EXPECTATIONS) > 64:
+        _EXPECTATIONS.clear()
+    _EXPECTATIONS[id(caps)] = (caps, expectation)
+    return expectation
 
 
 def n_rows(rows: InputRows) -> int:

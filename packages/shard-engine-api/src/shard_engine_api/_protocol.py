@@ -46,7 +46,8 @@ class ShardEngine(Protocol):
         ...
 
     def capabilities(self) -> Capabilities:
-        """What the loaded engine is and can do. Raises NotReady before load."""
+        """What the loaded engine is and can do. Raises NotReady when not serving (before load,
+        while loading, after close) and EngineCrashed after a crash."""
         ...
 
     def prefill(self, request: PrefillRequest) -> ShardResult:
@@ -74,9 +75,11 @@ class ShardEngine(Protocol):
         ...
 
     def cancel(self, request: CancelRequest) -> CancelResult:
-        """Ask in-flight work to stop at its next safe point; its caller gets Cancelled.
-        Returns ``cancelled=False`` for unknown or finished requests. Raises InvalidRequest only
-        when the request names neither or both of request_id and session_id."""
+        """Ask in-flight work to stop at its next safe point; its caller gets Cancelled and the
+        session is rolled back. ``cancelled=True`` only when the counted requests will not
+        commit; ``cancelled=False`` for unknown, finished or already committing requests.
+        Raises InvalidRequest when the request names neither or both of request_id and
+        session_id, and EngineCrashed after a crash."""
         ...
 
     def release(self, request: ReleaseRequest) -> ReleaseResult:

@@ -7,13 +7,13 @@ New fields get defaults; tags are never reused.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Annotated, Final, Literal, TypeAlias
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._checksum import mark_checksummed, payload_checksum
 from shard_engine_api._errors import ErrorInfo, InvalidRequest
 
 __all__ = [
@@ -67,6 +67,44 @@ EvictionPolicy = Literal["reject", "lru"]
 OptionValue = object
 """An engine option: any JSON-compatible value (engines convert it to their own types)."""
 
+INT64_MAX: Final = 2**63 - 1
+"""The largest integer the wire carries: every wire integer is a signed 64-bit value."""
+INT32_MAX: Final = 2**31 - 1
+"""The largest token id (token ids are int32 on every backend)."""
+MAX_ID_CHARS: Final = 256
+"""The longest session id, request id, model fingerprint or option name."""
+MAX_MODEL_CHARS: Final = 4096
+"""The longest model reference (a path or a fake model name)."""
+MAX_TOKENS_PER_REQUEST: Final = 1 << 20
+"""The most token ids one request carries (an engine's ``max_batch_tokens`` is lower)."""
+MAX_BATCH_ITEMS: Final = 1 << 16
+"""The most items one batched decode carries."""
+MAX_RESERVED_ITEMS: Final = 64
+"""The most reserved MTP/aux entries a message may carry (any non-empty use is refused)."""
+MAX_OPTIONS: Final = 256
+"""The most entries of ``LoadConfig.options``."""
+MAX_SESSIONS: Final = 1 << 20
+"""The largest ``LoadConfig.max_sessions``: a million concurrent sessions per shard."""
+MAX_CONTEXT: Final = 1 << 24
+"""The largest ``LoadConfig.max_context`` (16M positions)."""
+MAX_KV_BUDGET_TOKENS: Final = 1 << 36
+"""The largest ``LoadConfig.kv_budget_tokens`` (64G positions: beyond any machine's memory
+for any model, so only nonsense is refused)."""
+MAX_THREADS: Final = 4096
+"""The largest ``LoadConfig.n_threads``."""
+
+# Wire bounds as msgspec constraints: the decoders enforce them in C while decoding (container
+# lengths before any element is built), and the edge checks of shard_engine_api._edge read them
+# from the same annotations for structs built in Python.
+Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+"""A non-negative wire integer: positions, epochs, counts, sizes."""
+Int64: TypeAlias = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+"""A signed wire integer (contract versions, checksums are unsigned 32-bit but travel as this)."""
+TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Identifier: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+"""A non-empty id of at most MAX_ID_CHARS characters."""
+Fingerprint: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+
 _NUMPY_DTYPES: Final[dict[str, np.dtype[np.floating]]] = {
     "f32": np.dtype("<f4"),
     "f16": np.dtype("<f2"),
@@ -81,12 +119,15 @@ def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.floating]:
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     """A contiguous, half-open layer range ``[start, end)`` of a model with ``n_layers`` layers."""
 
-    model: str
-    n_layers: int
-    start: int
-    end: int
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CHARS)]
+    n_layers: Count
+    start: Count
+    end: Count
 
     def __post_init__(self) -> None:
+        from shard_engine_api._edge import check_fields
+
+        check_fields(self)
         if self.n_layers < 1:
             raise InvalidRequest(f"n_layers must be >= 1, got {self.n_layers}")
         if not 0 <= self.start < self.end <= self.n_layers:
@@ -121,23 +162,29 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
 class SessionRef(msgspec.Struct, frozen=True, kw_only=True):
     """A session and the epoch (fencing token) the caller believes current."""
 
-    session_id: str
-    epoch: int
+    session_id: Identifier
+    epoch: Count
 
     def __post_init__(self) -> None:
-        if not self.session_id:
-            raise InvalidRequest("session_id must be non-empty")
-        if len(self.session_id) > 256:
-            raise InvalidRequest("session_id is longer than 256 characters")
-        if self.epoch < 0:
-            raise InvalidRequest(f"epoch must be >= 0, got {self.epoch}")
+        # Runs for every SessionRef built or decoded, so the common case costs two type tests
+        # and two comparisons; anything else gets the full check, which names the field.
+        session_id, epoch = self.session_id, self.epoch
+        if (
+            type(session_id) is not str
+            or type(epoch) is not int
+            or not 0 < len(session_id) <= MAX_ID_CHARS
+            or not 0 <= epoch <= INT64_MAX
+        ):
+            from shard_engine_api._edge import check_fields
+
+            check_fields(self)
 
 
 class MtpState(msgspec.Struct, frozen=True, kw_only=True, tag="mtp"):
     """Reserved: multi-token-prediction state crossing a boundary. No engine enables it; any
     non-empty use is rejected with UnsupportedFeature."""
 
-    n_draft_tokens: int = 0
+    n_draft_tokens: Count = 0
     payload: bytes = b""
 
 
@@ -145,37 +192,41 @@ class AuxState(msgspec.Struct, frozen=True, kw_only=True, tag="aux"):
     """Reserved: architecture auxiliary state (e.g. recurrent state) crossing a boundary. No
     engine enables it; any non-empty use is rejected with UnsupportedFeature."""
 
-    name: str
+    name: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
     payload: bytes = b""
 
 
 class TokenInput(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     """Token ids: the input of a head or full shard."""
 
-    token_ids: tuple[int, ...]
+    token_ids: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_TOKENS_PER_REQUEST)]
 
 
-class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary"):
+class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", dict=True):
     """Hidden states crossing a shard boundary: the output of a head or middle shard and the
     input of a middle or tail shard.
 
     ``payload`` holds ``n_tokens x hidden_size`` values of ``dtype``, row-major, little-endian;
     ``checksum`` is :func:`payload_checksum` of those bytes. ``layer`` is the index of the layer
     these states enter (the producer's ``end``).
+
+    (``dict=True`` gives an instance room for the private mark that records a completed
+    payload verification, so a bundle is scanned once per hop; see shard_engine_api._boundary.
+    The mark is not a field: it is never encoded and never compared.)
     """
 
     session: SessionRef
-    first_pos: int
-    n_tokens: int
-    hidden_size: int
+    first_pos: Count
+    n_tokens: Count
+    hidden_size: Count
     dtype: BoundaryDtype
-    layer: int
-    model_fingerprint: str
+    layer: Count
+    model_fingerprint: Fingerprint
     payload: memoryview
-    checksum: int
-    contract_version: int = CONTRACT_VERSION
-    mtp: tuple[MtpState, ...] = ()
-    aux: tuple[AuxState, ...] = ()
+    checksum: Count
+    contract_version: Int64 = CONTRACT_VERSION
+    mtp: Annotated[tuple[MtpState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
+    aux: Annotated[tuple[AuxState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
 
     @classmethod
     def from_array(
@@ -190,14 +241,15 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary"):
     ) -> BoundaryBundle:
         """Build a bundle from an ``(n_tokens, hidden_size)`` array, converting it to ``dtype``
         and computing the checksum. The payload is a read-only view of a private copy."""
-        if hidden.ndim != 2:
-            raise InvalidRequest(f"hidden states must be 2-D, got shape {hidden.shape}")
+        _check_array("hidden states", hidden)
+        if dtype not in _NUMPY_DTYPES:
+            raise InvalidRequest(f"dtype must be one of {sorted(_NUMPY_DTYPES)}, got {dtype!r}")
         data = np.ascontiguousarray(hidden, dtype=numpy_dtype(dtype))
         if data is hidden:
             data = data.copy()
         data.setflags(write=False)
         payload = data.data.cast("B")
-        return cls(
+        bundle = cls(
             session=session,
             first_pos=first_pos,
             n_tokens=int(data.shape[0]),
@@ -208,6 +260,8 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary"):
             payload=payload,
             checksum=payload_checksum(payload),
         )
+        mark_checksummed(bundle)
+        return bundle
 
     @property
     def expected_payload_bytes(self) -> int:
@@ -229,52 +283,65 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary"):
 ShardInput = TokenInput | BoundaryBundle
 
 
+def _check_array(what: str, values: object) -> None:
+    """Refuse, as InvalidRequest, anything from_array cannot turn into a non-empty 2-D payload
+    (instead of the AttributeError, IndexError or ValueError numpy would raise)."""
+    if not isinstance(values, np.ndarray):
+        raise InvalidRequest(f"{what} must be a numpy array, got {type(values).__name__}")
+    if values.ndim != 2:
+        raise InvalidRequest(f"{what} must be 2-D (rows, width), got shape {values.shape}")
+    if values.shape[0] < 1 or values.shape[1] < 1:
+        raise InvalidRequest(f"{what} must have at least one row and column, got {values.shape}")
+    if values.dtype.kind not in "fiu":
+        raise InvalidRequest(f"{what} must be a real numeric array, got dtype {values.dtype}")
+
+
 class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True, tag="prefill"):
     """Process ``inputs`` at positions ``start_pos..start_pos+n-1`` of a session. A
     ``start_pos`` below the committed length truncates the session there first."""
 
-    request_id: str
+    request_id: Identifier
     session: SessionRef
-    start_pos: int
+    start_pos: Count
     inputs: ShardInput
     logits: LogitsMode = "last"
-    mtp: tuple[MtpState, ...] = ()
-    aux: tuple[AuxState, ...] = ()
+    mtp: Annotated[tuple[MtpState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
+    aux: Annotated[tuple[AuxState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True, tag="decode"):
     """Process exactly one token (or one boundary row) at position ``pos``, which must equal
     the session's committed length."""
 
-    request_id: str
+    request_id: Identifier
     session: SessionRef
-    pos: int
+    pos: Count
     inputs: ShardInput
-    mtp: tuple[MtpState, ...] = ()
-    aux: tuple[AuxState, ...] = ()
+    mtp: Annotated[tuple[MtpState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
+    aux: Annotated[tuple[AuxState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
 
 
 class DecodeBatchRequest(msgspec.Struct, frozen=True, kw_only=True, tag="decode_batch"):
     """One decode step for several distinct sessions at once. Each item succeeds or fails on
     its own; cancelling ``request_id`` cancels every item."""
 
-    request_id: str
-    items: tuple[DecodeRequest, ...]
+    request_id: Identifier
+    items: Annotated[tuple[DecodeRequest, ...], msgspec.Meta(max_length=MAX_BATCH_ITEMS)]
 
 
 class CancelRequest(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
     """Cancel one in-flight request (``request_id``) or every in-flight request of a session
     (``session_id``). Exactly one of the two must be given."""
 
-    request_id: str | None = None
-    session_id: str | None = None
+    request_id: Identifier | None = None
+    session_id: Identifier | None = None
 
 
 class CancelResult(msgspec.Struct, frozen=True, kw_only=True, tag="cancel_result"):
     """How many in-flight requests were told to stop; ``cancelled`` is false when none was."""
 
     cancelled: bool
-    n_requests: int = 0
+    n_requests: Count = 0
 
 
 class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
@@ -301,28 +368,28 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
 class BoundaryResult(msgspec.Struct, frozen=True, kw_only=True, tag="boundary_result"):
     """The result of a head or middle shard: the bundle for the next shard."""
 
-    request_id: str
+    request_id: Identifier
     session: SessionRef
-    first_pos: int
-    n_tokens: int
+    first_pos: Count
+    n_tokens: Count
     evidence: EvidenceClass
     bundle: BoundaryBundle
     timings: Timings = Timings()
 
 
-class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result"):
+class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result", dict=True):
     """The result of a tail or full shard: ``n_rows`` rows of ``vocab_size`` f32 logits for
     positions ``first_pos..first_pos+n_rows-1`` (the last position only, unless all rows were
     asked for). ``checksum`` is :func:`payload_checksum` of ``payload``."""
 
-    request_id: str
+    request_id: Identifier
     session: SessionRef
-    first_pos: int
-    n_rows: int
-    vocab_size: int
+    first_pos: Count
+    n_rows: Count
+    vocab_size: Count
     evidence: EvidenceClass
     payload: memoryview
-    checksum: int
+    checksum: Count
     timings: Timings = Timings()
 
     @classmethod
@@ -336,13 +403,15 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
         evidence: EvidenceClass,
         timings: Timings | None = None,
     ) -> LogitsResult:
-        """Build a result from an ``(n_rows, vocab_size)`` array (stored as f32)."""
+        """Build a result from an ``(n_rows, vocab_size)`` array (stored as f32). Raises
+        InvalidRequest for anything but a non-empty 2-D numeric array."""
+        _check_array("logits", logits)
         data = np.ascontiguousarray(logits, dtype=np.dtype("<f4"))
         if data is logits:
             data = data.copy()
         data.setflags(write=False)
         payload = data.data.cast("B")
-        return cls(
+        result = cls(
             request_id=request_id,
             session=session,
             first_pos=first_pos,
@@ -353,6 +422,8 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
             checksum=payload_checksum(payload),
             timings=timings or Timings(),
         )
+        mark_checksummed(result)
+        return result
 
     def array(self) -> npt.NDArray[np.float32]:
         """The logits as a read-only ``(n_rows, vocab_size)`` f32 view of the payload."""
@@ -372,17 +443,20 @@ ShardResult = BoundaryResult | LogitsResult
 class DecodeBatchResult(msgspec.Struct, frozen=True, kw_only=True, tag="decode_batch_result"):
     """One entry per request item, in item order: its result or its typed error."""
 
-    request_id: str
-    items: tuple[BoundaryResult | LogitsResult | ErrorInfo, ...]
+    request_id: Identifier
+    items: Annotated[
+        tuple[BoundaryResult | LogitsResult | ErrorInfo, ...],
+        msgspec.Meta(max_length=MAX_BATCH_ITEMS),
+    ]
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
     """Admission limits. ``kv_budget_tokens`` bounds the cached positions of all sessions."""
 
-    max_sessions: int
-    max_context: int
-    max_batch_tokens: int
-    kv_budget_tokens: int
+    max_sessions: Count
+    max_context: Count
+    max_batch_tokens: Count
+    kv_budget_tokens: Count
 
 
 class Features(msgspec.Struct, frozen=True, kw_only=True):
@@ -429,14 +503,17 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True, tag="capabilities"
     evidence: EvidenceClass
     shard: ShardSpec
     role: Role
-    model_fingerprint: str
-    hidden_size: int
-    vocab_size: int
+    model_fingerprint: Fingerprint
+    hidden_size: Count
+    vocab_size: Count
     boundary_dtypes: tuple[BoundaryDtype, ...]
     limits: Limits
     features: Features
     determinism: Determinism
     reserved: ReservedHooks = ReservedHooks()
+    boundary_dtype: BoundaryDtype | None = None
+    """The dtype this loaded shard's bundles carry (``LoadConfig.boundary_dtype``); None from
+    an engine that does not say, in which case any of ``boundary_dtypes`` may appear."""
 
 
 class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, tag="load"):
@@ -445,15 +522,22 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, tag="load"):
 
     shard: ShardSpec
     boundary_dtype: BoundaryDtype = "f32"
-    max_sessions: int = 16
-    max_context: int = 2048
-    max_batch_tokens: int = 512
-    kv_budget_tokens: int = 16384
+    max_sessions: Annotated[int, msgspec.Meta(ge=1, le=MAX_SESSIONS)] = 16
+    max_context: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONTEXT)] = 2048
+    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_REQUEST)] = 512
+    kv_budget_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_KV_BUDGET_TOKENS)] = 16384
     eviction: EvictionPolicy = "reject"
-    n_threads: int = 0
-    options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
+    n_threads: Annotated[int, msgspec.Meta(ge=0, le=MAX_THREADS)] = 0
+    options: Annotated[
+        dict[Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)], OptionValue],
+        msgspec.Meta(max_length=MAX_OPTIONS),
+    ] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from shard_engine_api._edge import check_fields
+
+        # Types, ranges, literals and options (JSON-like, bounded) with the field path named.
+        check_fields(self)
         for name in ("max_sessions", "max_context", "max_batch_tokens", "kv_budget_tokens"):
             value = getattr(self, name)
             if value < 1:

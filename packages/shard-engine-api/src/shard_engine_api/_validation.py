@@ -10,17 +10,26 @@ later as wrong logits.
 It runs on every decode step, so everything that can be derived once is derived when the
 capabilities are first seen (at ``load``, or at the first call if the inner engine was loaded
 before it was wrapped), and each result costs a few attribute comparisons plus one checksum and
-one finiteness pass over its payload.
+one finiteness pass over its payload. The payload checks are those of shard_engine_api._boundary
+(shared with the engine core and the codec); a bundle that passes them is marked, so the next
+shard's core in an in-process pipeline does not scan it again.
+
+Both paths catch the same defects: the loaded boundary dtype comes from
+``Capabilities.boundary_dtype`` when the engine was loaded before it was wrapped (and, for an
+engine that does not report it, the first bundle's dtype is pinned and every later bundle must
+match it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Final, NoReturn
 
-import numpy as np
+import msgspec
 
-from shard_engine_api._checksum import payload_checksum
-from shard_engine_api._codec import NonFinitePolicy, all_finite
+from shard_engine_api._boundary import BundleExpectation, Violation, check_bundle, check_logits
+from shard_engine_api._codec import NonFinitePolicy
+from shard_engine_api._edge import check_request, result_ok
 from shard_engine_api._errors import ErrorInfo, InvalidRequest, MalformedOutput, ShardEngineError
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
@@ -45,31 +54,30 @@ from shard_engine_api._types import (
     SessionRef,
     ShardInput,
     ShardResult,
-    numpy_dtype,
 )
 
 __all__ = ["ValidatingEngine"]
 
 _KNOWN_DTYPES: Final[frozenset[str]] = frozenset({"f32", "f16"})
 _EVIDENCE_CLASSES: Final[frozenset[str]] = frozenset({"fixture", "real"})
-_LOGITS_DTYPE: Final = np.dtype("<f4")
 
 
 def _violation(check: str, message: str) -> NoReturn:
     raise MalformedOutput(f"{check}: {message}", details={"check": check})
 
 
+def _boundary_violation(violation: Violation) -> NoReturn:
+    _violation(violation.kind.value, violation.message)
+
+
 class _Contract:
     """What every result must match, derived once from the capabilities."""
 
     __slots__ = (
+        "bundle_expectations",
         "capabilities",
-        "dtypes",
         "emits_logits",
         "evidence",
-        "fingerprint",
-        "hidden_size",
-        "layer",
         "role",
         "vocab_size",
     )
@@ -79,19 +87,48 @@ class _Contract:
         self.role = capabilities.role
         self.emits_logits = capabilities.shard.emits_logits
         self.evidence = capabilities.evidence
-        self.fingerprint = capabilities.model_fingerprint
-        self.hidden_size = capabilities.hidden_size
         self.vocab_size = capabilities.vocab_size
-        self.layer = capabilities.shard.end
-        # When the wrapper saw the load it knows the one dtype bundles must have; otherwise any
-        # advertised dtype is accepted.
-        advertised = frozenset(capabilities.boundary_dtypes)
-        self.dtypes = advertised if loaded_dtype is None else frozenset({loaded_dtype})
+        # The one dtype bundles must have: from the load the wrapper saw, else from what the
+        # loaded engine reports. An engine reporting neither gets its first bundle's dtype
+        # pinned (see _expectation_for).
+        dtype = loaded_dtype or capabilities.boundary_dtype
+        self.bundle_expectations: dict[bool, BundleExpectation] = {}
+        for check_finite in (True, False):
+            self.bundle_expectations[check_finite] = BundleExpectation(
+                fingerprint=capabilities.model_fingerprint,
+                layer=capabilities.shard.end,
+                hidden_size=capabilities.hidden_size,
+                dtypes=frozenset(capabilities.boundary_dtypes if dtype is None else (dtype,)),
+                check_finite=check_finite,
+            )
+
+    def pin_dtype(self, dtype: str) -> None:
+        """Require ``dtype`` of every later bundle (an engine that did not report its own)."""
+        for key, expectation in self.bundle_expectations.items():
+            if expectation.dtypes is not None and len(expectation.dtypes) > 1:
+                self.bundle_expectations[key] = BundleExpectation(
+                    fingerprint=expectation.fingerprint,
+                    layer=expectation.layer,
+                    hidden_size=expectation.hidden_size,
+                    dtypes=frozenset({dtype}),
+                    check_finite=expectation.check_finite,
+                )
 
 
 def _check_capabilities(capabilities: object, config: LoadConfig | None) -> Capabilities:
     if not isinstance(capabilities, Capabilities):
         _violation("capabilities_type", f"expected Capabilities, got {type(capabilities).__name__}")
+    # A field of the wrong type makes the value checks fail oddly: the field check names it.
+    with contextlib.suppress(AttributeError, TypeError, ValueError, KeyError):
+        _check_capability_values(capabilities, config)
+    try:
+        check_request(capabilities, Capabilities)
+    except InvalidRequest as error:
+        _violation("capabilities_fields", error.message)
+    return _check_capability_values(capabilities, config)
+
+
+def _check_capability_values(capabilities: Capabilities, config: LoadConfig | None) -> Capabilities:
     if capabilities.contract_version != CONTRACT_VERSION:
         _violation(
             "contract_version",
@@ -124,6 +161,16 @@ def _check_capabilities(capabilities: object, config: LoadConfig | None) -> Capa
             "dtype",
             f"loaded with boundary dtype {config.boundary_dtype}, capabilities advertise "
             f"{capabilities.boundary_dtypes}",
+        )
+    loaded = capabilities.boundary_dtype
+    if loaded is not None and (
+        loaded not in capabilities.boundary_dtypes
+        or (config is not None and loaded != config.boundary_dtype)
+    ):
+        _violation(
+            "dtype",
+            f"capabilities say bundles carry {loaded}, advertise {capabilities.boundary_dtypes}"
+            + ("" if config is None else f", loaded with {config.boundary_dtype}"),
         )
     return capabilities
 
@@ -268,8 +315,10 @@ class ValidatingEngine:
         return result
 
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
-        """Delegate and check the batch: request id, one entry per item in item order, and
-        each successful entry as a single decode.
+        """Delegate and check the batch: request id and one entry per item in item order
+        (else the whole batch is MalformedOutput), and each successful entry as a single
+        decode. A bad entry becomes that item's MalformedOutput (as an ErrorInfo whose
+        details name the check and the item), the others are handed on: they committed.
 
         Raises what the inner ``decode_batch`` raises, or MalformedOutput.
         """
@@ -279,21 +328,26 @@ class ValidatingEngine:
             raise
         except Exception as error:
             raise self._foreign_error("decode_batch", error) from error
-        if not isinstance(result, DecodeBatchResult):
+        if type(result) is not DecodeBatchResult:
             _violation("result_type", f"expected DecodeBatchResult, got {type(result).__name__}")
         if result.request_id != request.request_id:
             _violation(
                 "request_id",
                 f"batch result has {result.request_id!r}, request {request.request_id!r}",
             )
-        if len(result.items) != len(request.items):
+        if type(result.items) is not tuple or len(result.items) != len(request.items):
             _violation(
                 "batch_count",
-                f"batch of {len(request.items)} items returned {len(result.items)} entries",
+                f"batch of {len(request.items)} items returned "
+                f"{len(result.items) if isinstance(result.items, tuple) else result.items!r} "
+                "entries",
             )
         contract = self._contract or self._adopt()
+        replaced: dict[int, ErrorInfo] = {}
         for index, (item, outcome) in enumerate(zip(request.items, result.items, strict=True)):
-            if isinstance(outcome, ErrorInfo):
+            if type(outcome) is ErrorInfo:
+                if not _error_info_ok(outcome):
+                    replaced[index] = _item_error(index, "error_fields", "malformed ErrorInfo")
                 continue
             try:
                 self._check_result(
@@ -301,11 +355,11 @@ class ValidatingEngine:
                 )
             except MalformedOutput as error:
                 check = error.details.get("check")
-                raise MalformedOutput(
-                    f"batch item {index}: {error.message}",
-                    details={"check": check, "item": index},
-                ) from None
-        return result
+                replaced[index] = _item_error(index, str(check), error.message)
+        if not replaced:
+            return result
+        items = tuple(replaced.get(index, outcome) for index, outcome in enumerate(result.items))
+        return msgspec.structs.replace(result, items=items)
 
     def cancel(self, request: CancelRequest) -> CancelResult:
         """Delegate. Raises what the inner ``cancel`` raises, or MalformedOutput for a result
@@ -359,31 +413,23 @@ class ValidatingEngine:
         n_inputs: int,
         logits: LogitsMode,
     ) -> None:
-        try:
-            self._check_result_fields(
-                contract, result, request_id, session, start_pos, n_inputs, logits
-            )
-        except (AttributeError, TypeError, ValueError, KeyError) as error:
-            # A result whose fields have the wrong types (a broken engine can build Structs
-            # with anything in them) must still end as MalformedOutput, not as a stray error.
-            raise MalformedOutput(
-                f"result_fields: result has fields of the wrong type or shape: "
-                f"{type(error).__name__}: {error}",
-                details={"check": "result_fields"},
-            ) from error
-
-    def _check_result_fields(
-        self,
-        contract: _Contract,
-        result: object,
-        request_id: str,
-        session: SessionRef,
-        start_pos: int,
-        n_inputs: int,
-        logits: LogitsMode,
-    ) -> None:
+        # Types first: a broken engine can build Structs holding anything, and a result whose
+        # fields have the wrong types must end as MalformedOutput, not as a stray error here or
+        # at the next hop's decoder.
+        if not result_ok(result):
+            expected = LogitsResult if contract.emits_logits else BoundaryResult
+            if type(result) is not expected:
+                _violation(
+                    "result_type",
+                    f"a {contract.role} shard must return {expected.__name__}, got "
+                    f"{type(result).__name__}",
+                )
+            try:
+                check_request(result, expected)
+            except InvalidRequest as error:
+                _violation("result_fields", f"result has a field of the wrong type: {error}")
         if contract.emits_logits:
-            if not isinstance(result, LogitsResult):
+            if type(result) is not LogitsResult:
                 _violation(
                     "result_type",
                     f"a {contract.role} shard must return LogitsResult, got "
@@ -394,83 +440,35 @@ class ValidatingEngine:
                 first_pos, n_rows = start_pos + n_inputs - 1, 1
             else:
                 first_pos, n_rows = start_pos, n_inputs
-            if result.first_pos != first_pos:
-                _violation(
-                    "position",
-                    f"logits ({logits} rows) start at {result.first_pos}, expected {first_pos}",
-                )
-            if result.n_rows != n_rows:
-                _violation("rows", f"{result.n_rows} logits rows ({logits}), expected {n_rows}")
-            if result.vocab_size != contract.vocab_size:
-                _violation(
-                    "vocab_size",
-                    f"logits vocab size {result.vocab_size}, capabilities say "
-                    f"{contract.vocab_size}",
-                )
-            self._check_payload(
-                "logits", result.payload, n_rows * contract.vocab_size * 4, result.checksum
+            violation = check_logits(
+                result,
+                vocab_size=contract.vocab_size,
+                first_pos=first_pos,
+                n_rows=n_rows,
+                check_finite=self._check_finite,
             )
-            if self._check_finite and not all_finite(
-                np.frombuffer(result.payload, dtype=_LOGITS_DTYPE)
-            ):
-                _violation("finite", "logits contain NaN or Inf")
+            if violation is not None:
+                _boundary_violation(violation)
             return
-        if not isinstance(result, BoundaryResult):
+        if type(result) is not BoundaryResult:
             _violation(
                 "result_type",
                 f"a {contract.role} shard must return BoundaryResult, got {type(result).__name__}",
             )
         self._check_common(contract, result, request_id, session)
+        if result.first_pos != start_pos:
+            _violation("position", f"result starts at {result.first_pos}, request at {start_pos}")
+        if result.n_tokens != n_inputs:
+            _violation("rows", f"result carries {result.n_tokens} rows for {n_inputs} input rows")
         bundle = result.bundle
-        if result.first_pos != start_pos or bundle.first_pos != start_pos:
-            _violation(
-                "position",
-                f"result/bundle start at {result.first_pos}/{bundle.first_pos}, "
-                f"request at {start_pos}",
-            )
-        if result.n_tokens != n_inputs or bundle.n_tokens != n_inputs:
-            _violation(
-                "rows",
-                f"result/bundle carry {result.n_tokens}/{bundle.n_tokens} rows for "
-                f"{n_inputs} input rows",
-            )
-        if bundle.session != session:
-            _violation("session", f"bundle belongs to {bundle.session}, request to {session}")
-        if bundle.hidden_size != contract.hidden_size:
-            _violation(
-                "hidden_size",
-                f"bundle hidden size {bundle.hidden_size}, capabilities say {contract.hidden_size}",
-            )
-        if bundle.dtype not in contract.dtypes:
-            _violation(
-                "dtype", f"bundle dtype {bundle.dtype!r}, expected one of {sorted(contract.dtypes)}"
-            )
-        if bundle.layer != contract.layer:
-            _violation(
-                "layer", f"bundle enters layer {bundle.layer}, shard ends at {contract.layer}"
-            )
-        if bundle.model_fingerprint != contract.fingerprint:
-            _violation(
-                "fingerprint",
-                f"bundle fingerprint {bundle.model_fingerprint!r}, capabilities say "
-                f"{contract.fingerprint!r}",
-            )
-        if bundle.contract_version != CONTRACT_VERSION:
-            _violation(
-                "contract_version",
-                f"bundle speaks version {bundle.contract_version}, expected {CONTRACT_VERSION}",
-            )
-        if bundle.mtp or bundle.aux:
-            _violation("reserved", "bundle carries reserved MTP/aux state, which is not enabled")
-        dtype = numpy_dtype(bundle.dtype)
-        self._check_payload(
-            "bundle",
-            bundle.payload,
-            n_inputs * contract.hidden_size * dtype.itemsize,
-            bundle.checksum,
+        expectation = contract.bundle_expectations[self._check_finite]
+        violation = check_bundle(
+            bundle, expectation, session=session, first_pos=start_pos, n_tokens=n_inputs
         )
-        if self._check_finite and not all_finite(np.frombuffer(bundle.payload, dtype=dtype)):
-            _violation("finite", "bundle hidden states contain NaN or Inf")
+        if violation is not None:
+            _boundary_violation(violation)
+        if expectation.dtypes is not None and len(expectation.dtypes) > 1:
+            contract.pin_dtype(bundle.dtype)
 
     @staticmethod
     def _check_common(
@@ -489,10 +487,17 @@ class ValidatingEngine:
                 f"result says {result.evidence!r}, capabilities say {contract.evidence!r}",
             )
 
-    @staticmethod
-    def _check_payload(what: str, payload: memoryview, expected: int, checksum: int) -> None:
-        size = memoryview(payload).nbytes
-        if size != expected:
-            _violation("payload_length", f"{what} payload has {size} bytes, expected {expected}")
-        if payload_checksum(payload) != checksum:
-            _violation("checksum", f"{what} payload does not match its checksum")
+
+def _error_info_ok(info: ErrorInfo) -> bool:
+    try:
+        check_request(info, ErrorInfo)
+    except InvalidRequest:
+        return False
+    return True
+
+
+def _item_error(index: int, check: str, message: str) -> ErrorInfo:
+    text = message if message.startswith(f"{check}:") else f"{check}: {message}"
+    return MalformedOutput(
+        f"batch item {index}: {text}", details={"check": check, "item": index}
+    ).to_info()

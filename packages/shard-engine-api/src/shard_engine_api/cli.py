@@ -186,6 +186,13 @@ def _generate(
     found_tokenizer: Tokenizer | None,
 ) -> GenerationResult:
     description = engine_description(args.engine, manager=manager)
+    if args.isolation == "process":
+        # Each shard in its own supervised child process, through the remote engine (which
+        # passes every other option on to the engine it spawns).
+        description = engine_description("remote", manager=manager)
+        fixture = msgspec.structs.replace(
+            fixture, options={"spawn": args.engine, **fixture.options}
+        )
     context = max(256, len(prompt) + args.max_new_tokens + 1)
     # Validated from before load, as a worker would: every result is checked against the
     # contract, so the demo cannot print a result that breaks it. Every bundle crosses the
@@ -521,6 +528,12 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
             help="dtype of the hidden states crossing each boundary",
         )
         sub.add_argument("--threads", type=_non_negative, default=0, help="0 = engine default")
+        sub.add_argument(
+            "--isolation",
+            choices=["none", "process"],
+            default="none",
+            help="process: every shard in its own supervised process (shard-engine-remote)",
+        )
         sub.add_argument("--json", action="store_true", help="print one JSON object")
 
     run = subparsers.add_parser(

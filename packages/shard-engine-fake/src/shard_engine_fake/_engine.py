@@ -64,11 +64,11 @@ class _CallFaults(threading.local):
 
 class _Undo:
     """What the last uncommitted forward of a slot replaced: the cache entries from
-    ``start_pos`` on, per layer (empty lists when it only appended)."""
+    ``start_pos`` on, per layer (None when it only appended, the decode case)."""
 
     __slots__ = ("replaced", "start_pos")
 
-    def __init__(self, start_pos: int, replaced: list[list[int]]) -> None:
+    def __init__(self, start_pos: int, replaced: list[list[int]] | None) -> None:
         self.start_pos = start_pos
         self.replaced = replaced
 
@@ -140,7 +140,8 @@ class FakeEngine(EngineCore):
     ) -> npt.NDArray[np.float32]:
         model = self._loaded_model()
         states = self._run(model, item, token)
-        self._injected_delay(token)
+        if self._injector.active:
+            self._injected_delay(token)
         if output == "hidden":
             return model.unpack(states)
         return model.logits(states[-1:] if output == "last" else states)
@@ -150,7 +151,8 @@ class FakeEngine(EngineCore):
     ) -> list[npt.NDArray[np.float32]]:
         model = self._loaded_model()
         states = [self._run(model, item, token)[0] for item in items]
-        self._injected_delay(token)
+        if self._injector.active:
+            self._injected_delay(token)
         # One vectorised unpack/projection for the whole batch; integer-exact, so each row is
         # bitwise what a single decode gives.
         rows = model.unpack(states) if output == "hidden" else model.logits(states)
@@ -163,7 +165,7 @@ class FakeEngine(EngineCore):
             return
         for layer, cache in enumerate(caches):
             del cache[start_pos:]
-            if undo is not None:
+            if undo is not None and undo.replaced is not None:
                 cache.extend(undo.replaced[layer])
             if len(cache) != committed_length:
                 raise EngineCrashed(
@@ -244,11 +246,12 @@ class FakeEngine(EngineCore):
             caches = self._caches[item.slot] = [[] for _ in range(model.end - model.start)]
         start = item.start_pos
         # Save only what the forward replaces (nothing for a plain append, the common case).
-        replaced = [cache[start:] for cache in caches] if start < len(caches[0]) else None
-        if replaced is not None:
+        replaced = None
+        if start < len(caches[0]):
+            replaced = [cache[start:] for cache in caches]
             for cache in caches:
                 del cache[start:]
-        self._undo[item.slot] = _Undo(start, replaced or [[] for _ in caches])
+        self._undo[item.slot] = _Undo(start, replaced)
         if item.tokens is not None:
             inputs = model.embed(item.tokens)
         else:
@@ -284,6 +287,8 @@ class FakeEngine(EngineCore):
                 self._set_kv_budget(self.config.kv_budget_tokens)
                 self._clear_degraded(_MEMORY_KEY)
             elif isinstance(action, Crash):
+                if action.abort:
+                    os.abort()
                 if action.exit_code is not None:
                     os._exit(action.exit_code)
                 # The core then refuses this very call with EngineCrashed (and counts it).

@@ -97,11 +97,13 @@ class Malformed(msgspec.Struct, frozen=True, kw_only=True, tag="malformed", tag_
 
 class Crash(msgspec.Struct, frozen=True, kw_only=True, tag="crash", tag_field="kind"):
     """Enter the failed state before the operation: it and every later call raise
-    EngineCrashed. With ``exit_code`` the process exits at once instead (``os._exit``), for
+    EngineCrashed. With ``exit_code`` the process exits at once instead (``os._exit``), with
+    ``abort`` it aborts (``os.abort()``: SIGABRT, as a failed native assertion does), for
     supervisor tests."""
 
     detail: str = "injected crash"
     exit_code: int | None = None
+    abort: bool = False
 
     def __post_init__(self) -> None:
         if self.exit_code is not None and not 0 <= self.exit_code <= 255:

@@ -5,16 +5,17 @@ paths, so a float model cannot promise bitwise-identical logits across machines.
 arithmetic is exact, so any order, any split and any machine gives the same bits.
 
 Why packed lanes: a hidden state of ``hidden_size`` values is one Python integer holding one
-value per 16-bit lane (lane ``i`` = bits ``16i..16i+15``). A layer is about fifteen big-integer
-operations whatever the hidden size, which is several times faster than the same number of numpy
-calls on small arrays and keeps decode well above 20,000 steps per second through the API.
+value per 16-bit lane (lane ``i`` = bits ``16i..16i+15``). A layer is sixteen big-integer
+operations whatever the hidden size, several times cheaper than the same number of numpy calls on
+small arrays (``benchmarks/fake_bench.py`` measures the decode rate through the API, and
+``benchmarks/decode_profile.py`` where its instructions go).
 
 Every lane value lies in ``[0, 2048)``; on the wire it is read as an 11-bit two's-complement
 integer, in ``[-1024, 1024)``, which both f32 and f16 represent exactly. Boundaries therefore
 carry hidden states losslessly in either dtype, and a pipeline of shards reproduces one full shard
 bit for bit. Lanes have 16 bits so that a product of a lane value and a multiplier below 32 never
-carries into the next lane, and so that a sign-extended lane is a little-endian int16 that numpy
-reads without a copy.
+carries into the next lane, and so that a state's bytes are little-endian uint16 lanes that numpy
+reads without a copy (one gather through a 2048-entry table then gives the signed f32 values).
 
 One layer ``l`` on the row at position ``p`` (``h`` the layer input, ``cum[p - 1]`` the cached
 state of the layer at the previous position, 0 at position 0)::
@@ -58,7 +59,6 @@ MODEL_ALGORITHM: Final = "fake-v1"
 LANE_BITS: Final = 16
 VALUE_BITS: Final = 11
 SIGN_BIT: Final = VALUE_BITS - 1
-SIGN_EXTENSION: Final = ((1 << LANE_BITS) - 1) ^ ((1 << VALUE_BITS) - 1)
 LOGIT_TERMS: Final = 4
 LOGIT_SCALE: Final = 1.0 / 64.0
 MAX_HIDDEN_SIZE: Final = 16384
@@ -203,10 +203,10 @@ class FakeModel:
 
     __slots__ = (
         "_embedding",
+        "_lane_values",
         "_layers",
         "_logit_index",
         "_logit_weight",
-        "_low1",
         "_low6",
         "_value_mask",
         "end",
@@ -227,7 +227,12 @@ class FakeModel:
         self.row_bytes = hidden * (LANE_BITS // 8)
         self._value_mask = _repeat_lane((1 << VALUE_BITS) - 1, hidden)
         self._low6 = _repeat_lane(0x3F, hidden)
-        self._low1 = _repeat_lane(1, hidden)
+        # Lane value (11 bits, as stored) -> its signed value as f32: one gather turns a packed
+        # state's lanes into wire values, cheaper than sign-extending the big integer and
+        # converting int16 to f32 (two numpy calls).
+        lane_values = np.arange(1 << VALUE_BITS, dtype=np.int32)
+        lane_values[1 << SIGN_BIT :] -= 1 << VALUE_BITS
+        self._lane_values: npt.NDArray[np.float32] = lane_values.astype(np.float32)
         width = hidden * LANE_BITS
         limit = 1 << VALUE_BITS
         self._embedding: list[int] = []
@@ -290,49 +295,52 @@ class FakeModel:
             state = ((state ^ layer_mask) + mixed * layer_mult) & value_mask
         return state
 
-    def _signed_bytes(self, states: Sequence[int]) -> bytes:
-        # Copy each lane's sign bit into its upper five bits: the lanes become little-endian
-        # int16 values in [-1024, 1024), ready for np.frombuffer.
+    def _raw_lanes(self, states: Sequence[int]) -> npt.NDArray[np.uint16]:
         size = self.row_bytes
-        low1 = self._low1
         if len(states) == 1:
-            state = states[0]
-            return (state | ((state >> SIGN_BIT) & low1) * SIGN_EXTENSION).to_bytes(size, "little")
-        return b"".join(
-            [
-                (state | ((state >> SIGN_BIT) & low1) * SIGN_EXTENSION).to_bytes(size, "little")
-                for state in states
-            ]
-        )
+            data = states[0].to_bytes(size, "little")
+        else:
+            data = b"".join([state.to_bytes(size, "little") for state in states])
+        return np.frombuffer(data, dtype="<u2")
 
     def unpack(self, states: Sequence[int]) -> npt.NDArray[np.float32]:
         """Packed states as wire hidden states: ``(n, hidden_size)`` f32 in ``[-1024, 1024)``."""
-        lanes = np.frombuffer(self._signed_bytes(states), dtype="<i2")
-        return lanes.astype(np.float32).reshape(len(states), self.hidden_size)
+        values = self._lane_values.take(self._raw_lanes(states))
+        return values.reshape(len(states), self.hidden_size)
 
     def pack(self, hidden: npt.NDArray[np.float32]) -> list[int]:
         """Wire hidden states back to packed states. Exact for anything ``unpack`` produced;
         any other finite input maps deterministically (rounded, wrapped into range)."""
-        clipped = np.clip(hidden, -(1 << 30), 1 << 30)
-        values = np.rint(clipped).astype(np.int64)
-        values &= (1 << VALUE_BITS) - 1
-        data = values.astype("<u2").tobytes()
+        # np.clip's Python-level wrapper costs twice the two ufuncs it amounts to (same NaN and
+        # infinity behaviour). Narrowing int32 -> int16 keeps the low 16 bits (two's
+        # complement), so each lane's low 11 bits are those of the rounded value; the
+        # big-integer mask then drops the rest (one integer operation per row, not a numpy pass).
+        values = np.maximum(hidden, -(1 << 30))
+        np.minimum(values, 1 << 30, out=values)
+        np.rint(values, out=values)
+        data = values.astype(np.int32).astype("<i2").tobytes()
         size = self.row_bytes
+        mask = self._value_mask
+        if len(data) == size:
+            return [int.from_bytes(data, "little") & mask]
         return [
-            int.from_bytes(data[offset : offset + size], "little")
+            int.from_bytes(data[offset : offset + size], "little") & mask
             for offset in range(0, len(data), size)
         ]
 
     def logits(self, states: Sequence[int]) -> npt.NDArray[np.float32]:
         """``(n, vocab_size)`` f32 logits of final states (tail shards only). Every product and
         partial sum is exact in f32, so the reduction order cannot change a bit."""
-        lanes = np.frombuffer(self._signed_bytes(states), dtype="<i2").astype(np.float32)
         if len(states) == 1:
-            # The decode path: a flat gather is several microseconds faster than the 2-D one.
-            terms = lanes.take(self._logit_index)
+            # The decode path. The lanes come from the packed state's bytes through the lane
+            # table; the logit indices are all in range, so the gather skips bounds checks
+            # (mode="wrap" never wraps here, it only takes numpy's unchecked loop).
+            raw = np.frombuffer(states[0].to_bytes(self.row_bytes, "little"), dtype="<u2")
+            terms = self._lane_values.take(raw).take(self._logit_index, mode="wrap")
             terms *= self._logit_weight
             single: npt.NDArray[np.float32] = np.add.reduce(terms, axis=0)
             return single.reshape(1, -1)
+        lanes = self._lane_values.take(self._raw_lanes(states))
         rows = lanes.reshape(len(states), self.hidden_size)[:, self._logit_index]
         rows *= self._logit_weight
         many: npt.NDArray[np.float32] = np.add.reduce(rows, axis=1)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
+
 from shard_engine_api import InvalidRequest, OptionValue
 from shard_engine_api.engine import EngineDescription, ModelFixture, Tokenizer, hookimpl
 from shard_engine_fake._engine import FakeEngine
@@ -19,9 +21,33 @@ ENGINE_NAME = FakeEngine.engine_name
 # mid-operation, so the rollback of real work is what it checks.
 _CANCEL_OPTIONS: dict[str, OptionValue] = {
     "faults": {
-        "rules": [{"action": {"kind": "delay", "milliseconds": 200}, "operations": ["prefill"]}]
+        "rules": [
+            {
+                "action": {"kind": "delay", "milliseconds": 200},
+                "operations": ["prefill", "decode_batch"],
+            }
+        ]
     }
 }
+# The first prefill or decode crashes the engine: the suite's crash test.
+_CRASH_OPTIONS: dict[str, OptionValue] = {
+    "faults": {
+        "rules": [
+            {
+                "action": {"kind": "crash", "detail": "injected crash (conformance)"},
+                "operations": ["prefill", "decode", "decode_batch"],
+                "limit": 1,
+            }
+        ]
+    }
+}
+# Uneven pipelines of the built-in 6-layer model: one-layer heads, middles and tails.
+_SPLITS: tuple[tuple[int, ...], ...] = (
+    (0, 1, 6),
+    (0, 2, 5, 6),
+    (0, 4, 5, 6),
+    (0, 1, 2, 3, 4, 5, 6),
+)
 
 
 class _ByteTokenizer:
@@ -51,12 +77,13 @@ def _fixture(spec: FakeModelSpec, *, built_in: bool) -> ModelFixture:
         ),
         has_tokenizer=spec.vocab_size >= BYTE_VOCAB_SIZE,
         cancel_options=_CANCEL_OPTIONS,
+        crash_options=_CRASH_OPTIONS,
     )
 
 
 def _model_fixture(workdir: Path) -> ModelFixture:
     """The built-in model (it needs no files, so ``workdir`` is never touched)."""
-    return _fixture(FakeModelSpec(), built_in=True)
+    return msgspec.structs.replace(_fixture(FakeModelSpec(), built_in=True), splits=_SPLITS)
 
 
 def _describe_model(model: str) -> ModelFixture:

@@ -2,10 +2,10 @@
 
 Everything here is pinned to one llama-cpp-python release: struct layouts, callback signatures and
 graph tensor names (``l_out-<layer>``) are not a stable API, so the version is checked at import and
-:func:`self_test` proves on a generated model that a split pipeline reproduces the unsplit logits
+ ``_self_test`` proves on a generated model that a split pipeline reproduces the unsplit logits
 bit for bit before anything relies on it.
 
-How a shard runs (see ``_gguf_split`` for how its file is built):
+How a shard runs (see ``_gguf.writer`` for how its file is built):
 
 * head/full shards take token ids, other shards take hidden states through ``batch.embd``;
 * tail/full shards return logits; other shards request no outputs and capture the residual stream
@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -97,6 +95,11 @@ def _check_version() -> str:
 
 
 LLAMA_CPP_PYTHON_VERSION = _check_version()
+
+# libgomp reads its spin count when llama_cpp loads it: the default must be in place first.
+from shard_engine_llama._threading import apply_threading_defaults  # noqa: E402
+
+apply_threading_defaults()
 
 import llama_cpp  # noqa: E402  (imported only once the pinned version is confirmed)
 
@@ -209,7 +212,8 @@ class ShardRuntime:
         real layer whose output a non-tail shard returns. Raises ModelLoadError when llama.cpp
         cannot load the file and GGUFValidationError when it is not a sound GGUF file.
         """
-        from ._gguf_split import read_gguf_header
+        from shard_engine_llama._gguf.reader import read_gguf_header
+        from shard_engine_llama._gguf.writer import shard_layout
 
         _ensure_backend()
         self.path = Path(path)
@@ -226,17 +230,16 @@ class ShardRuntime:
         if settings.kv_type not in _KV_TYPES:
             raise InvalidInputError(f"kv_type must be one of {sorted(_KV_TYPES)}")
         self.settings = settings
-        header = read_gguf_header(self.path)
-        arch = header.architecture
-        n_blocks = header.get_int(f"{arch}.block_count")
-        shard_role = header.metadata.get("shard.role")
-        role = shard_role.value if shard_role is not None else "full"
-        has_identity = header.metadata.get("shard.has_identity_block")
-        identity = bool(has_identity.value) if has_identity is not None else False
-        self.is_head = role in ("head", "full") if is_head is None else is_head
-        self.is_tail = role in ("tail", "full") if is_tail is None else is_tail
-        if last_layer_index is None:
-            last_layer_index = n_blocks - (2 if identity else 1)
+        if is_head is None or is_tail is None or last_layer_index is None:
+            # Callers that already parsed the file (the engine) pass all three: a tail shard
+            # carries the whole vocabulary, which takes seconds to parse on large ones.
+            layout = shard_layout(read_gguf_header(self.path))
+            is_head = layout.is_head if is_head is None else is_head
+            is_tail = layout.is_tail if is_tail is None else is_tail
+            if last_layer_index is None:
+                last_layer_index = layout.last_layer_index
+        self.is_head = is_head
+        self.is_tail = is_tail
         self.last_layer_index = last_layer_index
         self._capture_name = f"l_out-{last_layer_index}".encode()
         self._lock = threading.Lock()
@@ -624,75 +627,6 @@ class ShardRuntime:
         # At interpreter shutdown ctypes or llama_cpp may already be torn down.
         with contextlib.suppress(Exception):
             self.close()
-
-
-# --------------------------------------------------------------------------------------------
-# Self-test
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SelfTestReport:
-    """What :func:`self_test` measured."""
-
-    llama_cpp_python: str
-    n_prefill: int
-    n_decode: int
-    max_abs_diff: float
-    seconds: float
-
-
-def self_test(
-    directory: str | os.PathLike[str] | None = None, *, n_threads: int = 2
-) -> SelfTestReport:
-    """Prove the pinned runtime on a generated model: split logits must equal unsplit bit for bit.
-
-    Generates a tiny llama model, splits it 2-way, runs a prefill and two decode steps through
-    head -> tail and through the full model. Raises LlamaRuntimeError if anything differs.
-    """
-    from ._gguf_split import split_model
-    from ._tiny_model import write_tiny_model
-
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="shard-engine-selftest-", dir=directory) as scratch:
-        source = Path(scratch) / "tiny.gguf"
-        write_tiny_model(source, n_layers=4, seed=1234)
-        manifest = split_model(source, [(0, 2), (2, 4)], Path(scratch) / "shards")
-        options = ContextSettings(
-            n_ctx=64, n_seq_max=1, n_threads=n_threads, n_batch=32, n_ubatch=32
-        )
-        prompt = [1, 72, 101, 108, 108, 111]
-        with (
-            ShardRuntime(source, settings=options) as full,
-            ShardRuntime(manifest.shard_path(0), settings=options) as head,
-            ShardRuntime(manifest.shard_path(1), settings=options) as tail,
-        ):
-            expected = [full.run(0, 0, tokens=prompt)]
-            actual = [tail.run(0, 0, embeddings=head.run(0, 0, tokens=prompt))]
-            for step in range(2):
-                token = int(np.argmax(expected[-1][-1]))
-                position = len(prompt) + step
-                expected.append(full.run(0, position, tokens=[token]))
-                actual.append(
-                    tail.run(0, position, embeddings=head.run(0, position, tokens=[token]))
-                )
-        max_abs_diff = max(
-            float(np.max(np.abs(e - a))) for e, a in zip(expected, actual, strict=True)
-        )
-        identical = all(np.array_equal(e, a) for e, a in zip(expected, actual, strict=True))
-        if not identical or not all(np.all(np.isfinite(e)) for e in expected):
-            raise LlamaRuntimeError(
-                f"self-test failed: split logits differ from unsplit (max |diff| {max_abs_diff}); "
-                "the installed llama.cpp does not behave like "
-                f"llama-cpp-python{SUPPORTED_LLAMA_CPP_PYTHON}"
-            )
-    return SelfTestReport(
-        llama_cpp_python=LLAMA_CPP_PYTHON_VERSION,
-        n_prefill=len(prompt),
-        n_decode=2,
-        max_abs_diff=max_abs_diff,
-        seconds=time.perf_counter() - started,
-    )
 
 
 class Vocabulary:

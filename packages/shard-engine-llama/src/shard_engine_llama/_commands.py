@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shard_engine_llama._gguf_split import (
+from shard_engine_api.engine import ModelStoreRefused, model_store
+from shard_engine_llama._gguf import (
     GGUFValidationError,
-    ModelStoreError,
     ShardingRefusedError,
     SplitProgress,
     inspect_gguf,
     parts_by_bytes,
-    resolve_model_store,
     split_model,
 )
 
@@ -49,7 +48,10 @@ def _command_inspect(args: argparse.Namespace) -> int:
     try:
         info = inspect_gguf(args.model)
     except GGUFValidationError as error:
+        # A file llama.cpp would refuse or abort on: say which rule, and that it is not shardable.
         print(f"invalid GGUF: {error}", file=sys.stderr)
+        field = f" (field {error.field})" if error.field else ""
+        print(f"shardable:     no — refused by rule: {error.rule}{field}")
         return 2
     print(f"file:          {info.path}")
     print(f"architecture:  {info.architecture}")
@@ -58,6 +60,7 @@ def _command_inspect(args: argparse.Namespace) -> int:
     print(f"is a shard:    {'yes' if info.is_shard else 'no'}")
     if info.shardable:
         print("shardable:     yes")
+        print(f"shard rules:   {', '.join(info.rules)}")
     else:
         print(f"shardable:     no — refused by rule: {info.refusal}")
     print("bytes per layer:")
@@ -70,9 +73,9 @@ def _command_split(args: argparse.Namespace) -> int:
     try:
         info = inspect_gguf(args.model)
         ranges = args.shards if args.shards else parts_by_bytes(info, args.parts)
-        out = args.out or str(resolve_model_store(None) / "shards" / info.path.stem)
+        out = args.out or str(model_store() / "shards" / info.path.stem)
         manifest = split_model(args.model, ranges, out, None if args.quiet else _progress)
-    except (GGUFValidationError, ModelStoreError, ValueError) as error:
+    except (GGUFValidationError, ModelStoreRefused, ValueError) as error:
         kind = "refused" if isinstance(error, ShardingRefusedError) else "error"
         print(f"{kind}: {error}", file=sys.stderr)
         return 2

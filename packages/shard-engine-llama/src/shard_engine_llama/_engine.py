@@ -6,10 +6,10 @@ backend steps onto :class:`ShardRuntime` and maps runtime failures onto the cont
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -28,18 +28,29 @@ from shard_engine_api import (
     ShardMismatch,
     UnsupportedFeature,
 )
-from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
-from shard_engine_llama import _abi
-from shard_engine_llama._gguf_split import (
+from shard_engine_api.engine import (
+    CancelToken,
+    EngineCore,
+    ForwardItem,
+    ModelInfo,
+    ModelStoreRefused,
+    OutputMode,
+    file_sha256,
+    model_store,
+)
+from shard_engine_llama import _abi, _self_test
+from shard_engine_llama._gguf import (
     GGUFHeader,
     GGUFValidationError,
-    ModelStoreError,
     ShardingRefusedError,
     model_info,
-    resolve_model_store,
     split_model,
     validate_gguf,
 )
+from shard_engine_llama._gguf.families import FAMILIES
+from shard_engine_llama._gguf.integrity import ShardIntegrityError, verify_shard
+from shard_engine_llama._gguf.store import FileIdentity, file_identity, hash_cache
+from shard_engine_llama._gguf.writer import ShardLayout, planned_layout, shard_layout
 
 __all__ = ["ENGINE_VERSION", "LlamaEngine", "LlamaOptions"]
 
@@ -47,7 +58,7 @@ ENGINE_VERSION: Final = "0.1.0"
 _MAX_SEQUENCES: Final = 256  # llama.cpp's LLAMA_MAX_SEQ
 
 _self_test_lock = threading.Lock()
-_self_test_result: _abi.SelfTestReport | None = None
+_self_test_result: _self_test.SelfTestReport | None = None
 
 
 class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -75,20 +86,38 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     self_test: bool = True
 
 
-def _run_self_test() -> _abi.SelfTestReport:
+def _run_self_test() -> _self_test.SelfTestReport:
     global _self_test_result  # noqa: PLW0603 - once per process, shared by every engine
     with _self_test_lock:
         if _self_test_result is None:
-            _self_test_result = _abi.self_test()
+            _self_test_result = _self_test.self_test()
         return _self_test_result
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(16 * 1024 * 1024), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+@dataclass(frozen=True)
+class _ShardChoice:
+    """What ``_open`` loads: the file, the model fingerprint and vocabulary size it reports, the
+    given model's parsed header, and how the runtime drives the file."""
+
+    path: Path
+    fingerprint: str
+    vocab_size: int
+    header: GGUFHeader
+    layout: ShardLayout
+    # The file's identity once verified: it must be unchanged after llama.cpp has mapped it.
+    identity: FileIdentity = field(default_factory=lambda: FileIdentity("", 0, 0, 0, 0, 0))
+
+    def verified(self) -> _ShardChoice:
+        return replace(self, identity=file_identity(self.path))
+
+
+def _usable_store(explicit: str | None) -> Path | None:
+    """The model store for the persistent hash cache, or None when none is usable: a full model
+    runs from where it is and needs no store."""
+    try:
+        return model_store(explicit)
+    except ModelStoreRefused:
+        return None
 
 
 class LlamaEngine(EngineCore):
@@ -106,7 +135,7 @@ class LlamaEngine(EngineCore):
         self._runtime: _abi.ShardRuntime | None = None
         self._snapshots: dict[int, bytes] = {}
         self.shard_path: Path | None = None
-        self.self_test_report: _abi.SelfTestReport | None = None
+        self.self_test_report: _self_test.SelfTestReport | None = None
 
     # ------------------------------------------------------------------ backend steps
 
@@ -129,12 +158,14 @@ class LlamaEngine(EngineCore):
             except _abi.LlamaRuntimeError as error:
                 raise EngineCrashed(f"llama.cpp start-up self-test failed: {error}") from error
         try:
-            path, fingerprint, vocab_size, header = self._shard_file(config, options)
+            choice = self._shard_file(config, options)
             tolerance = (
-                options.tolerance if options.tolerance is not None else _default_tolerance(header)
+                options.tolerance
+                if options.tolerance is not None
+                else _default_tolerance(choice.header)
             )
             runtime = _abi.ShardRuntime(
-                path,
+                choice.path,
                 n_ctx=config.max_context * config.max_sessions,
                 n_seq_max=config.max_sessions,
                 n_threads=config.n_threads or _available_cores(),
@@ -142,9 +173,19 @@ class LlamaEngine(EngineCore):
                 n_ubatch=options.n_ubatch,
                 flash_attn=options.flash_attn,
                 kv_type=options.kv_type,
+                is_head=choice.layout.is_head,
+                is_tail=choice.layout.is_tail,
+                last_layer_index=choice.layout.last_layer_index,
             )
-        except (GGUFValidationError, ModelStoreError) as error:
-            raise InvalidRequest(str(error)) from error
+            if file_identity(choice.path) != choice.identity:
+                # Replaced or rewritten between verification and llama.cpp mapping it.
+                runtime.close()
+                raise ShardIntegrityError(f"{choice.path} changed while it was being loaded")
+        except GGUFValidationError as error:
+            details: dict[str, str | int | float | bool | None] = {"rule": error.rule}
+            if error.field:
+                details["field"] = error.field
+            raise InvalidRequest(str(error), details=details) from error
         except ShardingRefusedError as error:
             rule = error.rule.split(":", 1)[0]
             raise UnsupportedFeature(str(error), details={"rule": rule}) from error
@@ -153,13 +194,13 @@ class LlamaEngine(EngineCore):
         except OSError as error:
             raise InvalidRequest(f"cannot read model {config.shard.model!r}: {error}") from error
         self._runtime = runtime
-        self.shard_path = path
+        self.shard_path = choice.path
         return ModelInfo(
             engine_version=ENGINE_VERSION,
             evidence="real",
-            model_fingerprint=fingerprint,
+            model_fingerprint=choice.fingerprint,
             hidden_size=runtime.n_embd,
-            vocab_size=vocab_size,
+            vocab_size=choice.vocab_size,
             determinism=Determinism(
                 deterministic=True,
                 split_exact=True,
@@ -177,16 +218,24 @@ class LlamaEngine(EngineCore):
             max_sessions=config.max_sessions,
         )
 
-    def _shard_file(
-        self, config: LoadConfig, options: LlamaOptions
-    ) -> tuple[Path, str, int, GGUFHeader]:
-        """The file to load for this shard, the model fingerprint, the vocabulary size and the
-        validated header of the given model (parsed once: a 262k vocabulary takes seconds)."""
+    def _shard_file(self, config: LoadConfig, options: LlamaOptions) -> _ShardChoice:
+        """The file to load for this shard, what it reports, and how the runtime drives it.
+
+        The given model's header is parsed once here and handed on (a 262k vocabulary takes
+        seconds to parse); whole-file digests come from the per-identity hash cache.
+        """
         spec = config.shard
         source = Path(spec.model)
         if not source.is_file():
             raise InvalidRequest(f"model file {source} does not exist")
         header = validate_gguf(source)
+        if header.architecture not in FAMILIES:
+            # Without a known layout the validator cannot keep files llama.cpp aborts on away.
+            raise UnsupportedFeature(
+                f"architecture-unknown-layout: {header.architecture!r} is not one of the families "
+                f"whose layout is checked before llama.cpp opens a file ({sorted(FAMILIES)})",
+                details={"rule": "architecture-unknown-layout"},
+            )
         info = model_info(header)
         if info.is_shard:
             start = int(header.get_int("shard.start"))
@@ -197,22 +246,38 @@ class LlamaEngine(EngineCore):
                     f"{source.name} holds layers [{start}, {end}) of {total}; the spec asks for "
                     f"[{spec.start}, {spec.end}) of {spec.n_layers}"
                 )
+            # The source fingerprint is only reported for bytes proven to be what split wrote.
+            verify_shard(header, store=_usable_store(options.model_store))
             fingerprint = header.get_str("shard.source_sha256")
             vocab_entry = header.metadata.get("shard.source_vocab_size")
             vocab = int(vocab_entry.value) if vocab_entry is not None else info.vocab_size  # type: ignore[arg-type]
-            return source, fingerprint, vocab, header
+            return _ShardChoice(source, fingerprint, vocab, header, shard_layout(header)).verified()
         if info.n_layers != spec.n_layers:
             raise ShardMismatch(
                 f"{source.name} has {info.n_layers} layers; the spec says {spec.n_layers}"
             )
         if spec.role == "full":
-            return source, _sha256(source), info.vocab_size, header
+            store = _usable_store(options.model_store)
+            fingerprint = hash_cache().digest(source, "file", file_sha256, store=store)
+            return _ShardChoice(
+                source, fingerprint, info.vocab_size, header, shard_layout(header)
+            ).verified()
         if not info.shardable:
             raise ShardingRefusedError(info.refusal or "not shardable")
-        store = resolve_model_store(options.model_store)
+        store = model_store(options.model_store)
         directory = store / "shards" / source.stem / f"{spec.start:03d}-{spec.end:03d}"
-        manifest = split_model(source, [(spec.start, spec.end)], directory, partial=True)
-        return manifest.shard_path(0), manifest.source_sha256, info.vocab_size, header
+        manifest = split_model(
+            source,
+            [(spec.start, spec.end)],
+            directory,
+            partial=True,
+            header=header,
+            hash_store=store,
+        )
+        layout = planned_layout(header, spec.start, spec.end)
+        return _ShardChoice(
+            manifest.shard_path(0), manifest.source_sha256, info.vocab_size, header, layout
+        ).verified()
 
     def _forward(
         self, item: ForwardItem, output: OutputMode, token: CancelToken

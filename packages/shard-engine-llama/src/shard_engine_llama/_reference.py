@@ -7,6 +7,11 @@ every weight in memory as float64.
 
 RoPE mode matters: llama uses the "normal" mode (rotating adjacent pairs, the GGUF converter
 permutes Q/K to match) and qwen2/qwen3 use NeoX mode (rotating the two halves of each head).
+
+qwen3moe replaces the feed-forward with experts as llama.cpp's ``build_moe_ffn`` does for it
+(src/llama-graph.cpp, called from src/models/qwen3moe.cpp): softmax over the router logits of
+all experts, the ``expert_used_count`` most probable ones, their probabilities renormalised to
+sum to 1, and the weighted sum of their SwiGLU outputs.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import numpy.typing as npt
 
 __all__ = ["REFERENCE_ARCHITECTURES", "ReferenceModel"]
 
-REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
-_NEOX_ROPE = frozenset({"qwen2", "qwen3"})
+REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3moe")
+_NEOX_ROPE = frozenset({"qwen2", "qwen3", "qwen3moe"})
 
 Float64Array = npt.NDArray[np.float64]
 
@@ -40,13 +45,27 @@ class _Layer:
     q_norm: Float64Array | None
     k_norm: Float64Array | None
     ffn_norm: Float64Array
-    w_gate: Float64Array
-    w_up: Float64Array
-    w_down: Float64Array
+    w_gate: Float64Array | None
+    w_up: Float64Array | None
+    w_down: Float64Array | None
+    # Experts: router (n_expert, n_embd); gate/up (n_expert, n_ff_exp, n_embd); down
+    # (n_expert, n_embd, n_ff_exp).
+    router: Float64Array | None = None
+    gate_exps: Float64Array | None = None
+    up_exps: Float64Array | None = None
+    down_exps: Float64Array | None = None
 
 
 def _rms_norm(x: Float64Array, weight: Float64Array, eps: float) -> Float64Array:
     result: Float64Array = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    return result
+
+
+def _swiglu(
+    h: Float64Array, w_gate: Float64Array, w_up: Float64Array, w_down: Float64Array
+) -> Float64Array:
+    gate = h @ w_gate.T
+    result: Float64Array = ((gate / (1.0 + np.exp(-gate))) * (h @ w_up.T)) @ w_down.T
     return result
 
 
@@ -78,6 +97,7 @@ class ReferenceModel:
         self.head_dim = int(number("attention.key_length", float(self.n_embd // self.n_head)))
         self.rms_eps = number("attention.layer_norm_rms_epsilon")
         self.rope_base = number("rope.freq_base", 10000.0)
+        self.n_expert_used = int(number("expert_used_count", 0.0))
         tensors = {tensor.name: tensor for tensor in reader.tensors}
 
         def weight(name: str) -> Float64Array:
@@ -111,9 +131,13 @@ class ReferenceModel:
                     q_norm=optional(p + "attn_q_norm.weight"),
                     k_norm=optional(p + "attn_k_norm.weight"),
                     ffn_norm=weight(p + "ffn_norm.weight"),
-                    w_gate=weight(p + "ffn_gate.weight"),
-                    w_up=weight(p + "ffn_up.weight"),
-                    w_down=weight(p + "ffn_down.weight"),
+                    w_gate=optional(p + "ffn_gate.weight"),
+                    w_up=optional(p + "ffn_up.weight"),
+                    w_down=optional(p + "ffn_down.weight"),
+                    router=optional(p + "ffn_gate_inp.weight"),
+                    gate_exps=optional(p + "ffn_gate_exps.weight"),
+                    up_exps=optional(p + "ffn_up_exps.weight"),
+                    down_exps=optional(p + "ffn_down_exps.weight"),
                 )
             )
 
@@ -173,9 +197,36 @@ class ReferenceModel:
             )
             x = x + attention @ layer.wo.T
             h = _rms_norm(x, layer.ffn_norm, self.rms_eps)
-            gate = h @ layer.w_gate.T
-            x = x + ((gate / (1.0 + np.exp(-gate))) * (h @ layer.w_up.T)) @ layer.w_down.T
+            x = x + self._feed_forward(layer, h)
         return x
+
+    def _feed_forward(self, layer: _Layer, h: Float64Array) -> Float64Array:
+        if layer.router is None:
+            assert layer.w_gate is not None
+            assert layer.w_up is not None
+            assert layer.w_down is not None
+            return _swiglu(h, layer.w_gate, layer.w_up, layer.w_down)
+        assert layer.gate_exps is not None
+        assert layer.up_exps is not None
+        assert layer.down_exps is not None
+        logits = h @ layer.router.T  # (n_tokens, n_expert)
+        probabilities = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probabilities /= probabilities.sum(axis=-1, keepdims=True)
+        out = np.zeros_like(h)
+        for row in range(h.shape[0]):
+            chosen = np.argsort(-probabilities[row], kind="stable")[: self.n_expert_used]
+            weights = probabilities[row, chosen] / probabilities[row, chosen].sum()
+            for expert, weight in zip(chosen, weights, strict=True):
+                out[row] += (
+                    weight
+                    * _swiglu(
+                        h[row : row + 1],
+                        layer.gate_exps[expert],
+                        layer.up_exps[expert],
+                        layer.down_exps[expert],
+                    )[0]
+                )
+        return out
 
     def logits(self, tokens: Sequence[int]) -> Float64Array:
         """Logits (n_tokens, n_vocab) for every position of a fresh sequence."""

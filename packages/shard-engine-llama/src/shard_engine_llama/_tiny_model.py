@@ -17,7 +17,24 @@ import numpy.typing as npt
 
 __all__ = ["SUPPORTED_TINY_ARCHITECTURES", "TinyModelConfig", "write_tiny_model"]
 
-SUPPORTED_TINY_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "gemma2")
+SUPPORTED_TINY_ARCHITECTURES: tuple[str, ...] = (
+    "gemma2",
+    "gemma3",
+    "granite",
+    "llama",
+    "olmo2",
+    "phi3",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+    "smollm3",
+)
+# Families whose feed-forward is a mixture of experts (llama gets experts with ``n_expert``).
+MOE_TINY_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
+_QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3moe", "gemma3"})
+_QKV_BIAS_ARCHITECTURES = frozenset({"qwen2", "qwen2moe"})
+_GEMMA_ARCHITECTURES = frozenset({"gemma3", "gemma2"})
 
 # SentencePiece-style vocabulary: <unk>, <s>, </s> then the 256 byte-fallback tokens. Every string
 # can be tokenized (via bytes) and every token has text, which is all a tokenizer needs here.
@@ -45,6 +62,14 @@ class TinyModelConfig:
     rope_freq_base: float
     rms_eps: float
     sliding_window: int
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    embedding_scale: float = 0.0
+    residual_scale: float = 0.0
+    attention_scale: float = 0.0
+    logit_scale: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -103,6 +128,9 @@ def write_tiny_model(
     context_length: int = 512,
     sliding_window: int = 8,
     tie_embeddings: bool = False,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+    n_ff_exp: int = 0,
 ) -> TinyModelConfig:
     """Write a deterministic random model to ``path`` and return its configuration.
 
@@ -119,6 +147,16 @@ def write_tiny_model(
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
     head_dim = n_embd // n_head
+    if arch in MOE_TINY_ARCHITECTURES and n_expert == 0:
+        n_expert, n_expert_used = 4, 2
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise ValueError("n_expert_used must lie in [1, n_expert]")
+    if n_expert and arch not in MOE_TINY_ARCHITECTURES | {"llama"}:
+        raise ValueError(f"{arch} has no experts in this generator")
+    # llama's experts are n_ff wide; the qwen MoE families have their own expert length.
+    if n_expert and arch == "llama":
+        n_ff_exp = n_ff
+    n_ff_exp = n_ff_exp or (n_ff // 2 if n_expert else 0)
     if dtype == "q8_0" and (n_embd % 32 or n_ff % 32 or (n_head * head_dim) % 32):
         raise ValueError("q8_0 needs n_embd, n_ff and n_head*head_dim divisible by 32")
 
@@ -134,8 +172,17 @@ def write_tiny_model(
         seed=seed,
         context_length=context_length,
         rope_freq_base=10000.0,
-        rms_eps=1e-5 if arch not in ("gemma3", "gemma2") else 1e-6,
-        sliding_window=sliding_window if arch in ("gemma3", "gemma2") else 0,
+        rms_eps=1e-5 if arch not in _GEMMA_ARCHITECTURES else 1e-6,
+        sliding_window=sliding_window if arch in _GEMMA_ARCHITECTURES else 0,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=n_ff_exp,
+        n_ff_shexp=n_ff // 2 if arch == "qwen2moe" else 0,
+        # granite's multipliers; the embedding one is what a non-head shard must not reapply.
+        embedding_scale=12.0 if arch == "granite" else 0.0,
+        residual_scale=0.22 if arch == "granite" else 0.0,
+        attention_scale=0.0078125 if arch == "granite" else 0.0,
+        logit_scale=8.0 if arch == "granite" else 0.0,
     )
     rng = np.random.default_rng(seed)
 
@@ -166,6 +213,18 @@ def write_tiny_model(
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
         writer.add_vocab_size(vocab)
+    if n_expert:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
+        if arch != "llama":
+            writer.add_expert_feed_forward_length(n_ff_exp)
+    if config.n_ff_shexp:
+        writer.add_expert_shared_feed_forward_length(config.n_ff_shexp)
+    if arch == "granite":
+        writer.add_float32(f"{arch}.embedding_scale", config.embedding_scale)
+        writer.add_float32(f"{arch}.residual_scale", config.residual_scale)
+        writer.add_float32(f"{arch}.attention.scale", config.attention_scale)
+        writer.add_float32(f"{arch}.logit_scale", config.logit_scale)
     if arch == "gemma3":
         writer.add_sliding_window(sliding_window)
         writer.add_array(
@@ -179,6 +238,10 @@ def write_tiny_model(
         writer.add_float32(f"{arch}.final_logit_softcapping", 30.0)
 
     tokens, scores, token_types = _token_list(vocab)
+    if arch == "phi3":
+        # llama.cpp looks this token up by name in any model whose name says phi3.
+        tokens[-1] = "<|endoftext|>"
+        token_types[-1] = int(gguf.TokenType.CONTROL)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -197,30 +260,61 @@ def write_tiny_model(
     add("token_embd.weight", rng.standard_normal((vocab, n_embd)).astype(np.float32))
     q_dim = n_head * head_dim
     kv_dim = n_head_kv * head_dim
+
+    def experts(rows: int, cols: int) -> npt.NDArray[np.float32]:
+        # numpy (n_expert, rows, cols) is ggml {cols, rows, n_expert}.
+        return np.stack([matrix(rows, cols) for _ in range(n_expert)])
+
     for il in range(n_layers):
         prefix = f"blk.{il}"
-        add(f"{prefix}.attn_norm.weight", norm(n_embd))
-        add(f"{prefix}.attn_q.weight", matrix(q_dim, n_embd))
-        add(f"{prefix}.attn_k.weight", matrix(kv_dim, n_embd))
-        add(f"{prefix}.attn_v.weight", matrix(kv_dim, n_embd))
-        if arch == "qwen2":
+        if arch != "olmo2":
+            add(f"{prefix}.attn_norm.weight", norm(n_embd))
+        if arch == "phi3":
+            add(f"{prefix}.attn_qkv.weight", matrix(q_dim + 2 * kv_dim, n_embd))
+        else:
+            add(f"{prefix}.attn_q.weight", matrix(q_dim, n_embd))
+            add(f"{prefix}.attn_k.weight", matrix(kv_dim, n_embd))
+            add(f"{prefix}.attn_v.weight", matrix(kv_dim, n_embd))
+        if arch in _QKV_BIAS_ARCHITECTURES:
             add(f"{prefix}.attn_q.bias", bias(q_dim))
             add(f"{prefix}.attn_k.bias", bias(kv_dim))
             add(f"{prefix}.attn_v.bias", bias(kv_dim))
-        if arch in ("qwen3", "gemma3"):
+        if arch in _QK_NORM_ARCHITECTURES:
             add(f"{prefix}.attn_q_norm.weight", norm(head_dim))
             add(f"{prefix}.attn_k_norm.weight", norm(head_dim))
+        if arch == "olmo2":
+            # olmo2 normalises q and k over all heads at once.
+            add(f"{prefix}.attn_q_norm.weight", norm(q_dim))
+            add(f"{prefix}.attn_k_norm.weight", norm(kv_dim))
         add(f"{prefix}.attn_output.weight", matrix(n_embd, q_dim))
-        if arch in ("gemma3", "gemma2"):
+        if arch in _GEMMA_ARCHITECTURES or arch == "olmo2":
             add(f"{prefix}.post_attention_norm.weight", norm(n_embd))
-        add(f"{prefix}.ffn_norm.weight", norm(n_embd))
-        add(f"{prefix}.ffn_gate.weight", matrix(n_ff, n_embd))
-        add(f"{prefix}.ffn_up.weight", matrix(n_ff, n_embd))
-        add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
-        if arch in ("gemma3", "gemma2"):
+        if arch != "olmo2":
+            add(f"{prefix}.ffn_norm.weight", norm(n_embd))
+        if n_expert:
+            add(f"{prefix}.ffn_gate_inp.weight", matrix(n_expert, n_embd))
+            add(f"{prefix}.ffn_gate_exps.weight", experts(n_ff_exp, n_embd))
+            add(f"{prefix}.ffn_down_exps.weight", experts(n_embd, n_ff_exp))
+            add(f"{prefix}.ffn_up_exps.weight", experts(n_ff_exp, n_embd))
+            if config.n_ff_shexp:
+                add(f"{prefix}.ffn_gate_inp_shexp.weight", bias(n_embd))
+                add(f"{prefix}.ffn_gate_shexp.weight", matrix(config.n_ff_shexp, n_embd))
+                add(f"{prefix}.ffn_up_shexp.weight", matrix(config.n_ff_shexp, n_embd))
+                add(f"{prefix}.ffn_down_shexp.weight", matrix(n_embd, config.n_ff_shexp))
+        elif arch == "phi3":
+            # phi3 fuses gate and up into one 2 * n_ff wide projection.
+            add(f"{prefix}.ffn_up.weight", matrix(2 * n_ff, n_embd))
+            add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
+        else:
+            add(f"{prefix}.ffn_gate.weight", matrix(n_ff, n_embd))
+            add(f"{prefix}.ffn_up.weight", matrix(n_ff, n_embd))
+            add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
+        if arch in _GEMMA_ARCHITECTURES or arch == "olmo2":
             add(f"{prefix}.post_ffw_norm.weight", norm(n_embd))
     add("output_norm.weight", norm(n_embd))
-    if not tie_embeddings:
+    # gemma2's loader always ties the lm-head to the token embedding; olmo2's and qwen2moe's
+    # always want their own.
+    if (not tie_embeddings and arch != "gemma2") or arch in ("olmo2", "qwen2moe"):
         add("output.weight", matrix(vocab, n_embd))
 
     writer.write_header_to_file()

@@ -54,7 +54,7 @@ def _model_fixture(workdir: Path) -> ModelFixture:
 
 
 def _describe_model(model: str) -> ModelFixture:
-    from shard_engine_llama._gguf_split import GGUFValidationError, inspect_gguf
+    from shard_engine_llama._gguf import GGUFValidationError, inspect_gguf
 
     path = Path(model)
     if not path.is_file():

@@ -75,9 +75,15 @@ def assert_matches(
     tolerance: float,
     what: str,
 ) -> None:
-    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``."""
+    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``.
+    NaN or infinity on either side never matches (two NaNs are not equal outputs)."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
+    for side, values in (("output", actual), ("expected output", expected)):
+        if not np.isfinite(values).all():
+            raise AssertionError(
+                f"{what}: the {side} holds NaN or infinity (outputs must be finite)"
+            )
     if exact:
         if actual.tobytes() != expected.tobytes():
             difference = float(np.max(np.abs(actual.astype(np.float64) - expected)))
@@ -136,6 +142,10 @@ class Harness:
             record.capability_evidence.add(caps.evidence)
             record.engine_version = caps.engine_version
             record.contract_version = caps.contract_version
+            if not record.declared_determinism:
+                record.declared_determinism = msgspec.structs.asdict(caps.determinism)
+                record.declared_features = msgspec.structs.asdict(caps.features)
+                record.boundary_dtypes = tuple(caps.boundary_dtypes)
         if self._vocab_size is None:
             self._vocab_size = caps.vocab_size
 

@@ -34,6 +34,9 @@ class SuiteRecord:
     model: ModelReport | None = None
     shards: list[ShardSpec] = field(default_factory=list)
     overrides: dict[str, str] = field(default_factory=dict)
+    declared_determinism: dict[str, float | bool] = field(default_factory=dict)
+    declared_features: dict[str, float | bool] = field(default_factory=dict)
+    boundary_dtypes: tuple[str, ...] = ()
     nodeids: list[str] = field(default_factory=list)
     test_names: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

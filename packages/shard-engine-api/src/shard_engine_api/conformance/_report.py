@@ -1,9 +1,12 @@
 """The JSON conformance report: typed structs, model hashing, environment and certification.
 
 A report describes one engine's run of the suite. ``certification`` is ``"real-model"`` only
-when every source of evidence says ``real`` (the registered engine spec, every loaded
-engine's capabilities and every result the suite received), every standard test ran, and
-nothing failed; a fixture engine therefore can never be reported as a real-model certification.
+when every source of evidence says ``real`` (the registered engine description, every loaded
+engine's capabilities and every result the suite received), every standard test ran, nothing
+failed, and the model is a file (or directory) the suite itself opened and hashed that the
+project's tiny-model generator did not write; a fixture engine, a built-in model or a generated
+file can therefore never be reported as a real-model certification. ``verified`` holds what the
+suite established itself, ``declared`` what the plugin merely said.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import msgspec
 
 from shard_engine_api._store import file_sha256
 from shard_engine_api._types import EvidenceClass, ShardSpec
+from shard_engine_api.conformance._provenance import generated_by_project
 
 __all__ = [
     "REPORT_VERSION",
@@ -28,9 +32,11 @@ __all__ = [
     "EnvironmentReport",
     "ModelReport",
     "OverrideRecord",
+    "PluginDeclarations",
     "TestOutcome",
     "TestResult",
     "Totals",
+    "VerifiedFacts",
     "certify",
     "current_environment",
     "model_report",
@@ -54,7 +60,10 @@ class ModelReport(msgspec.Struct, frozen=True, kw_only=True):
     hashed: Literal["file", "directory", "reference"]
     files: tuple[str, ...] = ()
     synthetic: bool = True
-    """A generated or built-in model (ModelFixture.synthetic): never a real-model run."""
+    """The plugin declares a generated or built-in model (ModelFixture.synthetic)."""
+    generated_by_project: bool = False
+    """The suite found the project's tiny-model generator's marks in the file (GGUF metadata):
+    never a real-model run, whatever the plugin declares."""
 
 
 class EnvironmentReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,6 +105,33 @@ class OverrideRecord(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class VerifiedFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the suite established by itself during the run."""
+
+    model_hashed_by_suite: bool
+    """The model reference is a file or directory the suite opened and hashed (sha256 below)."""
+    model_sha256: str | None
+    model_generated_by_project: bool
+    standard_tests_run: int
+    standard_tests_passed: int
+    missing_standard_tests: tuple[str, ...]
+    capability_evidence: tuple[EvidenceClass, ...]
+    result_evidence: tuple[EvidenceClass, ...]
+    """Evidence classes seen on every capabilities object and every result."""
+
+
+class PluginDeclarations(msgspec.Struct, frozen=True, kw_only=True):
+    """What the plugin and the engine said about themselves, unverified as such (the tests
+    hold the engine to it, but a declaration is not a measurement)."""
+
+    registered_evidence: tuple[EvidenceClass, ...]
+    model_synthetic: bool | None
+    model_description: str
+    determinism: dict[str, float | bool] = msgspec.field(default_factory=dict)
+    features: dict[str, float | bool] = msgspec.field(default_factory=dict)
+    boundary_dtypes: tuple[str, ...] = ()
+
+
 class ConformanceReport(msgspec.Struct, frozen=True, kw_only=True):
     """The outcome of one engine's conformance run (written as JSON at session end)."""
 
@@ -116,6 +152,8 @@ class ConformanceReport(msgspec.Struct, frozen=True, kw_only=True):
     totals: Totals
     missing_standard_tests: tuple[str, ...] = ()
     overrides: tuple[OverrideRecord, ...] = ()
+    verified: VerifiedFacts | None = None
+    declared: PluginDeclarations | None = None
 
 
 def model_report(
@@ -134,6 +172,7 @@ def model_report(
             sha256=file_sha256(path),
             hashed="file",
             files=(path.name,),
+            generated_by_project=generated_by_project(path),
         )
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -148,6 +187,7 @@ def model_report(
             sha256=digest.hexdigest(),
             hashed="directory",
             files=tuple(file.relative_to(path).as_posix() for file in files),
+            generated_by_project=generated_by_project(path),
         )
     digest.update(reference.encode())
     return ModelReport(
@@ -177,13 +217,16 @@ def certify(
     evidence_sources: Mapping[str, Iterable[EvidenceClass]],
     missing_standard_tests: Iterable[str],
     synthetic_model: bool = True,
+    model: ModelReport | None = None,
 ) -> tuple[EvidenceClass, Certification]:
     """The evidence class of the run and its certification.
 
     The evidence is ``real`` only when there is at least one source and every value of every
-    source is ``real``: one ``fixture`` anywhere (the registered spec, a capabilities object, a
-    single result) makes the whole run fixture evidence. A real engine that passed everything on
-    a generated model is ``synthetic-model``: only a real model makes ``real-model``.
+    source is ``real``: one ``fixture`` anywhere (the registered description, a capabilities
+    object, a single result) makes the whole run fixture evidence. A real engine that passed
+    everything is ``real-model`` only on a model the suite hashed itself (a file or directory:
+    ``model.hashed``) that the project's generator did not write and the plugin does not call
+    synthetic; else ``synthetic-model``.
     """
     values = [value for source in evidence_sources.values() for value in source]
     evidence: EvidenceClass = (
@@ -194,5 +237,11 @@ def certify(
     if totals.failed or totals.errors or totals.passed == 0:
         return evidence, "failed"
     if evidence == "real" and not list(missing_standard_tests):
-        return evidence, "synthetic-model" if synthetic_model else "real-model"
+        earned = (
+            not synthetic_model
+            and model is not None
+            and model.hashed in ("file", "directory")
+            and not model.generated_by_project
+        )
+        return evidence, "real-model" if earned else "synthetic-model"
     return evidence, "fixture-only"

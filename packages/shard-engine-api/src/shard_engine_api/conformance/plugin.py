@@ -17,6 +17,9 @@ Options:
 
 ``--shard-engine NAME``
     The engine to run the standard suite against.
+``--shard-engine-examples N``
+    Examples per shard configuration of the model-based state-machine test (default 8;
+    derandomized, so a run is repeatable; raise it for deeper runs).
 ``--shard-engine-report PATH``
     Write a JSON :class:`~shard_engine_api.conformance.ConformanceReport` at session end
     (default: none). It covers every conformance suite class that ran, with or without
@@ -45,15 +48,19 @@ import msgspec
 import pluggy
 import pytest
 
+from shard_engine_api._plugins import installed_engines
 from shard_engine_api.conformance._base import STANDARD_TESTS, ShardEngineConformance
 from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder, SuiteRecord, TestRecord
 from shard_engine_api.conformance._report import (
     ConformanceReport,
     OverrideRecord,
+    PluginDeclarations,
     Totals,
+    VerifiedFacts,
     certify,
     current_environment,
 )
+from shard_engine_api.conformance._stateful import DEFAULT_EXAMPLES
 
 __all__ = ["SUITE_MODULE", "build_reports"]
 
@@ -69,6 +76,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         default=None,
         help="run the shard-engine conformance suite against the installed engine NAME",
+    )
+    group.addoption(
+        "--shard-engine-examples",
+        metavar="N",
+        type=int,
+        default=None,
+        help="examples per shard configuration of the model-based test (default "
+        f"{DEFAULT_EXAMPLES}; more for deeper runs)",
     )
     group.addoption(
         "--shard-engine-report",
@@ -109,10 +124,22 @@ def _names_suite(argument: str, suite_path: Path) -> bool:
         return False
 
 
+def _check_installed(name: str) -> None:
+    """Stop the run with one line when no installed plugin provides ``name``."""
+    manager = ShardEngineConformance.plugin_manager()
+    installed = [engine.name for engine in installed_engines(manager)]
+    if name not in installed:
+        raise pytest.UsageError(
+            f"shard-engine conformance: no engine named {name!r} is installed "
+            f"(installed: {', '.join(installed) or 'none'})"
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[RECORDER_KEY] = Recorder()
     if not config.getoption("shard_engine"):
         return
+    _check_installed(str(config.getoption("shard_engine")))
     suite_path = _suite_path()
     target = SUITE_MODULE if config.option.pyargs else str(suite_path)
     if config.args_source != pytest.Config.ArgsSource.ARGS:
@@ -203,11 +230,34 @@ def _report_of(record: SuiteRecord, recorder: Recorder, config: pytest.Config) -
         "capabilities": tuple(sorted(record.capability_evidence)),
         "results": tuple(sorted(record.result_evidence)),
     }
+    model = record.model
     evidence, certification = certify(
         totals=totals,
         evidence_sources=sources,
         missing_standard_tests=missing,
-        synthetic_model=record.model.synthetic if record.model is not None else True,
+        synthetic_model=model.synthetic if model is not None else True,
+        model=model,
+    )
+    standard = [result for result in results if result.name in STANDARD_TESTS]
+    verified = VerifiedFacts(
+        model_hashed_by_suite=model is not None and model.hashed in ("file", "directory"),
+        model_sha256=model.sha256 if model is not None and model.hashed != "reference" else None,
+        model_generated_by_project=model.generated_by_project if model is not None else False,
+        standard_tests_run=len({result.name for result in standard}),
+        standard_tests_passed=len(
+            {result.name for result in standard if result.outcome == "passed"}
+        ),
+        missing_standard_tests=missing,
+        capability_evidence=sources["capabilities"],
+        result_evidence=sources["results"],
+    )
+    declared = PluginDeclarations(
+        registered_evidence=sources["spec"],
+        model_synthetic=model.synthetic if model is not None else None,
+        model_description=model.description if model is not None else "",
+        determinism=dict(record.declared_determinism),
+        features=dict(record.declared_features),
+        boundary_dtypes=record.boundary_dtypes,
     )
     return ConformanceReport(
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -229,6 +279,8 @@ def _report_of(record: SuiteRecord, recorder: Recorder, config: pytest.Config) -
             OverrideRecord(test=name, reason=reason)
             for name, reason in sorted(record.overrides.items())
         ),
+        verified=verified,
+        declared=declared,
     )
 
 

@@ -1,0 +1,385 @@
+"""What running shards out of process costs: per-hop overhead and a process-per-shard pipeline.
+
+    python benchmarks/remote_bench.py [--quick] [--model GEMMA3.gguf] [--child-env KEY=VALUE]
+
+Side by side in one run:
+
+* per-hop overhead of a remote engine against the same engine in this process, for one decode
+  row and for a 512-row prefill bundle (a middle shard of the fake engine, hidden size 2048 by
+  default): median microseconds per call in-process, through a server in this process (gRPC on
+  a unix socket, codec both ways) and through a spawned child; the added microseconds and the
+  ratio. Target: a remote decode hop adds <= 0.3 ms on loopback;
+* a 3-shard llama pipeline with every shard in its own child process against the unsplit model
+  in this process: prefill and decode tokens/s and their ratios (gemma3-270m when present, else
+  a generated llama, n_embd 512, 8 layers, F16). Targets: >= 0.95 of unsplit decode, >= 0.97 of
+  prefill. The configurations alternate within every repetition so machine noise hits both.
+
+Threads: llama.cpp's OpenMP workers spin-wait after each graph (``GOMP_SPINCOUNT``,
+``OMP_WAIT_POLICY``), so an idle shard process keeps burning the cores the active one needs;
+with 3 processes on one machine that, not the transport, dominates decode. Children inherit
+this process's environment; ``--child-env OMP_WAIT_POLICY=passive`` (or ``GOMP_SPINCOUNT=0``)
+overrides it for the children only, and ``--threads`` sets each shard's thread count.
+
+Numbers are printed, never asserted: a benchmark that fails on a noisy machine teaches nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+import shard_engine_api as api
+from shard_engine_remote import RemoteEngine
+
+MODEL_ENV: Final = "SHARD_ENGINE_LLAMA_MODEL"
+GEMMA3_FILE: Final = "gemma-3-270m-q4_k_m.gguf"
+PREFILL_ROWS: Final = 512
+N_LAYERS: Final = 6
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool
+    hidden: int
+    repeat: int
+    hop_calls: int
+    prompt_tokens: int
+    decode_tokens: int
+    threads: int
+    child_env: dict[str, str | None]
+
+
+# ----------------------------------------------------------------- per-hop overhead
+
+
+def _fake_config(
+    start: int, end: int, hidden: int, options: dict[str, object] | None = None
+) -> api.LoadConfig:
+    return api.LoadConfig(
+        shard=api.ShardSpec(model=f"fake:hidden={hidden}", n_layers=N_LAYERS, start=start, end=end),
+        max_sessions=2,
+        max_context=PREFILL_ROWS * 4,
+        max_batch_tokens=PREFILL_ROWS,
+        kv_budget_tokens=PREFILL_ROWS * 8,
+        options=dict(options or {}),
+    )
+
+
+def _middle(kind: str, hidden: int, child_env: dict[str, str | None]) -> api.ShardEngine:
+    """The measured shard, layers [2, 4): in this process, behind a server in this process, or
+    in a child process."""
+    if kind == "in-process":
+        return api.load_engine("fake", _fake_config(2, 4, hidden))
+    options: dict[str, object] = {"in_process": "fake"} if kind == "server" else {"spawn": "fake"}
+    if kind == "child":
+        options["env"] = child_env
+    engine = RemoteEngine()
+    engine.load(_fake_config(2, 4, hidden, options))
+    return engine
+
+
+def _median_us(samples: Sequence[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def _hop_times(
+    engine: api.ShardEngine,
+    decode_rows: Sequence[api.BoundaryBundle],
+    prefill_bundle: api.BoundaryBundle,
+    calls: int,
+) -> tuple[float, float]:
+    """Median seconds of one decode call and of one 512-row prefill call on ``engine``."""
+    session = prefill_bundle.session
+    decode_times: list[float] = []
+    engine.prefill(
+        api.PrefillRequest(request_id="warm", session=session, start_pos=0, inputs=prefill_bundle)
+    )
+    for index, row in enumerate(decode_rows):
+        request = api.DecodeRequest(
+            request_id=f"d{index}", session=session, pos=PREFILL_ROWS + index, inputs=row
+        )
+        started = time.perf_counter()
+        engine.decode(request)
+        decode_times.append(time.perf_counter() - started)
+    prefill_times: list[float] = []
+    for index in range(max(3, calls // 20)):
+        prefill = api.PrefillRequest(
+            request_id=f"p{index}", session=session, start_pos=0, inputs=prefill_bundle
+        )
+        started = time.perf_counter()
+        engine.prefill(prefill)
+        prefill_times.append(time.perf_counter() - started)
+    return statistics.median(decode_times), statistics.median(prefill_times)
+
+
+def bench_hops(settings: Settings) -> None:
+    hidden = settings.hidden
+    head = api.load_engine("fake", _fake_config(0, 2, hidden))
+    session = api.SessionRef(session_id="hop", epoch=1)
+    rng = np.random.default_rng(0)
+    prompt = tuple(int(t) for t in rng.integers(1, 500, size=PREFILL_ROWS))
+    first = head.prefill(
+        api.PrefillRequest(
+            request_id="p", session=session, start_pos=0, inputs=api.TokenInput(token_ids=prompt)
+        )
+    )
+    assert isinstance(first, api.BoundaryResult)
+    rows: list[api.BoundaryBundle] = []
+    for index in range(settings.hop_calls):
+        step = head.decode(
+            api.DecodeRequest(
+                request_id=f"h{index}",
+                session=session,
+                pos=PREFILL_ROWS + index,
+                inputs=api.TokenInput(token_ids=(int(rng.integers(1, 500)),)),
+            )
+        )
+        assert isinstance(step, api.BoundaryResult)
+        rows.append(step.bundle)
+    head.close()
+    print(
+        f"\nper-hop overhead: fake middle shard [2:4), hidden {hidden}, f32 boundaries; "
+        f"medians of {settings.hop_calls} decode calls and of the 512-row prefills"
+    )
+    print(
+        f"{'where':<12} {'decode us':>10} {'+us':>8} {'ratio':>6}   "
+        f"{'prefill-512 us':>14} {'+us':>9} {'ratio':>6}"
+    )
+    baseline: tuple[float, float] | None = None
+    for kind in ("in-process", "server", "child"):
+        engine = _middle(kind, hidden, settings.child_env)
+        try:
+            times: list[tuple[float, float]] = [
+                _hop_times(engine, rows, first.bundle, settings.hop_calls)
+                for _ in range(settings.repeat)
+            ]
+        finally:
+            engine.close()
+        decode_s = statistics.median(t[0] for t in times)
+        prefill_s = statistics.median(t[1] for t in times)
+        if baseline is None:
+            baseline = (decode_s, prefill_s)
+        print(
+            f"{kind:<12} {decode_s * 1e6:>10.1f} {(decode_s - baseline[0]) * 1e6:>8.1f} "
+            f"{decode_s / baseline[0]:>6.2f}   {prefill_s * 1e6:>14.1f} "
+            f"{(prefill_s - baseline[1]) * 1e6:>9.1f} {prefill_s / baseline[1]:>6.2f}"
+        )
+    print("target: a remote decode hop adds <= 300 us on loopback")
+
+
+# ----------------------------------------------------------------- process-per-shard pipeline
+
+
+@dataclass(frozen=True)
+class PipelineModel:
+    name: str
+    path: Path
+    n_layers: int
+    three_way: tuple[tuple[int, int], ...]
+
+
+def _generated_model(directory: Path, quick: bool) -> PipelineModel:
+    from shard_engine_llama._tiny_model import write_tiny_model
+
+    if quick:
+        path = directory / "remote-bench-llama-64d-6l-f32.gguf"
+        config = write_tiny_model(path, n_layers=6, seed=11)
+        name = "generated llama (n_embd 64, 6 layers, F32; --quick)"
+    else:
+        path = directory / "remote-bench-llama-512d-8l-f16.gguf"
+        config = write_tiny_model(
+            path,
+            n_layers=8,
+            n_embd=512,
+            n_head=8,
+            n_head_kv=4,
+            n_ff=1536,
+            vocab=4096,
+            dtype="f16",
+            seed=11,
+            context_length=4096,
+        )
+        name = "generated llama (n_embd 512, 8 layers, F16, vocab 4096)"
+    n = config.n_layers
+    third = n // 3
+    return PipelineModel(
+        name=name,
+        path=path,
+        n_layers=n,
+        three_way=((0, third), (third, n - third), (n - third, n)),
+    )
+
+
+def _gemma3(explicit: str | None) -> PipelineModel | None:
+    from shard_engine_api._plugins import describe_model
+    from shard_engine_api.engine import get_plugin_manager, model_store
+
+    candidate = explicit or os.environ.get(MODEL_ENV)
+    path = Path(candidate) if candidate else model_store() / "models" / GEMMA3_FILE
+    if not path.is_file():
+        return None
+    described = describe_model(get_plugin_manager(), "llama", str(path))
+    return PipelineModel(
+        name=f"gemma3-270m ({described.n_layers} layers)",
+        path=path,
+        n_layers=described.n_layers,
+        three_way=((0, 6), (6, 12), (12, 18)),
+    )
+
+
+def _llama_engines(
+    model: PipelineModel, ranges: Sequence[tuple[int, int]], settings: Settings, *, spawn: bool
+) -> list[api.ShardEngine]:
+    engines: list[api.ShardEngine] = []
+    max_context = settings.prompt_tokens + settings.decode_tokens + 8
+    try:
+        for start, end in ranges:
+            options: dict[str, object] = {"n_ubatch": 64}
+            if spawn:
+                options.update(spawn="llama", env=settings.child_env)
+            config = api.LoadConfig(
+                shard=api.ShardSpec(
+                    model=str(model.path), n_layers=model.n_layers, start=start, end=end
+                ),
+                max_sessions=1,
+                max_context=max(256, max_context),
+                max_batch_tokens=max(512, settings.prompt_tokens),
+                n_threads=settings.threads,
+                options=options,
+            )
+            engine: api.ShardEngine = RemoteEngine() if spawn else api.load_engine("llama")
+            engines.append(engine)
+            engine.load(config)
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
+
+
+def _rates(
+    engines: Sequence[api.ShardEngine], prompt: Sequence[int], decode_tokens: int, epoch: int
+) -> tuple[float, float]:
+    """Prefill and decode tokens/s of one greedy generation through the project's pipeline."""
+    pipeline = api.Pipeline(list(engines))
+    result = pipeline.generate(
+        list(prompt), decode_tokens, session=api.SessionRef(session_id="bench", epoch=epoch)
+    )
+    prefill_rate = len(prompt) / (result.prefill_ms / 1000.0)
+    decode_rate = 1000.0 / result.decode_ms_median if result.decode_ms_median else 0.0
+    return prefill_rate, decode_rate
+
+
+def bench_pipeline(settings: Settings, model: PipelineModel) -> None:
+    configurations: dict[str, Callable[[], list[api.ShardEngine]]] = {
+        "unsplit, this process": lambda: _llama_engines(
+            model, [(0, model.n_layers)], settings, spawn=False
+        ),
+        "3 shards, 3 processes": lambda: _llama_engines(
+            model, model.three_way, settings, spawn=True
+        ),
+    }
+    loaded = {name: make() for name, make in configurations.items()}
+    vocab_size = loaded["unsplit, this process"][0].capabilities().vocab_size
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(3, min(vocab_size, 4096), size=settings.prompt_tokens)]
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in loaded}
+    try:
+        for repetition in range(settings.repeat):
+            names = list(loaded)
+            if repetition % 2:
+                names.reverse()
+            for name in names:
+                samples[name].append(
+                    _rates(loaded[name], prompt, settings.decode_tokens, repetition + 1)
+                )
+    finally:
+        for engines in loaded.values():
+            for engine in engines:
+                engine.close()
+    splits = " ".join(f"[{s}:{e})" for s, e in model.three_way)
+    print(
+        f"\nprocess per shard: {model.name}, splits {splits}, prompt {len(prompt)} tokens, "
+        f"{settings.decode_tokens} decode steps, {settings.repeat} repetitions (medians), "
+        f"threads {settings.threads or 'engine default'}, "
+        f"child env {settings.child_env or 'inherited'}"
+    )
+    print(
+        f"{'configuration':<24} {'prefill tok/s':>14} {'decode tok/s':>13} "
+        f"{'prefill x':>10} {'decode x':>9}"
+    )
+    baseline: tuple[float, float] | None = None
+    for name, values in samples.items():
+        prefill = statistics.median(v[0] for v in values)
+        decode = statistics.median(v[1] for v in values)
+        if baseline is None:
+            baseline = (prefill, decode)
+        print(
+            f"{name:<24} {prefill:>14.1f} {decode:>13.1f} {prefill / baseline[0]:>10.3f} "
+            f"{decode / baseline[1]:>9.3f}"
+        )
+    print("targets: >= 0.97 of unsplit prefill, >= 0.95 of unsplit decode")
+
+
+# ----------------------------------------------------------------- main
+
+
+def _environment_override(text: str) -> tuple[str, str | None]:
+    key, separator, value = text.partition("=")
+    if not key:
+        raise argparse.ArgumentTypeError(f"bad --child-env {text!r}; use KEY=VALUE or KEY=")
+    return key, value if separator and value else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    parser.add_argument("--repeat", type=int, help="repetitions (default 5, quick 1)")
+    parser.add_argument("--hidden", type=int, help="fake hidden size (default 2048, quick 64)")
+    parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
+    parser.add_argument("--threads", type=int, default=0, help="threads per shard (0 = default)")
+    parser.add_argument(
+        "--child-env",
+        type=_environment_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment override of the spawned children (KEY= removes KEY); repeatable",
+    )
+    parser.add_argument("--skip-llama", action="store_true", help="only the per-hop overhead")
+    args = parser.parse_args(argv)
+    settings = Settings(
+        quick=args.quick,
+        hidden=args.hidden or (64 if args.quick else 2048),
+        repeat=args.repeat or (1 if args.quick else 5),
+        hop_calls=10 if args.quick else 200,
+        prompt_tokens=16 if args.quick else 128,
+        decode_tokens=4 if args.quick else 32,
+        threads=args.threads,
+        child_env=dict(args.child_env),
+    )
+    bench_hops(settings)
+    if args.skip_llama:
+        return 0
+    try:
+        import shard_engine_llama  # noqa: F401
+    except ImportError:
+        print("\nprocess per shard: skipped (shard-engine-llama is not installed)")
+        return 0
+    model = None if args.quick else _gemma3(args.model)
+    with tempfile.TemporaryDirectory(prefix="remote-bench-") as directory:
+        bench_pipeline(settings, model or _generated_model(Path(directory), args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

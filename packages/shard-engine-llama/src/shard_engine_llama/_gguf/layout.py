@@ -1,0 +1,550 @@
+"""Family-aware checks: metadata types, sane hyper-parameters, and every tensor a family needs.
+
+Each check mirrors something llama.cpp does with the file, and says which:
+
+* ``metadata-type``: ``GGUFMeta::GKV::get_kv`` throws when a key has another GGUF type than the
+  one it is read as (uint32, float32, bool, string; no conversions).
+* ``hparam-*``: values ``load_hparams`` asserts on (``GGML_ASSERT`` aborts the process: block
+  count, expert counts, rope scaling type), values the graph asserts on (head sizes equal to the
+  rope dimension, ``eps >= 0`` in ggml's norm, rope dimensions even and within the head, grouped
+  heads dividing), and values no real model has but that turn every logit into NaN (non-finite or
+  non-positive epsilons, frequencies and scales).
+* ``tensor-missing`` / ``tensor-shape`` / ``tensor-type`` / ``tensor-unexpected``:
+  ``create_tensor`` refuses a missing required tensor or a wrong shape;
+  ``done_getting_tensors`` refuses a file with tensors nobody asked for; 1-D tensors (norms,
+  biases) must be F32 and matrices a float or block-quantized type, which every CPU kernel
+  takes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+
+from shard_engine_llama._gguf.families import Family, Hyperparameters, TensorNeed
+from shard_engine_llama._gguf.reader import GGUFHeader, GGUFValidationError
+
+__all__ = ["check_family", "hyperparameters"]
+
+_U32 = gguf.GGUFValueType.UINT32
+_F32 = gguf.GGUFValueType.FLOAT32
+_BOOL = gguf.GGUFValueType.BOOL
+_STR = gguf.GGUFValueType.STRING
+_ARRAY = gguf.GGUFValueType.ARRAY
+
+LLAMA_MAX_LAYERS = 512
+LLAMA_MAX_EXPERTS = 1024
+_ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+
+# Keys under "<arch>." and the GGUF type llama.cpp reads them as; ``True`` where a per-layer
+# array is accepted as well (get_key_or_arr).
+_ARCH_KEYS: dict[str, tuple[gguf.GGUFValueType, bool]] = {
+    "context_length": (_U32, False),
+    "embedding_length": (_U32, False),
+    "block_count": (_U32, False),
+    "feed_forward_length": (_U32, True),
+    "attention.head_count": (_U32, True),
+    "attention.head_count_kv": (_U32, True),
+    "attention.key_length": (_U32, False),
+    "attention.value_length": (_U32, False),
+    "attention.layer_norm_rms_epsilon": (_F32, False),
+    "attention.sliding_window": (_U32, False),
+    "attention.scale": (_F32, False),
+    "attention.causal": (_BOOL, False),
+    "rope.dimension_count": (_U32, False),
+    "rope.freq_base": (_F32, False),
+    "rope.freq_base_swa": (_F32, False),
+    "rope.scaling.factor": (_F32, False),
+    "rope.scale_linear": (_F32, False),
+    "rope.scaling.attn_factor": (_F32, False),
+    "rope.scaling.type": (_STR, False),
+    "rope.scaling.finetuned": (_BOOL, False),
+    "rope.scaling.original_context_length": (_U32, False),
+    "expert_count": (_U32, False),
+    "expert_used_count": (_U32, True),
+    "expert_feed_forward_length": (_U32, True),
+    "expert_shared_feed_forward_length": (_U32, False),
+    "expert_weights_scale": (_F32, False),
+    "expert_weights_norm": (_BOOL, False),
+    "expert_group_count": (_U32, False),
+    "expert_group_used_count": (_U32, False),
+    "leading_dense_block_count": (_U32, False),
+    "vocab_size": (_U32, False),
+    "attn_logit_softcapping": (_F32, False),
+    "final_logit_softcapping": (_F32, False),
+    "logit_scale": (_F32, False),
+    "residual_scale": (_F32, False),
+    "embedding_scale": (_F32, False),
+}
+_POSITIVE_FLOATS = (
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.freq_base_swa",
+    "logit_scale",
+)
+_NON_NEGATIVE_FLOATS = (
+    "rope.scaling.factor",
+    "rope.scale_linear",
+    "rope.scaling.attn_factor",
+    "attention.scale",
+    "expert_weights_scale",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "residual_scale",
+    "embedding_scale",
+)
+_TOKENIZER_KEYS: dict[str, gguf.GGUFValueType] = {
+    "tokenizer.ggml.model": _STR,
+    "tokenizer.ggml.pre": _STR,
+    "tokenizer.ggml.bos_token_id": _U32,
+    "tokenizer.ggml.eos_token_id": _U32,
+    "tokenizer.ggml.unknown_token_id": _U32,
+    "tokenizer.ggml.padding_token_id": _U32,
+    "tokenizer.ggml.seperator_token_id": _U32,
+    "tokenizer.ggml.eot_token_id": _U32,
+    "tokenizer.ggml.eom_token_id": _U32,
+    "tokenizer.ggml.add_bos_token": _BOOL,
+    "tokenizer.ggml.add_eos_token": _BOOL,
+}
+# Tokenizers whose loading this package has exercised; others are refused rather than guessed.
+_TOKENIZER_MODELS = ("llama", "gpt2", "none")
+_NON_MATRIX_TYPES = frozenset(
+    {
+        gguf.GGMLQuantizationType.F64,
+        gguf.GGMLQuantizationType.I8,
+        gguf.GGMLQuantizationType.I16,
+        gguf.GGMLQuantizationType.I32,
+        gguf.GGMLQuantizationType.I64,
+    }
+)
+
+
+def _fail(header: GGUFHeader, rule: str, field: str, message: str) -> GGUFValidationError:
+    return GGUFValidationError(f"{header.path}: {field}: {message}", rule=rule, field=field)
+
+
+def _check_key_types(header: GGUFHeader, arch: str) -> None:
+    for suffix, (expected, array_ok) in _ARCH_KEYS.items():
+        key = f"{arch}.{suffix}"
+        entry = header.metadata.get(key)
+        if entry is None:
+            continue
+        if entry.value_type == _ARRAY and array_ok:
+            if entry.element_type != expected:
+                raise _fail(header, "metadata-type", key, "per-layer array of the wrong type")
+            continue
+        if entry.value_type != expected:
+            raise _fail(
+                header,
+                "metadata-type",
+                key,
+                f"has GGUF type {entry.value_type.name}, llama.cpp reads it as {expected.name}",
+            )
+    for key, expected in _TOKENIZER_KEYS.items():
+        entry = header.metadata.get(key)
+        if entry is not None and entry.value_type != expected:
+            raise _fail(
+                header,
+                "metadata-type",
+                key,
+                f"has GGUF type {entry.value_type.name}, llama.cpp reads it as {expected.name}",
+            )
+
+
+def _per_layer(
+    header: GGUFHeader, key: str, n_layer: int, default: int | None, uniform: bool
+) -> list[int]:
+    entry = header.metadata.get(key)
+    if entry is None:
+        if default is None:
+            raise _fail(header, "metadata-missing", key, "required key is missing")
+        return [default] * n_layer
+    if isinstance(entry.value, list):
+        values = entry.value
+        if len(values) != n_layer:
+            raise _fail(
+                header,
+                "hparam-per-layer-length",
+                key,
+                f"has {len(values)} entries for {n_layer} layers",
+            )
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise _fail(header, "metadata-type", key, "per-layer array is not integer")
+        ints = [int(v) for v in values]
+        if uniform and len(set(ints)) > 1:
+            raise _fail(
+                header,
+                "hparam-per-layer-uniform",
+                key,
+                f"varies per layer ({sorted(set(ints))}); this family's loader uses layer 0's "
+                "value for every layer",
+            )
+        return ints
+    value = entry.value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(header, "metadata-type", key, "is not an integer")
+    return [value] * n_layer
+
+
+def _optional_int(header: GGUFHeader, key: str, default: int) -> int:
+    entry = header.metadata.get(key)
+    if entry is None:
+        return default
+    if isinstance(entry.value, bool) or not isinstance(entry.value, int):
+        raise _fail(header, "metadata-type", key, "is not an integer")
+    return entry.value
+
+
+def _vocabulary_size(header: GGUFHeader, arch: str) -> int:
+    model = header.metadata.get("tokenizer.ggml.model")
+    if model is not None and model.value in ("none", "no_vocab"):
+        # llama-vocab.cpp: a vocabulary-less model ignores any token list and gets
+        # <arch>.vocab_size dummy tokens.
+        return _optional_int(header, f"{arch}.vocab_size", 0)
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None and isinstance(tokens.value, list):
+        return len(tokens.value)
+    raise _fail(
+        header, "vocabulary-missing", "tokenizer.ggml.tokens", "the model has no token list"
+    )
+
+
+def hyperparameters(header: GGUFHeader, family: Family) -> Hyperparameters:
+    """What llama.cpp's ``load_hparams`` derives for this family (see families.py)."""
+    arch = family.name
+    n_layer = header.get_int(f"{arch}.block_count")
+    if not 0 < n_layer <= LLAMA_MAX_LAYERS:
+        raise _fail(
+            header,
+            "hparam-block-count",
+            f"{arch}.block_count",
+            f"{n_layer} outside [1, {LLAMA_MAX_LAYERS}] (GGML_ASSERT in load_hparams)",
+        )
+    n_embd = header.get_int(f"{arch}.embedding_length")
+    uniform = family.uniform_arrays
+    heads = _per_layer(header, f"{arch}.attention.head_count", n_layer, 0, uniform)
+    heads_kv = _per_layer(header, f"{arch}.attention.head_count_kv", n_layer, heads[0], uniform)
+    ffs = _per_layer(header, f"{arch}.feed_forward_length", n_layer, 0, uniform)
+    n_head = heads[0]
+    head_k = _optional_int(
+        header, f"{arch}.attention.key_length", n_embd // n_head if n_head > 0 else 0
+    )
+    head_v = _optional_int(
+        header, f"{arch}.attention.value_length", n_embd // n_head if n_head > 0 else 0
+    )
+    n_expert = _optional_int(header, f"{arch}.expert_count", 0)
+    used = _per_layer(header, f"{arch}.expert_used_count", n_layer, 0, uniform)
+    ff_exp = _per_layer(header, f"{arch}.expert_feed_forward_length", n_layer, 0, uniform)
+    return Hyperparameters(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_vocab=_vocabulary_size(header, arch),
+        n_head=n_head,
+        n_head_kv=heads_kv[0],
+        n_embd_head_k=head_k,
+        n_embd_head_v=head_v,
+        n_rot=_optional_int(header, f"{arch}.rope.dimension_count", head_k),
+        n_ff=ffs[0],
+        n_expert=n_expert,
+        n_expert_used=used[0],
+        n_ff_exp=ff_exp[0],
+        n_ff_shexp=_optional_int(header, f"{arch}.expert_shared_feed_forward_length", 0),
+        n_layer_dense_lead=_optional_int(header, f"{arch}.leading_dense_block_count", 0),
+    )
+
+
+def _float(header: GGUFHeader, key: str) -> float | None:
+    entry = header.metadata.get(key)
+    if entry is None:
+        return None
+    if isinstance(entry.value, bool) or not isinstance(entry.value, int | float):
+        raise _fail(header, "metadata-type", key, "is not a number")
+    return float(entry.value)
+
+
+def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    arch = family.name
+    key = f"{arch}."
+    for name in ("context_length", "embedding_length"):
+        if header.get_int(key + name) <= 0:
+            raise _fail(header, f"hparam-{name.replace('_', '-')}", key + name, "must be positive")
+    epsilon = _float(header, key + "attention.layer_norm_rms_epsilon")
+    if epsilon is None:
+        raise _fail(
+            header,
+            "metadata-missing",
+            key + "attention.layer_norm_rms_epsilon",
+            "required key is missing (llama.cpp refuses the file)",
+        )
+    for name in _POSITIVE_FLOATS:
+        number = _float(header, key + name)
+        if number is not None and not (math.isfinite(number) and number > 0):
+            raise _fail(
+                header,
+                "hparam-positive-finite",
+                key + name,
+                f"{number!r} must be finite and positive"
+                + (
+                    " (a negative epsilon aborts ggml: GGML_ASSERT(eps >= 0.0f))"
+                    if name.endswith("epsilon")
+                    else ""
+                ),
+            )
+    for name in _NON_NEGATIVE_FLOATS:
+        number = _float(header, key + name)
+        if number is not None and not (math.isfinite(number) and number >= 0):
+            raise _fail(
+                header, "hparam-non-negative-finite", key + name, f"{number!r} must be finite, >= 0"
+            )
+    for name in family.extra_required_keys:
+        if key + name not in header.metadata:
+            raise _fail(header, "metadata-missing", key + name, "required key is missing")
+    scaling = header.metadata.get(key + "rope.scaling.type")
+    if scaling is not None and scaling.value not in _ROPE_SCALING_TYPES:
+        raise _fail(
+            header,
+            "hparam-rope-scaling-type",
+            key + "rope.scaling.type",
+            f"{scaling.value!r} is not one of {list(_ROPE_SCALING_TYPES)} (GGML_ASSERT)",
+        )
+    if h.n_head <= 0:
+        raise _fail(header, "hparam-head-count", key + "attention.head_count", "must be positive")
+    if h.n_head_kv <= 0 or h.n_head % h.n_head_kv:
+        raise _fail(
+            header,
+            "hparam-head-count-kv",
+            key + "attention.head_count_kv",
+            f"{h.n_head_kv} must be positive and divide head_count {h.n_head}",
+        )
+    if h.n_embd_head_k <= 0 or h.n_embd_head_v <= 0:
+        raise _fail(
+            header, "hparam-head-size", key + "attention.key_length", "head sizes must be positive"
+        )
+    if family.heads_span_embedding and h.n_head * h.n_embd_head_k != h.n_embd:
+        raise _fail(
+            header,
+            "hparam-head-count",
+            key + "attention.head_count",
+            f"{h.n_head} heads of {h.n_embd_head_k} do not span embedding_length {h.n_embd}, "
+            f"the width {arch}'s attention projections have (the graph asserts it)",
+        )
+    if h.n_embd_head_v != h.n_embd_head_k:
+        raise _fail(
+            header,
+            "hparam-head-size",
+            key + "attention.value_length",
+            f"value head size {h.n_embd_head_v} differs from key head size {h.n_embd_head_k} "
+            "(the graph asserts they are equal)",
+        )
+    if not 0 < h.n_rot <= h.n_embd_head_k or h.n_rot % 2:
+        raise _fail(
+            header,
+            "hparam-rope-dimension",
+            key + "rope.dimension_count",
+            f"{h.n_rot} must be even and within the head size {h.n_embd_head_k} "
+            "(ggml's rope asserts both)",
+        )
+    if (family.rope_is_head or arch == "llama") and h.n_rot != h.n_embd_head_k:
+        raise _fail(
+            header,
+            "hparam-rope-dimension",
+            key + "rope.dimension_count",
+            f"{h.n_rot} must equal the head size {h.n_embd_head_k} for {arch} "
+            "(GGML_ASSERT(n_embd_head == n_rot) in its graph)",
+        )
+    if h.n_ff <= 0 and not (family.moe and h.n_ff_exp > 0):
+        raise _fail(
+            header, "hparam-feed-forward-length", key + "feed_forward_length", "must be positive"
+        )
+    _check_experts(header, family, h)
+    window = _optional_int(header, key + "attention.sliding_window", 0)
+    context = header.get_int(key + "context_length")
+    if family.swa_always and window <= 0 and key + "attention.sliding_window" in header.metadata:
+        raise _fail(
+            header, "hparam-sliding-window", key + "attention.sliding_window", "must be positive"
+        )
+    if window > context:
+        # llama-kv-cache.cpp reserves memory in proportion to the window on every ubatch.
+        raise _fail(
+            header,
+            "hparam-sliding-window",
+            key + "attention.sliding_window",
+            f"{window} is longer than context_length {context}",
+        )
+    pattern = header.metadata.get(key + "attention.sliding_window_pattern")
+    if pattern is not None and isinstance(pattern.value, list) and len(pattern.value) != h.n_layer:
+        raise _fail(
+            header,
+            "hparam-per-layer-length",
+            key + "attention.sliding_window_pattern",
+            f"has {len(pattern.value)} entries for {h.n_layer} layers",
+        )
+    if key + "deepstack_mapping" in header.metadata:
+        raise _fail(
+            header,
+            "hparam-deepstack",
+            key + "deepstack_mapping",
+            "multimodal deepstack layers are not supported",
+        )
+
+
+def _check_experts(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    key = f"{family.name}."
+    if h.n_expert > LLAMA_MAX_EXPERTS:
+        raise _fail(
+            header, "hparam-expert-count", key + "expert_count", f"exceeds {LLAMA_MAX_EXPERTS}"
+        )
+    if h.n_expert_used > h.n_expert:
+        raise _fail(
+            header,
+            "hparam-expert-count",
+            key + "expert_used_count",
+            f"{h.n_expert_used} exceeds expert_count {h.n_expert} (GGML_ASSERT in load_hparams)",
+        )
+    if h.n_expert > 0 and h.n_expert_used <= 0:
+        raise _fail(
+            header,
+            "hparam-expert-count",
+            key + "expert_used_count",
+            "must be positive when expert_count is (GGML_ASSERT in load_hparams)",
+        )
+    if family.moe and h.n_expert <= 0:
+        raise _fail(
+            header, "hparam-expert-count", key + "expert_count", f"{family.name} needs experts"
+        )
+    groups = _optional_int(header, key + "expert_group_count", 0)
+    if groups:
+        raise _fail(
+            header, "hparam-expert-groups", key + "expert_group_count", "expert groups unsupported"
+        )
+    if h.n_expert > 0 and family.moe and h.n_ff_exp <= 0 and h.n_ff // h.n_expert_used <= 0:
+        raise _fail(
+            header,
+            "hparam-feed-forward-length",
+            key + "expert_feed_forward_length",
+            "the expert feed-forward length must be positive",
+        )
+
+
+def _check_tensor(header: GGUFHeader, need: TensorNeed) -> None:
+    record = header.tensors.get(need.name)
+    if record is None:
+        if need.required:
+            raise _fail(header, "tensor-missing", need.name, "required tensor is missing")
+        return
+    if record.shape != need.shape:
+        raise _fail(
+            header,
+            "tensor-shape",
+            need.name,
+            f"has shape {list(record.shape)}, the hyper-parameters imply {list(need.shape)}",
+        )
+    if len(need.shape) == 1:
+        if record.ggml_type != gguf.GGMLQuantizationType.F32:
+            raise _fail(
+                header, "tensor-type", need.name, f"1-D tensor of type {record.ggml_type.name}"
+            )
+    elif record.ggml_type in _NON_MATRIX_TYPES:
+        raise _fail(header, "tensor-type", need.name, f"type {record.ggml_type.name}")
+
+
+def _check_tensors(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    def present(name: str) -> bool:
+        return name in header.tensors
+
+    needs: list[TensorNeed] = list(family.model_tensors(h, present))
+    for il in range(h.n_layer):
+        needs += family.layer_tensors(h, il, present)
+    expected = {need.name for need in needs}
+    for need in needs:
+        _check_tensor(header, need)
+    unexpected = sorted(name for name in header.tensors if name not in expected)
+    if unexpected:
+        raise _fail(
+            header,
+            "tensor-unexpected",
+            unexpected[0],
+            f"{len(unexpected)} tensor(s) {family.name} does not use (llama.cpp refuses the file "
+            f"with 'wrong number of tensors'): {unexpected[:4]}",
+        )
+
+
+def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
+    model = header.metadata.get("tokenizer.ggml.model")
+    if model is None:
+        raise _fail(header, "metadata-missing", "tokenizer.ggml.model", "required key is missing")
+    if model.value not in _TOKENIZER_MODELS:
+        raise _fail(
+            header,
+            "tokenizer-model",
+            "tokenizer.ggml.model",
+            f"{model.value!r} is not one of {list(_TOKENIZER_MODELS)}",
+        )
+    if model.value == "gpt2":
+        merges = header.metadata.get("tokenizer.ggml.merges")
+        if merges is None or merges.element_type != _STR:
+            raise _fail(
+                header,
+                "tokenizer-merges",
+                "tokenizer.ggml.merges",
+                "a BPE (gpt2) vocabulary needs an array of merge strings",
+            )
+    if model.value == "llama" and h.n_vocab < 3:
+        raise _fail(
+            header,
+            "vocabulary-size",
+            "tokenizer.ggml.tokens",
+            "a SentencePiece vocabulary needs at least <unk>, <s> and </s>",
+        )
+    for key in _TOKENIZER_KEYS:
+        if not key.endswith("_token_id"):
+            continue
+        entry = header.metadata.get(key)
+        if entry is not None and isinstance(entry.value, int) and entry.value >= max(h.n_vocab, 1):
+            if model.value == "none":
+                continue
+            raise _fail(
+                header,
+                "vocabulary-token-id",
+                key,
+                f"{entry.value} outside the vocabulary of {h.n_vocab}",
+            )
+
+
+# llama-vocab.cpp sets token attributes by general.name and looks these tokens up with .at(),
+# which throws when one is missing.
+_NAMED_VOCABULARY_TOKENS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("phi-3", "phi3"), ("</s>", "<unk>", "<s>", "<|endoftext|>")),
+)
+
+
+def _check_named_vocabulary(header: GGUFHeader) -> None:
+    name = header.metadata.get("general.name")
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if name is None or not isinstance(name.value, str) or tokens is None:
+        return
+    lowered = name.value.lower()
+    present = set(tokens.value) if isinstance(tokens.value, list) else set()
+    for markers, needed in _NAMED_VOCABULARY_TOKENS:
+        if any(marker in lowered for marker in markers):
+            missing = [token for token in needed if token not in present]
+            if missing:
+                raise _fail(
+                    header,
+                    "vocabulary-named-tokens",
+                    "general.name",
+                    f"a model named like {markers[0]!r} must have the tokens {missing} "
+                    "(llama.cpp looks them up by name and refuses the file)",
+                )
+
+
+def check_family(header: GGUFHeader, family: Family) -> Hyperparameters:
+    """Run every family-aware check on ``header``; return the derived hyper-parameters."""
+    _check_key_types(header, family.name)
+    h = hyperparameters(header, family)
+    _check_hyperparameters(header, family, h)
+    _check_tokenizer(header, h)
+    _check_named_vocabulary(header)
+    _check_tensors(header, family, h)
+    return h

@@ -1,0 +1,346 @@
+"""A strict GGUF header reader: metadata and tensor infos, every bound checked against the file.
+
+Nothing here imports llama.cpp. A truncated or corrupt file is refused with
+:class:`GGUFValidationError` before it could reach llama.cpp's loader, which trusts its input.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+__all__ = [
+    "SHARD_KEY_PREFIX",
+    "GGUFHeader",
+    "GGUFValidationError",
+    "MetadataValue",
+    "TensorRecord",
+    "layer_index",
+    "read_gguf_header",
+]
+
+SHARD_KEY_PREFIX = "shard."
+_GGUF_MAGIC = b"GGUF"
+_SUPPORTED_GGUF_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+
+
+class GGUFValidationError(ValueError):
+    """A file is not a well-formed GGUF model this package can hand to llama.cpp.
+
+    ``rule`` names the check that failed (stable, for ``inspect`` and error details) and
+    ``field`` the metadata key or tensor name it concerns, when there is one.
+    """
+
+    def __init__(self, message: str, *, rule: str = "malformed-gguf", field: str | None = None):
+        super().__init__(message)
+        self.rule = rule
+        self.field = field
+
+
+MetadataScalar = int | float | bool | str
+MetadataContent = MetadataScalar | list[MetadataScalar]
+
+
+@dataclass(frozen=True)
+class MetadataValue:
+    """One GGUF key's value with its GGUF type (and element type for arrays).
+
+    ``offset`` is where a string value's bytes start in the file it was read from (-1 when not
+    read from a file); the shard content hash is patched there.
+    """
+
+    value: MetadataContent
+    value_type: gguf.GGUFValueType
+    element_type: gguf.GGUFValueType | None = None
+    offset: int = field(default=-1, compare=False)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor's info; ``shape`` is in ggml order (ne[0] first), ``offset`` absolute."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: gguf.GGMLQuantizationType
+    offset: int
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Everything in a GGUF file except the tensor data."""
+
+    path: Path
+    version: int
+    alignment: int
+    file_size: int
+    metadata: dict[str, MetadataValue]
+    tensors: dict[str, TensorRecord]
+    data_start: int = 0
+
+    @property
+    def architecture(self) -> str:
+        return self.get_str("general.architecture")
+
+    @property
+    def is_shard(self) -> bool:
+        return any(key.startswith(SHARD_KEY_PREFIX) for key in self.metadata)
+
+    def get_str(self, key: str) -> str:
+        entry = self.metadata.get(key)
+        if entry is None:
+            raise GGUFValidationError(
+                f"{self.path}: required metadata key {key!r} is missing",
+                rule="metadata-missing",
+                field=key,
+            )
+        if not isinstance(entry.value, str):
+            raise GGUFValidationError(
+                f"{self.path}: metadata {key!r} is not a string", rule="metadata-type", field=key
+            )
+        return entry.value
+
+    def get_int(self, key: str) -> int:
+        entry = self.metadata.get(key)
+        if entry is None:
+            raise GGUFValidationError(
+                f"{self.path}: required metadata key {key!r} is missing",
+                rule="metadata-missing",
+                field=key,
+            )
+        value = entry.value
+        if isinstance(value, list):
+            # Per-layer arrays (e.g. head counts of hybrid models); the first layer is what the
+            # uniform-size checks need.
+            value = value[0] if value else 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GGUFValidationError(
+                f"{self.path}: metadata {key!r} is not an integer", rule="metadata-type", field=key
+            )
+        return value
+
+
+def layer_index(tensor_name: str) -> int | None:
+    """The block a tensor belongs to (``blk.<i>.``), None for tensors outside the blocks."""
+    if not tensor_name.startswith("blk."):
+        return None
+    index = tensor_name.split(".", 2)[1]
+    return int(index) if index.isdigit() else None
+
+
+_SCALAR_FORMATS: dict[int, str] = {
+    gguf.GGUFValueType.UINT8: "<B",
+    gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I",
+    gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.FLOAT32: "<f",
+    gguf.GGUFValueType.BOOL: "<?",
+    gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT64: "<d",
+}
+_NUMPY_DTYPES: dict[int, str] = {
+    gguf.GGUFValueType.UINT8: "<u1",
+    gguf.GGUFValueType.INT8: "<i1",
+    gguf.GGUFValueType.UINT16: "<u2",
+    gguf.GGUFValueType.INT16: "<i2",
+    gguf.GGUFValueType.UINT32: "<u4",
+    gguf.GGUFValueType.INT32: "<i4",
+    gguf.GGUFValueType.FLOAT32: "<f4",
+    gguf.GGUFValueType.BOOL: "<u1",
+    gguf.GGUFValueType.UINT64: "<u8",
+    gguf.GGUFValueType.INT64: "<i8",
+    gguf.GGUFValueType.FLOAT64: "<f8",
+}
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer; every overrun is a validation error."""
+
+    def __init__(self, buffer: mmap.mmap | bytes, path: Path) -> None:
+        self.buffer = buffer
+        self.position = 0
+        self.path = path
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.position + n > len(self.buffer):
+            raise GGUFValidationError(
+                f"{self.path}: file ends inside {what} (needs {n} bytes at offset {self.position}, "
+                f"file has {len(self.buffer)}); the file is truncated or corrupt"
+            )
+        data = self.buffer[self.position : self.position + n]
+        self.position += n
+        return bytes(data)
+
+    def scalar(self, fmt: str, what: str) -> int | float | bool:
+        value: int | float | bool = struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+        return value
+
+    def u32(self, what: str) -> int:
+        return int(self.scalar("<I", what))
+
+    def u64(self, what: str) -> int:
+        return int(self.scalar("<Q", what))
+
+    def string(self, what: str) -> str:
+        length = self.u64(what)
+        raw = self.take(length, what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise GGUFValidationError(f"{self.path}: {what} is not valid UTF-8") from error
+
+    def value_type(self, what: str) -> gguf.GGUFValueType:
+        raw = self.u32(what)
+        try:
+            return gguf.GGUFValueType(raw)
+        except ValueError as error:
+            raise GGUFValidationError(
+                f"{self.path}: unknown metadata value type {raw} in {what}"
+            ) from error
+
+    def metadata_value(self, key: str) -> MetadataValue:
+        value_type = self.value_type(f"type of {key!r}")
+        if value_type == gguf.GGUFValueType.STRING:
+            # The string's bytes follow its 8-byte length.
+            offset = self.position + 8
+            return MetadataValue(self.string(f"value of {key!r}"), value_type, offset=offset)
+        if value_type != gguf.GGUFValueType.ARRAY:
+            return MetadataValue(
+                self.scalar(_SCALAR_FORMATS[value_type], f"value of {key!r}"), value_type
+            )
+        element_type = self.value_type(f"element type of {key!r}")
+        count = self.u64(f"length of {key!r}")
+        if count > len(self.buffer):
+            raise GGUFValidationError(f"{self.path}: array {key!r} claims {count} elements")
+        if element_type == gguf.GGUFValueType.ARRAY:
+            raise GGUFValidationError(f"{self.path}: nested arrays ({key!r}) are not supported")
+        if element_type == gguf.GGUFValueType.STRING:
+            strings: list[MetadataScalar] = [
+                self.string(f"element of {key!r}") for _ in range(count)
+            ]
+            return MetadataValue(strings, value_type, element_type)
+        dtype = np.dtype(_NUMPY_DTYPES[element_type])
+        raw = self.take(count * dtype.itemsize, f"array {key!r}")
+        items: list[MetadataScalar] = np.frombuffer(raw, dtype=dtype).tolist()
+        if element_type == gguf.GGUFValueType.BOOL:
+            items = [bool(item) for item in items]
+        return MetadataValue(items, value_type, element_type)
+
+
+def _tensor_n_bytes(
+    path: Path, name: str, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType
+) -> int:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    if not shape or shape[0] % block_size:
+        raise GGUFValidationError(
+            f"{path}: tensor {name!r} has ne[0]={shape[0] if shape else None}, "
+            "not a multiple of the "
+            f"{ggml_type.name} block size {block_size}"
+        )
+    return math.prod(shape) // block_size * type_size
+
+
+def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """Parse a GGUF file's metadata and tensor infos, checking every bound against the file.
+
+    Raises GGUFValidationError for anything that is not a structurally sound GGUF file: bad magic,
+    unsupported version, truncation anywhere, unknown types, tensor data outside the file.
+    """
+    file_path = Path(path)
+    try:
+        file_size = file_path.stat().st_size
+        with open(file_path, "rb") as handle:
+            if file_size < 24:
+                raise GGUFValidationError(
+                    f"{file_path}: {file_size} bytes is too small to be a GGUF file"
+                )
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+                return _parse_header(buffer, file_path, file_size)
+    except OSError as error:
+        raise GGUFValidationError(f"{file_path}: cannot read file: {error}") from error
+
+
+def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
+    cursor = _Cursor(buffer, path)
+    magic = cursor.take(4, "magic")
+    if magic != _GGUF_MAGIC:
+        raise GGUFValidationError(f"{path}: bad magic {magic!r}, not a GGUF file")
+    version = cursor.u32("version")
+    if version not in _SUPPORTED_GGUF_VERSIONS:
+        raise GGUFValidationError(f"{path}: unsupported GGUF version {version}")
+    n_tensors = cursor.u64("tensor count")
+    n_kv = cursor.u64("metadata count")
+    # Each entry needs at least a few bytes, which bounds absurd counts from corrupt headers
+    # before any allocation is attempted.
+    if n_tensors > file_size // 8 or n_kv > file_size // 8:
+        raise GGUFValidationError(
+            f"{path}: header claims {n_tensors} tensors and {n_kv} keys; corrupt"
+        )
+    metadata: dict[str, MetadataValue] = {}
+    for _ in range(n_kv):
+        key = cursor.string("metadata key")
+        if key in metadata:
+            raise GGUFValidationError(f"{path}: duplicate metadata key {key!r}")
+        metadata[key] = cursor.metadata_value(key)
+    alignment = _DEFAULT_ALIGNMENT
+    if "general.alignment" in metadata:
+        raw_alignment = metadata["general.alignment"].value
+        if (
+            not isinstance(raw_alignment, int)
+            or raw_alignment <= 0
+            or raw_alignment & (raw_alignment - 1)
+        ):
+            raise GGUFValidationError(
+                f"{path}: general.alignment {raw_alignment!r} is not a power of two"
+            )
+        alignment = raw_alignment
+    infos: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]] = []
+    for _ in range(n_tensors):
+        name = cursor.string("tensor name")
+        n_dims = cursor.u32(f"dimension count of {name!r}")
+        if not 1 <= n_dims <= 4:
+            raise GGUFValidationError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+        shape = tuple(cursor.u64(f"shape of {name!r}") for _ in range(n_dims))
+        raw_type = cursor.u32(f"type of {name!r}")
+        try:
+            ggml_type = gguf.GGMLQuantizationType(raw_type)
+        except ValueError as error:
+            raise GGUFValidationError(
+                f"{path}: tensor {name!r} has unknown ggml type {raw_type}"
+            ) from error
+        if ggml_type not in gguf.GGML_QUANT_SIZES:
+            raise GGUFValidationError(
+                f"{path}: tensor {name!r} has unsupported ggml type {ggml_type.name}"
+            )
+        relative_offset = cursor.u64(f"offset of {name!r}")
+        infos.append((name, shape, ggml_type, relative_offset))
+    data_start = -(-cursor.position // alignment) * alignment
+    tensors: dict[str, TensorRecord] = {}
+    for name, shape, ggml_type, relative_offset in infos:
+        if name in tensors:
+            raise GGUFValidationError(f"{path}: duplicate tensor {name!r}")
+        if relative_offset % alignment:
+            raise GGUFValidationError(
+                f"{path}: tensor {name!r} offset {relative_offset} is not aligned"
+            )
+        n_bytes = _tensor_n_bytes(path, name, shape, ggml_type)
+        offset = data_start + relative_offset
+        if offset + n_bytes > file_size:
+            raise GGUFValidationError(
+                f"{path}: tensor {name!r} data [{offset}, {offset + n_bytes}) lies beyond "
+                "the end of the "
+                f"file ({file_size} bytes); the file is truncated"
+            )
+        tensors[name] = TensorRecord(name, shape, ggml_type, offset, n_bytes)
+    return GGUFHeader(path, version, alignment, file_size, metadata, tensors, data_start)

@@ -1,0 +1,166 @@
+"""File digests verified once per file identity (the model store itself and the one file-hash
+helper are the API's: ``shard_engine_api.engine.model_store`` / ``file_sha256``).
+
+Hashing a multi-gigabyte model on every load would dominate a worker's start-up, so a digest is
+remembered per *file identity* (resolved path, size, mtime_ns, ctime_ns, inode, device): a file
+rewritten in place gets a new mtime/ctime (ctime cannot be set back by a user, unlike mtime), a
+file replaced by rename a new inode, and either is hashed again. A digest of a file modified less
+than ``RACY_SECONDS`` before it was hashed is not remembered: timestamps have a coarse
+granularity, so a second write within the same tick could otherwise go unnoticed (git's "racy"
+entries).
+The cache lives in memory and, when a model store is usable, in ``verified-sha256.json`` there, so
+a restarted worker does not re-hash either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shard_engine_api.engine import file_sha256
+
+__all__ = [
+    "FileIdentity",
+    "HashCache",
+    "file_identity",
+    "file_sha256",
+    "hash_cache",
+]
+
+HASH_CACHE_NAME = "verified-sha256.json"
+RACY_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What distinguishes one version of a file from another without reading it."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+
+    def as_json(self) -> dict[str, int]:
+        return {
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+            "inode": self.inode,
+            "device": self.device,
+        }
+
+
+def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
+    resolved = Path(path).resolve()
+    status = resolved.stat()
+    return FileIdentity(
+        str(resolved),
+        status.st_size,
+        status.st_mtime_ns,
+        status.st_ctime_ns,
+        status.st_ino,
+        status.st_dev,
+    )
+
+
+class HashCache:
+    """Digests keyed by (kind, file identity); ``kind`` names the digest (whole file, shard
+    content), so two digests of one file never mix."""
+
+    def __init__(self, persist_to: Path | None = None) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, FileIdentity], str] = {}
+        self._persist_to = persist_to
+        self.computed = 0  # how many digests were really computed (tests and metrics read it)
+
+    def digest(
+        self,
+        path: str | os.PathLike[str],
+        kind: str,
+        compute: Callable[[Path], str],
+        *,
+        store: Path | None = None,
+    ) -> str:
+        """The ``kind`` digest of ``path``, computed only if this identity was not seen before.
+
+        ``store``, when given, is a model store whose persistent cache is consulted and updated.
+        """
+        identity = file_identity(path)
+        key = (kind, identity)
+        started_ns = time.time_ns()
+        with self._lock:
+            cached = self._entries.get(key)
+        if cached is None and store is not None:
+            cached = _read_persistent(store, kind, identity)
+        if cached is not None:
+            with self._lock:
+                self._entries[key] = cached
+            return cached
+        value = compute(Path(identity.path))
+        if file_identity(path) != identity:
+            # Changed while being read: the digest describes no single version of the file.
+            raise OSError(f"{identity.path} changed while it was being hashed")
+        with self._lock:
+            self.computed += 1
+        newest_change = max(identity.mtime_ns, identity.ctime_ns)
+        if started_ns - newest_change < RACY_SECONDS * 1e9:
+            return value
+        with self._lock:
+            self._entries[key] = value
+        if store is not None:
+            _write_persistent(store, kind, identity, value)
+        return value
+
+    def forget(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _read_persistent(store: Path, kind: str, identity: FileIdentity) -> str | None:
+    try:
+        document = json.loads((store / HASH_CACHE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = document.get(kind, {}).get(identity.path) if isinstance(document, dict) else None
+    if not isinstance(entry, dict) or entry.get("identity") != identity.as_json():
+        return None
+    digest = entry.get("sha256")
+    return digest if isinstance(digest, str) else None
+
+
+def _write_persistent(store: Path, kind: str, identity: FileIdentity, digest: str) -> None:
+    # Read-merge-replace: concurrent writers may lose each other's entries, which costs only a
+    # re-hash later, never a wrong answer (every entry carries the identity it was computed for).
+    path = store / HASH_CACHE_NAME
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError):
+        document = {}
+    if not isinstance(document, dict):
+        document = {}
+    section = document.setdefault(kind, {})
+    if not isinstance(section, dict):
+        section = document[kind] = {}
+    section[identity.path] = {"identity": identity.as_json(), "sha256": digest}
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        staging.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+        os.replace(staging, path)
+    except OSError:
+        return
+
+
+_process_cache = HashCache()
+
+
+def hash_cache() -> HashCache:
+    """The process-wide cache every engine of this process shares."""
+    return _process_cache

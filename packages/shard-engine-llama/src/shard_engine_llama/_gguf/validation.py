@@ -1,0 +1,176 @@
+"""Validation: is a parsed GGUF header a model llama.cpp can load without aborting?
+
+llama.cpp trusts its input: some defects make it refuse the file, others abort the whole process
+(``GGML_ASSERT``). Every check here runs before llama.cpp opens a file and raises
+:class:`GGUFValidationError` naming the rule and the field.
+"""
+
+from __future__ import annotations
+
+import os
+
+from shard_engine_llama._gguf.families import FAMILIES
+from shard_engine_llama._gguf.layout import LLAMA_MAX_LAYERS, check_family
+from shard_engine_llama._gguf.reader import (
+    GGUFHeader,
+    GGUFValidationError,
+    layer_index,
+    read_gguf_header,
+)
+
+__all__ = ["validate_gguf", "validate_header"]
+
+
+def _check_model_structure(header: GGUFHeader) -> None:
+    path = header.path
+    if "general.architecture" not in header.metadata:
+        raise GGUFValidationError(
+            f"{path}: metadata key 'general.architecture' is missing",
+            rule="metadata-missing",
+            field="general.architecture",
+        )
+    arch = header.architecture
+    n_layers = header.get_int(f"{arch}.block_count")
+    n_embd = header.get_int(f"{arch}.embedding_length")
+    if not 0 < n_layers <= LLAMA_MAX_LAYERS or n_embd <= 0:
+        # Bounded before anything is sized by it (llama.cpp asserts the same bound).
+        raise GGUFValidationError(
+            f"{path}: block_count={n_layers}, embedding_length={n_embd} must be positive "
+            f"(and block_count at most {LLAMA_MAX_LAYERS})",
+            rule="hparam-block-count" if n_embd > 0 else "hparam-embedding-length",
+            field=f"{arch}.block_count" if n_embd > 0 else f"{arch}.embedding_length",
+        )
+    for required in ("token_embd.weight", "output_norm.weight"):
+        if required not in header.tensors:
+            raise GGUFValidationError(
+                f"{path}: required tensor {required!r} is missing",
+                rule="tensor-missing",
+                field=required,
+            )
+    embedding = header.tensors["token_embd.weight"]
+    if len(embedding.shape) != 2 or embedding.shape[0] != n_embd:
+        raise GGUFValidationError(
+            f"{path}: token_embd.weight has shape {list(embedding.shape)}, "
+            f"expected [{n_embd}, vocab]",
+            rule="tensor-shape",
+            field="token_embd.weight",
+        )
+    if header.tensors["output_norm.weight"].shape != (n_embd,):
+        raise GGUFValidationError(
+            f"{path}: output_norm.weight does not have {n_embd} elements",
+            rule="tensor-shape",
+            field="output_norm.weight",
+        )
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if (
+        tokens is not None
+        and isinstance(tokens.value, list)
+        and len(tokens.value) != embedding.shape[1]
+    ):
+        raise GGUFValidationError(
+            f"{path}: tokenizer has {len(tokens.value)} tokens but token_embd.weight has "
+            f"{embedding.shape[1]} rows",
+            rule="vocabulary-size",
+            field="tokenizer.ggml.tokens",
+        )
+    output = header.tensors.get("output.weight")
+    if output is not None and (
+        output.shape[0] != n_embd or output.shape[1:] != embedding.shape[1:]
+    ):
+        raise GGUFValidationError(
+            f"{path}: output.weight shape {list(output.shape)} is inconsistent",
+            rule="tensor-shape",
+            field="output.weight",
+        )
+    present = {index for name in header.tensors if (index := layer_index(name)) is not None}
+    missing = sorted(set(range(n_layers)) - present)
+    extra = sorted(present - set(range(n_layers)))
+    if missing:
+        raise GGUFValidationError(
+            f"{path}: block_count is {n_layers} but blocks {missing[:8]} have no tensors",
+            rule="tensor-missing",
+            field=f"blk.{missing[0]}",
+        )
+    if extra:
+        raise GGUFValidationError(
+            f"{path}: block_count is {n_layers} but tensors exist for blocks {extra[:8]}",
+            rule="tensor-unexpected",
+            field=f"blk.{extra[0]}",
+        )
+    if arch not in FAMILIES:
+        # Without a known layout, a first norm per block is the least a decoder needs.
+        for il in range(n_layers):
+            name = f"blk.{il}.attn_norm.weight"
+            norm = header.tensors.get(name)
+            if norm is None:
+                raise GGUFValidationError(
+                    f"{path}: tensor {name!r} is missing", rule="tensor-missing", field=name
+                )
+            if norm.shape != (n_embd,):
+                raise GGUFValidationError(
+                    f"{path}: {name} does not have {n_embd} elements",
+                    rule="tensor-shape",
+                    field=name,
+                )
+
+
+_MAX_TOKEN_TYPE = 6  # llama_token_type: UNDEFINED=0 .. BYTE=6
+
+
+def _check_vocabulary(header: GGUFHeader) -> None:
+    """Vocabulary defects llama.cpp does not report but aborts the process on (e.g. duplicate
+    token strings fail GGML_ASSERT(id_to_token.size() == token_to_id.size()))."""
+    path = header.path
+    entry = header.metadata.get("tokenizer.ggml.tokens")
+    if entry is None:
+        return
+    tokens = entry.value
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        raise GGUFValidationError(
+            f"{path}: tokenizer.ggml.tokens is not an array of strings",
+            rule="metadata-type",
+            field="tokenizer.ggml.tokens",
+        )
+    if len(set(tokens)) != len(tokens):
+        raise GGUFValidationError(
+            f"{path}: tokenizer.ggml.tokens holds duplicate token strings",
+            rule="vocabulary-duplicate-tokens",
+            field="tokenizer.ggml.tokens",
+        )
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        parallel = header.metadata.get(key)
+        if parallel is not None and (
+            not isinstance(parallel.value, list) or len(parallel.value) != len(tokens)
+        ):
+            raise GGUFValidationError(
+                f"{path}: {key} does not have one entry per token",
+                rule="vocabulary-arrays",
+                field=key,
+            )
+    token_types = header.metadata.get("tokenizer.ggml.token_type")
+    if token_types is not None and isinstance(token_types.value, list):
+        for value in token_types.value:
+            if not isinstance(value, int) or not 0 <= value <= _MAX_TOKEN_TYPE:
+                raise GGUFValidationError(
+                    f"{path}: tokenizer.ggml.token_type holds {value!r}",
+                    rule="vocabulary-token-type",
+                    field="tokenizer.ggml.token_type",
+                )
+
+
+def validate_header(header: GGUFHeader) -> GGUFHeader:
+    """Check an already parsed header (see :func:`validate_gguf`); return it."""
+    _check_model_structure(header)
+    _check_vocabulary(header)
+    family = FAMILIES.get(header.architecture)
+    if family is not None:
+        check_family(header, family)
+    return header
+
+
+def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
+    """Check that ``path`` is a structurally sound GGUF model; return its parsed header.
+
+    Raises GGUFValidationError (a ValueError) with a message naming the first problem found.
+    """
+    return validate_header(read_gguf_header(path))

@@ -1,0 +1,408 @@
+"""Header and tensor-table fuzzing: mutate generated models of every family, validate, and load
+every file the validator accepts with llama.cpp in a child process.
+
+A child that dies (SIGABRT from a GGML_ASSERT, SIGSEGV) is an abort; a file llama.cpp refuses
+to load although the validator accepted it is a miss. Both must stay at zero.
+
+Run directly for a deeper run: ``python tests/gguf_fuzz.py --per-family 200 --seed 1``.
+The child mode (``--load``) reads one file path per line from stdin and answers per file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gguf_edit import TensorEdit, tensors_of, write_gguf
+
+from shard_engine_llama._gguf import (
+    GGUFValidationError,
+    MetadataValue,
+    model_info,
+    read_gguf_header,
+    validate_header,
+)
+from shard_engine_llama._gguf.layout import _ARCH_KEYS
+from shard_engine_llama._tiny_model import SUPPORTED_TINY_ARCHITECTURES, write_tiny_model
+
+U32 = gguf.GGUFValueType.UINT32
+F32 = gguf.GGUFValueType.FLOAT32
+_RETYPES = {
+    U32: (gguf.GGUFValueType.INT32, gguf.GGUFValueType.UINT64, F32),
+    F32: (gguf.GGUFValueType.FLOAT64, U32),
+    gguf.GGUFValueType.BOOL: (U32,),
+    gguf.GGUFValueType.STRING: (U32,),
+}
+_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+    gguf.GGMLQuantizationType.Q8_0,
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.I32,
+    gguf.GGMLQuantizationType.F64,
+)
+
+
+def _interesting_ints(value: int) -> list[int]:
+    return [0, 1, 2, 3, 7, value - 1, value + 1, 2 * value, value // 2, 2**31, 2**32 - 1]
+
+
+def _interesting_floats(value: float) -> list[float]:
+    return [0.0, -value, -1e-5, math.nan, math.inf, -math.inf, 1e-45, 1e30, 1.0, value * 1e6]
+
+
+@dataclass
+class Mutant:
+    """One mutated file and what was done to it."""
+
+    family: str
+    path: Path
+    mutations: list[str] = field(default_factory=list)
+    is_shard: bool = False
+
+
+def _mutate_metadata(
+    rng: random.Random, arch: str, metadata: dict[str, MetadataValue], log: list[str]
+) -> None:
+    keys = [
+        k
+        for k in metadata
+        if k.startswith((f"{arch}.", "tokenizer.ggml.")) and k != "tokenizer.ggml.tokens"
+    ]
+    kind = rng.choice(("value", "value", "value", "retype", "drop", "add", "array"))
+    if kind == "add":
+        suffix = rng.choice(sorted(_ARCH_KEYS))
+        key = f"{arch}.{suffix}"
+        value_type, _ = _ARCH_KEYS[suffix]
+        value: object
+        if value_type == U32:
+            value = rng.choice(_interesting_ints(4))
+        elif value_type == F32:
+            value = rng.choice(_interesting_floats(1.0))
+        elif value_type == gguf.GGUFValueType.BOOL:
+            value = rng.choice((True, False))
+        else:
+            value = rng.choice(("none", "linear", "yarn", "longrope", "bogus"))
+        metadata[key] = MetadataValue(value, value_type)
+        log.append(f"add {key}={value!r}")
+        return
+    if kind == "array":
+        arrays = [k for k, v in metadata.items() if isinstance(v.value, list)]
+        key = rng.choice(arrays)
+        entry = metadata[key]
+        assert isinstance(entry.value, list)
+        items = list(entry.value)
+        action = rng.choice(("truncate", "extend", "duplicate", "poke"))
+        if action == "truncate" and items:
+            items = items[: rng.randrange(len(items))]
+        elif action == "extend" and items:
+            items = items + items[-1:]
+        elif action == "duplicate" and len(items) > 1:
+            items[rng.randrange(1, len(items))] = items[0]
+        elif items:
+            index = rng.randrange(len(items))
+            old = items[index]
+            if isinstance(old, bool):
+                items[index] = not old
+            elif isinstance(old, int):
+                items[index] = rng.choice(_interesting_ints(old))
+            elif isinstance(old, float):
+                items[index] = rng.choice(_interesting_floats(old))
+            else:
+                items[index] = ""
+        metadata[key] = MetadataValue(items, entry.value_type, entry.element_type)
+        log.append(f"array {action} {key}")
+        return
+    key = rng.choice(keys)
+    entry = metadata[key]
+    if kind == "drop":
+        del metadata[key]
+        log.append(f"drop {key}")
+        return
+    if isinstance(entry.value, list):
+        return
+    if kind == "retype" and entry.value_type in _RETYPES:
+        new_type = rng.choice(_RETYPES[entry.value_type])
+        raw = entry.value
+        if new_type in (gguf.GGUFValueType.FLOAT64, F32):
+            converted: object = float(raw) if not isinstance(raw, str) else 1.0
+        else:
+            converted = (
+                int(raw) if isinstance(raw, int | float) and math.isfinite(float(raw)) else 1
+            )
+            if new_type == gguf.GGUFValueType.INT32:
+                converted = max(min(int(converted), 2**31 - 1), -(2**31))
+        metadata[key] = MetadataValue(converted, new_type)  # type: ignore[arg-type]
+        log.append(f"retype {key} {entry.value_type.name}->{new_type.name}")
+        return
+    raw = entry.value
+    if isinstance(raw, bool):
+        new: object = not raw
+    elif isinstance(raw, int):
+        new = rng.choice(_interesting_ints(raw))
+        if entry.value_type == U32:
+            new = int(new) % 2**32
+    elif isinstance(raw, float):
+        new = rng.choice(_interesting_floats(raw))
+    else:
+        new = rng.choice(("", "none", "gpt2", "llama", "bogus"))
+    metadata[key] = MetadataValue(new, entry.value_type)  # type: ignore[arg-type]
+    log.append(f"value {key}={new!r}")
+
+
+def _mutate_tensors(rng: random.Random, tensors: list[TensorEdit], log: list[str]) -> None:
+    kind = rng.choice(("drop", "rename", "shape", "shape", "type", "type", "add"))
+    index = rng.randrange(len(tensors))
+    tensor = tensors[index]
+    if kind == "drop":
+        del tensors[index]
+        log.append(f"drop tensor {tensor.name}")
+    elif kind == "rename":
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            parts[1] = str(int(parts[1]) + rng.choice((1, 7, 100)))
+        else:
+            parts[0] = parts[0] + "_x"
+        tensors[index] = TensorEdit(".".join(parts), tensor.shape, tensor.ggml_type, tensor.data)
+        log.append(f"rename {tensor.name} -> {'.'.join(parts)}")
+    elif kind == "shape":
+        shape = list(tensor.shape)
+        action = rng.choice(("plus", "minus", "swap", "double", "dim"))
+        axis = rng.randrange(len(shape))
+        if action == "plus":
+            shape[axis] += 1
+        elif action == "minus" and shape[axis] > 1:
+            shape[axis] -= 1
+        elif action == "swap" and len(shape) > 1:
+            shape[0], shape[-1] = shape[-1], shape[0]
+        elif action == "double":
+            shape[axis] *= 2
+        else:
+            shape.append(1)
+        block = gguf.GGML_QUANT_SIZES[tensor.ggml_type][0]
+        if shape[0] % block:
+            return
+        tensors[index] = TensorEdit(tensor.name, tuple(shape), tensor.ggml_type)
+        log.append(f"shape {tensor.name} {list(tensor.shape)} -> {shape}")
+    elif kind == "type":
+        new_type = rng.choice(_TYPES)
+        if tensor.shape[0] % gguf.GGML_QUANT_SIZES[new_type][0]:
+            return
+        tensors[index] = TensorEdit(tensor.name, tensor.shape, new_type)
+        log.append(f"type {tensor.name} {tensor.ggml_type.name} -> {new_type.name}")
+    else:
+        name = rng.choice(("blk.0.extra.weight", "extra.weight", f"{tensor.name}.copy"))
+        tensors.append(TensorEdit(name, tensor.shape, tensor.ggml_type, tensor.data))
+        log.append(f"add tensor {name}")
+
+
+def generate(directory: Path, per_family: int, seed: int) -> Iterator[Mutant]:
+    """``per_family`` mutants of a generated model of every family (and llama with experts)."""
+    rng = random.Random(seed)
+    bases: list[tuple[str, Path]] = []
+    for arch in (*SUPPORTED_TINY_ARCHITECTURES, "llama-moe"):
+        path = directory / f"base-{arch}.gguf"
+        if arch == "llama-moe":
+            write_tiny_model(path, arch="llama", n_layers=3, n_expert=4, n_expert_used=2, seed=seed)
+        else:
+            write_tiny_model(path, arch=arch, n_layers=3, seed=seed)
+        bases.append((arch, path))
+    for arch, base in bases:
+        header = read_gguf_header(base)
+        originals = tensors_of(header)
+        for index in range(per_family):
+            metadata = dict(header.metadata)
+            tensors = list(originals)
+            log: list[str] = []
+            for _ in range(rng.choice((1, 1, 2, 3))):
+                if rng.random() < 0.6:
+                    _mutate_metadata(rng, header.architecture, metadata, log)
+                else:
+                    _mutate_tensors(rng, tensors, log)
+            target = directory / f"{arch}-{index:04d}.gguf"
+            architecture = metadata.get("general.architecture")
+            name = architecture.value if architecture is not None else header.architecture
+            try:
+                write_gguf(target, str(name), metadata, tensors)
+            except (ValueError, OverflowError, TypeError, struct.error) as error:
+                # The gguf writer itself refuses some values (e.g. negative uint32).
+                log.append(f"unwritable: {error}")
+                continue
+            yield Mutant(arch, target, log)
+
+
+@dataclass
+class FuzzReport:
+    generated: int = 0
+    accepted: int = 0
+    loaded: int = 0
+    shards_loaded: int = 0
+    aborts: list[str] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)
+    refused_by_rule: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "generated": self.generated,
+            "accepted": self.accepted,
+            "loaded": self.loaded,
+            "shards_loaded": self.shards_loaded,
+            "aborts": len(self.aborts),
+            "accepted_but_llama_cpp_refused": len(self.missed),
+            "refused_by_rule": dict(self.refused_by_rule.most_common()),
+        }
+
+
+_PROTOCOL = "@@fuzz "
+
+
+def _load_in_children(paths: Sequence[Path]) -> dict[Path, str]:
+    """Load each file in a child process; a child that dies is restarted after the file."""
+    results: dict[Path, str] = {}
+    pending = list(paths)
+    while pending:
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--load"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            # ggml's abort handler would attach gdb and print a backtrace to stdout.
+            env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+        )
+        assert child.stdin is not None
+        assert child.stdout is not None
+        child.stdin.write("".join(f"{path}\n" for path in pending))
+        child.stdin.close()
+        current: Path | None = None
+        for line in child.stdout:
+            if not line.startswith(_PROTOCOL):
+                continue
+            kind, _, rest = line[len(_PROTOCOL) :].rstrip("\n").partition(" ")
+            if kind == "START":
+                current = Path(rest)
+            elif current is not None:
+                results[current] = f"{kind} {rest}".strip()
+                pending.remove(current)
+                current = None
+        child.stdout.close()
+        code = child.wait()
+        if current is None and pending and code != 0:
+            # Died between files (or at start-up): blame the next file, so the run goes on.
+            current = pending[0]
+        if current is not None:
+            results[current] = f"ABORT signal/exit {code}"
+            pending.remove(current)
+    return results
+
+
+def run(directory: Path, per_family: int, seed: int) -> FuzzReport:
+    report = FuzzReport()
+    accepted: list[Mutant] = []
+    for mutant in generate(directory, per_family, seed):
+        report.generated += 1
+        try:
+            header = validate_header(read_gguf_header(mutant.path))
+        except GGUFValidationError as error:
+            report.refused_by_rule[error.rule] += 1
+            continue
+        report.accepted += 1
+        accepted.append(mutant)
+        info = model_info(header)
+        if info.shardable:
+            from shard_engine_llama._gguf import split_model
+
+            manifest = split_model(
+                mutant.path, [(0, 1), (1, info.n_layers)], directory / f"{mutant.path.stem}-shards"
+            )
+            for index in range(len(manifest.shards)):
+                accepted.append(
+                    Mutant(
+                        mutant.family,
+                        manifest.shard_path(index),
+                        [*mutant.mutations, f"shard {index}"],
+                        is_shard=True,
+                    )
+                )
+    results = _load_in_children([mutant.path for mutant in accepted])
+    for mutant in accepted:
+        outcome = results[mutant.path]
+        description = f"{mutant.path.name}: {'; '.join(mutant.mutations)} -> {outcome}"
+        if outcome.startswith("ABORT"):
+            report.aborts.append(description)
+        elif outcome.startswith("OK"):
+            if mutant.is_shard:
+                report.shards_loaded += 1
+            else:
+                report.loaded += 1
+        else:
+            report.missed.append(description)
+    return report
+
+
+def _load_worker() -> int:
+    import numpy as np
+
+    from shard_engine_llama._abi import ContextSettings, LlamaRuntimeError, ShardRuntime
+
+    settings = ContextSettings(n_ctx=64, n_seq_max=1, n_threads=1, n_batch=16, n_ubatch=16)
+    for line in sys.stdin:
+        path = line.strip()
+        print(f"{_PROTOCOL}START {path}", flush=True)
+        try:
+            with ShardRuntime(path, settings=settings) as runtime:
+                tokens = [t % max(runtime.n_vocab, 1) for t in (1, 40, 77, 120, 3)]
+                if runtime.is_head:
+                    out = runtime.run(0, 0, tokens=tokens)
+                    runtime.run(0, len(tokens), tokens=tokens[:1])
+                else:
+                    hidden = np.full((5, runtime.n_embd_input), 0.5, dtype=np.float32)
+                    out = runtime.run(0, 0, embeddings=hidden)
+                    runtime.run(0, 5, embeddings=hidden[:1])
+            print(f"{_PROTOCOL}OK {out.shape}", flush=True)
+        except LlamaRuntimeError as error:
+            print(f"{_PROTOCOL}REFUSED {type(error).__name__}: {str(error)[:200]}", flush=True)
+        except Exception as error:  # noqa: BLE001 - reported, the parent decides
+            print(f"{_PROTOCOL}ERROR {type(error).__name__}: {str(error)[:200]}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--load", action="store_true", help="child mode: load files from stdin")
+    parser.add_argument("--per-family", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", type=Path, help="write the files here and keep them")
+    args = parser.parse_args(argv)
+    if args.load:
+        return _load_worker()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        report = run(args.keep, args.per_family, args.seed)
+    else:
+        with tempfile.TemporaryDirectory(prefix="gguf-fuzz-") as scratch:
+            report = run(Path(scratch), args.per_family, args.seed)
+    print(json.dumps(report.summary(), indent=2))
+    for line in report.aborts + report.missed:
+        print(line)
+    return 1 if report.aborts or report.missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

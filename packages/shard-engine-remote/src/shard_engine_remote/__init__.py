@@ -1,0 +1,42 @@
+"""shard-engine-remote: run a ShardEngine in another process or on another machine, over gRPC
+with the project's msgpack codec, and survive its crashes."""
+
+from shard_engine_remote._client import ENGINE_VERSION, RemoteEngine, RemoteOptions
+from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
+from shard_engine_remote._security import (
+    TOKEN_ENV_VAR,
+    ClientSecurity,
+    ServerSecurity,
+    is_loopback,
+)
+from shard_engine_remote._server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    EngineServer,
+    ServerCounters,
+    serve_until_signalled,
+)
+from shard_engine_remote._supervisor import ChildProcess
+from shard_engine_remote._wire import CALL_METHOD, SERVICE_NAME
+
+__version__ = ENGINE_VERSION
+
+__all__ = [
+    "CALL_METHOD",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "ENGINE_VERSION",
+    "SERVICE_NAME",
+    "TOKEN_ENV_VAR",
+    "ChildProcess",
+    "ClientSecurity",
+    "EngineServer",
+    "OutcomeUnknown",
+    "RemoteEngine",
+    "RemoteOptions",
+    "RemoteUnavailable",
+    "ServerCounters",
+    "ServerSecurity",
+    "Unauthenticated",
+    "__version__",
+    "is_loopback",
+    "serve_until_signalled",
+]

@@ -1,0 +1,574 @@
+"""``RemoteEngine``: a ShardEngine whose work runs elsewhere, over gRPC.
+
+Exactly one of three load options says where::
+
+    {"target": "host:port" | "unix:PATH"}  a server started with `shard-engine serve`
+    {"spawn": "llama"}                      a supervised child process on a private unix socket
+    {"in_process": "fake"}                  a server in this process (tests, transport cost)
+
+Every other option is the served engine's (spawn and in_process; a target's engine was loaded
+by its server, so it takes none). The remote engine's own options are the fields of
+:class:`RemoteOptions`.
+
+Capabilities are the served engine's (evidence class, limits, determinism, fingerprint), with
+``engine`` = ``"remote"`` and ``engine_version`` naming both this package and the served engine;
+:meth:`RemoteEngine.served_capabilities` returns them unchanged.
+
+Failures of the link (see :mod:`shard_engine_remote._errors`): a server that cannot be reached
+is RemoteUnavailable (retryable, nothing ran); a state-changing request whose connection broke
+or whose deadline passed is OutcomeUnknown (retryable: it may have run, never reported as a
+success); a refused token is Unauthenticated; a message over the size limit is
+ResourceExhausted (not retryable). A spawned child that died is EngineCrashed naming the signal
+for every in-flight and later call, and health says failed, unless ``restart`` is
+``"on-crash"``: then the next request starts a fresh child (its sessions are unknown, so they
+answer CacheMiss and the worker replays; release fences of the dead child are gone, which
+health reports as degraded).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from pathlib import Path
+from typing import ClassVar, Final, Literal, TypeVar, cast
+
+import grpc
+import msgspec
+
+import shard_engine_api as api
+from shard_engine_api import wire
+from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
+from shard_engine_remote._security import ClientSecurity, read_pem, read_token
+from shard_engine_remote._server import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, channel_options
+from shard_engine_remote._supervisor import ChildProcess
+from shard_engine_remote._wire import (
+    CALL_METHOD,
+    CapabilitiesQuery,
+    HealthQuery,
+    MetricsQuery,
+    Rejected,
+    RemoteReply,
+    RemoteRequest,
+    decode_reply,
+    encode_request,
+)
+
+__all__ = ["ENGINE_VERSION", "RemoteEngine", "RemoteOptions", "split_options"]
+
+ENGINE_VERSION: Final = "0.1.0"
+_Reply = TypeVar("_Reply")
+
+_DEATH_GRACE_S: Final = 2.0
+"""How long a failed call waits for a child's exit to be reaped before calling the failure a
+transport error: the kernel resets the socket a moment before the parent sees the exit."""
+
+
+class RemoteOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The remote engine's own load options (all other options go to the served engine)."""
+
+    target: str | None = None
+    """Address of a running server: ``host:port`` or ``unix:PATH``."""
+    spawn: str | None = None
+    """Engine name to run in a supervised child process."""
+    in_process: str | None = None
+    """Engine name to serve from this process (same transport, no process boundary)."""
+    token_file: str | None = None
+    """File holding the bearer token (default: ``$SHARD_ENGINE_REMOTE_TOKEN``)."""
+    tls_ca: str | None = None
+    """PEM of the CA that signed the server's certificate; turns TLS on."""
+    tls_cert: str | None = None
+    """PEM of this client's certificate chain (mutual TLS)."""
+    tls_key: str | None = None
+    """PEM of this client's private key (mutual TLS)."""
+    tls_server_name: str | None = None
+    """Name to verify the server certificate against, when it differs from the target host."""
+    timeout_s: float | None = 300.0
+    """Deadline of prefill, decode, decode_batch and release calls (None: no deadline)."""
+    control_timeout_s: float = 5.0
+    """Deadline of capabilities, health, metrics and cancel calls."""
+    connect_timeout_s: float = 10.0
+    """How long load waits for a target server to accept the connection."""
+    startup_timeout_s: float = 300.0
+    """How long load waits for a spawned child to serve and load the shard."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message sent or accepted (the codec's payload limit plus headers)."""
+    restart: Literal["never", "on-crash"] = "never"
+    """Whether a spawned child that died is replaced by a fresh one on the next request."""
+    max_restarts: int = 3
+    """How many times a child is replaced at most."""
+    env: dict[str, str | None] = msgspec.field(default_factory=dict)
+    """Environment overrides of the spawned child (None removes a variable)."""
+    inherit_env: bool = True
+    """Whether the spawned child inherits this process's environment (else PATH only)."""
+    python: str | None = None
+    """Interpreter of the spawned child (default: this one)."""
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in ("target", "spawn", "in_process") if getattr(self, name)]
+        if len(chosen) != 1:
+            raise api.InvalidRequest(
+                "a remote engine needs exactly one of the options 'target' (host:port or "
+                f"unix:PATH), 'spawn' or 'in_process' (an engine name); got {chosen or 'none'}"
+            )
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise api.InvalidRequest(f"timeout_s must be > 0 or None, got {self.timeout_s}")
+        for name in ("control_timeout_s", "connect_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise api.InvalidRequest(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_message_bytes < 1024:
+            raise api.InvalidRequest(f"max_message_bytes must be >= 1024: {self.max_message_bytes}")
+        if self.max_restarts < 0:
+            raise api.InvalidRequest(f"max_restarts must be >= 0, got {self.max_restarts}")
+
+    def security(self) -> ClientSecurity:
+        """The client credentials these options name. Raises InvalidRequest."""
+        return ClientSecurity(
+            tls_ca=read_pem(self.tls_ca, "TLS CA"),
+            tls_cert=read_pem(self.tls_cert, "TLS client certificate"),
+            tls_key=read_pem(self.tls_key, "TLS client key"),
+            server_name=self.tls_server_name,
+            token=read_token(self.token_file),
+        )
+
+
+_REMOTE_OPTION_NAMES: Final = frozenset(RemoteOptions.__struct_fields__)
+
+
+def split_options(
+    options: dict[str, api.OptionValue],
+) -> tuple[RemoteOptions, dict[str, api.OptionValue]]:
+    """The remote engine's own options and the served engine's. Raises InvalidRequest."""
+    own = {key: value for key, value in options.items() if key in _REMOTE_OPTION_NAMES}
+    served = {key: value for key, value in options.items() if key not in _REMOTE_OPTION_NAMES}
+    try:
+        return msgspec.convert(own, RemoteOptions), served
+    except msgspec.ValidationError as error:
+        raise api.InvalidRequest(f"bad remote engine option: {error}") from None
+
+
+class _Link:
+    """One channel to one server and the method every call goes through."""
+
+    def __init__(self, target: str, security: ClientSecurity, max_message_bytes: int) -> None:
+        self.target = target
+        self.channel = security.channel(target, channel_options(max_message_bytes))
+        self._metadata = security.metadata()
+        self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
+            self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
+        )
+
+    def wait_ready(self, timeout: float) -> bool:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
+    def call(self, message: bytes, timeout: float | None) -> RemoteReply | Rejected:
+        return self._call(message, timeout=timeout, metadata=self._metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+_State = Literal["loading", "ready", "crashed", "closed"]
+
+_NOT_SENT_MARKERS: Final = ("failed to connect to all addresses", "Connection refused")
+
+
+class RemoteEngine:
+    """A ShardEngine served by another process or machine (see the module docstring)."""
+
+    engine_name: ClassVar[str] = "remote"
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._state: _State = "loading"
+        self._options: RemoteOptions | None = None
+        self._served_config: api.LoadConfig | None = None
+        self._link: _Link | None = None
+        self._child: ChildProcess | None = None
+        self._local: tuple[EngineServer, Path] | None = None
+        self._capabilities: api.Capabilities | None = None
+        self._served: api.Capabilities | None = None
+        self._crash: api.EngineCrashed | None = None
+        self._restarts = 0
+        self._last_metrics = api.Metrics()
+
+    # ----------------------------------------------------------------- identity
+
+    @property
+    def name(self) -> str:
+        return self.engine_name
+
+    @property
+    def child_pid(self) -> int | None:
+        """The pid of the spawned child serving the engine, if any."""
+        child = self._child
+        return child.pid if child is not None and not child.exited else None
+
+    @property
+    def restarts(self) -> int:
+        """How many times a dead child was replaced."""
+        return self._restarts
+
+    def served_capabilities(self) -> api.Capabilities:
+        """The served engine's capabilities as it reported them. Raises NotReady before load."""
+        if self._served is None:
+            raise api.NotReady("remote engine is not loaded")
+        return self._served
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def load(self, config: api.LoadConfig) -> api.Capabilities:
+        """Connect to (or start) the server and load the shard there. Raises InvalidRequest
+        (bad options, second load, a target serving another shard: ShardMismatch),
+        RemoteUnavailable, Unauthenticated, EngineCrashed (the child died while loading) and
+        whatever the served engine's load raises."""
+        with self._lock:
+            if self._state != "loading" or self._options is not None:
+                raise api.InvalidRequest(
+                    f"engine is {self._state}; load() is called once per engine"
+                )
+            options, served_options = split_options(config.options)
+            served_config = msgspec.structs.replace(config, options=served_options)
+            self._options = options
+            try:
+                served = self._open(options, served_config)
+            except BaseException:
+                self._release_resources()
+                self._options = None
+                raise
+            self._served_config = served_config
+            self._served = served
+            self._capabilities = msgspec.structs.replace(
+                served,
+                engine=self.engine_name,
+                engine_version=f"{ENGINE_VERSION} ({served.engine} {served.engine_version})",
+            )
+            self._state = "ready"
+            return self._capabilities
+
+    def _open(self, options: RemoteOptions, config: api.LoadConfig) -> api.Capabilities:
+        if options.target is not None:
+            if config.options:
+                raise api.InvalidRequest(
+                    f"options {sorted(config.options)} are for a served engine, but a target's "
+                    "engine was loaded by its server; set them there"
+                )
+            link = self._link = _Link(options.target, options.security(), options.max_message_bytes)
+            if not link.wait_ready(options.connect_timeout_s):
+                raise RemoteUnavailable(
+                    f"no server answered at {options.target} within {options.connect_timeout_s} s",
+                    details={"target": options.target},
+                )
+            served = self._expect(
+                self._roundtrip(link, CapabilitiesQuery(), options.control_timeout_s, False),
+                api.Capabilities,
+            )
+            # The layer range must match; the model reference is the server's to spell (a
+            # path there may differ from one here): its fingerprint is in the capabilities.
+            wanted, got = config.shard, served.shard
+            if (got.n_layers, got.start, got.end) != (wanted.n_layers, wanted.start, wanted.end):
+                raise api.ShardMismatch(
+                    f"{options.target} serves layers [{got.start}, {got.end}) of {got.n_layers}, "
+                    f"not the requested [{wanted.start}, {wanted.end}) of {wanted.n_layers}"
+                )
+            if config.boundary_dtype not in served.boundary_dtypes:
+                raise api.ShardMismatch(
+                    f"{options.target} serves boundary dtypes {served.boundary_dtypes}, not "
+                    f"{config.boundary_dtype!r}"
+                )
+            return served
+        if options.spawn is not None:
+            return self._spawn(options, config)
+        assert options.in_process is not None
+        directory = Path(tempfile.mkdtemp(prefix="shard-engine-"))
+        server = EngineServer(
+            api.load_engine(options.in_process),
+            max_message_bytes=options.max_message_bytes,
+            allow_load=True,
+        )
+        self._local = (server, directory)
+        address = server.start(f"unix:{directory / 'engine.sock'}")
+        link = self._link = _Link(address, ClientSecurity(), options.max_message_bytes)
+        return self._expect(
+            self._roundtrip(link, config, options.startup_timeout_s, False), api.Capabilities
+        )
+
+    def _spawn(self, options: RemoteOptions, config: api.LoadConfig) -> api.Capabilities:
+        assert options.spawn is not None
+        child = self._child = ChildProcess(
+            options.spawn,
+            env=options.env,
+            inherit_env=options.inherit_env,
+            python=options.python,
+            startup_timeout_s=options.startup_timeout_s,
+            max_message_bytes=options.max_message_bytes,
+        )
+        address = child.start()
+        link = self._link = _Link(
+            address, ClientSecurity(token=child.token), options.max_message_bytes
+        )
+        return self._expect(
+            self._roundtrip(link, config, options.startup_timeout_s, False), api.Capabilities
+        )
+
+    def close(self) -> None:
+        """Close the link; stop a spawned child (it drains) or the in-process server. A target
+        server keeps running. Idempotent; later calls raise NotReady."""
+        with self._lock:
+            self._state = "closed"
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop()
+        local, self._local = self._local, None
+        if local is not None:
+            server, directory = local
+            server.stop(grace=1.0)
+            server.engine.close()
+            for path in directory.iterdir():
+                path.unlink(missing_ok=True)
+            directory.rmdir()
+
+    # ----------------------------------------------------------------- the protocol
+
+    def capabilities(self) -> api.Capabilities:
+        """The served engine's capabilities (cached at load). Raises NotReady before load and
+        after close."""
+        if self._state == "closed" or self._capabilities is None:
+            raise api.NotReady(f"remote engine is {self._state}")
+        return self._capabilities
+
+    def prefill(self, request: api.PrefillRequest) -> api.ShardResult:
+        return self._result(self._invoke(request, mutating=True))
+
+    def decode(self, request: api.DecodeRequest) -> api.ShardResult:
+        return self._result(self._invoke(request, mutating=True))
+
+    def decode_batch(self, request: api.DecodeBatchRequest) -> api.DecodeBatchResult:
+        return self._expect(self._invoke(request, mutating=True), api.DecodeBatchResult)
+
+    def release(self, request: api.ReleaseRequest) -> api.ReleaseResult:
+        return self._expect(self._invoke(request, mutating=True), api.ReleaseResult)
+
+    def cancel(self, request: api.CancelRequest) -> api.CancelResult:
+        """Forwarded to the served engine. Answers ``cancelled=False`` when nothing is served
+        or the server cannot be reached (nothing confirmed the cancel)."""
+        if (request.request_id is None) == (request.session_id is None):
+            raise api.InvalidRequest("cancel needs exactly one of request_id and session_id")
+        if self._state != "ready":
+            return api.CancelResult(cancelled=False)
+        try:
+            return self._expect(self._invoke(request, mutating=False), api.CancelResult)
+        except api.InvalidRequest:
+            raise
+        except api.ShardEngineError:
+            return api.CancelResult(cancelled=False)
+
+    def health(self) -> api.Health:
+        """The served engine's health; "failed" with the reason when it cannot be reached or
+        its process died. Never raises."""
+        state = self._state
+        if state == "loading":
+            return api.Health(state="unloaded", detail="not loaded")
+        if state == "closed":
+            return api.Health(state="closed", detail="closed")
+        if state == "crashed":
+            return self._crashed_health()
+        try:
+            reply = self._expect(self._invoke(HealthQuery(), mutating=False), api.Health)
+        except api.EngineCrashed:
+            return self._crashed_health()
+        except api.ShardEngineError as error:
+            return api.Health(state="failed", detail=f"unreachable: {error.message}")
+        if self._restarts and reply.state == "ready":
+            return msgspec.structs.replace(reply, state="degraded", detail=self._restart_note())
+        return reply
+
+    def metrics(self) -> api.Metrics:
+        """The served engine's counters; the last ones seen when it cannot be reached (a
+        restarted child counts from zero). Never raises."""
+        if self._state != "ready":
+            return self._last_metrics
+        try:
+            reply = self._expect(self._invoke(MetricsQuery(), mutating=False), api.Metrics)
+        except api.ShardEngineError:
+            return self._last_metrics
+        self._last_metrics = reply
+        return reply
+
+    # ----------------------------------------------------------------- calls
+
+    def _restart_note(self) -> str:
+        return (
+            f"the engine process was replaced {self._restarts} time(s): sessions and release "
+            "fences of the earlier processes are gone"
+        )
+
+    def _crashed_health(self) -> api.Health:
+        crash = self._crash
+        detail = crash.message if crash is not None else "the engine process died"
+        options = self._options
+        if options is not None and self._can_restart(options):
+            return api.Health(
+                state="degraded", detail=f"{detail}; a fresh process starts on the next request"
+            )
+        return api.Health(state="failed", detail=detail)
+
+    def _can_restart(self, options: RemoteOptions) -> bool:
+        return options.restart == "on-crash" and self._restarts < options.max_restarts
+
+    def _serving_link(self, *, restart: bool) -> tuple[_Link, RemoteOptions]:
+        with self._lock:
+            options = self._options
+            if self._state == "crashed" and options is not None:
+                if not (restart and self._can_restart(options)):
+                    raise self._crash_copy()
+                self._restart(options)
+            if self._state != "ready" or self._link is None or options is None:
+                raise api.NotReady(
+                    f"remote engine is {self._state}", retryable=self._state == "loading"
+                )
+            return self._link, options
+
+    def _restart(self, options: RemoteOptions) -> None:
+        assert self._served_config is not None
+        assert self._served is not None
+        old_link, self._link = self._link, None
+        if old_link is not None:
+            old_link.close()
+        old_child, self._child = self._child, None
+        if old_child is not None:
+            old_child.stop(grace=1.0)
+        self._restarts += 1
+        try:
+            served = self._spawn(options, self._served_config)
+        except api.ShardEngineError as error:
+            self._crash = api.EngineCrashed(
+                f"restarting the engine process failed: {error.message}", details=error.details
+            )
+            raise self._crash_copy() from error
+        if served.model_fingerprint != self._served.model_fingerprint:
+            self._crash = api.EngineCrashed("the restarted engine serves another model")
+            raise self._crash_copy()
+        self._crash = None
+        self._state = "ready"
+
+    def _crash_copy(self) -> api.EngineCrashed:
+        crash = self._crash or api.EngineCrashed("the engine process died")
+        return api.EngineCrashed(crash.message, details=dict(crash.details))
+
+    def _invoke(self, message: RemoteRequest, *, mutating: bool) -> RemoteReply:
+        link, options = self._serving_link(
+            restart=mutating or isinstance(message, CapabilitiesQuery)
+        )
+        timeout = options.timeout_s if mutating else options.control_timeout_s
+        return self._roundtrip(link, message, timeout, mutating)
+
+    def _roundtrip(
+        self, link: _Link, message: RemoteRequest, timeout: float | None, mutating: bool
+    ) -> RemoteReply:
+        options = self._options
+        limit = options.max_message_bytes if options is not None else DEFAULT_MAX_MESSAGE_BYTES
+        encoded = encode_request(message)
+        if len(encoded) > limit:
+            raise api.ResourceExhausted(
+                f"the request encodes to {len(encoded)} bytes, over the message limit of {limit}",
+                retryable=False,
+                details={
+                    "resource": "message_bytes",
+                    "message_bytes": len(encoded),
+                    "limit": limit,
+                },
+            )
+        try:
+            reply = link.call(encoded, timeout)
+        except grpc.RpcError as error:
+            raise self._transport_failure(error, link, mutating, timeout) from None
+        if isinstance(reply, Rejected):
+            raise reply.error
+        if isinstance(reply, api.ErrorInfo):
+            raise wire.error_from_info(reply)
+        return reply
+
+    def _transport_failure(
+        self, error: grpc.RpcError, link: _Link, mutating: bool, timeout: float | None
+    ) -> api.ShardEngineError:
+        # The errors of a blocking call are also its grpc.Call (the stubs cannot say so).
+        call = cast(grpc.Call, error)
+        try:
+            code, details = call.code(), call.details() or str(error)
+        except AttributeError:
+            code, details = grpc.StatusCode.UNKNOWN, str(error)
+        facts: dict[str, api.ErrorDetail] = {"grpc_status": code.name, "target": link.target}
+        if self._state == "closed":
+            return api.NotReady("remote engine was closed", retryable=False)
+        child = self._child
+        if child is not None and link is self._link:
+            wait = 0.0 if code == grpc.StatusCode.DEADLINE_EXCEEDED else _DEATH_GRACE_S
+            crashed = child.wait_exit(wait)
+            if crashed is not None:
+                with self._lock:
+                    if self._link is link:
+                        self._state = "crashed"
+                        self._crash = crashed
+                return self._crash_copy()
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return Unauthenticated(f"{link.target} refused the call: {details}", details=facts)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            too_large = "larger than max" in details or "message" in details.lower()
+            return api.ResourceExhausted(
+                f"{link.target} refused the call: {details}",
+                retryable=not too_large,
+                details={**facts, "resource": "message_bytes" if too_large else "server_calls"},
+            )
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return RemoteUnavailable(
+                f"{link.target} does not serve the shard-engine service: {details}",
+                retryable=False,
+                details=facts,
+            )
+        never_sent = code == grpc.StatusCode.UNAVAILABLE and any(
+            marker in details for marker in _NOT_SENT_MARKERS
+        )
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            sentence = f"no answer from {link.target} within {timeout} s"
+            reason = "deadline_exceeded"
+        elif code == grpc.StatusCode.CANCELLED:
+            sentence = f"the call to {link.target} was cancelled"
+            reason = "cancelled"
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            sentence = f"lost the connection to {link.target}: {details}"
+            reason = "connection_lost"
+        else:
+            sentence = f"transport error talking to {link.target}: {code.name}: {details}"
+            reason = "transport_error"
+        if not mutating or never_sent:
+            return RemoteUnavailable(sentence, details={**facts, "reason": reason})
+        return OutcomeUnknown(
+            f"{sentence}; the request may or may not have been executed",
+            details={**facts, "reason": reason, "outcome": "unknown"},
+        )
+
+    @staticmethod
+    def _expect(reply: RemoteReply, kind: type[_Reply]) -> _Reply:
+        if not isinstance(reply, kind):
+            raise api.MalformedOutput(
+                f"the server answered {type(reply).__name__} where {kind.__name__} was expected"
+            )
+        return reply
+
+    @staticmethod
+    def _result(reply: RemoteReply) -> api.ShardResult:
+        if not isinstance(reply, api.BoundaryResult | api.LogitsResult):
+            raise api.MalformedOutput(
+                f"the server answered {type(reply).__name__} where a shard result was expected"
+            )
+        return reply

@@ -1,0 +1,143 @@
+"""``shard-engine serve``: host one loaded engine for remote engines.
+
+    shard-engine serve --engine llama --model m.gguf --layers 0:8 --listen 127.0.0.1:7450
+    shard-engine serve --engine fake --layers 2:4 --listen unix:/run/shard/engine.sock
+    shard-engine serve --engine llama --model m.gguf --layers 8:16 --listen 0.0.0.0:7450 \\
+        --tls-cert server.pem --tls-key server.key --token-file token [--tls-client-ca ca.pem]
+
+Loopback and unix sockets need nothing more; any other address is refused without TLS and a
+bearer token. SIGTERM (or Ctrl-C) drains in-flight calls, closes the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+__all__ = ["add_commands"]
+
+
+def _layers(text: str) -> tuple[int, int]:
+    start, separator, end = text.partition(":")
+    try:
+        if not separator:
+            raise ValueError(text)
+        return int(start), int(end)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"bad layer range {text!r}; use START:END") from error
+
+
+def _option(text: str) -> tuple[str, object]:
+    key, separator, value = text.partition("=")
+    if not separator or not key:
+        raise argparse.ArgumentTypeError(f"bad option {text!r}; use KEY=VALUE (VALUE as JSON)")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _command_serve(args: argparse.Namespace) -> int:
+    import shard_engine_api as api
+    from shard_engine_api._plugins import describe_model, get_plugin_manager, model_fixture
+    from shard_engine_remote._security import ServerSecurity, read_pem, read_token
+    from shard_engine_remote._server import EngineServer, serve_until_signalled
+
+    manager = get_plugin_manager()
+    if args.model:
+        fixture = describe_model(manager, args.engine, args.model)
+    else:
+        store = args.workdir or os.environ.get("SHARD_ENGINE_MODEL_STORE")
+        workdir = Path(store) if store else Path.home() / ".cache" / "shard-engine"
+        workdir.mkdir(parents=True, exist_ok=True)
+        fixture = model_fixture(manager, args.engine, workdir)
+    start, end = args.layers
+    config = fixture.config(
+        start,
+        end,
+        options=dict(args.option or []),
+        boundary_dtype=args.boundary_dtype,
+        n_threads=args.threads,
+        max_sessions=args.max_sessions,
+        max_context=args.max_context,
+    )
+    security = ServerSecurity(
+        tls_cert=read_pem(args.tls_cert, "TLS certificate"),
+        tls_key=read_pem(args.tls_key, "TLS key"),
+        client_ca=read_pem(args.tls_client_ca, "TLS client CA"),
+        token=read_token(args.token_file),
+    )
+    # Refuse a bad address before spending minutes loading a model.
+    security.check_listen(args.listen)
+    engine = api.load_engine(args.engine, config, manager=manager)
+    server = EngineServer(
+        engine,
+        security=security,
+        max_message_bytes=args.max_payload_bytes + (1 << 20),
+        max_workers=args.workers,
+    )
+    try:
+        address = server.start(args.listen)
+    except BaseException:
+        engine.close()
+        raise
+    caps = engine.capabilities()
+    print(
+        f"serving {caps.engine} [{start}:{end}) of {fixture.description or fixture.model} "
+        f"({caps.role}, evidence {caps.evidence}) on {address}"
+        + ("" if security.tls_cert is None else " with TLS")
+        + ("" if not security.token else ", bearer token required"),
+        flush=True,
+    )
+    serve_until_signalled(server, drain_seconds=args.drain_seconds)
+    print(f"stopped; server counters: {server.counters.snapshot()}", flush=True)
+    return 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``serve`` to the ``shard-engine`` CLI."""
+    from shard_engine_api import wire
+
+    serve = subparsers.add_parser(
+        "serve",
+        help="host one loaded engine for remote engines (gRPC)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--engine", required=True, help="engine entry-point name")
+    serve.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
+    serve.add_argument("--model", help="model reference (e.g. a GGUF path); default: built-in")
+    serve.add_argument("--workdir", help="where fixture models are generated")
+    serve.add_argument(
+        "--option",
+        type=_option,
+        action="append",
+        metavar="KEY=VALUE",
+        help="an engine load option (VALUE parsed as JSON when it is JSON); repeatable",
+    )
+    serve.add_argument("--boundary-dtype", choices=["f32", "f16"], default="f32")
+    serve.add_argument("--threads", type=int, default=0, help="0 = engine default")
+    serve.add_argument("--max-sessions", type=int, default=16)
+    serve.add_argument("--max-context", type=int, default=2048)
+    serve.add_argument(
+        "--listen",
+        default="127.0.0.1:7450",
+        help="HOST:PORT or unix:PATH (default 127.0.0.1:7450; beyond loopback needs TLS+token)",
+    )
+    serve.add_argument(
+        "--token-file", help="bearer token file (default $SHARD_ENGINE_REMOTE_TOKEN)"
+    )
+    serve.add_argument("--tls-cert", help="PEM certificate chain of this server")
+    serve.add_argument("--tls-key", help="PEM private key of this server")
+    serve.add_argument("--tls-client-ca", help="PEM CA of accepted client certificates (mTLS)")
+    serve.add_argument(
+        "--max-payload-bytes",
+        type=int,
+        default=wire.DEFAULT_MAX_PAYLOAD_BYTES,
+        help="largest payload accepted (the codec's limit; default 256 MiB)",
+    )
+    serve.add_argument("--workers", type=int, default=16, help="threads serving calls")
+    serve.add_argument("--drain-seconds", type=float, default=10.0)
+    serve.set_defaults(func=_command_serve)

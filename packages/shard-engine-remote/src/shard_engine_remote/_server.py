@@ -1,0 +1,308 @@
+"""``EngineServer``: one loaded engine served over gRPC to remote engines.
+
+Every operation arrives through the one ``Call`` method and is dispatched on the request's tag.
+A call whose RPC ends before the engine answered (the client cancelled, its deadline passed, the
+connection dropped) becomes ``engine.cancel(request_id)``, so the engine stops at its next safe
+point and rolls back. Engine errors are answered as their ErrorInfo; nothing an engine or a
+client does stops the server from serving other clients: undecodable frames get InvalidRequest,
+messages over the size limit are refused by gRPC with RESOURCE_EXHAUSTED, compute calls beyond
+the server's slots get a retryable ResourceExhausted (cancel, release, health and metrics always
+have a thread), calls without the bearer token are refused before decoding. Each of these is
+counted in :attr:`EngineServer.counters`.
+
+``grpc.health.v1`` is served alongside (``""`` and ``shard_engine.v1.Engine``): SERVING while
+the engine is ready or degraded, NOT_SERVING otherwise and while draining.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import threading
+import typing
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Final
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import shard_engine_api as api
+from shard_engine_api import wire
+from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
+from shard_engine_remote._wire import (
+    SERVICE_NAME,
+    CapabilitiesQuery,
+    HealthQuery,
+    MetricsQuery,
+    Rejected,
+    RemoteReply,
+    RemoteRequest,
+    decode_request,
+    encode_reply,
+)
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "EngineServer",
+    "ServerCounters",
+    "channel_options",
+    "serve_until_signalled",
+]
+
+DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
+"""The largest message either side accepts: the codec's payload limit plus room for headers."""
+
+_SERVING_STATES: Final = ("ready", "degraded")
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
+    """gRPC options both ends share: message size limits, and keepalive pings that find a
+    peer that vanished without closing the connection."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+@dataclass
+class ServerCounters:
+    """What the server refused or cut short, since it started."""
+
+    calls: int = 0
+    rejected_frames: int = 0
+    unauthenticated: int = 0
+    busy: int = 0
+    transport_cancels: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "calls": self.calls,
+                "rejected_frames": self.rejected_frames,
+                "unauthenticated": self.unauthenticated,
+                "busy": self.busy,
+                "transport_cancels": self.transport_cancels,
+            }
+
+
+class EngineServer:
+    """Serves ``engine`` on one address. ``allow_load`` lets the first client load it (the
+    private socket of a spawned child); a server started on a loaded engine refuses loads.
+
+    ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
+    cancel, release, health and metrics are never starved.
+    """
+
+    def __init__(
+        self,
+        engine: api.ShardEngine,
+        *,
+        security: ServerSecurity | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_workers: int = 16,
+        allow_load: bool = False,
+    ) -> None:
+        if max_workers < 5:
+            raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
+        self.engine = engine
+        self.security = security or ServerSecurity()
+        self.counters = ServerCounters()
+        self.address: str | None = None
+        self._allow_load = allow_load
+        self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
+        self._health = health.HealthServicer()
+        self._health_status: int | None = None
+        self._health_lock = threading.Lock()
+        interceptors: list[grpc.ServerInterceptor] = []
+        if self.security.token:
+            interceptors.append(
+                BearerTokenInterceptor(
+                    self.security.token, functools.partial(self.counters.add, "unauthenticated")
+                )
+            )
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"),
+            interceptors=interceptors,
+            options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=max_workers * 8,
+        )
+        handler = grpc.unary_unary_rpc_method_handler(
+            self._call, request_deserializer=decode_request, response_serializer=encode_reply
+        )
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Call": handler}),)
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self, listen: str) -> str:
+        """Bind ``listen`` (``host:port``, port 0 picks one, or ``unix:PATH``) and serve.
+        Returns the bound address. Raises InvalidRequest for an address the security settings
+        do not allow, or one that cannot be bound."""
+        self.security.check_listen(listen)
+        credentials = self.security.credentials()
+        try:
+            if credentials is None:
+                port = self._server.add_insecure_port(listen)
+            else:
+                port = self._server.add_secure_port(listen, credentials)
+        except RuntimeError as error:
+            raise api.InvalidRequest(f"cannot listen on {listen}: {error}") from error
+        if listen.startswith("unix"):
+            self.address = listen
+        else:
+            self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
+        self._server.start()
+        self._refresh_health()
+        return self.address
+
+    def stop(self, grace: float | None = 10.0) -> None:
+        """Stop taking calls, let in-flight ones finish for up to ``grace`` seconds (then they
+        are cancelled, which cancels their engine work), and return. The engine stays open."""
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stopped; False on timeout."""
+        return self._server.wait_for_termination(timeout)
+
+    # ----------------------------------------------------------------- dispatch
+
+    def _call(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> RemoteReply:
+        self.counters.add("calls")
+        engine = self.engine
+        try:
+            match request:
+                case Rejected(error=error):
+                    self.counters.add("rejected_frames")
+                    return error.to_info()
+                case CapabilitiesQuery():
+                    return engine.capabilities()
+                case HealthQuery():
+                    return engine.health()
+                case MetricsQuery():
+                    return engine.metrics()
+                case api.CancelRequest():
+                    return engine.cancel(request)
+                case api.ReleaseRequest():
+                    return engine.release(request)
+                case api.LoadConfig():
+                    if not self._allow_load:
+                        raise api.InvalidRequest(
+                            "this server's engine was loaded when the server started; it takes "
+                            "no load requests"
+                        )
+                    self._allow_load = False
+                    capabilities = engine.load(request)
+                    self._refresh_health()
+                    return capabilities
+                case api.PrefillRequest():
+                    return self._compute(
+                        request.request_id, context, functools.partial(engine.prefill, request)
+                    )
+                case api.DecodeRequest():
+                    return self._compute(
+                        request.request_id, context, functools.partial(engine.decode, request)
+                    )
+                case api.DecodeBatchRequest():
+                    return self._compute(
+                        request.request_id,
+                        context,
+                        functools.partial(engine.decode_batch, request),
+                    )
+                case _:
+                    typing.assert_never(request)
+        except api.ShardEngineError as error:
+            if isinstance(error, api.EngineCrashed | api.NotReady):
+                self._refresh_health()
+            return error.to_info()
+        except Exception as error:  # noqa: BLE001 - an engine bug must not kill the server
+            return api.ShardEngineError(
+                f"the served engine raised {type(error).__name__}: {error}",
+                details={"exception": type(error).__name__},
+            ).to_info()
+
+    def _compute(
+        self,
+        request_id: str,
+        context: grpc.ServicerContext,
+        operation: Callable[[], api.ShardResult | api.DecodeBatchResult],
+    ) -> api.ShardResult | api.DecodeBatchResult:
+        if not self._compute_slots.acquire(blocking=False):
+            self.counters.add("busy")
+            raise api.ResourceExhausted(
+                "the server is computing as many requests as it has threads for; retry",
+                details={"resource": "server_threads"},
+            )
+        finished = threading.Event()
+
+        def on_rpc_end() -> None:
+            # Runs when the RPC terminates for any reason; only an RPC that ended before the
+            # engine answered (cancelled, deadline, connection lost) cancels the engine work.
+            if not finished.is_set():
+                self.counters.add("transport_cancels")
+                self.engine.cancel(api.CancelRequest(request_id=request_id))
+
+        try:
+            if not context.add_callback(on_rpc_end):
+                raise api.Cancelled(f"request {request_id!r} ended before it started")
+            return operation()
+        finally:
+            finished.set()
+            self._compute_slots.release()
+
+    def _refresh_health(self) -> None:
+        state = self.engine.health().state
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if state in _SERVING_STATES
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        with self._health_lock:
+            if status == self._health_status:
+                return
+            self._health_status = status
+            self._health.set("", status)
+            self._health.set(SERVICE_NAME, status)
+
+
+def serve_until_signalled(
+    server: EngineServer,
+    *,
+    drain_seconds: float = 10.0,
+    stop: threading.Event | None = None,
+    on_stopped: Callable[[], None] | None = None,
+) -> None:
+    """Block until SIGTERM or SIGINT (or ``stop`` is set), then drain in-flight calls for up to
+    ``drain_seconds``, close the engine and return. Call from the main thread."""
+    stop = stop or threading.Event()
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.5):
+            pass
+        server.stop(drain_seconds)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.engine.close()
+        if on_stopped is not None:
+            on_stopped()

@@ -1,0 +1,123 @@
+"""What travels over gRPC: one unary method whose messages are the project's msgpack codec.
+
+The service ``shard_engine.v1.Engine`` has one method, ``Call``. Its request is a tagged
+message of :data:`RemoteRequest` (the codec's requests plus three queries without arguments);
+its reply is a :data:`~shard_engine_api.wire.WireReply` or an :class:`~shard_engine_api.ErrorInfo`.
+No protobuf code generation: the (de)serializers below are handed to gRPC's generic handlers.
+
+Deserializers never raise (gRPC would turn that into an opaque INTERNAL status): bytes that do not
+decode come back as :class:`Rejected` carrying the typed error, which the server answers with its
+ErrorInfo and the client raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+import msgspec
+
+import shard_engine_api as api
+from shard_engine_api import wire
+
+__all__ = [
+    "CALL_METHOD",
+    "SERVICE_NAME",
+    "CapabilitiesQuery",
+    "HealthQuery",
+    "MetricsQuery",
+    "Rejected",
+    "RemoteReply",
+    "RemoteRequest",
+    "decode_reply",
+    "decode_request",
+    "encode_reply",
+    "encode_request",
+]
+
+SERVICE_NAME: Final = "shard_engine.v1.Engine"
+CALL_METHOD: Final = f"/{SERVICE_NAME}/Call"
+"""The full gRPC method name of the one call every operation goes through."""
+
+
+class CapabilitiesQuery(msgspec.Struct, frozen=True, kw_only=True, tag="capabilities_query"):
+    """Ask for the served engine's capabilities."""
+
+
+class HealthQuery(msgspec.Struct, frozen=True, kw_only=True, tag="health_query"):
+    """Ask for the served engine's health."""
+
+
+class MetricsQuery(msgspec.Struct, frozen=True, kw_only=True, tag="metrics_query"):
+    """Ask for the served engine's metrics."""
+
+
+RemoteRequest: TypeAlias = wire.WireRequest | CapabilitiesQuery | HealthQuery | MetricsQuery
+"""Every message a client sends: the codec's requests and the argument-less queries."""
+
+RemoteReply: TypeAlias = wire.WireReply | api.ErrorInfo
+"""Every message a server answers with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Bytes that did not decode, with the typed error that says why."""
+
+    error: api.ShardEngineError
+
+
+# One prebuilt decoder per direction (reusable and thread-safe): the tag picks the type.
+_REQUEST_DECODER: Final[msgspec.msgpack.Decoder[RemoteRequest]] = msgspec.msgpack.Decoder(
+    RemoteRequest
+)
+_REPLY_DECODER: Final[msgspec.msgpack.Decoder[RemoteReply]] = msgspec.msgpack.Decoder(RemoteReply)
+_QUERY_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+def encode_request(message: RemoteRequest) -> bytes:
+    """The bytes of a request: the codec's encoding (large payloads aligned) or a query's tag.
+    Raises InvalidRequest for values the codec cannot encode."""
+    if isinstance(message, CapabilitiesQuery | HealthQuery | MetricsQuery):
+        return _QUERY_ENCODER.encode(message)
+    return wire.encode(message)
+
+
+def decode_request(buf: bytes) -> RemoteRequest | Rejected:
+    """Decode a request's structure and types (payloads are the engine's to verify, so its
+    metrics count what it refused exactly as a local engine's would). Never raises."""
+    try:
+        return _REQUEST_DECODER.decode(buf)
+    except msgspec.MsgspecError as error:
+        return Rejected(_explain(buf, error))
+
+
+def encode_reply(message: RemoteReply) -> bytes:
+    """The bytes of a reply (the codec's encoding)."""
+    return wire.encode(message)
+
+
+def decode_reply(buf: bytes) -> RemoteReply | Rejected:
+    """Decode a reply; an ErrorInfo is returned as is (the caller raises it). Never raises.
+    Payload checksums are not recomputed here: the transport's own integrity covers the bytes,
+    and the next shard verifies every bundle it is given."""
+    try:
+        return _REPLY_DECODER.decode(buf)
+    except msgspec.MsgspecError as error:
+        explained = _explain(buf, error)
+        return Rejected(
+            api.MalformedOutput(
+                f"the server's reply does not decode: {explained.message}",
+                details={"cause": explained.code},
+            )
+        )
+
+
+def _explain(buf: bytes, error: msgspec.MsgspecError) -> api.ShardEngineError:
+    """The codec's own verdict on bytes the union decoder refused: a contract version mismatch
+    when they name another version, else InvalidRequest with msgspec's reason."""
+    try:
+        wire.decode_message(buf)
+    except api.ShardEngineError as verdict:
+        if isinstance(verdict, api.ContractVersionMismatch):
+            return verdict
+    return api.InvalidRequest(f"undecodable request: {error}")

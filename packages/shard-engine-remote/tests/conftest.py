@@ -1,0 +1,142 @@
+"""Shared helpers of the remote engine's tests: servers in this process, remote engines, and
+request builders. Everything binds loopback or private unix sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import shard_engine_api as api
+from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity
+
+N_LAYERS = 6
+FAKE_MODEL = "fake"
+
+
+def shard(start: int = 0, end: int = N_LAYERS) -> api.ShardSpec:
+    return api.ShardSpec(model=FAKE_MODEL, n_layers=N_LAYERS, start=start, end=end)
+
+
+def config(start: int = 0, end: int = N_LAYERS, /, **options: object) -> api.LoadConfig:
+    return api.LoadConfig(shard=shard(start, end), options=dict(options))
+
+
+def delay(operation: str, milliseconds: int) -> dict[str, object]:
+    """A fake-engine fault plan delaying every ``operation`` (cancellable)."""
+    return {
+        "rules": [
+            {"action": {"kind": "delay", "milliseconds": milliseconds}, "operations": [operation]}
+        ]
+    }
+
+
+def ref(session_id: str = "s", epoch: int = 1) -> api.SessionRef:
+    return api.SessionRef(session_id=session_id, epoch=epoch)
+
+
+def prefill(
+    engine: api.ShardEngine, tokens: tuple[int, ...] = (1, 2, 3), *, session: str = "s", **kw: str
+) -> api.ShardResult:
+    return engine.prefill(
+        api.PrefillRequest(
+            request_id=kw.get("request_id", f"prefill-{session}"),
+            session=ref(session),
+            start_pos=0,
+            inputs=api.TokenInput(token_ids=tokens),
+        )
+    )
+
+
+def decode(
+    engine: api.ShardEngine, pos: int, token: int = 1, *, session: str = "s", request_id: str = "d"
+) -> api.ShardResult:
+    return engine.decode(
+        api.DecodeRequest(
+            request_id=request_id,
+            session=ref(session),
+            pos=pos,
+            inputs=api.TokenInput(token_ids=(token,)),
+        )
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+class Background:
+    """Run a call in a thread; ``result()`` re-raises what it raised."""
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self._outcome: list[object] = []
+        self._error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._outcome.append(call())
+            except BaseException as error:  # noqa: BLE001 - re-raised in result()
+                self._error.append(error)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def result(self, timeout: float = 30.0) -> object:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the background call did not finish"
+        if self._error:
+            raise self._error[0]
+        return self._outcome[0]
+
+
+ServeFactory = Callable[..., EngineServer]
+
+
+@pytest.fixture
+def serve() -> Iterator[ServeFactory]:
+    """Start in-process servers of loaded fake engines on 127.0.0.1 (a free port); stopped and
+    closed after the test."""
+    servers: list[EngineServer] = []
+
+    def factory(
+        load: api.LoadConfig | None = None,
+        *,
+        security: ServerSecurity | None = None,
+        listen: str = "127.0.0.1:0",
+        **kwargs: object,
+    ) -> EngineServer:
+        engine = api.load_engine("fake", load or config())
+        server = EngineServer(engine, security=security, **kwargs)  # type: ignore[arg-type]
+        servers.append(server)
+        server.start(listen)
+        return server
+
+    yield factory
+    for server in servers:
+        server.stop(grace=0.5)
+        server.engine.close()
+
+
+RemoteFactory = Callable[..., RemoteEngine]
+
+
+@pytest.fixture
+def remote() -> Iterator[RemoteFactory]:
+    """Load remote engines; every one is closed after the test."""
+    engines: list[RemoteEngine] = []
+
+    def factory(load: api.LoadConfig) -> RemoteEngine:
+        engine = RemoteEngine()
+        engines.append(engine)
+        engine.load(load)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,64 @@
+"""The standard conformance suite against remote engines: the fake served from this process
+and from a spawned child, and the llama engine (generated tiny model) from a spawned child when
+llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import ClassVar
+
+import msgspec
+import pytest
+
+from shard_engine_api import ShardEngine
+from shard_engine_api._plugins import get_plugin_manager, model_fixture
+from shard_engine_api.conformance import ShardEngineConformance
+from shard_engine_api.engine import ModelFixture
+from shard_engine_remote import RemoteEngine
+
+
+class _RemoteSuite(ShardEngineConformance):
+    engine_name = "remote"
+    served: ClassVar[str] = "fake"
+    isolation: ClassVar[str] = "spawn"
+
+    @classmethod
+    def model_fixture(cls, name: str, workdir: Path) -> ModelFixture:
+        fixture = model_fixture(get_plugin_manager(), cls.served, workdir)
+        return msgspec.structs.replace(
+            fixture, options={cls.isolation: cls.served, **fixture.options}
+        )
+
+
+class TestFakeInProcessServer(_RemoteSuite):
+    """Every operation crosses gRPC and the codec; the server runs in this process."""
+
+    isolation = "in_process"
+
+
+class TestFakeSpawnedChild(_RemoteSuite):
+    """Every engine of the suite runs in its own supervised child process."""
+
+    isolation = "spawn"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("shard_engine_llama") is None
+    or importlib.util.find_spec("llama_cpp") is None,
+    reason="shard-engine-llama (llama-cpp-python) is not installed",
+)
+class TestLlamaSpawnedChild(_RemoteSuite):
+    """The llama engine on the generated tiny GGUF model, each shard in its own process.
+
+    The engine is made directly rather than through the entry point: the ``remote`` plugin
+    registers ``fixture`` evidence (it claims nothing itself) while results carry the served
+    engine's class, here ``real``; the suite compares the registered class with the
+    capabilities only for engines it makes through their entry point."""
+
+    served = "llama"
+    isolation = "spawn"
+
+    @classmethod
+    def make_engine(cls, name: str) -> ShardEngine:
+        return RemoteEngine()

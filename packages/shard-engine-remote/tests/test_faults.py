@@ -1,0 +1,331 @@
+"""A worker survives its engine: children killed, aborted, stopped, terminated and replaced;
+servers that die mid-call; RPC deadlines that become engine cancels."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import (
+    Background,
+    RemoteFactory,
+    ServeFactory,
+    config,
+    decode,
+    delay,
+    prefill,
+    wait_until,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import shard_engine_api as api
+from shard_engine_remote import SERVICE_NAME, OutcomeUnknown, RemoteEngine, RemoteUnavailable
+
+
+def _in_flight(engine: api.ShardEngine) -> bool:
+    return engine.health().in_flight >= 1
+
+
+def _child_pid(engine: RemoteEngine) -> int:
+    pid = engine.child_pid
+    assert pid is not None
+    return pid
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
+def test_child_killed_mid_decode_is_engine_crashed(remote: RemoteFactory, sig: int) -> None:
+    """kill -9 (or an abort) of the child while a decode runs: the decode, every later call
+    raise EngineCrashed naming the signal; health says failed; this process lives on."""
+    engine = remote(config(spawn="fake", faults=delay("decode", 5000)))
+    prefill(engine)
+    pid = _child_pid(engine)
+    pending = Background(lambda: decode(engine, 3))
+    wait_until(lambda: _in_flight(engine))
+    os.kill(pid, sig)
+    name = signal.Signals(sig).name
+    with pytest.raises(api.EngineCrashed, match=name) as caught:
+        pending.result()
+    assert caught.value.details["signal"] == name
+    assert caught.value.details["pid"] == pid
+    with pytest.raises(api.EngineCrashed, match=name):
+        prefill(engine, session="other")
+    with pytest.raises(api.EngineCrashed):
+        engine.release(api.ReleaseRequest(session=api.SessionRef(session_id="s", epoch=1)))
+    health = engine.health()
+    assert health.state == "failed"
+    assert name in health.detail
+    assert engine.cancel(api.CancelRequest(request_id="x")).cancelled is False
+    engine.metrics()  # never raises
+    assert engine.capabilities().evidence == "fixture"
+
+
+def test_child_exit_code_is_reported(remote: RemoteFactory) -> None:
+    """A child that exits on its own (an injected os._exit) is EngineCrashed with its code."""
+    plan = {"rules": [{"action": {"kind": "crash", "exit_code": 7}, "operations": ["decode"]}]}
+    engine = remote(config(spawn="fake", faults=plan))
+    prefill(engine)
+    with pytest.raises(api.EngineCrashed, match="exited with code 7") as caught:
+        decode(engine, 3)
+    assert caught.value.details["exit_code"] == 7
+
+
+def test_engine_abort_is_engine_crashed(remote: RemoteFactory) -> None:
+    """An engine that calls abort() mid-prefill (what a failed GGML_ASSERT does): the child
+    dies of SIGABRT, this process sees EngineCrashed naming it."""
+    plan = {"rules": [{"action": {"kind": "crash", "abort": True}, "operations": ["prefill"]}]}
+    engine = remote(config(spawn="fake", faults=plan))
+    with pytest.raises(api.EngineCrashed, match="SIGABRT") as caught:
+        prefill(engine)
+    assert caught.value.details["signal"] == "SIGABRT"
+    assert engine.health().state == "failed"
+
+
+def test_stopped_child_meets_client_deadlines(remote: RemoteFactory) -> None:
+    """A SIGSTOP'd child answers nothing: a decode fails at its deadline as OutcomeUnknown
+    (it may have run), health and metrics answer at theirs, and after SIGCONT the session
+    carries on from wherever the decode left it."""
+    engine = remote(config(spawn="fake", timeout_s=0.5, control_timeout_s=0.5))
+    prefill(engine)
+    pid = _child_pid(engine)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(OutcomeUnknown) as caught:
+            decode(engine, 3)
+        assert time.monotonic() - started < 5.0
+        assert caught.value.retryable
+        assert caught.value.details["reason"] == "deadline_exceeded"
+        health = engine.health()
+        assert health.state == "failed"
+        assert "unreachable" in health.detail
+        engine.metrics()
+        assert engine.cancel(api.CancelRequest(request_id="d")).cancelled is False
+        assert engine.capabilities().shard.end == 6, "capabilities are cached at load"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_until(lambda: engine.health().state == "ready")
+    try:
+        outcome: object = decode(engine, 3, request_id="again")
+    except api.CacheMiss as miss:
+        outcome = miss.committed_length
+    # The timed-out decode either ran (position 3 is committed) or not (it runs now).
+    assert isinstance(outcome, api.LogitsResult) or outcome == 4
+    assert engine.health().state == "ready"
+
+
+def test_restart_policy_replaces_a_dead_child(remote: RemoteFactory) -> None:
+    """With restart on-crash the call in flight still fails (EngineCrashed), the next request
+    runs on a fresh child, where the old sessions are unknown (CacheMiss: replay), and health
+    is degraded because the dead child's release fences are gone."""
+    engine = remote(config(spawn="fake", restart="on-crash", max_restarts=1))
+    prefill(engine)
+    first = _child_pid(engine)
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(api.EngineCrashed, match="SIGKILL"):
+        decode(engine, 3)
+    assert engine.health().state == "degraded"
+    with pytest.raises(api.CacheMiss) as caught:
+        decode(engine, 3)
+    assert caught.value.committed_length == 0
+    second = _child_pid(engine)
+    assert second != first
+    assert engine.restarts == 1
+    prefill(engine)
+    decode(engine, 3)
+    health = engine.health()
+    assert health.state == "degraded"
+    assert "fences" in health.detail
+    os.kill(second, signal.SIGKILL)
+    with pytest.raises(api.EngineCrashed):
+        decode(engine, 4)
+    with pytest.raises(api.EngineCrashed):
+        decode(engine, 4)
+    assert engine.health().state == "failed", "max_restarts=1 is used up"
+
+
+def test_sigterm_drains_in_flight_calls(remote: RemoteFactory) -> None:
+    """SIGTERM to a serving child: the prefill in flight completes, then the child exits 0
+    and later calls raise EngineCrashed saying so."""
+    engine = remote(config(spawn="fake", faults=delay("prefill", 800)))
+    pending = Background(lambda: prefill(engine))
+    wait_until(lambda: _in_flight(engine))
+    os.kill(_child_pid(engine), signal.SIGTERM)
+    result = pending.result()
+    assert isinstance(result, api.LogitsResult)
+    wait_until(lambda: engine.health().state == "failed")
+    with pytest.raises(api.EngineCrashed, match="exited with code 0"):
+        prefill(engine, session="later")
+
+
+def test_failed_start_is_typed(remote: RemoteFactory) -> None:
+    """A child that cannot serve the named engine, or whose engine refuses the config, fails
+    load with the typed error; nothing is left running."""
+    with pytest.raises(api.UnknownEngine, match="no-such-engine"):
+        remote(config(spawn="no-such-engine"))
+    with pytest.raises(api.InvalidRequest, match="unknown fake engine options"):
+        remote(config(spawn="fake", not_an_option=1))
+    # An interpreter that exits at once (here: `false`, which ignores its arguments).
+    with pytest.raises(api.EngineCrashed, match="exited with code 1"):
+        remote(config(spawn="fake", python="false"))
+
+
+def test_client_deadline_cancels_engine_work(serve: ServeFactory, remote: RemoteFactory) -> None:
+    """A client whose deadline passes mid-prefill: the server cancels the engine's work (it
+    rolls back), the client sees OutcomeUnknown, and the session is as before."""
+    server = serve(config(faults=delay("prefill", 3000)))
+    assert server.address is not None
+    engine = remote(config(target=server.address, timeout_s=0.3))
+    with pytest.raises(OutcomeUnknown, match="may or may not"):
+        prefill(engine)
+    wait_until(lambda: server.engine.metrics().cancelled == 1)
+    assert server.counters.snapshot()["transport_cancels"] == 1
+    assert server.engine.health().sessions == 0, "the cancelled prefill was rolled back"
+
+
+def test_cancel_travels_to_the_served_engine(remote: RemoteFactory) -> None:
+    """cancel() from another thread stops a remote prefill: the caller gets Cancelled."""
+    engine = remote(config(in_process="fake", faults=delay("prefill", 3000)))
+    pending = Background(lambda: prefill(engine, request_id="slow"))
+    wait_until(lambda: _in_flight(engine))
+    assert engine.cancel(api.CancelRequest(request_id="slow")).cancelled
+    with pytest.raises(api.Cancelled):
+        pending.result()
+    assert engine.health().sessions == 0
+
+
+def test_server_killed_mid_decode(tmp_path: Path, remote: RemoteFactory) -> None:
+    """kill -9 of a `shard-engine serve` process while a decode is in flight: the decode is
+    OutcomeUnknown (never a success), later calls are RemoteUnavailable (nothing ran)."""
+    listen = f"unix:{tmp_path}/engine.sock"
+    plan = (
+        '{"rules": [{"action": {"kind": "delay", "milliseconds": 5000}, "operations": ["decode"]}]}'
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shard_engine_api.cli",
+            "serve",
+            "--engine",
+            "fake",
+            "--layers",
+            "0:6",
+            "--listen",
+            listen,
+            "--option",
+            f"faults={plan}",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert "serving" in process.stdout.readline()
+        engine = remote(config(target=listen, control_timeout_s=1.0))
+        prefill(engine)
+        pending = Background(lambda: decode(engine, 3))
+        wait_until(lambda: _in_flight(engine))
+        process.kill()
+        with pytest.raises(OutcomeUnknown) as caught:
+            pending.result()
+        assert caught.value.details["reason"] == "connection_lost"
+        with pytest.raises(RemoteUnavailable):
+            decode(engine, 3)
+        assert engine.health().state == "failed"
+    finally:
+        process.kill()
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def test_every_call_in_flight_sees_the_crash(remote: RemoteFactory) -> None:
+    """Several calls in flight when the child dies: each one raises EngineCrashed."""
+    engine = remote(config(spawn="fake", faults=delay("decode", 5000)))
+    for session in ("a", "b", "c"):
+        prefill(engine, session=session)
+    pending = [
+        Background(functools.partial(decode, engine, 3, session=session, request_id=session))
+        for session in ("a", "b", "c")
+    ]
+    wait_until(lambda: _in_flight(engine))
+    time.sleep(0.2)  # let every call reach the child
+    os.kill(_child_pid(engine), signal.SIGKILL)
+    for call in pending:
+        with pytest.raises(api.EngineCrashed, match="SIGKILL"):
+            call.result()
+
+
+def test_engine_errors_keep_class_code_and_retryable(remote: RemoteFactory) -> None:
+    """Errors raised by the served engine arrive as the same class with the same code,
+    retryable flag and details."""
+    engine = remote(config(in_process="fake"))
+    prefill(engine)
+    with pytest.raises(api.CacheMiss) as miss:
+        decode(engine, 7)
+    assert (miss.value.code, miss.value.retryable) == ("cache_miss", True)
+    assert miss.value.committed_length == 3
+    with pytest.raises(api.StaleEpoch) as stale:
+        engine.prefill(
+            api.PrefillRequest(
+                request_id="old",
+                session=api.SessionRef(session_id="s", epoch=0),
+                start_pos=0,
+                inputs=api.TokenInput(token_ids=(1,)),
+            )
+        )
+    assert not stale.value.retryable
+    with pytest.raises(api.InvalidRequest):
+        engine.cancel(api.CancelRequest())
+    assert engine.metrics().errors == {"cache_miss": 1, "stale_epoch": 1}
+
+
+def test_busy_server_refuses_compute_beyond_its_threads(
+    serve: ServeFactory, remote: RemoteFactory
+) -> None:
+    """With every compute slot taken, another prefill gets a retryable ResourceExhausted at
+    once, while health, metrics and cancel still answer."""
+    server = serve(config(faults=delay("prefill", 1500)), max_workers=5)
+    assert server.address is not None
+    engine = remote(config(target=server.address))
+    pending = Background(lambda: prefill(engine, session="a", request_id="slow"))
+    wait_until(lambda: _in_flight(engine))
+    with pytest.raises(api.ResourceExhausted) as busy:
+        prefill(engine, session="b")
+    assert busy.value.retryable
+    assert busy.value.details["resource"] == "server_threads"
+    assert engine.health().in_flight == 1
+    assert engine.cancel(api.CancelRequest(request_id="slow")).cancelled
+    with pytest.raises(api.Cancelled):
+        pending.result()
+    assert server.counters.snapshot()["busy"] == 1
+    prefill(engine, session="b", request_id="after")
+
+
+def test_standard_health_follows_the_engine(serve: ServeFactory, remote: RemoteFactory) -> None:
+    """grpc.health.v1 says SERVING while the engine serves and NOT_SERVING once it failed (an
+    engine-level crash: the server process itself lives on and says so)."""
+    plan = {"rules": [{"action": {"kind": "crash"}, "operations": ["decode"]}]}
+    server = serve(config(faults=plan))
+    assert server.address is not None
+    engine = remote(config(target=server.address))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        def status() -> int:
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+            return int(answer.status)
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        prefill(engine)
+        with pytest.raises(api.EngineCrashed, match="injected crash"):
+            decode(engine, 3)
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert engine.health().state == "failed"

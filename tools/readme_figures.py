@@ -1,0 +1,250 @@
+"""Render the README's "What has been measured" figures from the benchmarks' results.
+
+    python tools/readme_figures.py [--results .nox/bench/results.json] [--write | --check]
+
+``nox -s bench`` merges every benchmark's figures into ``.nox/bench/results.json`` (see
+``benchmarks/_results.py``). This tool renders them as the block of README.md between the
+two marker lines below. ``--write`` replaces that block and keeps the results it was rendered
+from in ``benchmarks/readme-figures.json`` (so a test can re-render and compare); ``--check``
+exits 1 when the README's block differs from the rendering of the kept results; without
+either it prints the rendering. Figures a run did not produce (no gemma3-270m in the model
+store, a ``--smoke`` llama run) are rendered as not measured, never carried over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+README: Final = ROOT / "README.md"
+KEPT_RESULTS: Final = ROOT / "benchmarks" / "readme-figures.json"
+DEFAULT_RESULTS: Final = ROOT / ".nox" / "bench" / "results.json"
+BEGIN: Final = "<!-- figures: begin (tools/readme_figures.py renders this from nox -s bench) -->"
+END: Final = "<!-- figures: end -->"
+NOT_MEASURED: Final = "not measured"
+
+Results = Mapping[str, object]
+
+
+class Figures:
+    """Typed access to one results document."""
+
+    def __init__(self, document: Results) -> None:
+        benches = document.get("benches", {})
+        self.benches: Mapping[str, Mapping[str, object]] = (
+            benches if isinstance(benches, Mapping) else {}
+        )
+
+    def run(self, bench: str) -> Mapping[str, object]:
+        run = self.benches.get(bench, {}).get("run", {})
+        return run if isinstance(run, Mapping) else {}
+
+    def measured(self, bench: str) -> bool:
+        """Whether ``bench`` ran for real (a smoke run measures nothing)."""
+        return bench in self.benches and self.run(bench).get("mode") != "smoke"
+
+    def value(self, bench: str, key: str) -> float | None:
+        if not self.measured(bench):
+            return None
+        figures = self.benches[bench].get("figures", {})
+        figure = figures.get(key) if isinstance(figures, Mapping) else None
+        value = figure.get("value") if isinstance(figure, Mapping) else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return float(value)
+
+    def flag(self, bench: str, key: str) -> bool | None:
+        if not self.measured(bench):
+            return None
+        figures = self.benches[bench].get("figures", {})
+        figure = figures.get(key) if isinstance(figures, Mapping) else None
+        value = figure.get("value") if isinstance(figure, Mapping) else None
+        return value if isinstance(value, bool) else None
+
+
+def _bullet(title: str, text: str | None) -> str:
+    """One README bullet, wrapped like the rest of the README (100 columns)."""
+    body = f"- **{title}**: {text if text is not None else NOT_MEASURED + ' in this run.'}"
+    return textwrap.fill(body, width=100, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _provenance(figures: Figures) -> str:
+    runs = [figures.run(bench) for bench in ("codec", "fake", "llama") if bench in figures.benches]
+    if not runs:
+        return "No benchmark results yet: run `python3 -m nox -s bench -- --readme`."
+    started = sorted(str(run.get("started", "?")) for run in runs)
+    modes = sorted({str(run.get("mode", "full")) for run in runs})
+    loads = [
+        float(load)
+        for run in runs
+        for key in ("load_average_before", "load_average_after")
+        if isinstance(load := run.get(key), int | float)
+    ]
+    load_text = f"{min(loads):.2f}-{max(loads):.2f}" if loads else "unknown"
+    spin = figures.run("llama").get("gomp_spincount", "10000")
+    text = (
+        f"Generated from one `nox -s bench` ({' and '.join(modes)} run started "
+        f"{started[0][:16].replace('T', ' ')} UTC, {runs[0].get('cpus', '?')} CPUs, 1-minute "
+        f"load average {load_text} during the run; medians). Worker defaults throughout: the "
+        'codec and `ValidatingEngine` with `nonfinite="reject"`, the llama engine with 2 '
+        f"threads and `GOMP_SPINCOUNT={spin}`."
+    )
+    return textwrap.fill(text, width=100, break_on_hyphens=False)
+
+
+def _split(f: Figures) -> str | None:
+    names = ("2_way_prefill", "3_way_prefill", "2_way_decode", "3_way_decode")
+    generated = [f.value("llama", f"generated_{name}_ratio") for name in names]
+    hop = f.value("llama", "generated_3_way_decode_overhead_per_hop_ms")
+    if None in generated or hop is None:
+        return None
+    p2, p3, d2, d3 = (f"{value:.2f}" for value in generated if value is not None)
+    text = ""
+    gemma = [f.value("llama", f"gemma3_{name}_ratio") for name in names]
+    if f.flag("llama", "gemma3_measured") and None not in gemma:
+        g2, g3, e2, e3 = (f"{value:.2f}" for value in gemma if value is not None)
+        text = (
+            f"gemma3-270m split/unsplit throughput {g2} / {g3} (prefill) and {e2} / {e3} "
+            "(decode) for 2- / 3-way splits in one process. "
+        )
+    else:
+        text = (
+            "gemma3-270m was not in the model store for this run (`nox -s certify` puts it there). "
+        )
+    return (
+        f"{text}On the generated n_embd-512 model: {p2} / {p3} (prefill) and {d2} / {d3} "
+        f"(decode); the API costs {hop:.3f} ms per hop."
+    )
+
+
+def _process(f: Figures) -> str | None:
+    process = f.value("llama", "generated_3_way_proc_decode_over_in_process")
+    alone = f.value("llama", "generated_unsplit_proc_decode_ratio")
+    spin_default = f.value("llama", "generated_spin_10000_idle_cpu_ms")
+    spin_gomp = f.value("llama", "generated_spin_300000_idle_cpu_ms")
+    if process is None or alone is None or spin_default is None or spin_gomp is None:
+        return None
+    return (
+        f"pipes and the wire codec, generated model: 3-way decode at {process:.2f} of the "
+        f"same split in one process; the unsplit model alone behind the same pipes at "
+        f"{alone:.2f} of in-process. In the 50 ms after a decode returns, a process burns "
+        f"{spin_default:.1f} ms of CPU with the default spin count and {spin_gomp:.1f} ms "
+        "with libgomp's own (`GOMP_SPINCOUNT=300000`): cores taken from the next shard."
+    )
+
+
+def _batched(f: Figures) -> str | None:
+    speedup = f.value("llama", "generated_unsplit_batched_speedup")
+    if speedup is None:
+        return None
+    gemma = f.value("llama", "gemma3_unsplit_batched_speedup")
+    extra = f"; gemma3-270m {gemma:.1f}x" if gemma is not None else ""
+    return (
+        f"8 sessions, one `decode_batch` per step: {speedup:.1f}x sequential "
+        f"(generated model{extra})."
+    )
+
+
+def _codec(f: Figures) -> str | None:
+    codec = f.value("codec", "512x4096_f16_codec_over_memcpy")
+    allow = f.value("codec", "512x4096_f16_codec_allow_over_memcpy")
+    pickle = f.value("codec", "512x4096_f16_codec_over_pickle")
+    if codec is None or allow is None or pickle is None:
+        return None
+    return (
+        f"encode + decode + verify of a 512x4096 f16 bundle = {codec:.2f}x one memcpy "
+        f'({allow:.2f}x with the non-default `nonfinite="allow"`), {pickle:.2f}x the time '
+        "of checksummed pickle."
+    )
+
+
+def _fake(f: Figures) -> str | None:
+    decode = f.value("fake", "decode_steps_per_s_hidden_64")
+    unwrapped = f.value("fake", "decode_unwrapped_steps_per_s_hidden_64")
+    tail = f.value("fake", "tail_bundle_decode_steps_per_s_hidden_64")
+    conformance = f.value("fake", "conformance_seconds")
+    if decode is None or unwrapped is None or tail is None or conformance is None:
+        return None
+    return (
+        f"{decode:,.0f} decode steps/s through the API with validation at hidden size 64 "
+        f"({unwrapped:,.0f} without the wrapper; {tail:,.0f} for a tail shard decoding "
+        f"received bundles); the conformance suite on the fake takes {conformance:.1f} s."
+    )
+
+
+def _cancel(f: Figures) -> str | None:
+    median = f.value("llama", "generated_cancel_latency_median_ms")
+    worst = f.value("llama", "generated_cancel_latency_max_ms")
+    rolled = f.flag("llama", "generated_cancel_rolled_back")
+    if median is None or worst is None or rolled is None:
+        return None
+    return (
+        f"cancel -> `Cancelled` in {median:.1f} ms (median; max {worst:.1f}) during a "
+        f"llama.cpp prefill of the generated model; session "
+        f"{'rolled back' if rolled else 'NOT rolled back'}."
+    )
+
+
+def render(document: Results) -> str:
+    """The README block (marker lines included) for a results document."""
+    f = Figures(document)
+    return "\n".join(
+        [
+            BEGIN,
+            _provenance(f),
+            "",
+            _bullet("Split overhead (llama engine)", _split(f)),
+            _bullet("One process per shard", _process(f)),
+            _bullet("Batched decode", _batched(f)),
+            _bullet("Wire codec", _codec(f)),
+            _bullet("Fake engine", _fake(f)),
+            _bullet("Cancellation", _cancel(f)),
+            END,
+        ]
+    )
+
+
+def readme_block(text: str) -> str:
+    """The README's current block, marker lines included. Raises ValueError without markers."""
+    begin = text.index(BEGIN)
+    end = text.index(END, begin) + len(END)
+    return text[begin:end]
+
+
+def replace_block(text: str, block: str) -> str:
+    current = readme_block(text)
+    return text.replace(current, block, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite README.md's block")
+    mode.add_argument("--check", action="store_true", help="README matches the kept results")
+    args = parser.parse_args(argv)
+    if args.check:
+        document = json.loads(KEPT_RESULTS.read_text(encoding="utf-8"))
+        if readme_block(README.read_text(encoding="utf-8")) != render(document):
+            print(f"README.md's figures differ from {KEPT_RESULTS}: run --write", file=sys.stderr)
+            return 1
+        return 0
+    document = json.loads(args.results.read_text(encoding="utf-8"))
+    block = render(document)
+    if not args.write:
+        print(block)
+        return 0
+    README.write_text(replace_block(README.read_text(encoding="utf-8"), block), encoding="utf-8")
+    KEPT_RESULTS.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", "utf-8")
+    print(f"README.md figures rewritten from {args.results} (kept as {KEPT_RESULTS})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
