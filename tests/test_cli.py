@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -499,3 +500,19 @@ def test_the_driver_logs_crashes(caplog: pytest.LogCaptureFixture) -> None:
     with Pipeline(engines) as pipeline, pytest.raises(EngineCrashed):
         pipeline.generate((1, 2), 3)
     assert any("shard 1 crashed" in record.getMessage() for record in caplog.records)
+
+
+def test_conformance_without_its_test_tools_says_what_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_find_spec = importlib.util.find_spec
+
+    def without_hypothesis(name: str) -> object:
+        return None if name == "hypothesis" else real_find_spec(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_hypothesis)
+    assert main(["conformance", "--engine", "fake"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "shard-engine conformance: error: the conformance suite needs hypothesis: "
+        "pip install 'shard-engine-api[conformance]'"
+    ]
