@@ -17,7 +17,6 @@ How a shard runs (see ``_gguf.writer`` for how its file is built):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import threading
@@ -624,9 +623,12 @@ class ShardRuntime:
         self.close()
 
     def __del__(self) -> None:
-        # At interpreter shutdown ctypes or llama_cpp may already be torn down.
-        with contextlib.suppress(Exception):
+        # At interpreter shutdown ctypes, llama_cpp and even contextlib may already be torn
+        # down, hence a bare try rather than contextlib.suppress.
+        try:  # noqa: SIM105 - contextlib may be gone at interpreter shutdown
             self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class Vocabulary:
@@ -665,8 +667,10 @@ class Vocabulary:
             self._model = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 - contextlib may be gone at interpreter shutdown
             self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _tokenize(vocab: object, text: str, add_special: bool) -> list[int]:

@@ -1623,8 +1623,8 @@ class TargetedTests:
 
     def test_crash_is_permanent(self) -> None:
         """With the fixture's crash options the next operation fails the engine: that call
-        and every later prefill, decode, decode_batch and release raise EngineCrashed,
-        health says "failed", metrics and cancel still answer, and close works. Skipped when
+        and every later prefill, decode, decode_batch, release, cancel and capabilities raise
+        EngineCrashed, health says "failed", metrics still answer, and close works. Skipped when
         the fixture supplies no crash options.
 
         Fix: map backend failures to EngineCrashed, enter the failed state, and check it at
@@ -1647,10 +1647,15 @@ class TargetedTests:
             ("release", lambda: h.release(engine, session)),
         ):
             _raises(EngineCrashed, call, f"{what} after the crash")
+        _raises(
+            EngineCrashed,
+            lambda: engine.cancel(CancelRequest(session_id=session.session_id)),
+            "cancel after the crash",
+        )
+        _raises(EngineCrashed, engine.capabilities, "capabilities after the crash")
         health = engine.health()
         assert health.state == "failed", f"health after a crash says {health.state!r}"
         engine.metrics()
-        assert not engine.cancel(CancelRequest(session_id=session.session_id)).cancelled
         engine.close()
         assert engine.health().state == "closed"
 
