@@ -1038,6 +1038,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "llama",
         mode=mode,
         repeat=settings.repeat,
+        batch_sessions=settings.batch_sessions,
         n_threads=N_THREADS,
         gomp_spincount=str(report["gomp_spincount"]),
         omp_wait_policy=str(report["omp_wait_policy"]),
