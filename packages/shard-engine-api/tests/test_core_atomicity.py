@@ -351,7 +351,7 @@ def test_with_closes_the_engine() -> None:
 
 
 def test_max_sessions_allocates_nothing_up_front() -> None:
-    engine = _engine(max_sessions=10**8)
+    engine = _engine(max_sessions=1 << 20)
     _prefill(engine, S1, [1])
     assert engine._ledger._next_slot == 1
     assert engine._ledger._free_slots == []

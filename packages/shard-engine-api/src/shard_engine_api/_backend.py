@@ -4,13 +4,13 @@ capabilities that follow from it) and one forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._errors import EngineCrashed, ResourceExhausted, UnsupportedFeature
+from shard_engine_api._errors import UnsupportedFeature
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryDtype,
@@ -23,9 +23,7 @@ from shard_engine_api._types import (
     ReservedHooks,
 )
 
-__all__ = ["ForwardItem", "ModelInfo", "OutputMode", "check_rows", "describe"]
-
-_F16_MAX: Final = 65504.0
+__all__ = ["ForwardItem", "ModelInfo", "OutputMode", "describe"]
 
 OutputMode = Literal["hidden", "last", "all"]
 """What a backend forward returns: hidden states of every row, or logits of the last / all rows."""
@@ -104,29 +102,3 @@ def describe(engine_name: str, config: LoadConfig, info: ModelInfo) -> Capabilit
         reserved=ReservedHooks(),
         boundary_dtype=config.boundary_dtype,
     )
-
-
-def check_rows(
-    caps: Capabilities,
-    boundary_dtype: BoundaryDtype,
-    rows: npt.NDArray[np.float32],
-    output: OutputMode,
-    n_tokens: int,
-) -> None:
-    """Check a backend's rows before anything is committed (the caller rolls back on an
-    error): the shape (EngineCrashed), and that hidden states fit the boundary dtype."""
-    width = caps.hidden_size if output == "hidden" else caps.vocab_size
-    expected_rows = 1 if output == "last" else n_tokens
-    if rows.shape != (expected_rows, width):
-        raise EngineCrashed(
-            f"backend returned shape {rows.shape}, expected {(expected_rows, width)}"
-        )
-    if output == "hidden" and boundary_dtype == "f16":
-        largest = float(np.max(np.abs(rows))) if rows.size else 0.0
-        if not largest <= _F16_MAX:
-            raise ResourceExhausted(
-                f"hidden states reach {largest:.4g}, beyond the f16 range; load the shard "
-                "with boundary_dtype='f32'",
-                retryable=False,
-                details={"resource": "boundary_dtype_range"},
-            )

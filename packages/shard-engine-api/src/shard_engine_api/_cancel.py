@@ -42,7 +42,8 @@ class CancelToken:
     def seal(self) -> None:
         """The commit point: raise Cancelled if cancellation was requested, else refuse every
         later cancel."""
-        self.check()
+        if self._event.is_set():
+            raise Cancelled(f"request {self.request_id!r} was cancelled")
         self._sealed = True
 
     @property

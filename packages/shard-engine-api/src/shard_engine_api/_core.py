@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import ClassVar, Final, Literal, Self
 
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._backend import ForwardItem, ModelInfo, OutputMode, check_rows, describe
+from shard_engine_api._backend import ForwardItem, ModelInfo, OutputMode, describe
 from shard_engine_api._cancel import CancelToken
 from shard_engine_api._edge import check_request
 from shard_engine_api._errors import (
@@ -46,11 +46,12 @@ from shard_engine_api._errors import (
     ShardEngineError,
 )
 from shard_engine_api._fences import DEFAULT_GENERATION_SIZE
-from shard_engine_api._inputs import InputRows, check_reserved, decode_inputs, n_rows
+from shard_engine_api._inputs import InputRows, batch_rows, check_reserved, decode_inputs, n_rows
 from shard_engine_api._ledger import Admission, LedgerLimits, SessionLedger
+from shard_engine_api._lifecycle import Lifecycle
 from shard_engine_api._metrics import Counters
+from shard_engine_api._results import build_result, check_rows
 from shard_engine_api._types import (
-    BoundaryBundle,
     BoundaryResult,
     CancelRequest,
     CancelResult,
@@ -82,12 +83,12 @@ __all__ = [
 
 _log = logging.getLogger("shard_engine.core")
 
-_SERVING: Final[frozenset[LifecycleState]] = frozenset({"ready", "degraded"})
 
 Rows = npt.NDArray[np.float32]
+_SERVING: Final[frozenset[LifecycleState]] = frozenset({"ready", "degraded"})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Work:
     """A checked operation ready for the admit-run-commit step: the input rows of each item
     and how the ledger admits them (single operations raise, a batch returns per-item errors).
@@ -112,14 +113,13 @@ class EngineCore(abc.ABC):
     fence_generation: ClassVar[int] = DEFAULT_GENERATION_SIZE
 
     def __init__(self) -> None:
-        self._state: LifecycleState = "unloaded"
-        self._detail = "not loaded"
-        self._degraded_reasons: dict[str, str] = {}
+        self._lifecycle = Lifecycle(self.engine_name)
         self._config: LoadConfig | None = None
         self._info: ModelInfo | None = None
         self._capabilities: Capabilities | None = None
         self._ledger = SessionLedger(self.fence_generation)
         self._kv_budget = 0
+        self._admission_limits: LedgerLimits | None = None
         self._counters = Counters()
         self._compute_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -167,34 +167,29 @@ class EngineCore(abc.ABC):
     def _set_degraded(self, key: str, detail: str) -> None:
         """Mark the engine degraded (still serving) for ``key``; cleared by _clear_degraded."""
         with self._state_lock:
-            self._degraded_reasons[key] = detail
-            if self._state == "ready":
-                self._state = "degraded"
-            self._detail = "; ".join(self._degraded_reasons.values())
+            self._lifecycle.degrade(key, detail)
 
     def _clear_degraded(self, key: str) -> None:
         with self._state_lock:
-            self._degraded_reasons.pop(key, None)
-            if self._state == "degraded" and not self._degraded_reasons:
-                self._state = "ready"
-                self._detail = ""
-            elif self._degraded_reasons:
-                self._detail = "; ".join(self._degraded_reasons.values())
+            self._lifecycle.recover(key)
 
     def _fail(self, detail: str) -> None:
         """Enter the failed state: every later call raises EngineCrashed. The first failure's
         detail is kept: later calls re-enter here with messages that quote it."""
         with self._state_lock:
-            if self._state not in ("closed", "failed"):
-                self._state = "failed"
-                self._detail = detail
-                _log.error("%s engine failed: %s", self.engine_name, detail)
+            entered = self._lifecycle.fail(detail)
+        if entered:
+            _log.error("%s engine failed: %s", self.engine_name, detail)
 
     def _set_kv_budget(self, tokens: int) -> None:
         """Change the KV budget (memory pressure). Sessions over it are evicted or new work is
         refused on the next admission, per the eviction policy."""
         with self._state_lock:
             self._kv_budget = max(0, tokens)
+            if self._admission_limits is not None:
+                self._admission_limits = dataclasses.replace(
+                    self._admission_limits, kv_budget=self._kv_budget
+                )
 
     @property
     def config(self) -> LoadConfig:
@@ -231,20 +226,13 @@ class EngineCore(abc.ABC):
         check_request(config, LoadConfig)
         with self._compute_lock:
             with self._state_lock:
-                if self._state == "failed":
-                    raise EngineCrashed(f"{self.engine_name} engine has failed: {self._detail}")
-                if self._state != "unloaded":
-                    raise InvalidRequest(
-                        f"engine is {self._state}; load() is called once per engine"
-                    )
-                self._state, self._detail = "loading", "loading"
+                self._lifecycle.begin_load()
             try:
                 info = self._open(config)
                 capabilities = describe(self.engine_name, config, info)
             except BaseException as error:
                 with self._state_lock:
-                    if self._state == "loading":
-                        self._state, self._detail = "unloaded", "not loaded (last load failed)"
+                    self._lifecycle.load_failed()
                 if isinstance(error, ShardEngineError) or not isinstance(error, Exception):
                     raise
                 raise InvalidRequest(f"could not load shard: {error}") from error
@@ -253,9 +241,14 @@ class EngineCore(abc.ABC):
                 self._info = info
                 self._capabilities = capabilities
                 self._kv_budget = config.kv_budget_tokens
-                if self._state == "loading":
-                    self._state = "degraded" if self._degraded_reasons else "ready"
-                    self._detail = "; ".join(self._degraded_reasons.values())
+                self._admission_limits = LedgerLimits(
+                    max_sessions=capabilities.limits.max_sessions,
+                    max_context=capabilities.limits.max_context,
+                    kv_budget=self._kv_budget,
+                    evict_lru=capabilities.features.eviction,
+                    spare_slot=info.spare_slot,
+                )
+                self._lifecycle.loaded()
             return capabilities
 
     def capabilities(self) -> Capabilities:
@@ -346,22 +339,13 @@ class EngineCore(abc.ABC):
                     f"{caps.limits.max_batch_tokens}"
                 )
             output: OutputMode = "last" if caps.shard.emits_logits else "hidden"
-            outcomes: dict[int, Rows | ShardEngineError] = {}
-            rows: dict[int, InputRows] = {}
-            seen: set[str] = set()
-            for index, item in enumerate(request.items):
-                try:
-                    if item.session.session_id in seen:
-                        raise InvalidRequest(
-                            f"session {item.session.session_id!r} appears twice in one batch"
-                        )
-                    seen.add(item.session.session_id)
-                    check_reserved(item.mtp, item.aux)
-                    rows[index] = self._decode_inputs(
-                        caps, item.inputs, item.session, item.pos, single_row=True
-                    )
-                except ShardEngineError as error:
-                    outcomes[index] = error
+            rows, errors = batch_rows(
+                request.items,
+                lambda item: self._decode_inputs(
+                    caps, item.inputs, item.session, item.pos, single_row=True
+                ),
+            )
+            outcomes: dict[int, Rows | ShardEngineError] = dict(errors)
             valid = sorted(rows)
             keys = [
                 (item.session.session_id, item.session.epoch, item.pos)
@@ -371,7 +355,7 @@ class EngineCore(abc.ABC):
                 kind="decode",
                 output=output,
                 rows=[rows[i] for i in valid],
-                admit=lambda: self._ledger.admit_batch(keys, self._limits(caps)),
+                admit=lambda: self._ledger.admit_batch(keys, self._limits()),
                 batched=True,
             )
             ran, timings = self._admit_run_commit(caps, token, work)
@@ -403,8 +387,7 @@ class EngineCore(abc.ABC):
             if (request.request_id is None) == (request.session_id is None):
                 raise InvalidRequest("cancel needs exactly one of request_id and session_id")
             with self._state_lock:
-                if self._state == "failed":
-                    raise EngineCrashed(f"{self.engine_name} engine has failed: {self._detail}")
+                self._lifecycle.require_alive()
                 if request.request_id is not None:
                     found = self._in_flight.get(request.request_id)
                     tokens = [] if found is None else [found]
@@ -425,9 +408,7 @@ class EngineCore(abc.ABC):
             with self._compute_lock:
                 self._require_serving()
                 with self._state_lock:
-                    fences_dropped = self._ledger.fences.dropped
                     decision = self._ledger.release(session.session_id, session.epoch)
-                    self._note_fences(fences_dropped)
                     if decision.slot is not None:
                         self._counters.releases += 1
                 if decision.slot is None:
@@ -438,16 +419,9 @@ class EngineCore(abc.ABC):
     def health(self) -> Health:
         """The lifecycle state and occupancy now. Never raises."""
         with self._state_lock:
-            detail = self._detail
-            dropped = self._ledger.fences.dropped
-            if dropped:
-                note = (
-                    f"{dropped} session fences dropped early (only the newest "
-                    f"{self._ledger.fences.generation_size} are guaranteed)"
-                )
-                detail = f"{detail}; {note}" if detail else note
+            detail = "; ".join(filter(None, (self._lifecycle.detail, self._ledger.fences.note)))
             return Health(
-                state=self._state,
+                state=self._lifecycle.state,
                 detail=detail,
                 sessions=len(self._ledger.sessions),
                 in_flight=len(self._in_flight),
@@ -469,69 +443,81 @@ class EngineCore(abc.ABC):
     def close(self) -> None:
         """Free everything; later calls raise NotReady. Idempotent."""
         with self._state_lock:
-            if self._state == "closed":
+            if self._lifecycle.state == "closed":
                 return
             for cancel_token in self._in_flight.values():
                 cancel_token.cancel()
         with self._compute_lock:
             with self._state_lock:
                 was_loaded = self._config is not None
-                self._state, self._detail = "closed", "closed"
+                self._lifecycle.close()
                 self._ledger.clear()
             if was_loaded:
                 self._close()
 
     # ----------------------------------------------------------------- operation frame
 
+    def _caller_sees(self, error: Exception) -> ShardEngineError:
+        """Count an error a caller is about to see; a non-library exception is a backend
+        crash (only a backend's own failure fails the engine)."""
+        seen = (
+            error
+            if isinstance(error, ShardEngineError)
+            else EngineCrashed(f"backend failure: {type(error).__name__}: {error}")
+        )
+        with self._state_lock:
+            self._counters.count_error(seen)
+        if isinstance(seen, EngineCrashed):
+            self._fail(seen.message)
+        elif isinstance(seen, Cancelled):
+            _log.info("%s: %s; rolled back", self.engine_name, seen.message)
+        return seen
+
     @contextlib.contextmanager
     def _errors_counted(self) -> Iterator[None]:
-        """Count every error a caller sees; a non-library exception is a backend crash."""
         try:
             yield
-        except ShardEngineError as error:
-            with self._state_lock:
-                self._counters.count_error(error)
-            if isinstance(error, EngineCrashed):
-                self._fail(error.message)
-            elif isinstance(error, Cancelled):
-                _log.info("%s: %s; rolled back", self.engine_name, error.message)
-            raise
         except Exception as error:
-            crashed = EngineCrashed(f"backend failure: {type(error).__name__}: {error}")
-            with self._state_lock:
-                self._counters.count_error(crashed)
-            self._fail(crashed.message)
-            raise crashed from error
+            seen = self._caller_sees(error)
+            if seen is error:
+                raise
+            raise seen from error
 
     @contextlib.contextmanager
     def _operation(self, request_id: str, session_ids: Sequence[str]) -> Iterator[CancelToken]:
-        with self._errors_counted():
-            if not request_id:
-                raise InvalidRequest("request_id must be non-empty")
-            token = CancelToken(request_id, frozenset(session_ids))
-            with self._state_lock:
-                if request_id in self._in_flight:
-                    raise InvalidRequest(f"request_id {request_id!r} is already in flight")
+        """One request: registered for cancel() while it runs, its error counted."""
+        if not request_id:
+            raise self._caller_sees(InvalidRequest("request_id must be non-empty"))
+        token = CancelToken(request_id, frozenset(session_ids))
+        with self._state_lock:
+            duplicate = request_id in self._in_flight
+            if not duplicate:
                 self._in_flight[request_id] = token
                 self._counters.requests += 1
-            try:
-                yield token
-            finally:
-                with self._state_lock:
-                    if self._in_flight.get(request_id) is token:
-                        del self._in_flight[request_id]
+        if duplicate:
+            raise self._caller_sees(
+                InvalidRequest(f"request_id {request_id!r} is already in flight")
+            )
+        try:
+            yield token
+        except Exception as error:
+            seen = self._caller_sees(error)
+            if seen is error:
+                raise
+            raise seen from error
+        finally:
+            with self._state_lock:
+                if self._in_flight.get(request_id) is token:
+                    del self._in_flight[request_id]
 
     def _require_serving(self) -> Capabilities:
-        state, capabilities = self._state, self._capabilities
-        if state in _SERVING and capabilities is not None:
+        capabilities = self._capabilities
+        if capabilities is not None and self._lifecycle.state in _SERVING:
             return capabilities
-        if state == "failed":
-            raise EngineCrashed(f"{self.engine_name} engine has failed: {self._detail}")
-        if state == "unloaded":
-            raise NotReady(
-                f"{self.engine_name} engine is not loaded; call load() first", retryable=False
-            )
-        raise NotReady(f"{self.engine_name} engine is {state}", retryable=state == "loading")
+        self._lifecycle.require_serving()
+        if capabilities is None:  # serving implies loaded
+            raise NotReady(f"{self.engine_name} engine is not loaded", retryable=False)
+        return capabilities
 
     # ----------------------------------------------------------------- admission
 
@@ -547,25 +533,22 @@ class EngineCore(abc.ABC):
         """Check the inputs against the role and the request; return tokens or hidden rows."""
         return decode_inputs(caps, inputs, session, start_pos, single_row=single_row)
 
-    def _limits(self, caps: Capabilities) -> LedgerLimits:
-        """What admission may use now (called under the state lock: the budget may change)."""
-        return LedgerLimits(
-            max_sessions=caps.limits.max_sessions,
-            max_context=caps.limits.max_context,
-            kv_budget=self._kv_budget,
-            evict_lru=caps.features.eviction,
-            spare_slot=self.model_info.spare_slot,
-        )
+    def _limits(self) -> LedgerLimits:
+        """What admission may use now (read under the state lock: the budget may change)."""
+        limits = self._admission_limits
+        if limits is None:
+            raise NotReady(f"{self.engine_name} engine is not loaded", retryable=False)
+        return limits
 
     def _plan_prefill(
         self, caps: Capabilities, session: SessionRef, start_pos: int, n_tokens: int
     ) -> Admission:
         return self._ledger.admit_prefill(
-            session.session_id, session.epoch, start_pos, n_tokens, self._limits(caps)
+            session.session_id, session.epoch, start_pos, n_tokens, self._limits()
         )
 
     def _plan_decode(self, caps: Capabilities, session: SessionRef, pos: int) -> Admission:
-        return self._ledger.admit_decode(session.session_id, session.epoch, pos, self._limits(caps))
+        return self._ledger.admit_decode(session.session_id, session.epoch, pos, self._limits())
 
     # ----------------------------------------------------------------- admit, run, commit
 
@@ -576,44 +559,51 @@ class EngineCore(abc.ABC):
         the commit point rolls every admitted item back and changes nothing in the ledger."""
         started = time.perf_counter()
         with self._compute_lock:
-            queue_ms = (time.perf_counter() - started) * 1000.0
+            compute_started = time.perf_counter()
             token.check()
             self._require_serving()
             with self._state_lock:
-                decisions = list(work.admit())
-            admitted = [(i, d) for i, d in enumerate(decisions) if isinstance(d, Admission)]
-            compute_started = time.perf_counter()
-            outputs = self._run_and_commit(caps, token, work, admitted)
-            compute_ms = (time.perf_counter() - compute_started) * 1000.0
-        results: list[Rows | ShardEngineError] = []
-        ran = iter(outputs)
-        for decision in decisions:
-            results.append(decision if isinstance(decision, ShardEngineError) else next(ran))
-        total_ms = (time.perf_counter() - started) * 1000.0
-        return results, Timings(queue_ms=queue_ms, compute_ms=compute_ms, total_ms=total_ms)
+                decisions = work.admit()
+            admitted = [d for d in decisions if isinstance(d, Admission)]
+            if len(admitted) == len(decisions):
+                outputs = self._run_and_commit(caps, token, work, admitted, work.rows)
+                results: list[Rows | ShardEngineError] = list(outputs)
+            else:
+                rows = [
+                    r for d, r in zip(decisions, work.rows, strict=True) if isinstance(d, Admission)
+                ]
+                ran = iter(self._run_and_commit(caps, token, work, admitted, rows))
+                results = [d if isinstance(d, ShardEngineError) else next(ran) for d in decisions]
+            finished = time.perf_counter()
+        timings = Timings(
+            queue_ms=(compute_started - started) * 1000.0,
+            compute_ms=(finished - compute_started) * 1000.0,
+            total_ms=(time.perf_counter() - started) * 1000.0,
+        )
+        return results, timings
 
     def _run_and_commit(
         self,
         caps: Capabilities,
         token: CancelToken,
         work: _Work,
-        indexed: Sequence[tuple[int, Admission]],
+        admitted: Sequence[Admission],
+        rows: Sequence[InputRows],
     ) -> list[Rows]:
-        if not indexed:
+        if not admitted:
             return []
-        admitted = [admission for _, admission in indexed]
-        token.check()
         for admission in admitted:
-            self._hand_over(admission)
+            if admission.evict_first is not None:
+                self._hand_over(admission, token)
         items = [
             ForwardItem(
                 slot=admission.slot,
                 start_pos=admission.start_pos,
                 committed_length=admission.committed_length,
-                tokens=work.rows[index][0],
-                hidden=work.rows[index][1],
+                tokens=tokens,
+                hidden=hidden,
             )
-            for index, admission in indexed
+            for admission, (tokens, hidden) in zip(admitted, rows, strict=True)
         ]
         started = time.perf_counter()
         try:
@@ -624,20 +614,18 @@ class EngineCore(abc.ABC):
             if len(outputs) != len(items):
                 raise EngineCrashed(f"backend returned {len(outputs)} results for {len(items)}")
             dtype = self.config.boundary_dtype
-            for rows, item in zip(outputs, items, strict=True):
-                check_rows(caps, dtype, rows, work.output, item.n_tokens)
+            rows_each = 1 if work.batched else items[0].n_tokens
+            for output_rows in outputs:
+                check_rows(caps, dtype, output_rows, work.output, rows_each)
             compute_ms = (time.perf_counter() - started) * 1000.0
             with self._state_lock:
                 token.seal()  # the commit point: a cancel from now on answers False
-                fences_dropped = self._ledger.fences.dropped
                 dropped = self._ledger.commit(admitted)
-                self._note_fences(fences_dropped)
                 counters = self._counters
-                n_tokens = sum(item.n_tokens for item in items)
                 if work.kind == "prefill":
-                    counters.prefill_tokens += n_tokens
+                    counters.prefill_tokens += rows_each
                 else:
-                    counters.decode_tokens += n_tokens
+                    counters.decode_tokens += rows_each * len(items)
                 counters.compute_ms += compute_ms
                 counters.evictions += len(dropped)
         except BaseException:
@@ -651,25 +639,13 @@ class EngineCore(abc.ABC):
             _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
         return outputs
 
-    def _note_fences(self, dropped_before: int) -> None:
-        """Say so when fences were forgotten early (also counted in metrics and health)."""
-        dropped = self._ledger.fences.dropped - dropped_before
-        if dropped:
-            _log.warning(
-                "%s dropped %d session fences early: their old epochs are accepted again",
-                self.engine_name,
-                dropped,
-            )
-
-    def _hand_over(self, admission: Admission) -> None:
+    def _hand_over(self, admission: Admission, token: CancelToken) -> None:
         """The one eviction that precedes the forward: every slot is in use and the backend
-        has no spare slot, so the LRU victim's slot goes to the new session now."""
-        if admission.evict_first is None:
-            return
+        has no spare slot, so the LRU victim's slot goes to the new session now (not after a
+        cancel)."""
+        token.check()
         with self._state_lock:
-            fences_dropped = self._ledger.fences.dropped
             slot = self._ledger.hand_over(admission)
-            self._note_fences(fences_dropped)
             self._counters.evictions += 1
         if slot is not None:
             self._drop(slot)
@@ -696,31 +672,15 @@ class EngineCore(abc.ABC):
         timings: Timings,
         n_tokens: int,
     ) -> BoundaryResult | LogitsResult:
-        if output == "hidden":
-            bundle = BoundaryBundle.from_array(
-                rows,
-                session=session,
-                first_pos=start_pos,
-                layer=caps.shard.end,
-                model_fingerprint=caps.model_fingerprint,
-                dtype=self.config.boundary_dtype,
-            )
-            return BoundaryResult(
-                request_id=request_id,
-                session=session,
-                first_pos=start_pos,
-                n_tokens=bundle.n_tokens,
-                evidence=caps.evidence,
-                bundle=bundle,
-                timings=timings,
-            )
-        first_pos = start_pos if output == "all" else start_pos + n_tokens - 1
-        return LogitsResult.from_array(
+        return build_result(
+            caps,
+            self.config.boundary_dtype,
             rows,
+            output,
             request_id=request_id,
             session=session,
-            first_pos=first_pos,
-            evidence=caps.evidence,
+            start_pos=start_pos,
+            n_tokens=n_tokens,
             timings=timings,
         )
 

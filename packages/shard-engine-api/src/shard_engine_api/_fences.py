@@ -15,6 +15,7 @@ stale); with a million fences kept the chance per new session is about 5e-14.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,6 +30,7 @@ DEFAULT_GENERATION_SIZE: Final = 1 << 20
 BYTES_PER_FENCE: Final = 17
 """Storage per kept fence once merged: 8 (hash) + 8 (epoch) + 1 (released flag)."""
 
+_log = logging.getLogger("shard_engine.core")
 _MERGE_EVERY: Final = 4096
 _EPOCH_CEILING: Final = (1 << 64) - 1
 
@@ -134,9 +136,26 @@ class FenceTable:
         self._current = self._current.merged(self._pending)
         self._pending = {}
         if len(self._current) >= self.generation_size:
-            forgotten = np.isin(self._previous.keys, self._current.keys, invert=True)
-            self.dropped += int(np.count_nonzero(forgotten))
+            forgotten = int(
+                np.count_nonzero(np.isin(self._previous.keys, self._current.keys, invert=True))
+            )
+            if forgotten:
+                self.dropped += forgotten
+                _log.warning(
+                    "%d session fences dropped early: their old epochs are accepted again",
+                    forgotten,
+                )
             self._previous, self._current = self._current, _Generation.empty()
+
+    @property
+    def note(self) -> str:
+        """A health detail when fences were dropped early, else empty."""
+        if not self.dropped:
+            return ""
+        return (
+            f"{self.dropped} session fences dropped early (only the newest "
+            f"{self.generation_size} are guaranteed)"
+        )
 
     def __len__(self) -> int:
         """Fences held (a session present in both generations counts once per generation)."""

@@ -5,21 +5,25 @@ Field types were checked at the edge (shard_engine_api._edge) before anything go
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._boundary import BundleExpectation, check_bundle, violation_error
-from shard_engine_api._errors import InvalidRequest, UnsupportedFeature, WrongRole
+from shard_engine_api._errors import InvalidRequest, ShardEngineError, UnsupportedFeature, WrongRole
 from shard_engine_api._types import (
     AuxState,
     Capabilities,
+    DecodeRequest,
     MtpState,
     SessionRef,
     ShardInput,
     TokenInput,
+    numpy_dtype,
 )
 
-__all__ = ["InputRows", "check_reserved", "decode_inputs", "n_rows"]
+__all__ = ["InputRows", "batch_rows", "check_reserved", "decode_inputs", "n_rows"]
 
 InputRows = tuple[npt.NDArray[np.int32] | None, npt.NDArray[np.float32] | None]
 """Token ids (head/full) or hidden rows (middle/tail): exactly one is set."""
@@ -72,8 +76,10 @@ def decode_inputs(
     if violation is not None:
         raise violation_error(violation)
     # A bundle the codec (or a ValidatingEngine) already scanned is not scanned again: see
-    # shard_engine_api._boundary.
-    return None, np.asarray(bundle.array(), dtype=np.float32)
+    # shard_engine_api._boundary. The payload length was checked there too, so the rows are a
+    # plain view (converted only when the boundary dtype is f16).
+    rows = np.frombuffer(bundle.payload, dtype=numpy_dtype(bundle.dtype))
+    return None, rows.reshape(bundle.n_tokens, bundle.hidden_size).astype(np.float32, copy=False)
 
 
 # One expectation per capabilities object (engines keep theirs for their whole life).
@@ -103,3 +109,25 @@ def n_rows(rows: InputRows) -> int:
         return int(tokens.shape[0])
     assert hidden is not None
     return int(hidden.shape[0])
+
+
+def batch_rows(
+    items: Sequence[DecodeRequest], decode: Callable[[DecodeRequest], InputRows]
+) -> tuple[dict[int, InputRows], dict[int, ShardEngineError]]:
+    """The rows of each batch item (by index) and the per-item errors: a session named twice,
+    a reserved hook, or whatever ``decode`` refuses."""
+    rows: dict[int, InputRows] = {}
+    errors: dict[int, ShardEngineError] = {}
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        try:
+            if item.session.session_id in seen:
+                raise InvalidRequest(
+                    f"session {item.session.session_id!r} appears twice in one batch"
+                )
+            seen.add(item.session.session_id)
+            check_reserved(item.mtp, item.aux)
+            rows[index] = decode(item)
+        except ShardEngineError as error:
+            errors[index] = error
+    return rows, errors

@@ -43,9 +43,10 @@ class SessionEntry:
     last_used: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admission:
-    """What an admitted request will do to the ledger when it commits.
+    """What an admitted request will do to the ledger when it commits (a value: not
+    changed after admission; not frozen only because it is built on every decode).
 
     ``committed_length`` positions of ``slot`` are cached now; the backend replaces positions
     from ``start_pos`` on. ``evict`` are idle sessions dropped at commit. ``evict_first`` names
@@ -275,9 +276,11 @@ class SessionLedger:
     ) -> tuple[str, ...]:
         """The idle sessions (least recently used first) to evict so ``extra_tokens`` more
         positions (and a session, if ``is_new``) fit; raise ResourceExhausted if they cannot."""
-        gone = [self.sessions[victim] for victim in already]
+        gone = [self.sessions[victim] for victim in already] if already else []
         need_session = is_new and len(self.sessions) - len(gone) >= limits.max_sessions
-        over = self.kv_used - sum(s.length for s in gone) + extra_tokens - limits.kv_budget
+        over = self.kv_used + extra_tokens - limits.kv_budget
+        if gone:
+            over -= sum(s.length for s in gone)
         if not need_session and over <= 0:
             return ()
         if not limits.evict_lru:
@@ -353,7 +356,11 @@ class SessionLedger:
                 current.length = admission.new_length
                 current.epoch = admission.epoch
                 current.last_used = self._tick
-        return tuple(self._evict(victim) for admission in admissions for victim in admission.evict)
+        dropped: tuple[int, ...] = ()
+        for admission in admissions:
+            if admission.evict:
+                dropped += tuple(self._evict(victim) for victim in admission.evict)
+        return dropped
 
     def _evict(self, session_id: str) -> int:
         victim = self.sessions.pop(session_id)

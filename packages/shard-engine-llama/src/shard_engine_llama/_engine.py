@@ -64,8 +64,9 @@ _self_test_result: _self_test.SelfTestReport | None = None
 class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``LoadConfig.options`` of the llama engine.
 
-    - ``n_ubatch``: llama.cpp micro-batch size; every shard of a pipeline must use the same value
-      (and the same ``kv_type``, ``flash_attn`` and context settings) for bitwise-equal results.
+    - ``n_ubatch``: llama.cpp micro-batch size, capped at ``max_batch_tokens``; every shard of a
+      pipeline must use the same value (and the same ``kv_type``, ``flash_attn`` and context
+      settings) for bitwise-equal results.
     - ``kv_type``: "f32" (default; matches a float64 reference) or "f16".
     - ``model_store``: where shard files are written (default: SHARD_ENGINE_MODEL_STORE or
       ~/.cache/shard-engine; /home is refused).
@@ -150,10 +151,8 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"invalid llama engine options: {error}") from error
         if options.kv_type not in ("f32", "f16"):
             raise InvalidRequest(f"kv_type must be f32 or f16, got {options.kv_type!r}")
-        if not 1 <= options.n_ubatch <= config.max_batch_tokens:
-            raise InvalidRequest(
-                f"n_ubatch must lie in [1, max_batch_tokens={config.max_batch_tokens}]"
-            )
+        if options.n_ubatch < 1:
+            raise InvalidRequest(f"n_ubatch must be positive, got {options.n_ubatch}")
         if config.max_sessions > _MAX_SEQUENCES:
             raise InvalidRequest(f"max_sessions may not exceed {_MAX_SEQUENCES} (llama.cpp)")
         if options.self_test:
@@ -174,7 +173,9 @@ class LlamaEngine(EngineCore):
                 n_seq_max=config.max_sessions,
                 n_threads=config.n_threads or _available_cores(),
                 n_batch=config.max_batch_tokens,
-                n_ubatch=options.n_ubatch,
+                # llama.cpp needs n_ubatch <= n_batch; a smaller batch bound caps it (the same
+                # way on every shard of a pipeline loaded with the same config).
+                n_ubatch=min(options.n_ubatch, config.max_batch_tokens),
                 flash_attn=options.flash_attn,
                 kv_type=options.kv_type,
                 is_head=choice.layout.is_head,
