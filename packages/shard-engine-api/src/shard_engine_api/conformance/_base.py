@@ -387,7 +387,7 @@ class ShardEngineConformance(TargetedTests):
             ranges = [ranges[0], ranges[1], ranges[-1]]
         dtypes = h.load(*ranges[0]).capabilities().boundary_dtypes
         policies = itertools.cycle(_EVICTION_POLICIES)
-        examples = max(1, self._examples(request, budget_s=8.0) // 2)
+        examples = max(1, self._examples(request, budget_s=6.0) // 2)
         for start, end in ranges:
             for dtype in dtypes:
                 upstream = (
