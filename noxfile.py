@@ -95,7 +95,7 @@ def conformance(session: nox.Session, engine: str) -> None:
     extras = [
         argument for folder in CONFORMANCE_EXTRAS.get(engine, []) for argument in ("-e", folder)
     ]
-    session.install("pytest>=8,<10", "-e", API, *extras, "-e", engine_plugins()[engine])
+    session.install(*TEST_TOOLS, "-e", API, *extras, "-e", engine_plugins()[engine])
     report = ROOT / ".nox" / "reports" / f"conformance-{engine}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run(

@@ -67,14 +67,17 @@ from shard_engine_api import (
 )
 from shard_engine_api.engine import model_store
 from shard_engine_api.wire import payload_checksum
-from shard_engine_llama import LlamaEngine, Manifest, inspect_gguf, split_model
-from shard_engine_llama._threading import (
+from shard_engine_llama import (
     DEFAULT_SPIN_COUNT,
     SPIN_COUNT_ENV,
     WAIT_POLICY_ENV,
+    LlamaEngine,
+    Manifest,
+    inspect_gguf,
+    split_model,
     threading_report,
+    write_tiny_model,
 )
-from shard_engine_llama._tiny_model import write_tiny_model
 
 MODEL_ENV: Final = "SHARD_ENGINE_LLAMA_MODEL"
 GEMMA3_FILE: Final = "gemma-3-270m-q4_k_m.gguf"
@@ -1035,6 +1038,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "llama",
         mode=mode,
         repeat=settings.repeat,
+        batch_sessions=settings.batch_sessions,
         n_threads=N_THREADS,
         gomp_spincount=str(report["gomp_spincount"]),
         omp_wait_policy=str(report["omp_wait_policy"]),

@@ -16,9 +16,12 @@ Side by side in one run:
 
 Threads: llama.cpp's OpenMP workers spin-wait after each graph (``GOMP_SPINCOUNT``,
 ``OMP_WAIT_POLICY``), so an idle shard process keeps burning the cores the active one needs;
-with 3 processes on one machine that, not the transport, dominates decode. Children inherit
-this process's environment; ``--child-env OMP_WAIT_POLICY=passive`` (or ``GOMP_SPINCOUNT=0``)
-overrides it for the children only, and ``--threads`` sets each shard's thread count.
+with 3 processes on one machine that, not the transport, can dominate decode. The llama engine
+sets its own default (``shard_engine_llama._threading``: ``GOMP_SPINCOUNT=10000`` unless the
+environment says otherwise) and children inherit this process's environment, so the default
+run measures those defaults; ``--child-env GOMP_SPINCOUNT=300000`` (libgomp's own) or
+``--child-env OMP_WAIT_POLICY=passive`` overrides them in the children only, and
+``--threads`` sets each shard's thread count.
 
 Numbers are printed, never asserted: a benchmark that fails on a noisy machine teaches nothing.
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
+from _results import Results, add_results_option
 
 import shard_engine_api as api
 from shard_engine_remote import RemoteEngine
@@ -188,7 +192,7 @@ class PipelineModel:
 
 
 def _generated_model(directory: Path, quick: bool) -> PipelineModel:
-    from shard_engine_llama._tiny_model import write_tiny_model
+    from shard_engine_llama import write_tiny_model
 
     if quick:
         path = directory / "remote-bench-llama-64d-6l-f32.gguf"
@@ -342,7 +346,10 @@ def _environment_override(text: str) -> tuple[str, str | None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    # `nox -s bench -- --smoke` hands --smoke to every benchmark: here it is --quick.
+    size.add_argument("--smoke", action="store_true", help="the same as --quick")
     parser.add_argument("--repeat", type=int, help="repetitions (default 5, quick 1)")
     parser.add_argument("--hidden", type=int, help="fake hidden size (default 2048, quick 64)")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
@@ -356,7 +363,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="environment override of the spawned children (KEY= removes KEY); repeatable",
     )
     parser.add_argument("--skip-llama", action="store_true", help="only the per-hop overhead")
+    add_results_option(parser)
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.smoke
+    # No figure of this benchmark is in the README yet: its section records how it ran.
+    results = Results(args.results, "remote", mode="smoke" if args.quick else "full")
     settings = Settings(
         quick=args.quick,
         hidden=args.hidden or (64 if args.quick else 2048),
@@ -369,15 +380,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench_hops(settings)
     if args.skip_llama:
+        results.save()
         return 0
     try:
         import shard_engine_llama  # noqa: F401
     except ImportError:
         print("\nprocess per shard: skipped (shard-engine-llama is not installed)")
+        results.save()
         return 0
     model = None if args.quick else _gemma3(args.model)
     with tempfile.TemporaryDirectory(prefix="remote-bench-") as directory:
         bench_pipeline(settings, model or _generated_model(Path(directory), args.quick))
+    results.save()
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -142,7 +143,10 @@ def _sample_results() -> dict[str, object]:
     run = {"started": "2026-12-01T11:00:00+00:00", "cpus": 2, "load_average_before": 0.05}
     return {
         "benches": {
-            "llama": {"run": {**run, "mode": "full"}, "figures": figures(llama)},
+            "llama": {
+                "run": {**run, "mode": "full", "batch_sessions": 8},
+                "figures": figures(llama),
+            },
             "fake": {
                 "run": run,
                 "figures": figures(
@@ -165,6 +169,7 @@ def test_renderer_quotes_the_figures_and_names_non_defaults() -> None:
     block = " ".join(rendered.split())  # unwrapped
     assert "51,234 decode steps/s" in block
     assert "0.93 of the same split in one process" in block
+    assert "8 sessions, one `decode_batch` per step: 2.2x sequential" in block
     assert "gemma3-270m was not in the model store" in block
     assert "**Wire codec**: not measured in this run." in block
     assert 'nonfinite="reject"' in block
@@ -180,3 +185,18 @@ def test_smoke_llama_runs_measure_nothing() -> None:
     block = " ".join(readme_figures.render(document).split())
     assert "**Split overhead (llama engine)**: not measured in this run." in block
     assert "**Cancellation**: not measured in this run." in block
+
+
+def test_every_benchmark_takes_the_session_arguments() -> None:
+    """`nox -s bench -- ARGS` hands ARGS to every *_bench.py: each takes --quick, --smoke
+    (proves it runs) and --results (figures for the README). Fix: add the missing option."""
+    for script in sorted(BENCHMARKS.glob("*_bench.py")):
+        shown = subprocess.run(
+            [sys.executable, str(script), "--help"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        ).stdout
+        for option in ("--quick", "--smoke", "--results"):
+            assert option in shown, f"{script.name} does not take {option}"

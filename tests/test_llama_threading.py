@@ -12,7 +12,7 @@ import pytest
 
 PROBE = (
     "import json, os\n"
-    "from shard_engine_llama import _threading\n"
+    "from shard_engine_llama import LlamaEngine, _threading\n"
     "print(json.dumps({'env': os.environ.get('GOMP_SPINCOUNT'),\n"
     "                  'report': _threading.threading_report()}))\n"
 )
@@ -32,7 +32,8 @@ def _probe(**env: str) -> dict[str, object]:
 
 
 def test_default_spin_count_is_set_before_libgomp_loads() -> None:
-    """Importing the llama engine sets GOMP_SPINCOUNT=10000 when unset, before libgomp was
+    """Importing the llama engine (LlamaEngine; the package itself loads llama.cpp lazily)
+    sets GOMP_SPINCOUNT=10000 when unset, before libgomp was
     mapped (so libgomp read it), and libgomp is mapped afterwards. Fix: keep the
     apply_threading_defaults() call in _abi.py before `import llama_cpp`."""
     pytest.importorskip("shard_engine_llama")

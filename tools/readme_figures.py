@@ -68,10 +68,24 @@ class Figures:
         return value if isinstance(value, bool) else None
 
 
+_KEEP: Final = "\x00"
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    """Wrap at 100 columns like the rest of the README, never inside a `code span`."""
+    pieces = text.split("`")
+    joined = "`".join(
+        piece.replace(" ", _KEEP) if index % 2 else piece for index, piece in enumerate(pieces)
+    )
+    wrapped = textwrap.fill(joined, width=100, subsequent_indent=indent, break_on_hyphens=False)
+    return wrapped.replace(_KEEP, " ")
+
+
 def _bullet(title: str, text: str | None) -> str:
-    """One README bullet, wrapped like the rest of the README (100 columns)."""
-    body = f"- **{title}**: {text if text is not None else NOT_MEASURED + ' in this run.'}"
-    return textwrap.fill(body, width=100, subsequent_indent="  ", break_on_hyphens=False)
+    """One README bullet."""
+    return _wrap(
+        f"- **{title}**: {text if text is not None else NOT_MEASURED + ' in this run.'}", "  "
+    )
 
 
 def _provenance(figures: Figures) -> str:
@@ -95,7 +109,7 @@ def _provenance(figures: Figures) -> str:
         'codec and `ValidatingEngine` with `nonfinite="reject"`, the llama engine with 2 '
         f"threads and `GOMP_SPINCOUNT={spin}`."
     )
-    return textwrap.fill(text, width=100, break_on_hyphens=False)
+    return _wrap(text)
 
 
 def _split(f: Figures) -> str | None:
@@ -141,12 +155,13 @@ def _process(f: Figures) -> str | None:
 
 def _batched(f: Figures) -> str | None:
     speedup = f.value("llama", "generated_unsplit_batched_speedup")
-    if speedup is None:
+    sessions = f.run("llama").get("batch_sessions")
+    if speedup is None or not isinstance(sessions, int):
         return None
     gemma = f.value("llama", "gemma3_unsplit_batched_speedup")
     extra = f"; gemma3-270m {gemma:.1f}x" if gemma is not None else ""
     return (
-        f"8 sessions, one `decode_batch` per step: {speedup:.1f}x sequential "
+        f"{sessions} sessions, one `decode_batch` per step: {speedup:.1f}x sequential "
         f"(generated model{extra})."
     )
 

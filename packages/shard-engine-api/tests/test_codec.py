@@ -342,7 +342,6 @@ def test_version_one_with_a_broken_shape_is_plain_invalid_request() -> None:
         ("n_tokens", -3, "Expected `int` >= 0"),
         ("hidden_size", 0, "out of range"),
         ("first_pos", -1, "Expected `int` >= 0"),
-        ("layer", 0, "layer"),
         ("n_tokens", 2**40, "header promises"),
         ("hidden_size", 2**62, "header promises"),
         ("n_tokens", 2**64 - 1, "Expected `int` <= 9223372036854775807"),
@@ -358,6 +357,15 @@ def test_bad_header_values_are_invalid_request(field: str, value: object, match:
     with pytest.raises(InvalidRequest, match=match) as caught:
         decode_bundle(rebuilt(mapping))
     assert type(caught.value) is InvalidRequest
+
+
+def test_layer_zero_is_a_shard_mismatch() -> None:
+    # No shard boundary is layer 0 (a bundle enters the producer's end): the same violation
+    # as a bundle for another layer, on every path.
+    mapping = raw(make_bundle())
+    mapping["layer"] = 0
+    with pytest.raises(ShardMismatch, match="layer 0"):
+        decode_bundle(rebuilt(mapping))
 
 
 def test_bad_session_in_bundle_is_invalid_request() -> None:

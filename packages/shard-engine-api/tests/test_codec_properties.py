@@ -178,7 +178,7 @@ messages: st.SearchStrategy[Any] = st.one_of(
         LoadConfig,
         shard=shard_specs(),
         boundary_dtype=st.sampled_from(["f32", "f16"]),
-        max_sessions=st.integers(1, 2**20),
+        max_sessions=st.integers(1, 2**31 - 1),
         eviction=st.sampled_from(["reject", "lru"]),
         n_threads=st.integers(0, 64),
         options=st.dictionaries(NAME, option_values, max_size=3),

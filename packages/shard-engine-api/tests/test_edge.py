@@ -233,7 +233,7 @@ CONSTRUCTION: list[tuple[str, Callable[[], object], str]] = [
      "LoadConfig.eviction"),
     ("LoadConfig dtype", lambda: LoadConfig(shard=SPEC, boundary_dtype="bf16"),  # type: ignore[arg-type]
      "LoadConfig.boundary_dtype"),
-    ("LoadConfig max_sessions=10**7", lambda: LoadConfig(shard=SPEC, max_sessions=10**7),
+    ("LoadConfig max_sessions=2**31", lambda: LoadConfig(shard=SPEC, max_sessions=2**31),
      "LoadConfig.max_sessions"),
     ("LoadConfig max_sessions='16'", lambda: LoadConfig(shard=SPEC, max_sessions="16"),  # type: ignore[arg-type]
      "LoadConfig.max_sessions"),

@@ -172,6 +172,13 @@ def test_bad_generation_requests_are_invalid(pipeline: Pipeline) -> None:
         pipeline.stream((), max_new_tokens=3)
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
         pipeline.generate((1,), -3)
+    room = pipeline.max_context
+    with pytest.raises(InvalidRequest, match=f"hold at most {room} per session"):
+        pipeline.generate((1, 2), room - 1)
+    # A stream does not decode its last token, so one more fits.
+    pipeline.stream((1, 2), max_new_tokens=room - 1).close()
+    with pytest.raises(InvalidRequest, match="positions"):
+        pipeline.stream((1, 2), max_new_tokens=room)
 
 
 class _Letters:

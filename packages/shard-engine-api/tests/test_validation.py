@@ -629,3 +629,19 @@ def test_capabilities_with_fields_of_the_wrong_type_are_caught() -> None:
     with pytest.raises(MalformedOutput) as caught:
         ValidatingEngine(tamper).capabilities()
     assert caught.value.details["check"] == "capabilities_fields"
+
+
+def test_requests_are_checked_for_an_engine_that_does_not_check_them() -> None:
+    # Tamper is not an EngineCore: the wrapper is its edge, so a badly typed request never
+    # reaches it (and the wrapper does not trip over the request's fields itself).
+    engine, tamper = make(0, 2)
+    bad = PrefillRequest(request_id="p", session=session(), start_pos=0, inputs=None)  # type: ignore[arg-type]
+    tamper.last = "untouched"
+    with pytest.raises(InvalidRequest) as caught:
+        engine.prefill(bad)
+    assert caught.value.details["field"] == "PrefillRequest.inputs"
+    assert tamper.last == "untouched"
+    with pytest.raises(InvalidRequest, match="items"):
+        engine.decode_batch(DecodeBatchRequest(request_id="b", items=None))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="session"):
+        engine.release(ReleaseRequest(session=None))  # type: ignore[arg-type]

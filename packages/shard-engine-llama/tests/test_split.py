@@ -337,13 +337,23 @@ def test_split_writes_expected_shards(tiny: Path, tmp_path: Path) -> None:
     assert middle.get_str("tokenizer.ggml.model") == "none"
     assert middle.get_int("llama.vocab_size") == 1
     assert middle.tensors["token_embd.weight"].shape == (64, 1)
-    assert "output.weight" in tail.tensors
+    # The tail holds one vocabulary matrix: the lm-head, in the token embedding's place.
+    assert "output.weight" not in tail.tensors
     assert "output.weight" not in head.tensors
+    assert "tokenizer.ggml.tokens" not in head.metadata
+    assert "tokenizer.ggml.tokens" not in tail.metadata
+    assert head.get_int("llama.vocab_size") == tail.get_int("llama.vocab_size") == 260
     assert (middle.get_int("shard.start"), middle.get_int("shard.end")) == (1, 3)
     assert middle.get_int("shard.n_layers_total") == 4
     assert middle.get_str("shard.source_sha256") == manifest.source_sha256
     source = read_gguf_header(tiny)
     raw = tiny.read_bytes()
+    lm_head, moved = source.tensors["output.weight"], tail.tensors["token_embd.weight"]
+    tail_raw = manifest.shard_path(2).read_bytes()
+    assert (
+        tail_raw[moved.offset : moved.offset + moved.n_bytes]
+        == raw[lm_head.offset : lm_head.offset + lm_head.n_bytes]
+    )
     shard_raw = manifest.shard_path(1).read_bytes()
     renamed = middle.tensors["blk.1.ffn_down.weight"]
     original = source.tensors["blk.2.ffn_down.weight"]

@@ -313,3 +313,26 @@ def test_a_shard_written_by_split_passes_the_validator(llama: Path, tmp_path: Pa
         header = validate_gguf(manifest.shard_path(index))
         assert header.is_shard
     assert read_gguf_header(llama).architecture == "llama"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("shard.end", u32(3)),
+        ("shard.role", MetadataValue("tail", gguf.GGUFValueType.STRING)),
+        ("shard.has_identity_block", MetadataValue(False, gguf.GGUFValueType.BOOL)),
+        ("shard.leading_identity_blocks", u32(2)),
+        ("shard.start", None),
+    ],
+)
+def test_shard_keys_must_describe_the_file(
+    llama: Path, tmp_path: Path, key: str, value: MetadataValue | None
+) -> None:
+    """The shard keys pick the layer a runtime captures; keys that lie are refused."""
+    from shard_engine_llama._gguf import split_model
+
+    manifest = split_model(llama, [(0, 1), (1, 2), (2, 3)], tmp_path / "shards")
+    broken = rewrite(manifest.shard_path(1), tmp_path / "lying.gguf", metadata={key: value})
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert raised.value.rule == "shard-keys"

@@ -260,7 +260,20 @@ def test_garbage_frames_get_typed_errors(serve: ServeFactory, remote: RemoteFact
     host, port = server.address.rsplit(":", 1)
     with grpc.insecure_channel(server.address) as channel:
         raw: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(CALL_METHOD)
-        for garbage in (b"", b"\x00", b"\xc1\xff\xfe", b"\x81\xa4type\xa5bogus", b"x" * 5000):
+        bomb = b"\x82\xa4type\xa6decode\xa4junk" + b"\x91" * 100_000 + b"\xc0"
+        load_bomb = (
+            b"\x83\xa4type\xa4load\xa5shard\x84\xa5model\xa1m\xa8n_layers\x01\xa5start"
+            b"\x00\xa3end\x01\xa7options\x81\xa1k" + b"\x91" * 100_000 + b"\xc0"
+        )
+        for garbage in (
+            b"",
+            b"\x00",
+            b"\xc1\xff\xfe",
+            b"\x81\xa4type\xa5bogus",
+            b"x" * 5000,
+            bomb,
+            load_bomb,
+        ):
             reply = raw(garbage, timeout=5)
             error = wire.decode_error(reply)
             assert isinstance(error, api.InvalidRequest), (garbage, error)
@@ -273,7 +286,7 @@ def test_garbage_frames_get_typed_errors(serve: ServeFactory, remote: RemoteFact
                     pass
             except (ConnectionResetError, TimeoutError):
                 pass
-    assert server.counters.snapshot()["rejected_frames"] == 5
+    assert server.counters.snapshot()["rejected_frames"] == 7
     decode(engine, 3)
     assert server.engine.metrics().errors == {}, "garbage never reached the engine"
 

@@ -198,12 +198,11 @@ def check_bundle(
             "which is not enabled",
         )
     rows, width, layer = bundle.n_tokens, bundle.hidden_size, bundle.layer
-    if rows < 1 or width < 1 or layer < 1 or bundle.first_pos < 0:
+    if rows < 1 or width < 1 or bundle.first_pos < 0:
         return Violation(
             ViolationKind.HEADER,
             f"bundle header out of range: n_tokens={rows} (>= 1), hidden_size={width} "
-            f"(>= 1), layer={layer} (>= 1, the producer's end), first_pos={bundle.first_pos} "
-            "(>= 0)",
+            f"(>= 1), first_pos={bundle.first_pos} (>= 0)",
         )
     dtype = bundle.dtype
     allowed = _KNOWN_DTYPES if expect.dtypes is None else expect.dtypes
@@ -224,10 +223,13 @@ def check_bundle(
             ViolationKind.FINGERPRINT,
             f"bundle is for model {fingerprint!r}; expected {expect.fingerprint!r}",
         )
-    if expect.layer is not None and layer != expect.layer:
-        return Violation(
-            ViolationKind.LAYER, f"bundle enters layer {layer}; expected layer {expect.layer}"
+    # Every layer mismatch is the same violation (ShardMismatch for a receiver): layer 0 is
+    # no shard's boundary (a bundle enters the producer's end, which is >= 1).
+    if layer < 1 or (expect.layer is not None and layer != expect.layer):
+        expected = (
+            "a layer >= 1 (the producer's end)" if expect.layer is None else f"layer {expect.layer}"
         )
+        return Violation(ViolationKind.LAYER, f"bundle enters layer {layer}; expected {expected}")
     if session is not None and bundle.session != session:
         return Violation(
             ViolationKind.SESSION,

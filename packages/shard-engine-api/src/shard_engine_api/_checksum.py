@@ -95,5 +95,6 @@ def mark_scanned(carrier: object, level: int) -> None:
 def mark_checksummed(carrier: object) -> None:
     """Record that ``carrier``'s checksum was just computed from its payload, as ``from_array``
     does: it is right by construction, so no check recomputes it. The finiteness scan still runs
-    once, at the first check that asks for it."""
-    mark_scanned(carrier, SCANNED)
+    once, at the first check that asks for it. Only for a payload the caller itself made (a
+    read-only view of a read-only array it owns): that is not checked again here."""
+    carrier.__dict__[_MARK] = SCANNED

@@ -563,21 +563,29 @@ def _batch_ok(request: object) -> bool:
     )
 
 
-def _count_ok(value: object) -> bool:
-    return type(value) is int and 0 <= value <= _INT64_MAX
-
-
 def _result_head_ok(result: BoundaryResult | LogitsResult) -> bool:
-    request_id, timings = result.request_id, result.timings
+    # Inlined (no helper calls): this runs on every result a ValidatingEngine checks.
+    request_id, first_pos, session, timings = (
+        result.request_id,
+        result.first_pos,
+        result.session,
+        result.timings,
+    )
     evidence: object = result.evidence
+    if type(session) is not SessionRef or type(timings) is not Timings:
+        return False
+    session_id, epoch = session.session_id, session.epoch
     return (
         type(request_id) is str
         and 0 < len(request_id) <= MAX_ID_CHARS
-        and _session_ok(result.session)
-        and _count_ok(result.first_pos)
+        and type(session_id) is str
+        and 0 < len(session_id) <= MAX_ID_CHARS
+        and type(epoch) is int
+        and 0 <= epoch <= _INT64_MAX
+        and type(first_pos) is int
+        and 0 <= first_pos <= _INT64_MAX
         and type(evidence) is str
         and evidence in _EVIDENCE
-        and type(timings) is Timings
         and type(timings.queue_ms) is float
         and type(timings.compute_ms) is float
         and type(timings.total_ms) is float
@@ -588,25 +596,34 @@ def result_ok(result: object) -> bool:
     """Whether ``result`` is certainly a well-typed BoundaryResult or LogitsResult (the
     common shapes, tested fast). False means "not certain": run :func:`check_request`."""
     kind = type(result)
-    if kind is BoundaryResult:
-        assert isinstance(result, BoundaryResult)
-        bundle = result.bundle
-        return (
-            _result_head_ok(result)
-            and _count_ok(result.n_tokens)
-            and type(bundle) is BoundaryBundle
-            and _bundle_ok(bundle)
-        )
     if kind is LogitsResult:
         assert isinstance(result, LogitsResult)
-        payload = result.payload
+        n_rows, vocab_size, checksum, payload = (
+            result.n_rows,
+            result.vocab_size,
+            result.checksum,
+            result.payload,
+        )
         return (
-            _result_head_ok(result)
-            and _count_ok(result.n_rows)
-            and _count_ok(result.vocab_size)
-            and _count_ok(result.checksum)
+            type(n_rows) is int
+            and 0 <= n_rows <= _INT64_MAX
+            and type(vocab_size) is int
+            and 0 <= vocab_size <= _INT64_MAX
+            and type(checksum) is int
+            and 0 <= checksum <= _INT64_MAX
             and type(payload) is memoryview
             and payload.c_contiguous
+            and _result_head_ok(result)
+        )
+    if kind is BoundaryResult:
+        assert isinstance(result, BoundaryResult)
+        bundle, n_tokens = result.bundle, result.n_tokens
+        return (
+            type(n_tokens) is int
+            and 0 <= n_tokens <= _INT64_MAX
+            and type(bundle) is BoundaryBundle
+            and _result_head_ok(result)
+            and _bundle_ok(bundle)
         )
     return False
 

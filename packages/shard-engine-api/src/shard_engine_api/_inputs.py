@@ -20,6 +20,7 @@ from shard_engine_api._types import (
     SessionRef,
     ShardInput,
     TokenInput,
+    numpy_dtype,
 )
 
 __all__ = ["InputRows", "batch_rows", "check_reserved", "decode_inputs", "n_rows"]
@@ -75,8 +76,10 @@ def decode_inputs(
     if violation is not None:
         raise violation_error(violation)
     # A bundle the codec (or a ValidatingEngine) already scanned is not scanned again: see
-    # shard_engine_api._boundary.
-    return None, np.asarray(bundle.array(), dtype=np.float32)
+    # shard_engine_api._boundary. The payload length was checked there too, so the rows are a
+    # plain view (converted only when the boundary dtype is f16).
+    rows = np.frombuffer(bundle.payload, dtype=numpy_dtype(bundle.dtype))
+    return None, rows.reshape(bundle.n_tokens, bundle.hidden_size).astype(np.float32, copy=False)
 
 
 # One expectation per capabilities object (engines keep theirs for their whole life).

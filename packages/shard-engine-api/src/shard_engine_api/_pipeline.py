@@ -149,7 +149,8 @@ class Pipeline:
     ) -> None:
         if not engines:
             raise InvalidRequest("a pipeline needs at least one engine")
-        specs = [engine.capabilities().shard for engine in engines]
+        capabilities = [engine.capabilities() for engine in engines]
+        specs = [caps.shard for caps in capabilities]
         if specs[0].start != 0 or specs[-1].end != specs[-1].n_layers:
             raise InvalidRequest("a pipeline must start at layer 0 and end at the last layer")
         for before, after in itertools.pairwise(specs):
@@ -159,6 +160,8 @@ class Pipeline:
                     "are not contiguous"
                 )
         self.engines = list(engines)
+        self.max_context = min(caps.limits.max_context for caps in capabilities)
+        """The longest session every shard admits (prompt plus generated tokens)."""
         self.wire_bytes = 0
         self._observe = observe
         self._prefix = request_prefix or f"pipeline-{id(self):x}"
@@ -362,8 +365,8 @@ class Pipeline:
         return TokenStream(
             _Generation(
                 self,
-                _check_prompt(prompt_ids),
-                max_new_tokens=_check_max_new_tokens(max_new_tokens),
+                self._check_length(prompt_ids, max_new_tokens, final_decode=False),
+                max_new_tokens=max_new_tokens,
                 sampling=sampling,
                 stop_tokens=frozenset(int(token) for token in stop_tokens),
                 tokenizer=tokenizer,
@@ -371,6 +374,28 @@ class Pipeline:
                 record=False,
             )
         )
+
+    def _check_length(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, *, final_decode: bool
+    ) -> tuple[int, ...]:
+        """The prompt as a tuple, once it and ``max_new_tokens`` fit every shard's context:
+        a generation that cannot fit is refused before any work, not after a minute of it."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt has no tokens")
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
+            raise InvalidRequest(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        # The last generated token is cached only when it is decoded too.
+        needed = len(prompt_ids) + max(0, max_new_tokens - (0 if final_decode else 1))
+        if needed > self.max_context:
+            raise InvalidRequest(
+                f"a prompt of {len(prompt_ids)} tokens and {max_new_tokens} new tokens need "
+                f"{needed} positions; these shards hold at most {self.max_context} per session"
+            )
+        return tuple(prompt_ids)
 
     def generate(
         self,
@@ -387,8 +412,8 @@ class Pipeline:
         stream = TokenStream(
             _Generation(
                 self,
-                _check_prompt(prompt_ids),
-                max_new_tokens=_check_max_new_tokens(max_new_tokens),
+                self._check_length(prompt_ids, max_new_tokens, final_decode=True),
+                max_new_tokens=max_new_tokens,
                 sampling=sampling,
                 stop_tokens=frozenset(int(token) for token in stop_tokens),
                 tokenizer=tokenizer,
@@ -400,18 +425,6 @@ class Pipeline:
             for _ in stream:
                 pass
         return stream.result()
-
-
-def _check_prompt(prompt_ids: Sequence[int]) -> tuple[int, ...]:
-    if not prompt_ids:
-        raise InvalidRequest("the prompt has no tokens")
-    return tuple(prompt_ids)
-
-
-def _check_max_new_tokens(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequest(f"max_new_tokens must be an integer >= 0, got {value!r}")
-    return value
 
 
 class _Generation:

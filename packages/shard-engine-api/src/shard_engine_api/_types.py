@@ -83,8 +83,10 @@ MAX_RESERVED_ITEMS: Final = 64
 """The most reserved MTP/aux entries a message may carry (any non-empty use is refused)."""
 MAX_OPTIONS: Final = 256
 """The most entries of ``LoadConfig.options``."""
-MAX_SESSIONS: Final = 1 << 20
-"""The largest ``LoadConfig.max_sessions``: a million concurrent sessions per shard."""
+MAX_SESSIONS: Final = INT32_MAX
+"""The largest ``LoadConfig.max_sessions``: session slots are int32 indices on every backend.
+The core allocates per session in use, never per configured slot, so a large limit costs
+nothing until sessions exist (a backend with a smaller limit reports it in ModelInfo)."""
 MAX_CONTEXT: Final = 1 << 24
 """The largest ``LoadConfig.max_context`` (16M positions)."""
 MAX_KV_BUDGET_TOKENS: Final = 1 << 36
@@ -288,10 +290,11 @@ def _check_array(what: str, values: object) -> None:
     (instead of the AttributeError, IndexError or ValueError numpy would raise)."""
     if not isinstance(values, np.ndarray):
         raise InvalidRequest(f"{what} must be a numpy array, got {type(values).__name__}")
-    if values.ndim != 2:
-        raise InvalidRequest(f"{what} must be 2-D (rows, width), got shape {values.shape}")
-    if values.shape[0] < 1 or values.shape[1] < 1:
-        raise InvalidRequest(f"{what} must have at least one row and column, got {values.shape}")
+    shape = values.shape
+    if len(shape) != 2:
+        raise InvalidRequest(f"{what} must be 2-D (rows, width), got shape {shape}")
+    if not (shape[0] and shape[1]):
+        raise InvalidRequest(f"{what} must have at least one row and column, got {shape}")
     if values.dtype.kind not in "fiu":
         raise InvalidRequest(f"{what} must be a real numeric array, got dtype {values.dtype}")
 

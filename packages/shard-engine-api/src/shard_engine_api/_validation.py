@@ -29,6 +29,7 @@ import msgspec
 
 from shard_engine_api._boundary import BundleExpectation, Violation, check_bundle, check_logits
 from shard_engine_api._codec import NonFinitePolicy
+from shard_engine_api._core import EngineCore
 from shard_engine_api._edge import check_request, result_ok
 from shard_engine_api._errors import ErrorInfo, InvalidRequest, MalformedOutput, ShardEngineError
 from shard_engine_api._protocol import ShardEngine
@@ -207,6 +208,10 @@ class ValidatingEngine:
         self._inner = inner
         self._check_finite = nonfinite == "reject"
         self._contract: _Contract | None = None
+        # An EngineCore checks every request at its own edge; any other engine (a remote one, a
+        # hand-written one) gets the same check here, so it never sees a badly typed request
+        # and this wrapper never trips over one.
+        self._check_requests = not isinstance(inner, EngineCore)
 
     @property
     def inner(self) -> ShardEngine:
@@ -226,6 +231,8 @@ class ValidatingEngine:
         Raises what the inner ``load`` raises, or MalformedOutput for capabilities that break
         the contract (wrong version, role, shard, dtypes, shapes, evidence class).
         """
+        if self._check_requests:
+            check_request(config, LoadConfig)
         try:
             capabilities = self._inner.load(config)
         except ShardEngineError:
@@ -275,6 +282,8 @@ class ValidatingEngine:
 
         Raises what the inner ``prefill`` raises, or MalformedOutput.
         """
+        if self._check_requests:
+            check_request(request, PrefillRequest)
         try:
             result = self._inner.prefill(request)
         except ShardEngineError:
@@ -297,6 +306,8 @@ class ValidatingEngine:
 
         Raises what the inner ``decode`` raises, or MalformedOutput.
         """
+        if self._check_requests:
+            check_request(request, DecodeRequest)
         try:
             result = self._inner.decode(request)
         except ShardEngineError:
@@ -322,6 +333,8 @@ class ValidatingEngine:
 
         Raises what the inner ``decode_batch`` raises, or MalformedOutput.
         """
+        if self._check_requests:
+            check_request(request, DecodeBatchRequest)
         try:
             result = self._inner.decode_batch(request)
         except ShardEngineError:
@@ -364,6 +377,8 @@ class ValidatingEngine:
     def cancel(self, request: CancelRequest) -> CancelResult:
         """Delegate. Raises what the inner ``cancel`` raises, or MalformedOutput for a result
         that is not a CancelResult."""
+        if self._check_requests:
+            check_request(request, CancelRequest)
         try:
             result = self._inner.cancel(request)
         except ShardEngineError:
@@ -377,6 +392,8 @@ class ValidatingEngine:
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Delegate. Raises what the inner ``release`` raises, or MalformedOutput for a result
         that is not a ReleaseResult."""
+        if self._check_requests:
+            check_request(request, ReleaseRequest)
         try:
             result = self._inner.release(request)
         except ShardEngineError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import logging
 import math
 import statistics
@@ -83,9 +84,13 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
+def _at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = _integer(text)
+        if maximum is not None and not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in [{minimum}, {maximum}], got {value}"
+            )
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
         return value
@@ -133,6 +138,9 @@ def _integer_list(minimum: int) -> Callable[[str], list[int]]:
 
 
 _positive = _at_least(1)
+# A session of more positions than this is no demo or benchmark (and no engine's context).
+_MAX_NEW_TOKENS = 1 << 20
+_new_tokens = _at_least(1, _MAX_NEW_TOKENS)
 _non_negative = _at_least(0)
 
 
@@ -186,9 +194,10 @@ def _generate(
         fixture = msgspec.structs.replace(
             fixture, options={"spawn": args.engine, **fixture.options}
         )
+    context = max(256, len(prompt) + args.max_new_tokens + 1)
     # Validated from before load, as a worker would: every result is checked against the
     # contract, so the demo cannot print a result that breaks it. Every bundle crosses the
-    # wire codec. One session of known length: size the KV cache for it.
+    # wire codec. One session of known length: size the context and the KV budget for it.
     pipeline = load_pipeline(
         description.factory,
         fixture,
@@ -198,7 +207,8 @@ def _generate(
         boundary_dtype=args.boundary_dtype,
         n_threads=args.threads,
         max_sessions=1,
-        max_context=max(256, len(prompt) + args.max_new_tokens + 1),
+        max_context=context,
+        kv_budget_tokens=context,
     )
     with pipeline:
         return pipeline.generate(
@@ -454,12 +464,14 @@ def _command_conformance(args: argparse.Namespace, *, manager: pluggy.PluginMana
     if args.report:
         _check_report_path(args.report)
     engine_description(args.engine, manager=manager)
-    try:
-        import pytest
-    except ImportError:
+    missing = [name for name in ("pytest", "hypothesis") if importlib.util.find_spec(name) is None]
+    if missing:
         raise UsageError(
-            "the conformance suite needs pytest: pip install 'shard-engine-api[conformance]'"
-        ) from None
+            f"the conformance suite needs {' and '.join(missing)}: "
+            "pip install 'shard-engine-api[conformance]'"
+        )
+    import pytest
+
     from shard_engine_api.conformance import pytest_arguments
 
     return int(pytest.main(pytest_arguments(args.engine, args.report, args.pytest_args)))
@@ -509,7 +521,9 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
             help="where a built-in model may be generated; default: the model store "
             "($SHARD_ENGINE_MODEL_STORE or ~/.cache/shard-engine)",
         )
-        sub.add_argument("--max-new-tokens", type=_positive, default=16, help="tokens to generate")
+        sub.add_argument(
+            "--max-new-tokens", type=_new_tokens, default=16, help="tokens to generate"
+        )
         sub.add_argument(
             "--boundary-dtype",
             choices=["f32", "f16"],

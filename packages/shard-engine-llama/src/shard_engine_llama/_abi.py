@@ -17,7 +17,6 @@ How a shard runs (see ``_gguf.writer`` for how its file is built):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import threading
@@ -292,6 +291,10 @@ class ShardRuntime:
             # llama.cpp reserves at least one output row per sequence and asserts that this fits
             # (GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max)), so 1 only works for 1 sequence.
             params.n_outputs_max = settings.n_seq_max
+        else:
+            # The default bound is n_batch, which aborts the process (same assert) when there
+            # are more sequences than batch rows: allow every row and one per sequence.
+            params.n_outputs_max = max(settings.n_batch, settings.n_seq_max)
         # The ctypes callback objects must outlive the context: keep them on self.
         self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort_poll)
         params.abort_callback = self._abort_callback
@@ -624,9 +627,12 @@ class ShardRuntime:
         self.close()
 
     def __del__(self) -> None:
-        # At interpreter shutdown ctypes or llama_cpp may already be torn down.
-        with contextlib.suppress(Exception):
+        # At interpreter shutdown ctypes, llama_cpp and even contextlib may already be torn
+        # down, hence a bare try rather than contextlib.suppress.
+        try:  # noqa: SIM105 - contextlib may be gone at interpreter shutdown
             self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class Vocabulary:
@@ -665,8 +671,10 @@ class Vocabulary:
             self._model = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 - contextlib may be gone at interpreter shutdown
             self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _tokenize(vocab: object, text: str, add_special: bool) -> list[int]:

@@ -73,7 +73,8 @@ def _command_split(args: argparse.Namespace) -> int:
     try:
         info = inspect_gguf(args.model)
         ranges = args.shards if args.shards else parts_by_bytes(info, args.parts)
-        out = args.out or str(model_store() / "shards" / info.path.stem)
+        # An explicit --out is a model-store directory too: refused under /home like the default.
+        out = model_store(args.out) if args.out else model_store() / "shards" / info.path.stem
         manifest = split_model(args.model, ranges, out, None if args.quiet else _progress)
     except (GGUFValidationError, ModelStoreRefused, ValueError) as error:
         kind = "refused" if isinstance(error, ShardingRefusedError) else "error"

@@ -64,8 +64,9 @@ _self_test_result: _self_test.SelfTestReport | None = None
 class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``LoadConfig.options`` of the llama engine.
 
-    - ``n_ubatch``: llama.cpp micro-batch size; every shard of a pipeline must use the same value
-      (and the same ``kv_type``, ``flash_attn`` and context settings) for bitwise-equal results.
+    - ``n_ubatch``: llama.cpp micro-batch size, capped at ``max_batch_tokens``; every shard of a
+      pipeline must use the same value (and the same ``kv_type``, ``flash_attn`` and context
+      settings) for bitwise-equal results.
     - ``kv_type``: "f32" (default; matches a float64 reference) or "f16".
     - ``model_store``: where shard files are written (default: SHARD_ENGINE_MODEL_STORE or
       ~/.cache/shard-engine; /home is refused).
@@ -76,6 +77,8 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       gemma3-270m Q4_K_M, whose logits reach ~22).
     - ``self_test``: run the start-up self-test (a generated model split 2-way, bitwise) before
       the first engine of the process reports ready.
+    - ``inject_crash``: test only: the next forward fails as a backend crash would (the
+      conformance suite checks EngineCrashed and health "failed" with it).
     """
 
     n_ubatch: int = 512
@@ -84,6 +87,7 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model_store: str | None = None
     tolerance: float | None = None
     self_test: bool = True
+    inject_crash: bool = False
 
 
 def _run_self_test() -> _self_test.SelfTestReport:
@@ -134,6 +138,7 @@ class LlamaEngine(EngineCore):
         super().__init__()
         self._runtime: _abi.ShardRuntime | None = None
         self._snapshots: dict[int, bytes] = {}
+        self._inject_crash = False
         self.shard_path: Path | None = None
         self.self_test_report: _self_test.SelfTestReport | None = None
 
@@ -146,10 +151,8 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"invalid llama engine options: {error}") from error
         if options.kv_type not in ("f32", "f16"):
             raise InvalidRequest(f"kv_type must be f32 or f16, got {options.kv_type!r}")
-        if not 1 <= options.n_ubatch <= config.max_batch_tokens:
-            raise InvalidRequest(
-                f"n_ubatch must lie in [1, max_batch_tokens={config.max_batch_tokens}]"
-            )
+        if options.n_ubatch < 1:
+            raise InvalidRequest(f"n_ubatch must be positive, got {options.n_ubatch}")
         if config.max_sessions > _MAX_SEQUENCES:
             raise InvalidRequest(f"max_sessions may not exceed {_MAX_SEQUENCES} (llama.cpp)")
         if options.self_test:
@@ -170,7 +173,9 @@ class LlamaEngine(EngineCore):
                 n_seq_max=config.max_sessions,
                 n_threads=config.n_threads or _available_cores(),
                 n_batch=config.max_batch_tokens,
-                n_ubatch=options.n_ubatch,
+                # llama.cpp needs n_ubatch <= n_batch; a smaller batch bound caps it (the same
+                # way on every shard of a pipeline loaded with the same config).
+                n_ubatch=min(options.n_ubatch, config.max_batch_tokens),
                 flash_attn=options.flash_attn,
                 kv_type=options.kv_type,
                 is_head=choice.layout.is_head,
@@ -195,6 +200,7 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"cannot read model {config.shard.model!r}: {error}") from error
         self._runtime = runtime
         self.shard_path = choice.path
+        self._inject_crash = options.inject_crash
         return ModelInfo(
             engine_version=ENGINE_VERSION,
             evidence="real",
@@ -283,6 +289,7 @@ class LlamaEngine(EngineCore):
         self, item: ForwardItem, output: OutputMode, token: CancelToken
     ) -> npt.NDArray[np.float32]:
         runtime = self._require_runtime()
+        self._injected_crash()
         if item.start_pos < item.committed_length:
             # Truncate-and-append: keep the whole sequence so a failure restores it exactly.
             self._snapshots[item.slot] = runtime.save_sequence(item.slot)
@@ -306,6 +313,7 @@ class LlamaEngine(EngineCore):
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
     ) -> list[npt.NDArray[np.float32]]:
         runtime = self._require_runtime()
+        self._injected_crash()
         batch = [
             _abi.BatchItem(
                 seq_id=item.slot,
@@ -345,6 +353,10 @@ class LlamaEngine(EngineCore):
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+
+    def _injected_crash(self) -> None:
+        if self._inject_crash:
+            raise EngineCrashed("injected crash (inject_crash option)")
 
     def _require_runtime(self) -> _abi.ShardRuntime:
         if self._runtime is None:

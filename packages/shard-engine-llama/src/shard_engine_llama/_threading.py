@@ -20,9 +20,10 @@ The defaults (``apply_threading_defaults``, called by ``_abi`` before it imports
   libgomp's own default). Ten thousand spins stay hot across a graph's barriers and the
   sub-millisecond gap between two shards of one process, and end well before the next
   process's shard needs the core. libgomp reads the variable once, when it is loaded, so it
-  must be in the environment before the process first loads libgomp: importing
-  ``shard_engine_llama`` first does that. If something else loaded libgomp earlier (another
-  OpenMP library), the setting cannot take effect; :func:`threading_report` says so.
+  must be in the environment before the process first loads libgomp: the engine's first use
+  (``LlamaEngine``, which imports ``llama_cpp`` through ``_abi``) applies it just before.
+  If something else loaded libgomp earlier (another OpenMP library), the setting cannot take
+  effect; :func:`threading_report` says so.
 * threads: ``LoadConfig.n_threads``, by default every core this process may run on
   (``os.sched_getaffinity``): the shards of one pipeline run one after another, so each may
   use all of them. Thread pool: in an OpenMP build ggml runs each graph in libgomp's team of

@@ -341,9 +341,12 @@ class RemoteEngine:
 
     def capabilities(self) -> api.Capabilities:
         """The served engine's capabilities (cached at load). Raises NotReady before load and
-        after close."""
+        after close, EngineCrashed once the child died (unless a restart is due)."""
         if self._state == "closed" or self._capabilities is None:
             raise api.NotReady(f"remote engine is {self._state}")
+        options = self._options
+        if self._state == "crashed" and not (options and self._can_restart(options)):
+            raise self._crash_copy()
         return self._capabilities
 
     def prefill(self, request: api.PrefillRequest) -> api.ShardResult:
@@ -359,15 +362,21 @@ class RemoteEngine:
         return self._expect(self._invoke(request, mutating=True), api.ReleaseResult)
 
     def cancel(self, request: api.CancelRequest) -> api.CancelResult:
-        """Forwarded to the served engine. Answers ``cancelled=False`` when nothing is served
-        or the server cannot be reached (nothing confirmed the cancel)."""
+        """Forwarded to the served engine. Raises InvalidRequest (neither or both ids) and
+        EngineCrashed (the engine or its process failed); answers ``cancelled=False`` when
+        nothing is served or the server cannot be reached (nothing confirmed the cancel)."""
         if (request.request_id is None) == (request.session_id is None):
             raise api.InvalidRequest("cancel needs exactly one of request_id and session_id")
+        if self._state == "crashed":
+            options = self._options
+            if options is not None and self._can_restart(options):
+                return api.CancelResult(cancelled=False)
+            raise self._crash_copy()
         if self._state != "ready":
             return api.CancelResult(cancelled=False)
         try:
             return self._expect(self._invoke(request, mutating=False), api.CancelResult)
-        except api.InvalidRequest:
+        except (api.InvalidRequest, api.EngineCrashed):
             raise
         except api.ShardEngineError:
             return api.CancelResult(cancelled=False)

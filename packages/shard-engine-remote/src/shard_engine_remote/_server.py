@@ -17,12 +17,15 @@ the engine is ready or degraded, NOT_SERVING otherwise and while draining.
 from __future__ import annotations
 
 import functools
+import logging
 import signal
 import threading
+import traceback
 import typing
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Final
 
@@ -56,6 +59,7 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
 _SERVING_STATES: Final = ("ready", "degraded")
+_LOG: Final = logging.getLogger("shard_engine.remote")
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
@@ -232,9 +236,12 @@ class EngineServer:
                 self._refresh_health()
             return error.to_info()
         except Exception as error:  # noqa: BLE001 - an engine bug must not kill the server
+            _LOG.exception("the served engine raised %s", type(error).__name__)
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            where = f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
             return api.ShardEngineError(
-                f"the served engine raised {type(error).__name__}: {error}",
-                details={"exception": type(error).__name__},
+                f"the served engine raised {type(error).__name__}: {error} (at {where})",
+                details={"exception": type(error).__name__, "where": where},
             ).to_info()
 
     def _compute(

@@ -66,12 +66,20 @@ class Rejected:
     error: api.ShardEngineError
 
 
+class _Tag(msgspec.Struct):
+    """Only the tag of a message (everything else is skipped, not built)."""
+
+    type: str = ""
+
+
 # One prebuilt decoder per direction (reusable and thread-safe): the tag picks the type.
+_TAG_DECODER: Final = msgspec.msgpack.Decoder(_Tag)
 _REQUEST_DECODER: Final[msgspec.msgpack.Decoder[RemoteRequest]] = msgspec.msgpack.Decoder(
     RemoteRequest
 )
 _REPLY_DECODER: Final[msgspec.msgpack.Decoder[RemoteReply]] = msgspec.msgpack.Decoder(RemoteReply)
 _QUERY_ENCODER: Final = msgspec.msgpack.Encoder()
+_LOAD_TAG: Final = api.LoadConfig.__struct_config__.tag
 
 
 def encode_request(message: RemoteRequest) -> bytes:
@@ -84,10 +92,16 @@ def encode_request(message: RemoteRequest) -> bytes:
 
 def decode_request(buf: bytes) -> RemoteRequest | Rejected:
     """Decode a request's structure and types (payloads are the engine's to verify, so its
-    metrics count what it refused exactly as a local engine's would). Never raises."""
+    metrics count what it refused exactly as a local engine's would). A load request goes
+    through the codec's own decoder, which bounds engine options before building them. Never
+    raises: bytes nested too deeply to decode are InvalidRequest too."""
     try:
+        if _TAG_DECODER.decode(buf).type == _LOAD_TAG:
+            return wire.decode_request(buf)
         return _REQUEST_DECODER.decode(buf)
-    except msgspec.MsgspecError as error:
+    except api.ShardEngineError as error:
+        return Rejected(error)
+    except (msgspec.MsgspecError, RecursionError) as error:
         return Rejected(_explain(buf, error))
 
 
@@ -102,7 +116,7 @@ def decode_reply(buf: bytes) -> RemoteReply | Rejected:
     and the next shard verifies every bundle it is given."""
     try:
         return _REPLY_DECODER.decode(buf)
-    except msgspec.MsgspecError as error:
+    except (msgspec.MsgspecError, RecursionError) as error:
         explained = _explain(buf, error)
         return Rejected(
             api.MalformedOutput(
@@ -112,12 +126,16 @@ def decode_reply(buf: bytes) -> RemoteReply | Rejected:
         )
 
 
-def _explain(buf: bytes, error: msgspec.MsgspecError) -> api.ShardEngineError:
+def _explain(buf: bytes, error: Exception) -> api.ShardEngineError:
     """The codec's own verdict on bytes the union decoder refused: a contract version mismatch
     when they name another version, else InvalidRequest with msgspec's reason."""
+    if isinstance(error, RecursionError):
+        return api.InvalidRequest("undecodable request: nested too deeply")
     try:
         wire.decode_message(buf)
     except api.ShardEngineError as verdict:
         if isinstance(verdict, api.ContractVersionMismatch):
             return verdict
+    except RecursionError:
+        pass
     return api.InvalidRequest(f"undecodable request: {error}")

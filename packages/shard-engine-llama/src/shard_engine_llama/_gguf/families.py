@@ -95,8 +95,16 @@ IDENTITY_BLOCK = ShardRule(
 )
 MIDDLE_NO_VOCABULARY = ShardRule(
     "middle-no-vocabulary",
-    "middle shards carry tokenizer 'none', one token and a 1 x n_embd zero token embedding",
+    "no shard carries the tokenizer (tokenizer 'none' with <arch>.vocab_size nameless tokens); "
+    "middle shards have one token and a 1 x n_embd zero token embedding",
     "llama-vocab.cpp load (tokenizer_model == 'none'); loaders require token_embd",
+)
+TAIL_LM_HEAD_AS_EMBEDDING = ShardRule(
+    "tail-lm-head-as-embedding",
+    "a tail shard stores the lm-head in token_embd.weight and omits output.weight; the loader "
+    "then ties them, so the tail holds one vocabulary-sized matrix (families whose loader "
+    "insists on output.weight keep it and get a zero, sparse token embedding)",
+    "models/*.cpp: `if (output == NULL) output = create_tensor(tok_embd, TENSOR_DUPLICATED)`",
 )
 SWA_PATTERN_EXPLICIT = ShardRule(
     "swa-pattern-explicit",
@@ -439,7 +447,7 @@ def _smollm3_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) 
     ]
 
 
-_BASE_RULES = (SLICE_LAYERS, IDENTITY_BLOCK, MIDDLE_NO_VOCABULARY)
+_BASE_RULES = (SLICE_LAYERS, IDENTITY_BLOCK, MIDDLE_NO_VOCABULARY, TAIL_LM_HEAD_AS_EMBEDDING)
 _EMBEDDING_SCALED_REASON = (
     "embedding-input-scaled: {arch} multiplies the embedding input by sqrt(n_embd) inside the "
     "graph even for hidden-state (embd) batches, a constant in the code that no metadata turns "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import gguf
+
 from shard_engine_llama._gguf.families import FAMILIES
 from shard_engine_llama._gguf.layout import LLAMA_MAX_LAYERS, check_family
 from shard_engine_llama._gguf.reader import (
@@ -165,7 +167,59 @@ def validate_header(header: GGUFHeader) -> GGUFHeader:
     family = FAMILIES.get(header.architecture)
     if family is not None:
         check_family(header, family)
+    if header.is_shard:
+        _check_shard_keys(header)
     return header
+
+
+_SHARD_KEYS: dict[str, gguf.GGUFValueType] = {
+    "shard.start": gguf.GGUFValueType.UINT32,
+    "shard.end": gguf.GGUFValueType.UINT32,
+    "shard.n_layers_total": gguf.GGUFValueType.UINT32,
+    "shard.role": gguf.GGUFValueType.STRING,
+    "shard.has_identity_block": gguf.GGUFValueType.BOOL,
+    "shard.source_sha256": gguf.GGUFValueType.STRING,
+}
+
+
+def _check_shard_keys(header: GGUFHeader) -> None:
+    """The shard.* keys decide which graph tensor a runtime captures: they must describe the
+    file's own blocks, or a shard would return the wrong layer (or none)."""
+    path = header.path
+
+    def fail(field: str, message: str) -> GGUFValidationError:
+        return GGUFValidationError(f"{path}: {field}: {message}", rule="shard-keys", field=field)
+
+    for key, expected in _SHARD_KEYS.items():
+        entry = header.metadata.get(key)
+        if entry is None or entry.value_type != expected:
+            raise fail(key, f"missing or not of type {expected.name}")
+    start = header.get_int("shard.start")
+    end = header.get_int("shard.end")
+    total = header.get_int("shard.n_layers_total")
+    if not 0 <= start < end <= total <= LLAMA_MAX_LAYERS:
+        raise fail("shard.end", f"range [{start}, {end}) of {total} layers is not a layer range")
+    expected_role = (
+        ("full" if end == total else "head")
+        if start == 0
+        else ("tail" if end == total else "middle")
+    )
+    if header.get_str("shard.role") != expected_role:
+        raise fail("shard.role", f"[{start}, {end}) of {total} is a {expected_role} range")
+    identity = bool(header.metadata["shard.has_identity_block"].value)
+    if identity != (expected_role in ("head", "middle")):
+        raise fail("shard.has_identity_block", f"wrong for a {expected_role} shard")
+    padding_entry = header.metadata.get("shard.leading_identity_blocks")
+    padding = padding_entry.value if padding_entry is not None else 0
+    if isinstance(padding, bool) or not isinstance(padding, int) or not 0 <= padding < 8:
+        raise fail("shard.leading_identity_blocks", f"{padding!r} is not a small count")
+    blocks = header.get_int(f"{header.architecture}.block_count")
+    if blocks != padding + end - start + (1 if identity else 0):
+        raise fail(
+            f"{header.architecture}.block_count",
+            f"{blocks} blocks do not hold {padding} leading identity block(s), layers "
+            f"[{start}, {end}) and {'an' if identity else 'no'} identity block",
+        )
 
 
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:

@@ -254,7 +254,9 @@ def _shard_metadata(
     for key, entry in header.metadata.items():
         if key == "general.architecture":
             continue
-        if role == "middle" and key.startswith("tokenizer."):
+        if key.startswith("tokenizer.") and role != "full":
+            # No partial shard tokenizes (token ids arrive encoded, the tail returns logits), so
+            # none carries the vocabulary: llama.cpp would build its token tables from it.
             continue
         value = entry
         if (
@@ -270,9 +272,12 @@ def _shard_metadata(
             value = MetadataValue(sliced, entry.value_type, entry.element_type)
         result[key] = value
     result[f"{arch}.block_count"] = MetadataValue(n_blocks, u32)
-    if role == "middle":
+    # Rule middle-no-vocabulary, and for head and tail shards a vocabulary of vocab_size
+    # nameless tokens: the token embedding and lm-head keep their shapes.
+    if role != "full":
+        n_vocab = header.tensors["token_embd.weight"].shape[1]
         result["tokenizer.ggml.model"] = MetadataValue("none", gguf.GGUFValueType.STRING)
-        result[f"{arch}.vocab_size"] = MetadataValue(1, u32)
+        result[f"{arch}.vocab_size"] = MetadataValue(1 if role == "middle" else n_vocab, u32)
     family = FAMILIES[arch]
     if _uses_sliding_window(header):
         # Rule swa-pattern-explicit: without the explicit array a shard would apply the default
@@ -326,6 +331,8 @@ def _shard_tensors(
         index = layer_index(record.name)
         if index is not None:
             continue
+        if record.name == "output.weight" and role == "tail" and not _output_required(header):
+            continue  # moved into token_embd.weight above
         if record.name == "output.weight" and role not in ("tail", "full"):
             if _output_required(header):
                 # This family's loader insists on an lm-head; a non-tail shard never runs it,
@@ -344,8 +351,23 @@ def _shard_tensors(
                 )
                 continue
             if role == "tail" and has_output:
-                # The tail never looks tokens up (its input is hidden states) but needs the
-                # vocabulary-sized shape; zero bytes are written as a sparse hole.
+                output = header.tensors["output.weight"]
+                if not _output_required(header):
+                    # Rule tail-lm-head-as-embedding: the tail never looks tokens up (its
+                    # input is hidden states), so the lm-head's bytes take the embedding's
+                    # place and output.weight is left out; the loader then uses token_embd as
+                    # the lm-head (TENSOR_DUPLICATED): one vocabulary-sized matrix, not two.
+                    plans.append(
+                        _TensorPlan(
+                            record.name,
+                            output.shape,
+                            output.ggml_type,
+                            output.n_bytes,
+                            source=output,
+                        )
+                    )
+                    continue
+                # This family needs both: the unused embedding becomes a sparse zero hole.
                 plans.append(
                     _TensorPlan(record.name, record.shape, record.ggml_type, record.n_bytes)
                 )
