@@ -17,50 +17,63 @@ class CancelToken:
     The owner of both decisions (``EngineCore``) calls :meth:`try_cancel` and :meth:`seal` under
     one lock: once sealed the operation commits and a cancel answers False; once cancelled the
     seal raises Cancelled and the operation rolls back.
+
+    The flag is a plain attribute; a :class:`threading.Event` (costly to make, and most requests
+    never wait) is created only when a backend sleeps on the token or asks for :attr:`event`.
     """
 
-    __slots__ = ("_event", "_sealed", "request_id", "session_ids")
+    __slots__ = ("_cancelled", "_event", "_sealed", "request_id", "session_ids")
 
     def __init__(self, request_id: str, session_ids: frozenset[str]) -> None:
-        self._event = threading.Event()
+        self._cancelled = False
         self._sealed = False
+        self._event: threading.Event | None = None
         self.request_id = request_id
         self.session_ids = session_ids
 
     def cancel(self) -> None:
         """Request cancellation unconditionally (closing the engine)."""
-        self._event.set()
+        # Flag first, then wake a waiter: a waiter that appears in between sees the flag.
+        self._cancelled = True
+        event = self._event
+        if event is not None:
+            event.set()
 
     def try_cancel(self) -> bool:
         """Request cancellation unless the operation is already committing or cancelled;
         True when this call is what stops it."""
-        if self._sealed or self._event.is_set():
+        if self._sealed or self._cancelled:
             return False
-        self._event.set()
+        self.cancel()
         return True
 
     def seal(self) -> None:
         """The commit point: raise Cancelled if cancellation was requested, else refuse every
         later cancel."""
-        if self._event.is_set():
+        if self._cancelled:
             raise Cancelled(f"request {self.request_id!r} was cancelled")
         self._sealed = True
 
     @property
     def cancelled(self) -> bool:
-        return self._event.is_set()
+        return self._cancelled
 
     @property
     def event(self) -> threading.Event:
-        """The underlying event, for backends whose abort callback polls it."""
-        return self._event
+        """An event set on cancellation, for backends whose abort callback polls it."""
+        event = self._event
+        if event is None:
+            event = self._event = threading.Event()
+            if self._cancelled:  # cancelled before the event existed
+                event.set()
+        return event
 
     def check(self) -> None:
         """Raise Cancelled if cancellation was requested."""
-        if self._event.is_set():
+        if self._cancelled:
             raise Cancelled(f"request {self.request_id!r} was cancelled")
 
     def sleep(self, seconds: float) -> None:
         """Sleep up to ``seconds``; a cancel ends the sleep at once with Cancelled."""
-        if self._event.wait(seconds):
+        if self.event.wait(seconds):
             raise Cancelled(f"request {self.request_id!r} was cancelled")

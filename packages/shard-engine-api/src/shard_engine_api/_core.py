@@ -261,7 +261,8 @@ class EngineCore(abc.ABC):
         """Process a run of tokens or boundary rows; see the contract's session semantics."""
         check_request(request, PrefillRequest)
         session = request.session
-        with self._operation(request.request_id, (session.session_id,)) as token:
+        token = self._begin(request.request_id, (session.session_id,))
+        try:
             caps = self._require_serving()
             with self._state_lock:
                 self._counters.prefill_requests += 1
@@ -293,12 +294,20 @@ class EngineCore(abc.ABC):
                 timings,
                 n_tokens,
             )
+        except Exception as error:
+            seen = self._caller_sees(error)
+            if seen is error:
+                raise
+            raise seen from error
+        finally:
+            self._end(token)
 
     def decode(self, request: DecodeRequest) -> ShardResult:
         """Process one row at ``pos`` (which must equal the committed length)."""
         check_request(request, DecodeRequest)
         session = request.session
-        with self._operation(request.request_id, (session.session_id,)) as token:
+        token = self._begin(request.request_id, (session.session_id,))
+        try:
             caps = self._require_serving()
             with self._state_lock:
                 self._counters.decode_requests += 1
@@ -322,12 +331,20 @@ class EngineCore(abc.ABC):
                 timings,
                 1,
             )
+        except Exception as error:
+            seen = self._caller_sees(error)
+            if seen is error:
+                raise
+            raise seen from error
+        finally:
+            self._end(token)
 
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """One decode step for several distinct sessions; one result or error per item."""
         check_request(request, DecodeBatchRequest)
         sessions = tuple(item.session.session_id for item in request.items)
-        with self._operation(request.request_id, sessions) as token:
+        token = self._begin(request.request_id, sessions)
+        try:
             caps = self._require_serving()
             with self._state_lock:
                 self._counters.batch_requests += 1
@@ -376,6 +393,13 @@ class EngineCore(abc.ABC):
                     )
                 )
             return DecodeBatchResult(request_id=request.request_id, items=tuple(items))
+        except Exception as error:
+            seen = self._caller_sees(error)
+            if seen is error:
+                raise
+            raise seen from error
+        finally:
+            self._end(token)
 
     def cancel(self, request: CancelRequest) -> CancelResult:
         """Stop in-flight requests before their commit point. ``cancelled=True`` means each
@@ -483,9 +507,8 @@ class EngineCore(abc.ABC):
                 raise
             raise seen from error
 
-    @contextlib.contextmanager
-    def _operation(self, request_id: str, session_ids: Sequence[str]) -> Iterator[CancelToken]:
-        """One request: registered for cancel() while it runs, its error counted."""
+    def _begin(self, request_id: str, session_ids: Sequence[str]) -> CancelToken:
+        """Register a request for cancel() while it runs (ended by :meth:`_end`)."""
         if not request_id:
             raise self._caller_sees(InvalidRequest("request_id must be non-empty"))
         token = CancelToken(request_id, frozenset(session_ids))
@@ -498,17 +521,12 @@ class EngineCore(abc.ABC):
             raise self._caller_sees(
                 InvalidRequest(f"request_id {request_id!r} is already in flight")
             )
-        try:
-            yield token
-        except Exception as error:
-            seen = self._caller_sees(error)
-            if seen is error:
-                raise
-            raise seen from error
-        finally:
-            with self._state_lock:
-                if self._in_flight.get(request_id) is token:
-                    del self._in_flight[request_id]
+        return token
+
+    def _end(self, token: CancelToken) -> None:
+        with self._state_lock:
+            if self._in_flight.get(token.request_id) is token:
+                del self._in_flight[token.request_id]
 
     def _require_serving(self) -> Capabilities:
         capabilities = self._capabilities
