@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -442,10 +443,12 @@ def test_discovering_engines_does_not_import_llama_cpp() -> None:
 
 
 def test_conformance_on_the_fake_exits_cleanly(tmp_path: Path) -> None:
+    """No 'Exception ignored ... ResourceWarning' at exit (one standard test is enough to
+    show it; the whole suite runs in the conformance sessions)."""
     report = tmp_path / "report.json"
     command = [sys.executable, "-m", "shard_engine_api.cli", "conformance", "--engine", "fake"]
     completed = subprocess.run(
-        [*command, "--report", str(report)],
+        [*command, "--report", str(report), "--", "-k", "test_evidence_class"],
         capture_output=True,
         text=True,
         check=False,
@@ -455,7 +458,7 @@ def test_conformance_on_the_fake_exits_cleanly(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stdout[-2000:]
     assert "ResourceWarning" not in completed.stderr, completed.stderr
     assert "Exception ignored" not in completed.stderr, completed.stderr
-    assert json.loads(report.read_text())["certification"] == "fixture-only"
+    assert json.loads(report.read_text())["engine"] == "fake"
 
 
 def test_run_on_a_gguf_whose_vocabulary_llama_cpp_cannot_load(
@@ -497,3 +500,19 @@ def test_the_driver_logs_crashes(caplog: pytest.LogCaptureFixture) -> None:
     with Pipeline(engines) as pipeline, pytest.raises(EngineCrashed):
         pipeline.generate((1, 2), 3)
     assert any("shard 1 crashed" in record.getMessage() for record in caplog.records)
+
+
+def test_conformance_without_its_test_tools_says_what_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_find_spec = importlib.util.find_spec
+
+    def without_hypothesis(name: str) -> object:
+        return None if name == "hypothesis" else real_find_spec(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_hypothesis)
+    assert main(["conformance", "--engine", "fake"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "shard-engine conformance: error: the conformance suite needs hypothesis: "
+        "pip install 'shard-engine-api[conformance]'"
+    ]

@@ -383,3 +383,13 @@ def test_verification_is_cached_per_file_identity(
     with pytest.raises(InvalidRequest):
         _load(manifest.shard_path(1), 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
     assert cache.computed == computed + 1
+
+
+def test_more_sessions_than_batch_rows_loads(tiny_model: Path) -> None:
+    """llama.cpp reserves an output row per sequence and asserted (aborting the process) when
+    max_sessions exceeded max_batch_tokens; every role now loads and runs such a config."""
+    for start, end in ((0, TINY_MODEL_LAYERS), (0, 2), (2, TINY_MODEL_LAYERS)):
+        engine = _load(
+            tiny_model, start, end, TINY_MODEL_LAYERS, max_batch_tokens=4, max_sessions=8
+        )
+        engine.close()

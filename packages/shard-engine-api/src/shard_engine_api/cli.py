@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import logging
 import math
 import statistics
@@ -463,12 +464,14 @@ def _command_conformance(args: argparse.Namespace, *, manager: pluggy.PluginMana
     if args.report:
         _check_report_path(args.report)
     engine_description(args.engine, manager=manager)
-    try:
-        import pytest
-    except ImportError:
+    missing = [name for name in ("pytest", "hypothesis") if importlib.util.find_spec(name) is None]
+    if missing:
         raise UsageError(
-            "the conformance suite needs pytest: pip install 'shard-engine-api[conformance]'"
-        ) from None
+            f"the conformance suite needs {' and '.join(missing)}: "
+            "pip install 'shard-engine-api[conformance]'"
+        )
+    import pytest
+
     from shard_engine_api.conformance import pytest_arguments
 
     return int(pytest.main(pytest_arguments(args.engine, args.report, args.pytest_args)))

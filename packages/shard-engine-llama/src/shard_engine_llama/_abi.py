@@ -291,6 +291,10 @@ class ShardRuntime:
             # llama.cpp reserves at least one output row per sequence and asserts that this fits
             # (GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max)), so 1 only works for 1 sequence.
             params.n_outputs_max = settings.n_seq_max
+        else:
+            # The default bound is n_batch, which aborts the process (same assert) when there
+            # are more sequences than batch rows: allow every row and one per sequence.
+            params.n_outputs_max = max(settings.n_batch, settings.n_seq_max)
         # The ctypes callback objects must outlive the context: keep them on self.
         self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort_poll)
         params.abort_callback = self._abort_callback

@@ -77,6 +77,8 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       gemma3-270m Q4_K_M, whose logits reach ~22).
     - ``self_test``: run the start-up self-test (a generated model split 2-way, bitwise) before
       the first engine of the process reports ready.
+    - ``inject_crash``: test only: the next forward fails as a backend crash would (the
+      conformance suite checks EngineCrashed and health "failed" with it).
     """
 
     n_ubatch: int = 512
@@ -85,6 +87,7 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model_store: str | None = None
     tolerance: float | None = None
     self_test: bool = True
+    inject_crash: bool = False
 
 
 def _run_self_test() -> _self_test.SelfTestReport:
@@ -135,6 +138,7 @@ class LlamaEngine(EngineCore):
         super().__init__()
         self._runtime: _abi.ShardRuntime | None = None
         self._snapshots: dict[int, bytes] = {}
+        self._inject_crash = False
         self.shard_path: Path | None = None
         self.self_test_report: _self_test.SelfTestReport | None = None
 
@@ -196,6 +200,7 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"cannot read model {config.shard.model!r}: {error}") from error
         self._runtime = runtime
         self.shard_path = choice.path
+        self._inject_crash = options.inject_crash
         return ModelInfo(
             engine_version=ENGINE_VERSION,
             evidence="real",
@@ -284,6 +289,7 @@ class LlamaEngine(EngineCore):
         self, item: ForwardItem, output: OutputMode, token: CancelToken
     ) -> npt.NDArray[np.float32]:
         runtime = self._require_runtime()
+        self._injected_crash()
         if item.start_pos < item.committed_length:
             # Truncate-and-append: keep the whole sequence so a failure restores it exactly.
             self._snapshots[item.slot] = runtime.save_sequence(item.slot)
@@ -307,6 +313,7 @@ class LlamaEngine(EngineCore):
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
     ) -> list[npt.NDArray[np.float32]]:
         runtime = self._require_runtime()
+        self._injected_crash()
         batch = [
             _abi.BatchItem(
                 seq_id=item.slot,
@@ -346,6 +353,10 @@ class LlamaEngine(EngineCore):
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+
+    def _injected_crash(self) -> None:
+        if self._inject_crash:
+            raise EngineCrashed("injected crash (inject_crash option)")
 
     def _require_runtime(self) -> _abi.ShardRuntime:
         if self._runtime is None:

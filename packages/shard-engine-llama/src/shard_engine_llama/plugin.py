@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shard_engine_api import InvalidRequest, ShardEngine, UnsupportedFeature
+from shard_engine_api import InvalidRequest, OptionValue, ShardEngine, UnsupportedFeature
 from shard_engine_api.engine import (
     EngineDescription,
     ModelFixture,
@@ -40,7 +40,13 @@ def _new_engine() -> ShardEngine:
 def _model_fixture(workdir: Path) -> ModelFixture:
     real_model = os.environ.get(MODEL_ENV)
     if real_model:
-        return msgspec.structs.replace(_describe_model(real_model), options={"n_ubatch": 16})
+        described = _describe_model(real_model)
+        return msgspec.structs.replace(
+            described,
+            options={"n_ubatch": 16},
+            crash_options=_CRASH_OPTIONS,
+            splits=_uneven_splits(described.n_layers),
+        )
     # The store check: the tiny model is written there, and never under /home.
     path = tiny_model_path(model_store(workdir))
     return ModelFixture(
@@ -50,7 +56,20 @@ def _model_fixture(workdir: Path) -> ModelFixture:
         description=f"generated tiny llama GGUF ({TINY_MODEL_LAYERS} layers, n_embd 64, F32)",
         has_tokenizer=True,
         synthetic=True,
+        crash_options=_CRASH_OPTIONS,
+        splits=_uneven_splits(TINY_MODEL_LAYERS),
     )
+
+
+_CRASH_OPTIONS: dict[str, OptionValue] = {"inject_crash": True}
+"""The conformance suite's crash test: the next forward fails as a backend crash would."""
+
+
+def _uneven_splits(n_layers: int) -> tuple[tuple[int, ...], ...]:
+    """Pipelines with one-layer heads, middles and tails (when the model is deep enough)."""
+    if n_layers < 3:
+        return ()
+    return ((0, 1, n_layers), (0, n_layers - 1, n_layers), (0, 1, n_layers - 1, n_layers))
 
 
 def _describe_model(model: str) -> ModelFixture:

@@ -355,14 +355,16 @@ class ShardEngineConformance(TargetedTests):
         EngineCore, which keeps them."""
         h = self.harness
         n = h.n_layers
+        examples = self._examples(request)
         for eviction in _EVICTION_POLICIES:
             replay = h.load(0, n, **upstream_limits())
             run_machine(
                 h,
                 MachineConfig(start=0, end=n, n_layers=n, dtype="f32", eviction=eviction),
-                examples=self._examples(request),
+                examples=examples,
                 upstream=None,
                 replay=replay,
+                shrink=not request.config.getoption("shard_engine_no_shrink", default=False),
             )
 
     def test_state_machine_every_role(self, request: pytest.FixtureRequest) -> None:
@@ -385,6 +387,7 @@ class ShardEngineConformance(TargetedTests):
             ranges = [ranges[0], ranges[1], ranges[-1]]
         dtypes = h.load(*ranges[0]).capabilities().boundary_dtypes
         policies = itertools.cycle(_EVICTION_POLICIES)
+        examples = max(1, self._examples(request, budget_s=8.0) // 2)
         for start, end in ranges:
             for dtype in dtypes:
                 upstream = (
@@ -398,9 +401,10 @@ class ShardEngineConformance(TargetedTests):
                     MachineConfig(
                         start=start, end=end, n_layers=n, dtype=dtype, eviction=next(policies)
                     ),
-                    examples=max(1, self._examples(request) // 2),
+                    examples=examples,
                     upstream=upstream,
                     replay=replay,
+                    shrink=not request.config.getoption("shard_engine_no_shrink", default=False),
                 )
 
     # ================================================================= lifecycle

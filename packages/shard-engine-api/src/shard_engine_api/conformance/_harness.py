@@ -75,8 +75,10 @@ def assert_matches(
     tolerance: float,
     what: str,
 ) -> None:
-    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``.
-    NaN or infinity on either side never matches (two NaNs are not equal outputs)."""
+    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``,
+    plus one unit in the last place for f16 values (a difference within the tolerance may
+    round to the neighbouring f16 number). NaN or infinity on either side never matches (two
+    NaNs are not equal outputs)."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
     for side, values in (("output", actual), ("expected output", expected)):
@@ -92,7 +94,10 @@ def assert_matches(
                 f"(max |difference| = {difference:.3g})"
             )
         return
-    difference = float(np.max(np.abs(actual.astype(np.float64) - expected)))
+    gap = np.abs(actual.astype(np.float64) - expected)
+    if expected.dtype == np.float16:
+        gap = gap - np.spacing(np.abs(expected)).astype(np.float64)
+    difference = float(np.max(gap)) if gap.size else 0.0
     if not difference <= tolerance:
         raise AssertionError(
             f"{what}: max |difference| = {difference:.3g} exceeds the declared tolerance "

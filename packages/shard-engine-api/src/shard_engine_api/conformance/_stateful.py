@@ -219,8 +219,10 @@ def run_machine(
     examples: int,
     upstream: ShardEngine | None,
     replay: ShardEngine,
+    shrink: bool = True,
 ) -> None:
-    """Run the state machine on ``config`` for ``examples`` examples (derandomized)."""
+    """Run the state machine on ``config`` for ``examples`` examples (derandomized); a
+    failure is shrunk to a short call sequence unless ``shrink`` is false."""
     try:
         from hypothesis import HealthCheck, Phase, Verbosity, settings
         from hypothesis import strategies as st
@@ -697,7 +699,7 @@ def run_machine(
             duplicated = {sid for sid in sids if sids.count(sid) > 1}
             calls = [entry[5] for entry in built]
             call = f"decode_batch([{', '.join(calls)}])"
-            variants: list[tuple[str, set[int]]] = [("", set())]
+            refusals: list[tuple[str, set[int]]] = [("", set())]
             if duplicated:
                 later = {
                     position
@@ -705,19 +707,32 @@ def run_machine(
                     if sid in duplicated and sids.index(sid) != position
                 }
                 every = {position for position, sid in enumerate(sids) if sid in duplicated}
-                variants = [("later duplicates refused", later), ("all duplicates refused", every)]
+                refusals = [("later duplicates refused", later), ("all duplicates refused", every)]
+            # Eviction may spare every valid member of the batch, or only the items admitted
+            # before (the contract says "idle sessions"; both readings are allowed).
+            variants = [
+                (name, refused, spare_members)
+                for name, refused in refusals
+                for spare_members in (True, False)
+            ]
             outcomes_by_variant: list[tuple[str, ContractModel, list[Admission | Refusal]]] = []
-            for name, refused in variants:
+            for name, refused, spare_members in variants:
                 scratch = self.model.copy()
                 planned: list[Admission | Refusal] = []
                 protected: set[str] = set()
+                members = frozenset(
+                    sid
+                    for position, sid in enumerate(sids)
+                    if position not in refused and not bad[position]
+                )
                 for position, (sid, session, pos, _inputs, _token, _call) in enumerate(built):
                     if position in refused:
                         planned.append(
                             Refusal((ExpectedError("invalid_request", "session named twice"),))
                         )
                         continue
-                    plan = scratch.plan_decode(sid, session.epoch, pos, frozenset(protected))
+                    spared = members if spare_members else frozenset(protected)
+                    plan = scratch.plan_decode(sid, session.epoch, pos, spared)
                     if bad[position]:
                         bad_error = ExpectedError(self.bad_code(), "the input is invalid")
                         plan = Refusal(
@@ -955,7 +970,9 @@ def run_machine(
             database=None,
             deadline=None,
             suppress_health_check=list(HealthCheck),
-            phases=(Phase.explicit, Phase.generate, Phase.shrink),
+            phases=(Phase.explicit, Phase.generate, Phase.shrink)
+            if shrink
+            else (Phase.explicit, Phase.generate),
             report_multiple_bugs=False,
             verbosity=Verbosity.quiet,
             print_blob=False,

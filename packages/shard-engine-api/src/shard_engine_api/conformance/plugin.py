@@ -20,6 +20,9 @@ Options:
 ``--shard-engine-examples N``
     Examples per shard configuration of the model-based state-machine test (default 8;
     derandomized, so a run is repeatable; raise it for deeper runs).
+``--shard-engine-no-shrink``
+    Report a failing model-based example as found, unshrunk (faster when only pass or fail
+    matters, as in the suite's own tests of broken engines).
 ``--shard-engine-report PATH``
     Write a JSON :class:`~shard_engine_api.conformance.ConformanceReport` at session end
     (default: none). It covers every conformance suite class that ran, with or without
@@ -84,6 +87,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="examples per shard configuration of the model-based test (default "
         f"{DEFAULT_EXAMPLES}; more for deeper runs)",
+    )
+    group.addoption(
+        "--shard-engine-no-shrink",
+        action="store_true",
+        default=False,
+        help="report a failing model-based example as found, without shrinking it (faster "
+        "when only pass/fail matters)",
     )
     group.addoption(
         "--shard-engine-report",
