@@ -192,6 +192,9 @@ class RemoteEngine:
         self._capabilities: api.Capabilities | None = None
         self._served: api.Capabilities | None = None
         self._crash: api.EngineCrashed | None = None
+        self._engine_failure: api.ShardEngineError | None = None
+        """The served engine's own EngineCrashed (its process lives on): permanent, like a
+        local engine's failed state."""
         self._restarts = 0
         self._last_metrics = api.Metrics()
 
@@ -347,6 +350,9 @@ class RemoteEngine:
         options = self._options
         if self._state == "crashed" and not (options and self._can_restart(options)):
             raise self._crash_copy()
+        failure = self._engine_failure
+        if failure is not None:
+            raise api.EngineCrashed(failure.message, details=dict(failure.details))
         return self._capabilities
 
     def prefill(self, request: api.PrefillRequest) -> api.ShardResult:
@@ -468,6 +474,7 @@ class RemoteEngine:
             self._crash = api.EngineCrashed("the restarted engine serves another model")
             raise self._crash_copy()
         self._crash = None
+        self._engine_failure = None
         self._state = "ready"
 
     def _crash_copy(self) -> api.EngineCrashed:
@@ -504,7 +511,10 @@ class RemoteEngine:
         if isinstance(reply, Rejected):
             raise reply.error
         if isinstance(reply, api.ErrorInfo):
-            raise wire.error_from_info(reply)
+            raised = wire.error_from_info(reply)
+            if isinstance(raised, api.EngineCrashed) and link is self._link:
+                self._engine_failure = self._engine_failure or raised
+            raise raised
         return reply
 
     def _transport_failure(
