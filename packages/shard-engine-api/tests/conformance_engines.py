@@ -471,7 +471,8 @@ class BatchIgnoresSessionCancel(ReferenceEngine):
     """``cancel(session_id=...)`` reaches single requests but not batches."""
 
     def cancel(self, request: CancelRequest) -> CancelResult:
-        if request.session_id is None or request.request_id is not None or self._state == "failed":
+        failed = self.health().state == "failed"
+        if request.session_id is None or request.request_id is not None or failed:
             return super().cancel(request)
         with self._state_lock:
             tokens = [
