@@ -1183,7 +1183,7 @@ class KvBudgetOffByOne(ReferenceEngine):
 
     def load(self, config: LoadConfig) -> Capabilities:
         caps = super().load(config)
-        self._kv_budget += 1
+        self._set_kv_budget(config.kv_budget_tokens + 1)
         return caps
 
     def health(self) -> Health:
