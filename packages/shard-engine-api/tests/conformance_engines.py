@@ -471,7 +471,8 @@ class BatchIgnoresSessionCancel(ReferenceEngine):
     """``cancel(session_id=...)`` reaches single requests but not batches."""
 
     def cancel(self, request: CancelRequest) -> CancelResult:
-        if request.session_id is None or request.request_id is not None:
+        failed = self.health().state == "failed"
+        if request.session_id is None or request.request_id is not None or failed:
             return super().cancel(request)
         with self._state_lock:
             tokens = [
@@ -1182,7 +1183,7 @@ class KvBudgetOffByOne(ReferenceEngine):
 
     def load(self, config: LoadConfig) -> Capabilities:
         caps = super().load(config)
-        self._kv_budget += 1
+        self._set_kv_budget(config.kv_budget_tokens + 1)
         return caps
 
     def health(self) -> Health:
