@@ -474,6 +474,7 @@ class BatchIgnoresSessionCancel(ReferenceEngine):
         if request.session_id is None or request.request_id is not None:
             return super().cancel(request)
         with self._state_lock:
+            self._lifecycle.require_alive()
             tokens = [
                 token
                 for token in self._in_flight.values()
@@ -791,7 +792,7 @@ class BadFirstPrefillCreatesSession(ReferenceEngine):
         except InvalidRequest:
             ledger = self._ledger
             with self._state_lock:
-                slot = ledger._peek_slot(self._limits(self.capabilities()))
+                slot = ledger._peek_slot(self._limits())
                 if sid not in ledger.sessions and slot is not None:
                     ledger._take_slot(slot)
                     ledger.sessions[sid] = SessionEntry(
@@ -1172,8 +1173,8 @@ class BatchTokensOffByOne(ReferenceEngine):
 class SessionsOffByOne(ReferenceEngine):
     """Has one more session slot than max_sessions."""
 
-    def _limits(self, caps: Capabilities) -> LedgerLimits:
-        limits = super()._limits(caps)
+    def _limits(self) -> LedgerLimits:
+        limits = super()._limits()
         return dataclasses.replace(limits, max_sessions=limits.max_sessions + 1)
 
 
@@ -1199,7 +1200,7 @@ class TruncationStillCounted(ReferenceEngine):
         admission = super()._plan_prefill(caps, session, start_pos, n_tokens)
         if not admission.is_new and start_pos < admission.committed_length:
             self._ledger._room_for(
-                session.session_id, n_tokens, is_new=False, limits=self._limits(caps)
+                session.session_id, n_tokens, is_new=False, limits=self._limits()
             )
         return admission
 
