@@ -475,6 +475,7 @@ class BatchIgnoresSessionCancel(ReferenceEngine):
         if request.session_id is None or request.request_id is not None or failed:
             return super().cancel(request)
         with self._state_lock:
+            self._lifecycle.require_alive()
             tokens = [
                 token
                 for token in self._in_flight.values()

@@ -186,10 +186,6 @@ class EngineCore(abc.ABC):
         refused on the next admission, per the eviction policy."""
         with self._state_lock:
             self._kv_budget = max(0, tokens)
-            if self._admission_limits is not None:
-                self._admission_limits = dataclasses.replace(
-                    self._admission_limits, kv_budget=self._kv_budget
-                )
 
     @property
     def config(self) -> LoadConfig:
@@ -556,6 +552,8 @@ class EngineCore(abc.ABC):
         limits = self._admission_limits
         if limits is None:
             raise NotReady(f"{self.engine_name} engine is not loaded", retryable=False)
+        if limits.kv_budget != self._kv_budget:  # memory pressure changed the budget
+            limits = self._admission_limits = dataclasses.replace(limits, kv_budget=self._kv_budget)
         return limits
 
     def _plan_prefill(
