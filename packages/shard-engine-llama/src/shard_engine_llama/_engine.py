@@ -6,6 +6,7 @@ backend steps onto :class:`ShardRuntime` and maps runtime failures onto the cont
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ from shard_engine_llama._gguf.families import FAMILIES
 from shard_engine_llama._gguf.integrity import ShardIntegrityError, verify_shard
 from shard_engine_llama._gguf.store import FileIdentity, file_identity, hash_cache
 from shard_engine_llama._gguf.writer import ShardLayout, planned_layout, shard_layout
+
+_log = logging.getLogger("shard_engine.llama")
 
 __all__ = ["ENGINE_VERSION", "LlamaEngine", "LlamaOptions"]
 
@@ -201,6 +204,14 @@ class LlamaEngine(EngineCore):
         self._runtime = runtime
         self.shard_path = choice.path
         self._inject_crash = options.inject_crash
+        _log.info(
+            "loaded %s layers [%d, %d) of %d (%d threads)",
+            choice.path.name,
+            config.shard.start,
+            config.shard.end,
+            config.shard.n_layers,
+            config.n_threads or _available_cores(),
+        )
         return ModelInfo(
             engine_version=ENGINE_VERSION,
             evidence="real",
@@ -281,6 +292,14 @@ class LlamaEngine(EngineCore):
             hash_store=store,
         )
         layout = planned_layout(header, spec.start, spec.end)
+        _log.info(
+            "shard [%d, %d) of %s: %s %s",
+            spec.start,
+            spec.end,
+            source.name,
+            "reused" if manifest.reused and manifest.reused[0] else "wrote",
+            manifest.shard_path(0).name,
+        )
         return _ShardChoice(
             manifest.shard_path(0), manifest.source_sha256, info.vocab_size, header, layout
         ).verified()
