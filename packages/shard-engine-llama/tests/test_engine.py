@@ -160,6 +160,54 @@ def test_truncate_failure_restores_the_sequence_exactly(
         _close([engine, reference])
 
 
+def test_cancelled_new_session_evicts_nothing_when_every_slot_is_taken(tmp_path: Path) -> None:
+    """With every slot in use and LRU eviction, a new session's prefill that is cancelled
+    mid-forward leaves the idle victim cached (the engine keeps one spare llama.cpp sequence,
+    so the eviction happens only at commit); a later successful prefill does evict it."""
+    model = tmp_path / "wide.gguf"
+    write_tiny_model(model, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
+    fields: dict[str, object] = {
+        "max_batch_tokens": 512,
+        "max_context": 1024,
+        "max_sessions": 1,
+        "eviction": "lru",
+        "options": {"n_ubatch": 8},
+    }
+    engine = _load(model, 0, 8, 8, **fields)
+    clean = _load(model, 0, 8, 8, **fields)
+    idle = SessionRef(session_id="idle", epoch=1)
+    newcomer = SessionRef(session_id="new", epoch=1)
+    long_prompt = tuple((index * 7) % 250 + 3 for index in range(512))
+    try:
+        _prefill(engine, idle, long_prompt[:4])
+        outcome: list[BaseException | None] = []
+
+        def work() -> None:
+            try:
+                _prefill(engine, newcomer, long_prompt)
+                outcome.append(None)
+            except Cancelled as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        time.sleep(0.02)
+        engine.cancel(CancelRequest(session_id="new"))
+        thread.join(10)
+        assert outcome, "the prefill thread did not finish"
+        assert isinstance(outcome[0], Cancelled), "prefill finished before the cancel"
+        assert engine.health().sessions == 1
+        assert engine.health().kv_used_tokens == 4
+        assert engine.metrics().evictions == 0
+        _prefill(clean, idle, long_prompt[:4])
+        assert np.array_equal(_decode(engine, idle, 4, 9), _decode(clean, idle, 4, 9))
+        _prefill(engine, newcomer, long_prompt[:3])
+        assert engine.metrics().evictions == 1
+    finally:
+        engine.close()
+        clean.close()
+
+
 def test_cancel_mid_prefill_from_another_thread_rolls_back(tmp_path: Path) -> None:
     """A cancel from another thread stops llama_decode at its next node; the session keeps its
     committed length and a replay equals a clean run."""

@@ -156,8 +156,11 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"kv_type must be f32 or f16, got {options.kv_type!r}")
         if options.n_ubatch < 1:
             raise InvalidRequest(f"n_ubatch must be positive, got {options.n_ubatch}")
-        if config.max_sessions > _MAX_SEQUENCES:
-            raise InvalidRequest(f"max_sessions may not exceed {_MAX_SEQUENCES} (llama.cpp)")
+        if config.max_sessions >= _MAX_SEQUENCES:
+            raise InvalidRequest(
+                f"max_sessions may not exceed {_MAX_SEQUENCES - 1} (llama.cpp's sequence limit, "
+                "one sequence kept spare so that an LRU eviction happens only at commit)"
+            )
         if options.self_test:
             try:
                 self.self_test_report = _run_self_test()
@@ -172,8 +175,10 @@ class LlamaEngine(EngineCore):
             )
             runtime = _abi.ShardRuntime(
                 choice.path,
-                n_ctx=config.max_context * config.max_sessions,
-                n_seq_max=config.max_sessions,
+                # One spare sequence (slot max_sessions): a new session evicting the LRU one
+                # runs in it, so a failed or cancelled forward evicts nothing.
+                n_ctx=config.max_context * (config.max_sessions + 1),
+                n_seq_max=config.max_sessions + 1,
                 n_threads=config.n_threads or _available_cores(),
                 n_batch=config.max_batch_tokens,
                 # llama.cpp needs n_ubatch <= n_batch; a smaller batch bound caps it (the same
@@ -233,6 +238,7 @@ class LlamaEngine(EngineCore):
             boundary_dtypes=("f32", "f16"),
             max_context=runtime.n_ctx_seq,
             max_sessions=config.max_sessions,
+            spare_slot=True,
         )
 
     def _shard_file(self, config: LoadConfig, options: LlamaOptions) -> _ShardChoice:
