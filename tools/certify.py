@@ -38,6 +38,7 @@ from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+from evidence import committed_text
 
 from shard_engine_api import (
     GenerationResult,
@@ -146,7 +147,7 @@ def run_conformance(model: Path, evidence_dir: Path, timeout_s: float) -> JsonOb
         output = f"could not start {command[0]}: {error}"
         record["exit_code"] = None
     record["seconds"] = round(time.perf_counter() - started, 1)
-    log.write_text(portable_text(output, root=ROOT))
+    log.write_text(committed_text(output))
     tail = [line for line in output.splitlines() if line.strip()][-3:]
     record["summary"] = tail
     if report.is_file():
@@ -511,7 +512,7 @@ def write_markdown(path: Path, document: JsonObject) -> None:
     for failure in conformance.get("failed_tests", []) or []:
         lines.append(f"- failed: `{failure['name']}`: {failure['message']}")
     lines += ["", "Raw metrics: `certification.json` beside this file.", ""]
-    path.write_text(portable_text("\n".join(lines), root=ROOT))
+    path.write_text(committed_text("\n".join(lines)))
 
 
 def _gib(value: object) -> str:

@@ -78,6 +78,13 @@ class Prd(msgspec.Struct, kw_only=True):
     stories: list[Story]
 
 
+def committed_text(text: str) -> str:
+    """Text as evidence is committed: paths relative to the repository or the model store
+    (never this machine's absolute paths) and no trailing whitespace on any line, so the
+    tree stays clean under ``git diff --check``."""
+    return "\n".join(line.rstrip() for line in portable_text(text, root=ROOT).split("\n"))
+
+
 def _git(*args: str) -> str:
     completed = subprocess.run(
         ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
@@ -143,9 +150,7 @@ def run_command(command: str, log_path: Path) -> CommandRecord:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     seconds = time.perf_counter() - started
-    # Evidence is committed: it names paths relative to the repository or the model store,
-    # never this machine's absolute paths.
-    output = portable_text(completed.stdout + completed.stderr, root=ROOT)
+    output = committed_text(completed.stdout + completed.stderr)
     tail = output.splitlines()[-LOG_TAIL_LINES:]
     log_path.write_text("\n".join(tail) + "\n", encoding="utf-8")
     return CommandRecord(
