@@ -102,6 +102,8 @@ apply_threading_defaults()
 
 import llama_cpp  # noqa: E402  (imported only once the pinned version is confirmed)
 
+from shard_engine_llama import _state  # noqa: E402
+
 _GGML_TYPE_F32 = 0
 _GGML_TYPE_F16 = 1
 _KV_TYPES = {"f32": _GGML_TYPE_F32, "f16": _GGML_TYPE_F16}
@@ -317,6 +319,17 @@ class ShardRuntime:
         # llama.cpp pads each sequence's KV stream to a multiple of 256 cells and sets
         # n_ctx = n_ctx_seq * n_seq_max: a sequence can hold more than n_ctx/n_seq_max positions.
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(context))
+        # Sliding-window span (0 without windowed layers) and how many KV caches a sequence
+        # state has (one, or full-attention + windowed): an empty sequence's state says.
+        self.n_swa = int(llama_cpp.llama_model_n_swa(model))
+        empty = self._raw_state(self._context, 0)
+        per_section = 4 + 4 * settings.n_seq_max
+        if ctypes.sizeof(empty) < 8 + per_section or (ctypes.sizeof(empty) - 8) % per_section:
+            self.close()
+            raise ModelLoadError(
+                f"{self.path}: llama.cpp writes a sequence state of an unknown layout"
+            )
+        self.n_state_sections = (ctypes.sizeof(empty) - 8) // per_section
 
     # -- callbacks (run on llama.cpp's thread while llama_decode holds no GIL) -----------------
 
@@ -559,37 +572,87 @@ class ShardRuntime:
             self._require_open()
             llama_cpp.llama_memory_clear(self._memory, True)
 
-    # -- whole-sequence snapshots (rollback of a truncating prefill) ---------------------------
+    # -- whole-sequence snapshots (rollback of a truncating prefill, session transfer) ---------
 
-    def save_sequence(self, seq_id: int) -> bytes:
-        """A byte snapshot of ``seq_id``'s cached positions (KV of every layer), for restoring
-        the sequence exactly after a failed truncate-and-append."""
+    def _state_limits(self) -> dict[str, int]:
+        return {
+            "n_sections": self.n_state_sections,
+            "max_cells": self.n_ctx_seq,
+            "kv_ggml_type": _KV_TYPES[self.settings.kv_type],
+            # llama.cpp stores V transposed unless flash attention is on (llama-context.cpp).
+            "v_trans": 0 if self.settings.flash_attn else 1,
+        }
+
+    def _raw_state(self, context: int, seq_id: int) -> ctypes.Array[ctypes.c_uint8]:
+        size = int(llama_cpp.llama_state_seq_get_size(context, seq_id))
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = int(llama_cpp.llama_state_seq_get_data(context, buffer, size, seq_id))
+        if written != size:
+            raise RuntimeFailure(
+                f"{self.path.name}: snapshot of sequence {seq_id} wrote {written} of {size} bytes",
+                -103,
+            )
+        return buffer
+
+    def save_sequence(self, seq_id: int, prefix: bytes = b"") -> tuple[bytes, _state.SequenceState]:
+        """The cached positions of ``seq_id`` (KV of every layer) in the portable form of
+        :mod:`._state` (loadable into any context with the same settings, whatever its
+        sequence count) after ``prefix``, and what it holds."""
         with self._lock:
             context = self._require_open()
-            size = int(llama_cpp.llama_state_seq_get_size(context, seq_id))
-            buffer = (ctypes.c_uint8 * max(size, 1))()
-            written = int(llama_cpp.llama_state_seq_get_data(context, buffer, size, seq_id))
-            if written != size:
-                raise RuntimeFailure(
-                    f"{self.path.name}: snapshot of sequence {seq_id} wrote {written} of "
-                    f"{size} bytes",
-                    -103,
+            if not 0 <= seq_id < self.settings.n_seq_max:
+                raise InvalidInputError(f"seq_id {seq_id} outside [0, {self.settings.n_seq_max})")
+            buffer = self._raw_state(context, seq_id)
+            try:
+                return _state.portable(
+                    memoryview(buffer)[: ctypes.sizeof(buffer)],
+                    n_stream=self.settings.n_seq_max,
+                    seq_id=seq_id,
+                    prefix=prefix,
+                    **self._state_limits(),
                 )
-            return bytes(buffer)[:size]
+            except _state.StateFormatError as error:
+                raise RuntimeFailure(
+                    f"{self.path.name}: llama.cpp wrote a sequence state this module does not "
+                    f"know: {error}",
+                    -105,
+                ) from error
 
-    def restore_sequence(self, seq_id: int, snapshot: bytes) -> None:
-        """Replace ``seq_id``'s cache with a snapshot taken by :meth:`save_sequence`."""
+    def restore_sequence(self, seq_id: int, snapshot: bytes | memoryview) -> _state.SequenceState:
+        """Replace ``seq_id``'s cache with a portable snapshot (from :meth:`save_sequence` of
+        a context with the same settings). The snapshot is checked field by field first
+        (InvalidInputError, the sequence left empty); llama.cpp refusing it (layer count, row
+        sizes) is InvalidInputError too, and leaves the sequence empty."""
         with self._lock:
             context = self._require_open()
+            if not 0 <= seq_id < self.settings.n_seq_max:
+                raise InvalidInputError(f"seq_id {seq_id} outside [0, {self.settings.n_seq_max})")
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-            if not snapshot:
-                return
-            buffer = (ctypes.c_uint8 * len(snapshot)).from_buffer_copy(snapshot)
-            read = int(llama_cpp.llama_state_seq_set_data(context, buffer, len(snapshot), seq_id))
-            if read == 0:
-                raise RuntimeFailure(
-                    f"{self.path.name}: could not restore sequence {seq_id} from its snapshot", -104
+            try:
+                local, state = _state.localize(
+                    snapshot,
+                    n_stream=self.settings.n_seq_max,
+                    seq_id=seq_id,
+                    **self._state_limits(),
                 )
+            except _state.StateFormatError as error:
+                raise InvalidInputError(f"not a sequence state of this shard: {error}") from error
+            if state.length == 0:
+                return state
+            buffer = (ctypes.c_uint8 * len(local)).from_buffer_copy(local)
+            read = int(llama_cpp.llama_state_seq_set_data(context, buffer, len(local), seq_id))
+            if read != len(local):
+                llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                raise InvalidInputError(
+                    f"{self.path.name}: llama.cpp refused the sequence state (read {read} of "
+                    f"{len(local)} bytes): its layers or tensor sizes are not this shard's"
+                )
+            if int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) != state.length - 1:
+                llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                raise InvalidInputError(
+                    f"{self.path.name}: the restored sequence does not end at {state.length - 1}"
+                )
+            return state
 
     def bind_abort_event(self, event: threading.Event | None) -> None:
         """Poll ``event`` (instead of the runtime's own) to abort llama_decode; None restores
