@@ -25,6 +25,7 @@ __all__ = [
     "CancelRequest",
     "CancelResult",
     "Capabilities",
+    "Checksum",
     "DecodeBatchRequest",
     "DecodeBatchResult",
     "DecodeRequest",
@@ -59,8 +60,11 @@ __all__ = [
     "TokenInput",
 ]
 
-CONTRACT_VERSION: Final = 1
-"""The version of this contract. Bundles and messages of another version are refused."""
+CONTRACT_VERSION: Final = 2
+"""The version of this contract. Bundles and messages of another version are refused.
+
+Version 2: payload checksums are xxh3-64 (version 1's were "gsum64-crc32"), bundles may carry
+bf16."""
 
 Role = Literal["head", "middle", "tail", "full"]
 EvidenceClass = Literal["fixture", "real"]
@@ -72,7 +76,8 @@ OptionValue = object
 """An engine option: any JSON-compatible value (engines convert it to their own types)."""
 
 INT64_MAX: Final = 2**63 - 1
-"""The largest integer the wire carries: every wire integer is a signed 64-bit value."""
+"""The largest integer the wire carries, except checksums: every other wire integer is a signed
+64-bit value (checksums are unsigned 64-bit, see ``Checksum``)."""
 INT32_MAX: Final = 2**31 - 1
 """The largest token id (token ids are int32 on every backend)."""
 MAX_ID_CHARS: Final = 256
@@ -112,7 +117,13 @@ MAX_SNAPSHOT_CHUNKS: Final = 1 << 16
 Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 """A non-negative wire integer: positions, epochs, counts, sizes."""
 Int64: TypeAlias = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
-"""A signed wire integer (contract versions, checksums are unsigned 32-bit but travel as this)."""
+"""A signed wire integer (contract versions)."""
+Checksum: TypeAlias = Annotated[int, msgspec.Meta(ge=0, extra={"uint64": True})]
+"""A payload checksum (:func:`~shard_engine_api._checksum.payload_checksum`): an unsigned
+64-bit value in ``[0, CHECKSUM_MAX]``, a msgpack uint64 on the wire (``Count`` stops at
+INT64_MAX and cannot hold it). msgspec bounds integers only within int64, so the upper bound is
+the one msgpack itself imposes when decoding, and the edge checks (which read the ``uint64``
+marker) for structs built in Python."""
 TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Identifier: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 """A non-empty id of at most MAX_ID_CHARS characters."""
@@ -236,7 +247,7 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
     layer: Count
     model_fingerprint: Fingerprint
     payload: memoryview
-    checksum: Count
+    checksum: Checksum
     contract_version: Int64 = CONTRACT_VERSION
     mtp: Annotated[tuple[MtpState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
     aux: Annotated[tuple[AuxState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
@@ -451,7 +462,7 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
     vocab_size: Count
     evidence: EvidenceClass
     payload: memoryview
-    checksum: Count
+    checksum: Checksum
     timings: Timings = Timings()
 
     @classmethod
