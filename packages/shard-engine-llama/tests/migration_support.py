@@ -1,48 +1,64 @@
-"""Moving a session between two llama engines at the backend-hook level: the source's
-``_export_state`` and the target's ``_import_state``, with the target's ledger told the
-session's length as an import does."""
+"""Moving sessions between llama engines through the contract (``export_session``, the wire
+codec, ``import_session``), and snapshots a hostile peer could send: a well-formed header and
+checksum around state bytes of its choosing."""
 
 from __future__ import annotations
 
-from shard_engine_api import SessionRef
-from shard_engine_api._ledger import SessionEntry
+import msgspec
+
+from shard_engine_api import (
+    ExportSessionRequest,
+    ImportSessionRequest,
+    SessionRef,
+    SessionSnapshot,
+)
+from shard_engine_api._snapshot import split_chunks
+from shard_engine_api.wire import Codec, payload_checksum
 from shard_engine_llama import LlamaEngine
 
 
-def export_state(engine: LlamaEngine, session: SessionRef) -> tuple[bytes, int]:
-    """The session's state and committed length."""
-    entry = engine._ledger.sessions[session.session_id]
-    return engine._export_state(entry.slot, entry.length), entry.length
-
-
-def import_into(engine: LlamaEngine, session: SessionRef, state: bytes, length: int) -> int:
-    """Install ``state`` into a free slot of ``engine`` (the one the ledger would give a new
-    session) and enter the session in the ledger; returns the slot. A failure leaves the slot
-    empty and the ledger without the session."""
-    ledger = engine._ledger
-    slot = ledger._free_slots[-1] if ledger._free_slots else ledger._next_slot
-    try:
-        engine._import_state(slot, length, state)
-    except BaseException:
-        engine._drop(slot)
-        raise
-    if slot == ledger._next_slot:
-        ledger._next_slot += 1
-    else:
-        ledger._free_slots.remove(slot)
-    ledger._tick += 1
-    ledger.kv_used += length
-    ledger.sessions[session.session_id] = SessionEntry(
-        session_id=session.session_id,
-        epoch=session.epoch,
-        slot=slot,
-        length=length,
-        last_used=ledger._tick,
+def export_snapshot(engine: LlamaEngine, session: SessionRef) -> SessionSnapshot:
+    return engine.export_session(
+        ExportSessionRequest(request_id=f"export-{session.session_id}", session=session)
     )
-    return slot
+
+
+def export_state(engine: LlamaEngine, session: SessionRef) -> tuple[bytes, int]:
+    """The session's opaque state (the snapshot's chunks joined) and committed length."""
+    snapshot = export_snapshot(engine, session)
+    return b"".join(snapshot.chunks), snapshot.length
+
+
+def over_the_wire(snapshot: SessionSnapshot, target: LlamaEngine) -> SessionSnapshot:
+    """``snapshot`` encoded and decoded by the wire codec (integrity checked on decode)."""
+    caps = target.capabilities()
+    codec = Codec(expected_fingerprint=caps.model_fingerprint, expected_layer=caps.shard.start)
+    received = codec.decode_message(codec.encode(snapshot))
+    assert isinstance(received, SessionSnapshot)
+    return received
+
+
+def import_snapshot(engine: LlamaEngine, snapshot: SessionSnapshot) -> int:
+    """Import ``snapshot``; returns the slot it went to."""
+    engine.import_session(
+        ImportSessionRequest(request_id=f"import-{snapshot.session.session_id}", snapshot=snapshot)
+    )
+    return engine._ledger.sessions[snapshot.session.session_id].slot
+
+
+def forged(template: SessionSnapshot, state: bytes, length: int | None = None) -> SessionSnapshot:
+    """``template``'s header around ``state``, with a checksum that matches: what a peer that
+    lies about the state (or its header) can send."""
+    return msgspec.structs.replace(
+        template,
+        chunks=split_chunks(state),
+        state_bytes=len(state),
+        checksum=payload_checksum(state),
+        length=template.length if length is None else length,
+    )
 
 
 def move_session(source: LlamaEngine, target: LlamaEngine, session: SessionRef) -> int:
-    """Export ``session`` from ``source`` and import it into ``target``; returns the slot."""
-    state, length = export_state(source, session)
-    return import_into(target, session, state, length)
+    """Export ``session`` from ``source``, carry it through the wire codec and import it into
+    ``target``; returns the target's slot."""
+    return import_snapshot(target, over_the_wire(export_snapshot(source, session), target))

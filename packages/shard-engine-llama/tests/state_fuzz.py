@@ -7,7 +7,8 @@ For each family's generated model in MODEL_DIR (``<family>.gguf``), for a full s
 middle shard, a state is exported at two lengths and mutated CASES times: bytes flipped
 (mostly in the header and cell records, where llama.cpp reads sizes and positions), 32-bit
 fields set to boundary values, truncated, extended, or replaced by another shard's state.
-Each is imported into a free slot; an accepted one is decoded one step further and dropped.
+Each goes to ``import_session`` in a snapshot whose header and checksum are right (a lying
+peer); an accepted one is decoded one step further and released.
 Every outcome must be a ShardEngineError or success. Prints one JSON object of counts.
 """
 
@@ -19,11 +20,12 @@ import struct
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from migration_support import export_state, import_into
+from migration_support import export_snapshot, forged, import_snapshot
 
 from shard_engine_api import (
     BoundaryBundle,
@@ -107,22 +109,23 @@ def fuzz(model_dir: Path, cases: int, seed: int) -> dict[str, int]:
         for start, end in ((0, N_LAYERS), (2, 4)):
             source, target = _load(model, start, end), _load(model, start, end)
             try:
-                states = []
+                snapshots = []
                 for length in (1, 21):
                     session = SessionRef(session_id=f"s{length}", epoch=1)
                     _prefill(source, session, length)
-                    states.append(export_state(source, session))
+                    snapshots.append(export_snapshot(source, session))
                 identity = len(target._state_identity)
                 for case in range(cases):
-                    state, length = states[case % 2]
-                    other = states[1 - case % 2][0]
+                    session = SessionRef(session_id=f"case-{case}", epoch=1)
+                    template = msgspec.structs.replace(snapshots[case % 2], session=session)
+                    state, length = b"".join(template.chunks), template.length
+                    other = b"".join(snapshots[1 - case % 2].chunks)
                     header = min(len(state), identity + 64 + 12 * length)
                     kind, mutated = _mutate(state, header, other, rng)
                     counts["cases"] += 1
                     counts[f"kind_{kind}"] = counts.get(f"kind_{kind}", 0) + 1
-                    session = SessionRef(session_id=f"case-{case}", epoch=1)
                     try:
-                        import_into(target, session, mutated, length)
+                        import_snapshot(target, forged(template, mutated))
                     except ShardEngineError as error:
                         counts["refused"] += 1
                         key = f"refused_{error.code}"

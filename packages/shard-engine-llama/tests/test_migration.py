@@ -14,9 +14,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import numpy as np
 import pytest
-from migration_support import export_state, import_into, move_session
+from migration_support import (
+    export_snapshot,
+    forged,
+    import_snapshot,
+    move_session,
+    over_the_wire,
+)
 
 from shard_engine_api import (
     BoundaryResult,
@@ -24,11 +31,14 @@ from shard_engine_api import (
     Cancelled,
     InvalidRequest,
     LoadConfig,
+    LogitsResult,
     Pipeline,
     PrefillRequest,
     ReleaseRequest,
+    ResourceExhausted,
     SessionRef,
     ShardInput,
+    ShardMismatch,
     ShardSpec,
     TokenInput,
 )
@@ -64,6 +74,7 @@ def _load(
     end: int,
     *,
     max_context: int = 256,
+    kv_budget_tokens: int = 16384,
     **options: str | bool,
 ) -> LlamaEngine:
     engine = LlamaEngine()
@@ -72,6 +83,7 @@ def _load(
             shard=ShardSpec(model=str(model), n_layers=N_LAYERS, start=start, end=end),
             max_sessions=3,
             max_context=max_context,
+            kv_budget_tokens=kv_budget_tokens,
             options={"n_ubatch": 4, "model_store": str(model.parent / "store"), **options},
         )
     )
@@ -173,17 +185,39 @@ def _warm(engines: Sequence[LlamaEngine], session: SessionRef, tokens: Sequence[
         engine.release(ReleaseRequest(session=session))
 
 
-def _full(model: Path, *, max_context: int = 256, **options: str | bool) -> LlamaEngine:
-    return _load(model, 0, N_LAYERS, max_context=max_context, **options)
+def _full(
+    model: Path, *, max_context: int = 256, kv_budget_tokens: int = 16384, **options: str | bool
+) -> LlamaEngine:
+    return _load(
+        model, 0, N_LAYERS, max_context=max_context, kv_budget_tokens=kv_budget_tokens, **options
+    )
+
+
+def _empty(engine: LlamaEngine, session: SessionRef) -> bool:
+    """No slot of ``engine`` holds a position of a session the ledger does not know, and
+    ``session`` is not known."""
+    known = {entry.slot for entry in engine._ledger.sessions.values()}
+    slots = range(engine.capabilities().limits.max_sessions + 1)
+    return session.session_id not in engine._ledger.sessions and all(
+        _positions(engine, slot) == 0 for slot in slots if slot not in known
+    )
 
 
 def _prefill_tokens(engine: LlamaEngine, session: SessionRef, tokens: Sequence[int]) -> None:
-    _warm_keep(engine, session, tokens, 0)
+    engine.prefill(
+        PrefillRequest(
+            request_id=f"p-{session.session_id}",
+            session=session,
+            start_pos=0,
+            inputs=TokenInput(token_ids=tuple(tokens)),
+        )
+    )
 
 
 def _warm_keep(
     engine: LlamaEngine, session: SessionRef, tokens: Sequence[int], start: int
 ) -> np.ndarray:
+    """The logits of a prefill of ``tokens`` at ``start`` on a full shard."""
     result = engine.prefill(
         PrefillRequest(
             request_id=f"p-{session.session_id}-{start}",
@@ -192,7 +226,8 @@ def _warm_keep(
             inputs=TokenInput(token_ids=tuple(tokens)),
         )
     )
-    return result.array()  # type: ignore[union-attr]
+    assert isinstance(result, LogitsResult)
+    return result.array()
 
 
 @pytest.mark.parametrize("length", [1, 256], ids=["length-1", "length-max"])
@@ -209,11 +244,11 @@ def test_export_at_length_one_and_at_the_context_limit(
         for engine in (source, reference):
             _prefill_tokens(engine, S, tokens)
         assert source.capabilities().limits.max_context == 256
-        state, exported_length = export_state(source, S)
-        assert exported_length == length
-        slot = import_into(target, S, state, length)
+        snapshot = export_snapshot(source, S)
+        assert snapshot.length == length
+        slot = import_snapshot(target, over_the_wire(snapshot, target))
         assert _positions(target, slot) == length
-        assert target._export_state(slot, length) == state
+        assert export_snapshot(target, S).chunks == snapshot.chunks
         if length < 256:
             np.testing.assert_array_equal(
                 _warm_keep(target, S, [3], length), _warm_keep(reference, S, [3], length)
@@ -229,21 +264,43 @@ def test_export_at_length_one_and_at_the_context_limit(
 def test_a_state_longer_than_the_context_is_refused_before_llama_cpp(
     models: dict[str, Path],
 ) -> None:
-    """A state holding more positions than the target's per-sequence context (from an engine
-    with a longer context, its identity prefix forged to the target's) is InvalidRequest
-    before llama.cpp sizes anything from it; the slot stays empty and the engine serves on."""
+    """A session longer than the target's context: its snapshot (from an engine with a
+    longer context) is ShardMismatch; with the header forged to the target's and the true
+    length, the core refuses the length; with a forged 1-position header around the long
+    state, the state check refuses its cell count before llama.cpp sizes anything from it.
+    Each time the slot stays empty and the engine serves on."""
     model = models["llama"]
     source = _full(model, max_context=512)
     target = _full(model)
     try:
         _prefill_tokens(source, S, [(index * 3) % 250 for index in range(300)])
-        state, length = export_state(source, S)
-        # A peer that forged the identity prefix of this engine.
-        forged = target._state_identity + state[len(source._state_identity) :]
+        _prefill_tokens(target, T, OTHER[:1])
+        snapshot = export_snapshot(source, S)
+        template = msgspec.structs.replace(export_snapshot(target, T), session=S)
+        with pytest.raises(ShardMismatch):
+            import_snapshot(target, snapshot)
+        # A peer that forged this engine's identity prefix and header.
+        state = target._state_identity + b"".join(snapshot.chunks)[len(source._state_identity) :]
+        with pytest.raises(ResourceExhausted):
+            import_snapshot(target, forged(template, state, snapshot.length))
         with pytest.raises(InvalidRequest, match="exceed the 256"):
-            import_into(target, S, forged, length)
-        assert S.session_id not in target._ledger.sessions
-        assert all(_positions(target, slot) == 0 for slot in range(4))
+            import_snapshot(target, forged(template, state))
+        assert _empty(target, S)
+        _prefill_tokens(target, S, OTHER)
+    finally:
+        _close([source, target])
+
+
+def test_an_import_beyond_the_kv_budget_is_resource_exhausted(models: dict[str, Path]) -> None:
+    """An engine whose KV budget cannot hold the session refuses the import
+    (ResourceExhausted) and keeps serving; nothing of the session is installed."""
+    model = models["llama"]
+    source, target = _full(model), _full(model, kv_budget_tokens=16)
+    try:
+        _prefill_tokens(source, S, PROMPT)
+        with pytest.raises(ResourceExhausted):
+            move_session(source, target, S)
+        assert _empty(target, S)
         _prefill_tokens(target, T, OTHER)
     finally:
         _close([source, target])
@@ -260,21 +317,27 @@ def _foreign_engines(models: dict[str, Path]) -> Iterator[tuple[str, LlamaEngine
 def test_states_of_other_models_ranges_and_settings_are_refused(
     models: dict[str, Path],
 ) -> None:
-    """The core compares fingerprints first; this checks the backend would refuse anyway:
-    a llama full-shard state imported into engines of another family, model, range, KV type
-    or attention kernel is InvalidRequest, the slot left empty, and each engine serves on."""
+    """A llama full-shard snapshot imported into engines of another family, model, range, KV
+    type or attention kernel is ShardMismatch from the core's fingerprints. Forged into each
+    engine's own header (a lying peer), the state is still refused before llama.cpp reads it
+    (InvalidRequest: its identity prefix; a same-shaped model's KV would otherwise load).
+    The slot stays empty and each engine serves on."""
     source = _full(models["llama"])
     engines: list[LlamaEngine] = [source]
     try:
         _prefill_tokens(source, S, PROMPT)
-        state, length = export_state(source, S)
+        snapshot = export_snapshot(source, S)
+        state = b"".join(snapshot.chunks)
         for what, target in _foreign_engines(models):
             engines.append(target)
-            with pytest.raises(InvalidRequest):
-                import_into(target, S, state, length)
-            assert _positions(target, 0) == 0, what
-            if target.capabilities().role == "full":
-                _prefill_tokens(target, T, OTHER)
+            with pytest.raises(ShardMismatch):
+                import_snapshot(target, snapshot)
+            _prefill_tokens(target, T, OTHER[:1])
+            template = msgspec.structs.replace(export_snapshot(target, T), session=S)
+            with pytest.raises(InvalidRequest, match="identity"):
+                import_snapshot(target, forged(template, state, snapshot.length))
+            assert _empty(target, S), what
+            _prefill_tokens(target, S, OTHER)
     finally:
         _close(engines)
 
@@ -299,7 +362,8 @@ def test_corrupted_and_truncated_states_are_invalid_requests(models: dict[str, P
     source, target = _full(model), _full(model)
     try:
         _prefill_tokens(source, S, PROMPT)
-        exported, length = export_state(source, S)
+        template = export_snapshot(source, S)
+        exported, length = b"".join(template.chunks), template.length
         identity = target._state_identity
         assert exported.startswith(identity)
         state = exported[len(identity) :]
@@ -327,15 +391,17 @@ def test_corrupted_and_truncated_states_are_invalid_requests(models: dict[str, P
         bad |= {f"cut at {cut}": state[:cut] for cut in range(0, cells_end + 40, 7)}
         for what, corrupted in bad.items():
             with pytest.raises(InvalidRequest, match="session state refused"):
-                import_into(target, S, identity + corrupted, length)
-            assert all(_positions(target, slot) == 0 for slot in range(4)), what
+                import_snapshot(target, forged(template, identity + corrupted))
+            assert _empty(target, S), what
         for cut in (0, 1, len(identity) - 1):
+            changed = exported[:cut] + b"x" + exported[cut + 1 :]
             with pytest.raises(InvalidRequest, match="identity"):
-                import_into(target, S, exported[:cut] + b"x" + exported[cut + 1 :], length)
+                import_snapshot(target, forged(template, changed))
         with pytest.raises(InvalidRequest, match="positions"):
-            import_into(target, S, exported, length + 1)
-        import_into(target, S, exported, length)
-        assert _positions(target, _slot(target, S)) == length
+            import_snapshot(target, forged(template, exported, length + 1))
+        assert _empty(target, S)
+        slot = import_snapshot(target, forged(template, exported))
+        assert _positions(target, slot) == length
     finally:
         _close([source, target])
 

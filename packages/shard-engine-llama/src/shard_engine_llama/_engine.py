@@ -250,11 +250,13 @@ class LlamaEngine(EngineCore):
                 cancel_latency_ms=50.0,
                 batched_decode=True,
                 truncate=True,
+                session_migration=True,
             ),
             boundary_dtypes=("f32", "f16"),
             max_context=runtime.n_ctx_seq,
             max_sessions=config.max_sessions,
             spare_slot=True,
+            settings=self.result_settings,
         )
 
     def _shard_file(self, config: LoadConfig, options: LlamaOptions) -> _ShardChoice:
