@@ -367,6 +367,15 @@ class RemoteEngine:
     def release(self, request: api.ReleaseRequest) -> api.ReleaseResult:
         return self._expect(self._invoke(request, mutating=True), api.ReleaseResult)
 
+    def export_session(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
+        """Not forwarded yet: UnsupportedFeature (the served engine's capabilities may say
+        otherwise; the transport does not carry snapshots)."""
+        raise api.UnsupportedFeature("the remote engine does not carry session snapshots yet")
+
+    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+        """Not forwarded yet: UnsupportedFeature."""
+        raise api.UnsupportedFeature("the remote engine does not carry session snapshots yet")
+
     def cancel(self, request: api.CancelRequest) -> api.CancelResult:
         """Forwarded to the served engine. Raises InvalidRequest (neither or both ids) and
         EngineCrashed (the engine or its process failed); answers ``cancelled=False`` when

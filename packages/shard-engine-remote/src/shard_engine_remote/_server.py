@@ -229,6 +229,8 @@ class EngineServer:
                         context,
                         functools.partial(engine.decode_batch, request),
                     )
+                case api.ExportSessionRequest() | api.ImportSessionRequest():
+                    raise api.UnsupportedFeature("this server does not carry session snapshots yet")
                 case _:
                     typing.assert_never(request)
         except api.ShardEngineError as error:
