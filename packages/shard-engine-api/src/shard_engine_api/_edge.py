@@ -21,7 +21,7 @@ Rules, identical to what the msgpack decoders accept:
 - a ``str`` field takes ``str`` within its length bounds; a literal takes one of its strings;
 - a ``tuple[...]`` field takes a ``tuple`` (not a list) within its length bounds;
 - a ``memoryview`` or ``bytes`` field takes a contiguous ``bytes``, ``bytearray`` or
-  ``memoryview``;
+  ``memoryview`` (within its byte bound, for a bounded ``bytes`` field: snapshot chunks);
 - a Struct field takes exactly that Struct class; a tagged union takes one of its classes;
 - ``None`` only where the annotation says ``| None``;
 - an engine option (``LoadConfig.options`` values) is JSON-like: None, bool, int (64-bit),
@@ -214,6 +214,20 @@ def _buffer_check(value: object) -> None:
         return
     if not isinstance(value, _BUFFER_TYPES):
         raise _Bad("bytes, bytearray or memoryview", value)
+
+
+def _bounded_buffer_checker(high: int) -> _Check:
+    expected = f"a buffer of at most {high} bytes"
+
+    def check(value: object) -> None:
+        _buffer_check(value)
+        assert isinstance(value, _BUFFER_TYPES)
+        if memoryview(value).nbytes > high:
+            raise _Bad(
+                expected, value, reason=f"expected {expected}, got {memoryview(value).nbytes}"
+            )
+
+    return check
 
 
 def _any_check(value: object) -> None:
@@ -472,6 +486,8 @@ def _checker(info: msgspec.inspect.Type) -> _Check:
             return _fixed_tuple_checker(info)
         case msgspec.inspect.DictType():
             return _dict_checker(info)
+        case msgspec.inspect.BytesType(max_length=int() as high):
+            return _bounded_buffer_checker(high)
         case (
             msgspec.inspect.BytesType()
             | msgspec.inspect.ByteArrayType()
