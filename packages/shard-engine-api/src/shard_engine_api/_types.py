@@ -416,7 +416,7 @@ class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="session_sn
     boundary_dtype: BoundaryDtype
     state_bytes: Count
     chunks: Annotated[tuple[SnapshotChunk, ...], msgspec.Meta(max_length=MAX_SNAPSHOT_CHUNKS)]
-    checksum: Count
+    checksum: Checksum
     contract_version: Int64 = CONTRACT_VERSION
 
 
