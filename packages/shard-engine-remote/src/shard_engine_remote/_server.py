@@ -479,11 +479,19 @@ class EngineServer:
                     details={"received_chunks": index, "n_chunks": n_chunks},
                 )
             total += len(chunk)
-            if len(chunk) > SNAPSHOT_CHUNK_BYTES or total > snapshot.state_bytes:
+            if len(chunk) > SNAPSHOT_CHUNK_BYTES:
                 raise api.InvalidRequest(
-                    f"import chunk {index} ({len(chunk)} bytes) exceeds the chunk size or the "
-                    f"announced state of {snapshot.state_bytes} bytes; nothing was imported",
-                    details={"chunk": index, "chunk_bytes": len(chunk)},
+                    f"import chunk {index} holds {len(chunk)} bytes, more than the chunk size "
+                    f"of {SNAPSHOT_CHUNK_BYTES}; nothing was imported",
+                    details={"field": f"SessionSnapshot.chunks[{index}]"},
+                )
+            if total > snapshot.state_bytes:
+                # What the engine would answer for the assembled snapshot (check_snapshot_
+                # integrity), said before the excess is buffered.
+                raise api.ChecksumMismatch(
+                    f"snapshot state is extended: its chunks hold more than the "
+                    f"{snapshot.state_bytes} bytes its header promises; nothing was imported",
+                    details={"received_bytes": total, "state_bytes": snapshot.state_bytes},
                 )
             chunks.append(chunk)
         if self._next_message(messages, n_chunks + 1) is not None:
