@@ -488,8 +488,9 @@ class ValidatingEngine:
         Raises what the inner ``import_session`` raises, the caller's typed errors, or
         MalformedOutput.
         """
-        if self._check_requests:
-            check_request(request, ImportSessionRequest)
+        # Always checked here (not only for engines without their own edge): the integrity
+        # check below must see well-typed chunks.
+        check_request(request, ImportSessionRequest)
         check_snapshot_integrity(request.snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
         try:
             result = self._inner.import_session(request)
