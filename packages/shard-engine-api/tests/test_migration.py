@@ -716,7 +716,7 @@ def test_validating_engine_types_the_import_request_first(snapshot: SessionSnaps
     for chunks in (("text",), [b"x"], (None,)):
         bad = ImportSessionRequest(
             request_id="i",
-            snapshot=replaced(snapshot, chunks=chunks),  # type: ignore[arg-type]
+            snapshot=replaced(snapshot, chunks=chunks),
         )
         with pytest.raises(InvalidRequest, match="chunks"):
             engine.import_session(bad)
