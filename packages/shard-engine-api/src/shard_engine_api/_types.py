@@ -14,6 +14,13 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import mark_checksummed, payload_checksum
+from shard_engine_api._dtypes import (
+    BOUNDARY_DTYPES,
+    ITEMSIZE,
+    f32_to_bf16_bits,
+    payload_rows,
+    storage_dtype,
+)
 from shard_engine_api._errors import ErrorInfo, InvalidRequest
 
 __all__ = [
@@ -25,6 +32,7 @@ __all__ = [
     "CancelRequest",
     "CancelResult",
     "Capabilities",
+    "Checksum",
     "DecodeBatchRequest",
     "DecodeBatchResult",
     "DecodeRequest",
@@ -59,12 +67,17 @@ __all__ = [
     "TokenInput",
 ]
 
-CONTRACT_VERSION: Final = 1
-"""The version of this contract. Bundles and messages of another version are refused."""
+CONTRACT_VERSION: Final = 2
+"""The version of this contract. Bundles and messages of another version are refused.
+
+Version 2: payload checksums are xxh3-64 (version 1's were "gsum64-crc32"), bundles may carry
+bf16."""
 
 Role = Literal["head", "middle", "tail", "full"]
 EvidenceClass = Literal["fixture", "real"]
-BoundaryDtype = Literal["f32", "f16"]
+BoundaryDtype = Literal["f32", "f16", "bf16"]
+"""How hidden states travel: IEEE binary32, binary16, or bfloat16 (f32's range with 8
+significant bits; see shard_engine_api._dtypes)."""
 LifecycleState = Literal["unloaded", "loading", "ready", "degraded", "failed", "closed"]
 LogitsMode = Literal["last", "all"]
 EvictionPolicy = Literal["reject", "lru"]
@@ -72,7 +85,8 @@ OptionValue = object
 """An engine option: any JSON-compatible value (engines convert it to their own types)."""
 
 INT64_MAX: Final = 2**63 - 1
-"""The largest integer the wire carries: every wire integer is a signed 64-bit value."""
+"""The largest integer the wire carries, except checksums: every other wire integer is a signed
+64-bit value (checksums are unsigned 64-bit, see ``Checksum``)."""
 INT32_MAX: Final = 2**31 - 1
 """The largest token id (token ids are int32 on every backend)."""
 MAX_ID_CHARS: Final = 256
@@ -112,21 +126,23 @@ MAX_SNAPSHOT_CHUNKS: Final = 1 << 16
 Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 """A non-negative wire integer: positions, epochs, counts, sizes."""
 Int64: TypeAlias = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
-"""A signed wire integer (contract versions, checksums are unsigned 32-bit but travel as this)."""
+"""A signed wire integer (contract versions)."""
+Checksum: TypeAlias = Annotated[int, msgspec.Meta(ge=0, extra={"uint64": True})]
+"""A payload checksum (:func:`~shard_engine_api._checksum.payload_checksum`): an unsigned
+64-bit value in ``[0, CHECKSUM_MAX]``, a msgpack uint64 on the wire (``Count`` stops at
+INT64_MAX and cannot hold it). msgspec bounds integers only within int64, so the upper bound is
+the one msgpack itself imposes when decoding, and the edge checks (which read the ``uint64``
+marker) for structs built in Python."""
 TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Identifier: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 """A non-empty id of at most MAX_ID_CHARS characters."""
 Fingerprint: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
-_NUMPY_DTYPES: Final[dict[str, np.dtype[np.floating]]] = {
-    "f32": np.dtype("<f4"),
-    "f16": np.dtype("<f2"),
-}
 
-
-def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.floating]:
-    """The little-endian numpy dtype a boundary dtype name stands for."""
-    return _NUMPY_DTYPES[dtype]
+def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.generic]:
+    """The little-endian numpy dtype a payload of ``dtype`` is stored as (``<f4``, ``<f2``;
+    bf16, which numpy lacks, as its ``<u2`` bits: use ``BoundaryBundle.array()`` for values)."""
+    return storage_dtype(dtype)
 
 
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -236,7 +252,7 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
     layer: Count
     model_fingerprint: Fingerprint
     payload: memoryview
-    checksum: Count
+    checksum: Checksum
     contract_version: Int64 = CONTRACT_VERSION
     mtp: Annotated[tuple[MtpState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
     aux: Annotated[tuple[AuxState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
@@ -253,13 +269,18 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
         dtype: BoundaryDtype = "f32",
     ) -> BoundaryBundle:
         """Build a bundle from an ``(n_tokens, hidden_size)`` array, converting it to ``dtype``
-        and computing the checksum. The payload is a read-only view of a private copy."""
+        (bf16: rounded to nearest even, see shard_engine_api._dtypes) and computing the
+        checksum. The payload is a read-only view of a private copy."""
         _check_array("hidden states", hidden)
-        if dtype not in _NUMPY_DTYPES:
-            raise InvalidRequest(f"dtype must be one of {sorted(_NUMPY_DTYPES)}, got {dtype!r}")
-        data = np.ascontiguousarray(hidden, dtype=numpy_dtype(dtype))
-        if data is hidden:
-            data = data.copy()
+        if dtype not in BOUNDARY_DTYPES:
+            raise InvalidRequest(f"dtype must be one of {sorted(BOUNDARY_DTYPES)}, got {dtype!r}")
+        data: npt.NDArray[np.generic]
+        if dtype == "bf16":
+            data = f32_to_bf16_bits(hidden)
+        else:
+            data = np.ascontiguousarray(hidden, dtype=storage_dtype(dtype))
+            if data is hidden:
+                data = data.copy()
         data.setflags(write=False)
         payload = data.data.cast("B")
         bundle = cls(
@@ -279,17 +300,21 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
     @property
     def expected_payload_bytes(self) -> int:
         """The payload length the header promises: n_tokens x hidden_size x dtype size."""
-        return self.n_tokens * self.hidden_size * numpy_dtype(self.dtype).itemsize
+        return self.n_tokens * self.hidden_size * ITEMSIZE[self.dtype]
 
     def array(self) -> npt.NDArray[np.floating]:
-        """The hidden states as a read-only ``(n_tokens, hidden_size)`` view of the payload
-        (no copy). Raises InvalidRequest when the payload length disagrees with the header."""
+        """The hidden states as an ``(n_tokens, hidden_size)`` array: a read-only view of the
+        payload (no copy) for f32 and f16; for bf16, which numpy has no type for, the values
+        as f32 (exact, a new array). Raises InvalidRequest when the payload length disagrees
+        with the header."""
         if len(self.payload) != self.expected_payload_bytes:
             raise InvalidRequest(
                 f"payload has {len(self.payload)} bytes, header promises "
                 f"{self.expected_payload_bytes}"
             )
-        view = np.frombuffer(self.payload, dtype=numpy_dtype(self.dtype))
+        if self.dtype == "bf16":
+            return payload_rows(self.payload, "bf16", self.n_tokens, self.hidden_size)
+        view = np.frombuffer(self.payload, dtype=storage_dtype(self.dtype))
         return view.reshape(self.n_tokens, self.hidden_size)
 
 
@@ -405,7 +430,7 @@ class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="session_sn
     boundary_dtype: BoundaryDtype
     state_bytes: Count
     chunks: Annotated[tuple[SnapshotChunk, ...], msgspec.Meta(max_length=MAX_SNAPSHOT_CHUNKS)]
-    checksum: Count
+    checksum: Checksum
     contract_version: Int64 = CONTRACT_VERSION
 
 
@@ -451,7 +476,7 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
     vocab_size: Count
     evidence: EvidenceClass
     payload: memoryview
-    checksum: Count
+    checksum: Checksum
     timings: Timings = Timings()
 
     @classmethod
