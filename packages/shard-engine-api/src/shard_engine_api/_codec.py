@@ -62,7 +62,7 @@ from shard_engine_api._errors import (
     ShardEngineError,
     error_from_info,
 )
-from shard_engine_api._snapshot import check_snapshot_integrity
+from shard_engine_api._snapshot import verify_snapshot_integrity
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryBundle,
@@ -595,7 +595,7 @@ class Codec:
         up to ``state_bytes`` and matching the checksum (ChecksumMismatch). Whether it fits
         the receiving engine (ShardMismatch) is that engine's check."""
         _check_version(snapshot.contract_version, "snapshot")
-        check_snapshot_integrity(snapshot, max_state_bytes=self.max_payload_bytes)
+        verify_snapshot_integrity(snapshot, max_state_bytes=self.max_payload_bytes)
 
     def _verify_message(self, message: WireMessage) -> None:
         match message:
