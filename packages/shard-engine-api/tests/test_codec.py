@@ -313,7 +313,7 @@ def test_version_of_nested_bundle_is_reported() -> None:
 
 def test_capabilities_of_another_version_are_refused() -> None:
     mapping = raw(capabilities())
-    mapping["contract_version"] = 2
+    mapping["contract_version"] = CONTRACT_VERSION + 1
     with pytest.raises(ContractVersionMismatch):
         decode_reply(rebuilt(mapping))
     mapping["limits"] = "unknown shape"

@@ -24,7 +24,10 @@ from shard_engine_api import (
     DecodeRequest,
     Determinism,
     ErrorInfo,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     InvalidRequest,
     LoadConfig,
     LogitsMode,
@@ -36,6 +39,7 @@ from shard_engine_api import (
     ReleaseRequest,
     ReleaseResult,
     SessionRef,
+    SessionSnapshot,
     ShardEngine,
     ShardResult,
     ShardSpec,
@@ -131,6 +135,12 @@ class Tamper:
 
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         return self._hand_on(self.inner.release(request))  # type: ignore[no-any-return]
+
+    def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        return self._hand_on(self.inner.export_session(request))  # type: ignore[no-any-return]
+
+    def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        return self._hand_on(self.inner.import_session(request))  # type: ignore[no-any-return]
 
     def health(self) -> Health:
         return self.inner.health()
