@@ -28,6 +28,7 @@ from typing import Final, NoReturn
 import msgspec
 
 from shard_engine_api._boundary import BundleExpectation, Violation, check_bundle, check_logits
+from shard_engine_api._checksum import SCANNED_FINITE, scanned
 from shard_engine_api._codec import NonFinitePolicy
 from shard_engine_api._core import EngineCore
 from shard_engine_api._dtypes import BOUNDARY_DTYPES
@@ -580,7 +581,8 @@ class ValidatingEngine:
                 vocab_size=contract.vocab_size,
                 first_pos=first_pos,
                 n_rows=n_rows,
-                check_finite=self._check_finite,
+                # The engine core checks the finiteness of the logits it builds and marks them.
+                check_finite=self._check_finite and scanned(result) < SCANNED_FINITE,
             )
             if violation is not None:
                 _boundary_violation(violation)
