@@ -22,6 +22,8 @@ import numpy.typing as npt
 from shard_engine_api import (
     CacheMiss,
     Cancelled,
+    CancelRequest,
+    CancelResult,
     Determinism,
     EngineCrashed,
     Features,
@@ -84,6 +86,9 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       the first engine of the process reports ready.
     - ``inject_crash``: test only: the next forward fails as a backend crash would (the
       conformance suite checks EngineCrashed and health "failed" with it).
+    - ``native_callbacks``: use llama.cpp callbacks written in C when the optional extension
+      is built (default); False runs them in Python (same results, slower per token: for
+      comparisons).
     """
 
     n_ubatch: int = 512
@@ -93,6 +98,7 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tolerance: float | None = None
     self_test: bool = True
     inject_crash: bool = False
+    native_callbacks: bool = True
 
 
 def _run_self_test() -> _self_test.SelfTestReport:
@@ -150,6 +156,11 @@ class LlamaEngine(EngineCore):
         self.result_settings: tuple[tuple[str, str], ...] = ()
         self._state_identity = b""
         self._inject_crash = False
+        # The request whose forward is inside llama.cpp now, and whether close() has begun:
+        # cancel() and close() turn them into the runtime's abort flag (see _running_forward).
+        self._abort_lock = threading.Lock()
+        self._running_token: CancelToken | None = None
+        self._closing = False
         self.shard_path: Path | None = None
         self.self_test_report: _self_test.SelfTestReport | None = None
 
@@ -197,6 +208,7 @@ class LlamaEngine(EngineCore):
                 is_head=choice.layout.is_head,
                 is_tail=choice.layout.is_tail,
                 last_layer_index=choice.layout.last_layer_index,
+                native_callbacks=options.native_callbacks,
             )
             if file_identity(choice.path) != choice.identity:
                 # Replaced or rewritten between verification and llama.cpp mapping it.
@@ -341,20 +353,19 @@ class LlamaEngine(EngineCore):
             except _abi.LlamaRuntimeError as error:
                 raise _map_runtime_error(error) from error
             runtime.seq_rm(item.slot, item.start_pos, -1)
-        token.check()
-        runtime.bind_abort_event(token.event)
+        self._start_forward(runtime, token)
         try:
             return runtime.run(
                 item.slot,
                 item.start_pos,
-                tokens=None if item.tokens is None else item.tokens.tolist(),
+                tokens=item.tokens,
                 embeddings=item.hidden,
                 all_logits=output == "all",
             )
         except _abi.LlamaRuntimeError as error:
             raise _map_runtime_error(error) from error
         finally:
-            runtime.bind_abort_event(None)
+            self._end_forward(runtime)
 
     def _forward_batch(
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
@@ -370,14 +381,13 @@ class LlamaEngine(EngineCore):
             )
             for item in items
         ]
-        token.check()
-        runtime.bind_abort_event(token.event)
+        self._start_forward(runtime, token)
         try:
             rows = runtime.run_batch(batch)
         except _abi.LlamaRuntimeError as error:
             raise _map_runtime_error(error) from error
         finally:
-            runtime.bind_abort_event(None)
+            self._end_forward(runtime)
         return [rows[index : index + 1] for index in range(len(items))]
 
     def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
@@ -476,6 +486,44 @@ class LlamaEngine(EngineCore):
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+
+    # ------------------------------------------------------------------ cancellation
+
+    def _start_forward(self, runtime: _abi.ShardRuntime, token: CancelToken) -> None:
+        """Make ``token`` the running request. The runtime polls a native flag, not the token:
+        a cancel that lands before this point is seen by ``token.check()`` below, one after it
+        finds the token running and sets the flag (both sides hold ``_abort_lock``)."""
+        with self._abort_lock:
+            runtime.clear_abort()
+            self._running_token = token
+            if self._closing:
+                runtime.request_abort()
+        token.check()
+
+    def _end_forward(self, runtime: _abi.ShardRuntime) -> None:
+        with self._abort_lock:
+            self._running_token = None
+            runtime.clear_abort()
+
+    def _abort_if_cancelled(self) -> None:
+        with self._abort_lock:
+            token = self._running_token
+            runtime = self._runtime
+            if token is not None and runtime is not None and (token.cancelled or self._closing):
+                runtime.request_abort()
+
+    def cancel(self, request: CancelRequest) -> CancelResult:
+        result = super().cancel(request)
+        if result.cancelled:
+            self._abort_if_cancelled()
+        return result
+
+    def close(self) -> None:
+        with self._abort_lock:
+            self._closing = True
+        # A forward in llama.cpp stops at its next node; the core then cancels every token.
+        self._abort_if_cancelled()
+        super().close()
 
     def _injected_crash(self) -> None:
         if self._inject_crash:
