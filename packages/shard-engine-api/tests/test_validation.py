@@ -363,7 +363,7 @@ NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("bundle session", replace_bundle(session=session("o")), "session"),
     ("hidden size", rebuild_bundle(lambda v: np.hstack([v, v])), "hidden_size"),
     ("dtype not loaded", rebuild_bundle(lambda v: v, "f16"), "dtype"),
-    ("dtype unknown", replace_bundle(dtype="bf16"), "result_fields"),
+    ("dtype unknown", replace_bundle(dtype="f8"), "result_fields"),
     ("layer", replace_bundle(layer=1), "layer"),
     ("fingerprint", replace_bundle(model_fingerprint="fp-other"), "fingerprint"),
     ("contract version", replace_bundle(contract_version=CONTRACT_VERSION + 1), "contract_version"),
@@ -586,7 +586,7 @@ CAPABILITY_BREAKAGES: list[tuple[str, Callable[[Capabilities], Capabilities], st
     ("evidence", _caps_change(evidence="certified"), "evidence"),
     ("hidden", _caps_change(hidden_size=0), "shape"),
     ("dtypes", _caps_change(boundary_dtypes=("f16",)), "dtype"),
-    ("dtype names", _caps_change(boundary_dtypes=("f32", "bf16")), "dtype"),
+    ("dtype names", _caps_change(boundary_dtypes=("f32", "f8")), "dtype"),
 ]
 
 

@@ -43,6 +43,7 @@ from typing import Final
 
 import msgspec
 
+from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._errors import InvalidRequest
 from shard_engine_api._types import (
     INT32_MAX,
@@ -76,7 +77,7 @@ _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 _UINT64_MAX: Final = 2**64 - 1
 _BUFFER_TYPES: Final = (bytes, bytearray, memoryview)
-_DTYPES: Final = frozenset({"f32", "f16"})
+_DTYPES: Final = BOUNDARY_DTYPES
 _EVIDENCE: Final = frozenset({"fixture", "real"})
 
 _Check = Callable[[object], None]

@@ -14,6 +14,13 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import mark_checksummed, payload_checksum
+from shard_engine_api._dtypes import (
+    BOUNDARY_DTYPES,
+    ITEMSIZE,
+    f32_to_bf16_bits,
+    payload_rows,
+    storage_dtype,
+)
 from shard_engine_api._errors import ErrorInfo, InvalidRequest
 
 __all__ = [
@@ -68,7 +75,9 @@ bf16."""
 
 Role = Literal["head", "middle", "tail", "full"]
 EvidenceClass = Literal["fixture", "real"]
-BoundaryDtype = Literal["f32", "f16"]
+BoundaryDtype = Literal["f32", "f16", "bf16"]
+"""How hidden states travel: IEEE binary32, binary16, or bfloat16 (f32's range with 8
+significant bits; see shard_engine_api._dtypes)."""
 LifecycleState = Literal["unloaded", "loading", "ready", "degraded", "failed", "closed"]
 LogitsMode = Literal["last", "all"]
 EvictionPolicy = Literal["reject", "lru"]
@@ -129,15 +138,11 @@ Identifier: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX
 """A non-empty id of at most MAX_ID_CHARS characters."""
 Fingerprint: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
-_NUMPY_DTYPES: Final[dict[str, np.dtype[np.floating]]] = {
-    "f32": np.dtype("<f4"),
-    "f16": np.dtype("<f2"),
-}
 
-
-def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.floating]:
-    """The little-endian numpy dtype a boundary dtype name stands for."""
-    return _NUMPY_DTYPES[dtype]
+def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.generic]:
+    """The little-endian numpy dtype a payload of ``dtype`` is stored as (``<f4``, ``<f2``;
+    bf16, which numpy lacks, as its ``<u2`` bits: use ``BoundaryBundle.array()`` for values)."""
+    return storage_dtype(dtype)
 
 
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -264,13 +269,18 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
         dtype: BoundaryDtype = "f32",
     ) -> BoundaryBundle:
         """Build a bundle from an ``(n_tokens, hidden_size)`` array, converting it to ``dtype``
-        and computing the checksum. The payload is a read-only view of a private copy."""
+        (bf16: rounded to nearest even, see shard_engine_api._dtypes) and computing the
+        checksum. The payload is a read-only view of a private copy."""
         _check_array("hidden states", hidden)
-        if dtype not in _NUMPY_DTYPES:
-            raise InvalidRequest(f"dtype must be one of {sorted(_NUMPY_DTYPES)}, got {dtype!r}")
-        data = np.ascontiguousarray(hidden, dtype=numpy_dtype(dtype))
-        if data is hidden:
-            data = data.copy()
+        if dtype not in BOUNDARY_DTYPES:
+            raise InvalidRequest(f"dtype must be one of {sorted(BOUNDARY_DTYPES)}, got {dtype!r}")
+        data: npt.NDArray[np.generic]
+        if dtype == "bf16":
+            data = f32_to_bf16_bits(hidden)
+        else:
+            data = np.ascontiguousarray(hidden, dtype=storage_dtype(dtype))
+            if data is hidden:
+                data = data.copy()
         data.setflags(write=False)
         payload = data.data.cast("B")
         bundle = cls(
@@ -290,17 +300,21 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
     @property
     def expected_payload_bytes(self) -> int:
         """The payload length the header promises: n_tokens x hidden_size x dtype size."""
-        return self.n_tokens * self.hidden_size * numpy_dtype(self.dtype).itemsize
+        return self.n_tokens * self.hidden_size * ITEMSIZE[self.dtype]
 
     def array(self) -> npt.NDArray[np.floating]:
-        """The hidden states as a read-only ``(n_tokens, hidden_size)`` view of the payload
-        (no copy). Raises InvalidRequest when the payload length disagrees with the header."""
+        """The hidden states as an ``(n_tokens, hidden_size)`` array: a read-only view of the
+        payload (no copy) for f32 and f16; for bf16, which numpy has no type for, the values
+        as f32 (exact, a new array). Raises InvalidRequest when the payload length disagrees
+        with the header."""
         if len(self.payload) != self.expected_payload_bytes:
             raise InvalidRequest(
                 f"payload has {len(self.payload)} bytes, header promises "
                 f"{self.expected_payload_bytes}"
             )
-        view = np.frombuffer(self.payload, dtype=numpy_dtype(self.dtype))
+        if self.dtype == "bf16":
+            return payload_rows(self.payload, "bf16", self.n_tokens, self.hidden_size)
+        view = np.frombuffer(self.payload, dtype=storage_dtype(self.dtype))
         return view.reshape(self.n_tokens, self.hidden_size)
 
 

@@ -30,6 +30,7 @@ import msgspec
 from shard_engine_api._boundary import BundleExpectation, Violation, check_bundle, check_logits
 from shard_engine_api._codec import NonFinitePolicy
 from shard_engine_api._core import EngineCore
+from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._edge import check_request, result_ok
 from shard_engine_api._errors import ErrorInfo, InvalidRequest, MalformedOutput, ShardEngineError
 from shard_engine_api._protocol import ShardEngine
@@ -66,7 +67,7 @@ __all__ = ["ValidatingEngine"]
 
 _MAX_SNAPSHOT_BYTES: Final = 1 << 36
 """The largest snapshot state this wrapper hashes (the engine's own limit is usually lower)."""
-_KNOWN_DTYPES: Final[frozenset[str]] = frozenset({"f32", "f16"})
+_KNOWN_DTYPES: Final[frozenset[str]] = BOUNDARY_DTYPES
 _EVIDENCE_CLASSES: Final[frozenset[str]] = frozenset({"fixture", "real"})
 
 
@@ -162,7 +163,9 @@ def _check_capability_values(capabilities: Capabilities, config: LoadConfig | No
         )
     if not capabilities.boundary_dtypes or not set(capabilities.boundary_dtypes) <= _KNOWN_DTYPES:
         _violation(
-            "dtype", f"boundary dtypes {capabilities.boundary_dtypes} are not a subset of f32/f16"
+            "dtype",
+            f"boundary dtypes {capabilities.boundary_dtypes} are not a subset of "
+            f"{'/'.join(sorted(_KNOWN_DTYPES))}",
         )
     if config is not None and config.boundary_dtype not in capabilities.boundary_dtypes:
         _violation(
