@@ -258,6 +258,23 @@ def test_run_and_bench_print_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench["rows"][0]["decode_ratio"] == 1.0
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_run_with_every_boundary_dtype(capsys: pytest.CaptureFixture[str], dtype: str) -> None:
+    """`run --boundary-dtype` end to end: 16-bit payloads cross the wire, and a split that
+    declares itself not split-exact (the fake with bf16) is verified against its declared
+    tolerance instead of failing for the drift it declares."""
+    arguments = ["run", "--json", "--max-new-tokens", "4", "--boundary-dtype", dtype]
+    assert main(arguments) == 0
+    document = json.loads(capsys.readouterr().out)
+    verify = document["verify"]
+    assert verify["passed"] is True
+    assert verify["declared_split_exact"] is (dtype != "bf16")
+    assert verify["bitwise"] is (dtype != "bf16")  # the fake's integers are exact in f16
+    assert main(["run", "--max-new-tokens", "4", "--boundary-dtype", "f32", "--json"]) == 0
+    f32_bytes = json.loads(capsys.readouterr().out)["wire_bytes"]
+    assert (document["wire_bytes"] < f32_bytes) is (dtype != "f32")
+
+
 def test_sampled_run_is_reproducible_and_split_exact(capsys: pytest.CaptureFixture[str]) -> None:
     arguments = ["run", "--json", "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9"]
     assert main([*arguments, "--seed", "3"]) == 0

@@ -167,16 +167,38 @@ def _batched(f: Figures) -> str | None:
 
 
 def _codec(f: Figures) -> str | None:
-    codec = f.value("codec", "512x4096_f16_codec_over_memcpy")
-    allow = f.value("codec", "512x4096_f16_codec_allow_over_memcpy")
-    pickle = f.value("codec", "512x4096_f16_codec_over_pickle")
-    if codec is None or allow is None or pickle is None:
+    """Default policy (``nonfinite="reject"``) throughout; the one non-default figure names its
+    setting. Each dtype's ratios come from the same run."""
+    parts: list[str] = []
+    for dtype in ("f16", "bf16", "f32"):
+        memcpy = f.value("codec", f"512x4096_{dtype}_codec_over_memcpy")
+        pickle = f.value("codec", f"512x4096_{dtype}_codec_over_pickle")
+        if memcpy is not None and pickle is not None:
+            parts.append(f"{dtype} {memcpy:.2f}x one memcpy and {pickle:.2f}x checksummed pickle")
+    if not parts:
         return None
-    return (
-        f"encode + decode + verify of a 512x4096 f16 bundle = {codec:.2f}x one memcpy "
-        f'({allow:.2f}x with the non-default `nonfinite="allow"`), {pickle:.2f}x the time '
-        "of checksummed pickle."
+    # Runs from before the checksum was recorded used contract version 1's.
+    checksum = f.run("codec").get("checksum", "gsum64-crc32")
+    text = (
+        f"encode + decode + verify ({checksum} checksum and finiteness, the default "
+        f'`nonfinite="reject"`) of a 512x4096 bundle: {"; ".join(parts)}'
     )
+    allow = f.value("codec", "512x4096_f16_codec_allow_over_memcpy")
+    if allow is not None:
+        text += f' (f16 with the non-default `nonfinite="allow"`: {allow:.2f}x memcpy)'
+    rows = []
+    for size in ("1x4096", "128x4096"):
+        ratios = [
+            f.value("codec", f"{size}_{dtype}_codec_over_pickle")
+            for dtype in ("f16", "bf16", "f32")
+        ]
+        if all(ratio is not None for ratio in ratios):
+            rows.append(
+                f"{size}: " + " / ".join(f"{ratio:.2f}" for ratio in ratios if ratio is not None)
+            )
+    if rows:
+        text += f". Codec over checksummed pickle (f16 / bf16 / f32) at {'; '.join(rows)}"
+    return text + "."
 
 
 def _fake(f: Figures) -> str | None:

@@ -129,7 +129,8 @@ def test_finiteness_of_every_16_bit_pattern(dtype: BoundaryDtype, exponent: int)
             assert not payload_finite(payload.tobytes(), dtype), (hex(bits), at)
 
 
-def test_finiteness_of_f32_edge_patterns() -> None:
+@pytest.mark.parametrize("size", [33, 20_000])  # a decode row's path and the large one
+def test_finiteness_of_f32_edge_patterns(size: int) -> None:
     patterns = {
         0x00000000: True,
         0x80000000: True,
@@ -144,7 +145,11 @@ def test_finiteness_of_f32_edge_patterns() -> None:
         0xFFC00000: False,
     }
     for bits, ok in patterns.items():
-        payload = np.full(33, 0x3F800000, dtype=np.uint32)
+        for at in (0, size // 2, size - 1):
+            payload = np.full(size, 0x3F800000, dtype=np.uint32)
+            payload[at] = bits
+            assert payload_finite(payload.tobytes(), "f32") is ok, (hex(bits), at)
+        payload = np.full(size, 0xBF800000, dtype=np.uint32)
         payload[17] = bits
         assert payload_finite(payload.tobytes(), "f32") is ok, hex(bits)
     assert payload_finite(b"", "f32")

@@ -75,6 +75,10 @@ _OVERFLOW: Final[dict[str, float]] = {
 }
 
 
+_max: Final = np.maximum.reduce
+_SMALL_F32_ITEMS: Final = 16 * 1024
+
+
 def storage_dtype(dtype: BoundaryDtype) -> np.dtype[np.generic]:
     """The little-endian numpy dtype a payload of ``dtype`` is read as (bf16: its ``<u2`` bits)."""
     return _STORAGE[dtype]
@@ -91,12 +95,19 @@ def payload_finite(
     """Whether every value of a payload (a buffer of ``dtype`` values) is finite."""
     signed, unsigned, positive_limit, negative_limit = _FINITE_BITS[dtype]
     as_signed = np.frombuffer(payload, dtype=signed)
-    if not as_signed.size:
+    size = as_signed.size
+    if not size:
         return True
-    if int(as_signed.max()) >= positive_limit:
-        return False
-    as_unsigned = np.frombuffer(payload, dtype=unsigned)
-    return int(as_unsigned.max()) < negative_limit
+    if dtype == "f32" and size <= _SMALL_F32_ITEMS:
+        # A decode step's row: one vectorised isfinite and its all() cost fewer instructions
+        # than two reductions here (numpy's per-call cost dominates); beyond, the reductions
+        # win (a third of the instructions, no boolean temporary). Measured with callgrind.
+        return bool(np.isfinite(as_signed.view(np.float32)).all())
+    # np.maximum.reduce, not .max(): the method's Python wrapper adds to every call.
+    return (
+        int(_max(as_signed)) < positive_limit
+        and int(_max(as_signed.view(unsigned))) < negative_limit
+    )
 
 
 def bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
