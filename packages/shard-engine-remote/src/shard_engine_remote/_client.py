@@ -286,8 +286,6 @@ class RemoteEngine:
                 served,
                 engine=self.engine_name,
                 engine_version=f"{ENGINE_VERSION} ({served.engine} {served.engine_version})",
-                # The transport does not carry session snapshots yet: do not advertise them.
-                features=msgspec.structs.replace(served.features, session_migration=False),
             )
             self._state = "ready"
             return self._capabilities
