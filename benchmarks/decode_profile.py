@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 import shard_engine_api as api
+from shard_engine_api._results import build_result
 from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import FakeEngine
@@ -147,6 +148,7 @@ def phases(hidden: int, steps: int) -> dict[str, Callable[[], object]]:
     logits = model.logits([state])
     payload = logits.data.cast("B")
     ref = api.SessionRef(session_id="x", epoch=1)
+    caps = fake.capabilities()
     return {
         "ValidatingEngine(FakeEngine) decode": _decoder(validating, "a"),
         "FakeEngine decode": _decoder(fake, "b"),
@@ -156,11 +158,23 @@ def phases(hidden: int, steps: int) -> dict[str, Callable[[], object]]:
         "DecodeRequest(...)": lambda: api.DecodeRequest(
             request_id="d", session=ref, pos=3, inputs=api.TokenInput(token_ids=(5,))
         ),
-        "CancelToken(...)": lambda: CancelToken("d", frozenset(("x",))),
+        "CancelToken(...)": lambda: CancelToken("d", ("x",)),
         "fake: run_row (all layers)": lambda: model.run_row(state, caches),
         "fake: logits (one row)": lambda: model.logits([state]),
         "LogitsResult.from_array": lambda: api.LogitsResult.from_array(
             logits, request_id="d", session=ref, first_pos=3, evidence="fixture"
+        ),
+        # What the core builds instead: one copy, checksum, finiteness check and mark.
+        "core: logits result (build_result)": lambda: build_result(
+            caps,
+            "f32",
+            logits,
+            "last",
+            request_id="d",
+            session=ref,
+            start_pos=3,
+            n_tokens=1,
+            timings=api.Timings(),
         ),
         f"payload_checksum ({len(payload)} B)": lambda: payload_checksum(payload),
         "np.isfinite(logits).all()": lambda: bool(np.isfinite(logits).all()),

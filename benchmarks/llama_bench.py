@@ -960,6 +960,10 @@ def rss_child(spec_json: str) -> int:
                 "maxrss_kb": usage.ru_maxrss,
                 "vmhwm_kb": _proc_status_kb("VmHWM"),
                 "vmrss_kb": _proc_status_kb("VmRSS"),
+                # Resident now, split into private memory (KV cache, compute and output
+                # buffers, repacked weights, Python objects) and mapped file pages (weights).
+                "rss_anon_kb": _proc_status_kb("RssAnon"),
+                "rss_file_kb": _proc_status_kb("RssFile"),
             }
         )
     )
@@ -1003,12 +1007,14 @@ def bench_memory(model: BenchModel, configs: Sequence[str]) -> None:
     baseline = _measure_rss({"model": None, "prompt": prompt})
     print(
         "empty process (imports everything, loads no model): peak "
-        f"{baseline['maxrss_kb'] / 1024:.1f} MiB (VmHWM {baseline['vmhwm_kb'] / 1024:.1f} MiB)"
+        f"{baseline['maxrss_kb'] / 1024:.1f} MiB (VmHWM {baseline['vmhwm_kb'] / 1024:.1f} MiB; "
+        f"private {baseline['rss_anon_kb'] / 1024:.1f}, file-backed "
+        f"{baseline['rss_file_kb'] / 1024:.1f})"
     )
     print(
         f"{'shard':<10} {'layers':>6} {'file MiB':>9} {'peak MiB':>9} {'VmHWM':>7} "
         f"{'above base':>10} {'RSS frac':>8} {'layer frac':>10} {'file frac':>9} "
-        f"{'above - file':>12}"
+        f"{'above - file':>12} {'private+':>8} {'mapped+':>7}"
     )
     full_rss: float | None = None
     for name in configs:
@@ -1031,7 +1037,9 @@ def bench_memory(model: BenchModel, configs: Sequence[str]) -> None:
                 f"{measured['maxrss_kb'] / 1024:>9.1f} {measured['vmhwm_kb'] / 1024:>7.1f} "
                 f"{above:>10.1f} {above / full_rss:>8.3f} "
                 f"{(spec.end - spec.start) / model.n_layers:>10.3f} "
-                f"{size / info.file_size:>9.3f} {above - size / 2**20:>12.1f}"
+                f"{size / info.file_size:>9.3f} {above - size / 2**20:>12.1f} "
+                f"{(measured['rss_anon_kb'] - baseline['rss_anon_kb']) / 1024:>8.1f} "
+                f"{(measured['rss_file_kb'] - baseline['rss_file_kb']) / 1024:>7.1f}"
             )
     print(
         "target: shard memory proportional to its layers. RSS follows the shard FILE (llama.cpp "
@@ -1039,7 +1047,9 @@ def bench_memory(model: BenchModel, configs: Sequence[str]) -> None:
         "engine ('above - file'). Non-layer tensors (token_embd, output) take "
         f"{info.non_layer_bytes / 2**20:.1f} of {info.file_size / 2**20:.1f} MiB of the full "
         "model and every head and tail shard carries them (the tail of a tied-embedding model "
-        "needs token_embd as its lm-head), so RSS is proportional to layers only above that floor"
+        "needs token_embd as its lm-head), so RSS is proportional to layers only above that floor. "
+        "'private+' / 'mapped+' = RssAnon / RssFile above the empty process after the prefill: "
+        "the engine's own floor (context, KV, buffers) vs the weights it maps"
     )
 
 

@@ -213,6 +213,13 @@ def bench(model: BenchModel, settings: Settings, results: Results) -> None:
             f"{'positions':>9} {'replay ms':>10} {'move ms':>9} {'export':>8} {'wire':>8} "
             f"{'import':>8} {'bytes/pos':>10} {'ratio':>6}  shard"
         )
+        # One untimed round: llama.cpp builds its graphs and buffers on first use.
+        warm = SessionRef(session_id="bench-warm-up", epoch=1)
+        _replay(pipeline, warm, _prompt(model, 8))
+        for source, target in zip(sources, targets, strict=True):
+            _move(source, target, warm, -1)
+        for engine in (*sources, *targets):
+            engine.release(ReleaseRequest(session=warm))
         for length in settings.lengths:
             prompt = _prompt(model, length)
             replays: list[float] = []

@@ -8,11 +8,14 @@ Side by side in one run:
   row and for a 512-row prefill bundle (a middle shard of the fake engine, hidden size 2048 by
   default): median microseconds per call in-process, through a server in this process (gRPC on
   a unix socket, codec both ways) and through a spawned child; the added microseconds and the
-  ratio. Target: a remote decode hop adds <= 0.3 ms on loopback;
+  ratio; beside them the transport's floors on the same bytes, server in a child process: a
+  bare gRPC unary echo and a framed echo on a plain unix socket. Target: a remote decode hop
+  adds <= 0.3 ms on loopback;
 * a 3-shard llama pipeline with every shard in its own child process against the unsplit model
-  in this process: prefill and decode tokens/s and their ratios (gemma3-270m when present, else
-  a generated llama, n_embd 512, 8 layers, F16). Targets: >= 0.95 of unsplit decode, >= 0.97 of
-  prefill. The configurations alternate within every repetition so machine noise hits both.
+  and the same 3 shards in this process: prefill and decode tokens/s and their ratios
+  (gemma3-270m when present, else a generated llama, n_embd 512, 8 layers, F16). Targets:
+  >= 0.95 of unsplit decode, >= 0.97 of prefill. The configurations alternate within every
+  repetition so machine noise hits them alike.
 
 Threads: llama.cpp's OpenMP workers spin-wait after each graph (``GOMP_SPINCOUNT``,
 ``OMP_WAIT_POLICY``), so an idle shard process keeps burning the cores the active one needs;
@@ -78,6 +81,9 @@ def _fake_config(
     )
 
 
+ENGINE_KINDS: Final = ("in-process", "server", "child")
+
+
 def _middle(kind: str, hidden: int, child_env: dict[str, str | None]) -> api.ShardEngine:
     """The measured shard, layers [2, 4): in this process, behind a server in this process, or
     in a child process."""
@@ -95,37 +101,110 @@ def _median_us(samples: Sequence[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _hop_times(
-    engine: api.ShardEngine,
-    decode_rows: Sequence[api.BoundaryBundle],
-    prefill_bundle: api.BoundaryBundle,
-    calls: int,
-) -> tuple[float, float]:
-    """Median seconds of one decode call and of one 512-row prefill call on ``engine``."""
-    session = prefill_bundle.session
-    decode_times: list[float] = []
-    engine.prefill(
-        api.PrefillRequest(request_id="warm", session=session, start_pos=0, inputs=prefill_bundle)
+# The transport's own floor, measured on the same bytes in a child process: a bare gRPC unary
+# echo (no codec, no engine, no project code on the server) and a length-prefixed echo on a
+# plain unix socket (what any transport needs at least: two syscalls each way).
+
+
+def _serve_echo(directory: str) -> None:
+    """Child process: gRPC echo on ``directory/grpc.sock``, framed echo on ``raw.sock``."""
+    import socket
+    import struct
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return request
+
+    limit = 1 << 28
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ],
     )
-    for index, row in enumerate(decode_rows):
-        request = api.DecodeRequest(
-            request_id=f"d{index}", session=session, pos=PREFILL_ROWS + index, inputs=row
-        )
-        started = time.perf_counter()
-        engine.decode(request)
-        decode_times.append(time.perf_counter() - started)
-    prefill_times: list[float] = []
-    for index in range(max(3, calls // 20)):
-        prefill = api.PrefillRequest(
-            request_id=f"p{index}", session=session, start_pos=0, inputs=prefill_bundle
-        )
-        started = time.perf_counter()
-        engine.prefill(prefill)
-        prefill_times.append(time.perf_counter() - started)
-    return statistics.median(decode_times), statistics.median(prefill_times)
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(echo)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("echo.Echo", {"Call": handler}),)
+    )
+    server.add_insecure_port(f"unix:{directory}/grpc.sock")
+    server.start()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"{directory}/raw.sock")
+    listener.listen(4)
+
+    def serve_raw(connection: socket.socket) -> None:
+        with connection:
+            while header := connection.recv(4, socket.MSG_WAITALL):
+                (size,) = struct.unpack("<I", header)
+                connection.sendall(header + connection.recv(size, socket.MSG_WAITALL))
+
+    print("ready", flush=True)
+    while True:
+        connection, _ = listener.accept()
+        threading.Thread(target=serve_raw, args=(connection,), daemon=True).start()
 
 
-def bench_hops(settings: Settings) -> None:
+class _EchoFloor:
+    """Clients of the echo child: ``grpc(payload)`` and ``socket(payload)`` round trips."""
+
+    def __init__(self) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        import grpc
+
+        self._directory = tempfile.TemporaryDirectory(prefix="remote-bench-echo-")
+        self._process = subprocess.Popen(
+            [sys.executable, __file__, "--echo-server", self._directory.name],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        assert self._process.stdout is not None
+        if self._process.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the echo server did not start")
+        limit = 1 << 28
+        self._channel = grpc.insecure_channel(
+            f"unix:{self._directory.name}/grpc.sock",
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+            ],
+        )
+        self._call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
+            "/echo.Echo/Call"
+        )
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.connect(f"{self._directory.name}/raw.sock")
+
+    def grpc(self, payload: bytes) -> None:
+        self._call(payload, timeout=60)
+
+    def socket(self, payload: bytes) -> None:
+        import socket
+        import struct
+
+        self._socket.sendall(struct.pack("<I", len(payload)) + payload)
+        (size,) = struct.unpack("<I", self._socket.recv(4, socket.MSG_WAITALL))
+        self._socket.recv(size, socket.MSG_WAITALL)
+
+    def close(self) -> None:
+        self._socket.close()
+        self._channel.close()
+        self._process.kill()
+        self._process.wait()
+        self._directory.cleanup()
+
+
+def bench_hops(settings: Settings, results: Results) -> None:
+    """Every configuration takes each call in turn (alternating order), so load on the machine
+    falls on all of them alike; medians over all calls of all repetitions."""
+    from shard_engine_api import wire
+
     hidden = settings.hidden
     head = api.load_engine("fake", _fake_config(0, 2, hidden))
     session = api.SessionRef(session_id="hop", epoch=1)
@@ -150,34 +229,102 @@ def bench_hops(settings: Settings) -> None:
         assert isinstance(step, api.BoundaryResult)
         rows.append(step.bundle)
     head.close()
+    engines = {kind: _middle(kind, hidden, settings.child_env) for kind in ENGINE_KINDS}
+    floor = _EchoFloor()
+    decode_bytes = wire.encode(
+        api.DecodeRequest(request_id="d", session=session, pos=PREFILL_ROWS, inputs=rows[0])
+    )
+    prefill_bytes = wire.encode(
+        api.PrefillRequest(request_id="p", session=session, start_pos=0, inputs=first.bundle)
+    )
+    floors: dict[str, Callable[[bytes], None]] = {
+        "grpc echo": floor.grpc,
+        "socket echo": floor.socket,
+    }
+    decode_times: dict[str, list[float]] = {name: [] for name in [*engines, *floors]}
+    prefill_times: dict[str, list[float]] = {name: [] for name in decode_times}
+    prefill_calls = max(3, settings.hop_calls // 20)
+    try:
+        for repetition in range(settings.repeat):
+            for engine in engines.values():
+                engine.prefill(
+                    api.PrefillRequest(
+                        request_id="warm", session=session, start_pos=0, inputs=first.bundle
+                    )
+                )
+            for index, row in enumerate(rows):
+                request = api.DecodeRequest(
+                    request_id=f"d{index}", session=session, pos=PREFILL_ROWS + index, inputs=row
+                )
+                order = list(engines.items())
+                if (index + repetition) % 2:
+                    order.reverse()
+                for name, engine in order:
+                    started = time.perf_counter()
+                    engine.decode(request)
+                    decode_times[name].append(time.perf_counter() - started)
+                for name, send in floors.items():
+                    started = time.perf_counter()
+                    send(decode_bytes)
+                    decode_times[name].append(time.perf_counter() - started)
+            for index in range(prefill_calls):
+                prefill = api.PrefillRequest(
+                    request_id=f"p{index}", session=session, start_pos=0, inputs=first.bundle
+                )
+                order = list(engines.items())
+                if (index + repetition) % 2:
+                    order.reverse()
+                for name, engine in order:
+                    started = time.perf_counter()
+                    engine.prefill(prefill)
+                    prefill_times[name].append(time.perf_counter() - started)
+                for name, send in floors.items():
+                    started = time.perf_counter()
+                    send(prefill_bytes)
+                    prefill_times[name].append(time.perf_counter() - started)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        floor.close()
     print(
-        f"\nper-hop overhead: fake middle shard [2:4), hidden {hidden}, f32 boundaries; "
-        f"medians of {settings.hop_calls} decode calls and of the 512-row prefills"
+        f"\nper-hop overhead: fake middle shard [2:4), hidden {hidden}, f32 boundaries; medians "
+        f"of {len(decode_times['in-process'])} decode calls ({len(decode_bytes)} B) and "
+        f"{len(prefill_times['in-process'])} 512-row prefills ({len(prefill_bytes)} B), every "
+        "configuration taking each call in turn"
     )
     print(
         f"{'where':<12} {'decode us':>10} {'+us':>8} {'ratio':>6}   "
         f"{'prefill-512 us':>14} {'+us':>9} {'ratio':>6}"
     )
-    baseline: tuple[float, float] | None = None
-    for kind in ("in-process", "server", "child"):
-        engine = _middle(kind, hidden, settings.child_env)
-        try:
-            times: list[tuple[float, float]] = [
-                _hop_times(engine, rows, first.bundle, settings.hop_calls)
-                for _ in range(settings.repeat)
-            ]
-        finally:
-            engine.close()
-        decode_s = statistics.median(t[0] for t in times)
-        prefill_s = statistics.median(t[1] for t in times)
-        if baseline is None:
-            baseline = (decode_s, prefill_s)
+    base_decode = statistics.median(decode_times["in-process"])
+    base_prefill = statistics.median(prefill_times["in-process"])
+    for name, decode_samples in decode_times.items():
+        decode_s = statistics.median(decode_samples)
+        prefill_s = statistics.median(prefill_times[name])
+        if name in floors:
+            print(f"{name:<12} {decode_s * 1e6:>10.1f} {'':>8} {'':>6}   {prefill_s * 1e6:>14.1f}")
+            results.record(f"{name.replace(' ', '_')}_decode_us", round(decode_s * 1e6, 1), "us")
+            results.record(
+                f"{name.replace(' ', '_')}_prefill_512_us", round(prefill_s * 1e6, 1), "us"
+            )
+            continue
+        added_decode, added_prefill = decode_s - base_decode, prefill_s - base_prefill
         print(
-            f"{kind:<12} {decode_s * 1e6:>10.1f} {(decode_s - baseline[0]) * 1e6:>8.1f} "
-            f"{decode_s / baseline[0]:>6.2f}   {prefill_s * 1e6:>14.1f} "
-            f"{(prefill_s - baseline[1]) * 1e6:>9.1f} {prefill_s / baseline[1]:>6.2f}"
+            f"{name:<12} {decode_s * 1e6:>10.1f} {added_decode * 1e6:>8.1f} "
+            f"{decode_s / base_decode:>6.2f}   {prefill_s * 1e6:>14.1f} "
+            f"{added_prefill * 1e6:>9.1f} {prefill_s / base_prefill:>6.2f}"
         )
-    print("target: a remote decode hop adds <= 300 us on loopback")
+        key = name.replace("-", "_")
+        results.record(f"{key}_decode_us", round(decode_s * 1e6, 1), "us")
+        results.record(f"{key}_prefill_512_us", round(prefill_s * 1e6, 1), "us")
+        if name != "in-process":
+            results.record(f"{key}_decode_added_us", round(added_decode * 1e6, 1), "us")
+            results.record(f"{key}_prefill_512_ratio", round(prefill_s / base_prefill, 3), "x")
+    print(
+        "target: a remote decode hop adds <= 300 us on loopback. The echo rows are floors on "
+        "the same bytes, server in a child process: bare gRPC (no project code) and a framed "
+        "unix socket"
+    )
 
 
 # ----------------------------------------------------------------- process-per-shard pipeline
@@ -283,16 +430,23 @@ def _rates(
     return prefill_rate, decode_rate
 
 
-def bench_pipeline(settings: Settings, model: PipelineModel) -> None:
+def bench_pipeline(settings: Settings, model: PipelineModel, results: Results) -> None:
     configurations: dict[str, Callable[[], list[api.ShardEngine]]] = {
         "unsplit, this process": lambda: _llama_engines(
             model, [(0, model.n_layers)], settings, spawn=False
+        ),
+        "3 shards, this process": lambda: _llama_engines(
+            model, model.three_way, settings, spawn=False
         ),
         "3 shards, 3 processes": lambda: _llama_engines(
             model, model.three_way, settings, spawn=True
         ),
     }
     loaded = {name: make() for name, make in configurations.items()}
+    children = loaded["3 shards, 3 processes"]
+    child_threading = [
+        engine.server_stats().threading for engine in children if isinstance(engine, RemoteEngine)
+    ]
     vocab_size = loaded["unsplit, this process"][0].capabilities().vocab_size
     rng = np.random.default_rng(5)
     prompt = [int(t) for t in rng.integers(3, min(vocab_size, 4096), size=settings.prompt_tokens)]
@@ -315,7 +469,8 @@ def bench_pipeline(settings: Settings, model: PipelineModel) -> None:
         f"\nprocess per shard: {model.name}, splits {splits}, prompt {len(prompt)} tokens, "
         f"{settings.decode_tokens} decode steps, {settings.repeat} repetitions (medians), "
         f"threads {settings.threads or 'engine default'}, "
-        f"child env {settings.child_env or 'inherited'}"
+        f"child env {settings.child_env or 'inherited'}; threading in force in the children: "
+        f"{child_threading[0] if len({str(t) for t in child_threading}) == 1 else child_threading}"
     )
     print(
         f"{'configuration':<24} {'prefill tok/s':>14} {'decode tok/s':>13} "
@@ -331,6 +486,11 @@ def bench_pipeline(settings: Settings, model: PipelineModel) -> None:
             f"{name:<24} {prefill:>14.1f} {decode:>13.1f} {prefill / baseline[0]:>10.3f} "
             f"{decode / baseline[1]:>9.3f}"
         )
+        key = name.replace(",", "").replace(" ", "_")
+        results.record(f"pipeline_{key}_prefill_tok_s", round(prefill, 1), "tok/s")
+        results.record(f"pipeline_{key}_decode_tok_s", round(decode, 1), "tok/s")
+        results.record(f"pipeline_{key}_prefill_x", round(prefill / baseline[0], 3), "x")
+        results.record(f"pipeline_{key}_decode_x", round(decode / baseline[1], 3), "x")
     print("targets: >= 0.97 of unsplit prefill, >= 0.95 of unsplit decode")
 
 
@@ -346,6 +506,7 @@ def _environment_override(text: str) -> tuple[str, str | None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
     # `nox -s bench -- --smoke` hands --smoke to every benchmark: here it is --quick.
@@ -365,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-llama", action="store_true", help="only the per-hop overhead")
     add_results_option(parser)
     args = parser.parse_args(argv)
+    if args.echo_server:
+        _serve_echo(args.echo_server)
+        return 0
     args.quick = args.quick or args.smoke
     # No figure of this benchmark is in the README yet: its section records how it ran.
     results = Results(args.results, "remote", mode="smoke" if args.quick else "full")
@@ -378,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=args.threads,
         child_env=dict(args.child_env),
     )
-    bench_hops(settings)
+    bench_hops(settings, results)
     if args.skip_llama:
         results.save()
         return 0
@@ -390,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     model = None if args.quick else _gemma3(args.model)
     with tempfile.TemporaryDirectory(prefix="remote-bench-") as directory:
-        bench_pipeline(settings, model or _generated_model(Path(directory), args.quick))
+        bench_pipeline(settings, model or _generated_model(Path(directory), args.quick), results)
     results.save()
     return 0
 

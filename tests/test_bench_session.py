@@ -45,7 +45,9 @@ def _package_imports(folder: str) -> set[str]:
         for separator in "<>=!~[ ":
             name = name.split(separator)[0]
         # Distribution names whose import name differs.
-        provided.add({"llama-cpp-python": "llama_cpp"}.get(name, name.replace("-", "_")))
+        provided.add(
+            {"llama-cpp-python": "llama_cpp", "grpcio": "grpc"}.get(name, name.replace("-", "_"))
+        )
     return provided
 
 

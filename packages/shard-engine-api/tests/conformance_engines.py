@@ -192,6 +192,7 @@ class ReferenceEngine(EngineCore):
             hidden_size=model.hidden,
             vocab_size=model.vocab,
             determinism=Determinism(deterministic=True, split_exact=True),
+            features=Features(session_migration=True),
         )
 
     @property
@@ -264,6 +265,16 @@ class ReferenceEngine(EngineCore):
     def _close(self) -> None:
         self._sums.clear()
         self._model = None
+
+    def _export_state(self, slot: int, length: int) -> bytes:
+        return np.ascontiguousarray(self._slot_sums(slot)[:, :length], dtype="<f4").tobytes()
+
+    def _import_state(self, slot: int, length: int, state: bytes) -> None:
+        shard = self.config.shard
+        shape = (shard.n_shard_layers, length, self.toy.hidden)
+        if len(state) != int(np.prod(shape)) * 4:
+            raise InvalidRequest(f"state of {len(state)} bytes is not {length} positions")
+        self._slot_sums(slot)[:, :length] = np.frombuffer(state, "<f4").reshape(shape)
 
 
 # --------------------------------------------------------------------- broken engines
@@ -809,7 +820,8 @@ class BadFirstPrefillCreatesSession(ReferenceEngine):
 class _AdvertisesFastCancel(ReferenceEngine):
     def _open(self, config: LoadConfig) -> ModelInfo:
         info = super()._open(config)
-        return msgspec.structs.replace(info, features=Features(cancel_latency_ms=5.0))
+        features = msgspec.structs.replace(info.features, cancel_latency_ms=5.0)
+        return msgspec.structs.replace(info, features=features)
 
 
 class CancelOnlyBetweenForwards(_AdvertisesFastCancel):
@@ -1263,6 +1275,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
         (
             "test_error_codes_match_taxonomy",
             "test_health_metrics_consistent",
+            "test_migration_epoch_fencing",
             "test_newer_epoch_sees_no_old_cache",
             "test_stale_epoch",
             "test_truncate_and_new_epoch_every_role",
@@ -1300,6 +1313,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
         RecreatesReleased,
         (
             "test_fence_holds_after_slot_reuse",
+            "test_migration_epoch_fencing",
             "test_newer_epoch_sees_no_old_cache",
             "test_release_tombstone",
             *_MACHINE,
@@ -1315,7 +1329,12 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "metrics_not_counting": Broken(
         MetricsNotCounting,
-        ("test_batched_decode_metrics", "test_health_metrics_consistent", *_MACHINE),
+        (
+            "test_batched_decode_metrics",
+            "test_health_metrics_consistent",
+            "test_migration_metrics_and_health",
+            *_MACHINE,
+        ),
     ),
     "batch_successes_first": Broken(
         BatchSuccessesFirst,
@@ -1433,6 +1452,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_cancel_one_of_two_in_flight",
             "test_cancel_running_batch",
             "test_long_and_shared_prefix_session_ids",
+            "test_migration_cancelled_import_and_export",
         ),
     ),
     "evicts_by_creation": Broken(
@@ -1445,7 +1465,12 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "evicts_every_idle_session": Broken(
         EvictsEveryIdleSession,
-        ("test_lru_by_last_use_unequal_sizes", "test_lru_eviction", *_MACHINE),
+        (
+            "test_lru_by_last_use_unequal_sizes",
+            "test_lru_eviction",
+            "test_migration_source_unchanged",
+            *_MACHINE,
+        ),
     ),
     "numpy_scalar_timings": Broken(
         NumpyScalarTimings,
@@ -1478,6 +1503,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_decode_consistency",
             "test_long_and_shared_prefix_session_ids",
             "test_long_prefill_vs_chunked_and_decode",
+            "test_migration_source_unchanged",
             "test_outputs_finite",
             "test_session_isolation",
             "test_split_invariance_fixture_splits",
@@ -1502,7 +1528,12 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "errors_counted_twice": Broken(
         ErrorsCountedTwice,
-        ("test_batched_decode_metrics", "test_health_metrics_consistent", *_MACHINE),
+        (
+            "test_batched_decode_metrics",
+            "test_health_metrics_consistent",
+            "test_migration_metrics_and_health",
+            *_MACHINE,
+        ),
     ),
     "context_off_by_one": Broken(
         ContextOffByOne,
@@ -1518,6 +1549,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_double_release_frees_once",
             "test_error_codes_match_taxonomy",
             "test_limit_max_sessions",
+            "test_migration_atomic_under_budget_pressure",
             "test_resource_exhausted_session_slots",
             *_MACHINE,
         ),
@@ -1528,6 +1560,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_failed_first_prefill_leaves_nothing",
             "test_failed_request_is_atomic",
             "test_limit_kv_budget",
+            "test_migration_atomic_under_budget_pressure",
             "test_resource_exhausted_kv_budget",
             *_MACHINE,
         ),

@@ -21,8 +21,10 @@ from shard_engine_api import (
     Capabilities,
     ChecksumMismatch,
     ContractVersionMismatch,
+    DecodeRequest,
     InvalidRequest,
     LoadConfig,
+    LogitsResult,
     MalformedOutput,
     MtpState,
     PrefillRequest,
@@ -36,6 +38,7 @@ from shard_engine_api import (
     ValidatingEngine,
 )
 from shard_engine_api import _boundary as boundary
+from shard_engine_api import _results as results
 from shard_engine_api._boundary import BundleExpectation, ViolationKind, check_bundle
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._dtypes import payload_finite
@@ -200,6 +203,15 @@ class Scans:
 
         monkeypatch.setattr(boundary, "payload_checksum", counted_checksum)
         monkeypatch.setattr(boundary, "payload_finite", counted_finite)
+        # The core checks the finiteness of the results it builds (and marks them).
+        self.built = 0
+        built_finite = results._finite
+
+        def counted_built_finite(payload: memoryview, width: int) -> bool:
+            self.built += 1
+            return built_finite(payload, width)
+
+        monkeypatch.setattr(results, "_finite", counted_built_finite)
 
 
 def test_a_decoded_bundle_is_scanned_once_per_hop(
@@ -225,10 +237,12 @@ def test_a_bundle_checked_by_the_wrapper_is_not_rescanned_by_the_next_core(
         PrefillRequest(request_id="p", session=SESSION, start_pos=0, inputs=tokens)
     )
     assert isinstance(result, BoundaryResult)
-    # from_array computed the checksum: the wrapper only scans for finiteness.
-    assert (scans.checksums, scans.finite) == (0, 1)
+    # from_array computed the checksum and the core checked finiteness as it built the
+    # bundle: the wrapper scans nothing again.
+    assert (scans.checksums, scans.finite, scans.built) == (0, 0, 1)
     tail.prefill(PrefillRequest(request_id="p", session=SESSION, start_pos=0, inputs=result.bundle))
-    assert (scans.checksums, scans.finite) == (0, 1)
+    # Neither does the next core; it only checks the logits it builds.
+    assert (scans.checksums, scans.finite, scans.built) == (0, 0, 2)
 
 
 def test_a_bundle_over_a_mutable_buffer_is_always_rescanned(
@@ -240,6 +254,57 @@ def test_a_bundle_over_a_mutable_buffer_is_always_rescanned(
     bundle = Codec().decode_bundle(buf)
     tail.prefill(PrefillRequest(request_id="p", session=SESSION, start_pos=0, inputs=bundle))
     assert (scans.checksums, scans.finite) == (2, 2)
+
+
+def test_each_received_bundle_is_scanned_once_on_the_decode_path(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker's tail: every decode step receives a bundle from the wire, decodes it with the
+    # codec and hands it to its (validated) engine. Each bundle's payload is read once for
+    # its checksum and once for finiteness, by the codec; neither the wrapper nor the core
+    # reads it again.
+    tail = ValidatingEngine(load(model_path, 2, N_LAYERS))
+    caps = tail.capabilities()
+    codec = Codec()
+    rows = np.full((1, caps.hidden_size), 0.25, dtype=np.float32)
+
+    def received(pos: int) -> BoundaryBundle:
+        bundle = BoundaryBundle.from_array(
+            rows, session=SESSION, first_pos=pos, layer=2, model_fingerprint=caps.model_fingerprint
+        )
+        return codec.decode_bundle(encode(bundle))
+
+    tail.prefill(PrefillRequest(request_id="p", session=SESSION, start_pos=0, inputs=received(0)))
+    scans = Scans(monkeypatch)
+    steps = 5
+    for pos in range(1, steps + 1):
+        bundle = received(pos)
+        assert (scans.checksums, scans.finite) == (pos, pos)
+        result = tail.decode(DecodeRequest(request_id="d", session=SESSION, pos=pos, inputs=bundle))
+        assert isinstance(result, LogitsResult)
+        assert (scans.checksums, scans.finite) == (pos, pos), "a received bundle was rescanned"
+    # The logits of each step are checked for finiteness once, by the core that built them.
+    assert scans.built == steps
+
+
+def test_a_pipeline_scans_each_boundary_once_per_decode_step(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In one process the head's result bundle is the tail's input: built and checked once by
+    # the head's core, then neither wrapper nor the tail's core reads it again.
+    head = ValidatingEngine(load(model_path, 0, 2))
+    tail = ValidatingEngine(load(model_path, 2, N_LAYERS))
+    token = TokenInput(token_ids=(1,))
+    first = head.prefill(PrefillRequest(request_id="p", session=SESSION, start_pos=0, inputs=token))
+    assert isinstance(first, BoundaryResult)
+    tail.prefill(PrefillRequest(request_id="p", session=SESSION, start_pos=0, inputs=first.bundle))
+    scans = Scans(monkeypatch)
+    for pos in range(1, 4):
+        hidden = head.decode(DecodeRequest(request_id="d", session=SESSION, pos=pos, inputs=token))
+        assert isinstance(hidden, BoundaryResult)
+        tail.decode(DecodeRequest(request_id="d", session=SESSION, pos=pos, inputs=hidden.bundle))
+        # Per step: the head's bundle and the tail's logits, each checked once as it was built.
+        assert (scans.checksums, scans.finite, scans.built) == (0, 0, 2 * pos)
 
 
 def test_a_changed_copy_carries_no_mark(model_path: Path) -> None:

@@ -711,6 +711,17 @@ def test_validating_engine_refuses_bad_exports(lie: str) -> None:
         engine.export_session(ExportSessionRequest(request_id="x", session=ref()))
 
 
+def test_validating_engine_types_the_import_request_first(snapshot: SessionSnapshot) -> None:
+    engine = ValidatingEngine(_engine())
+    for chunks in (("text",), [b"x"], (None,)):
+        bad = ImportSessionRequest(
+            request_id="i",
+            snapshot=replaced(snapshot, chunks=chunks),
+        )
+        with pytest.raises(InvalidRequest, match="chunks"):
+            engine.import_session(bad)
+
+
 def test_validating_engine_refuses_a_wrong_import_result(snapshot: SessionSnapshot) -> None:
     inner = _Lies()
     inner.lie = "import_epoch"

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from conftest import EngineFactory, bundle_of, decode, logits_of, prefill, session
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shard_engine_api as api
 from shard_engine_api import wire
@@ -282,3 +285,60 @@ def test_memory_pressure_at_import(make_engine: EngineFactory) -> None:
 def test_fake_declares_migration(make_engine: EngineFactory) -> None:
     caps = make_engine().capabilities()
     assert caps.features.session_migration
+
+
+# ----------------------------------------------------------------------------- hostile peers
+
+
+@settings(derandomize=True, deadline=None, database=None, max_examples=300)
+@given(data=st.data())
+def test_no_mutated_snapshot_takes_the_engine_down(data: st.DataObject) -> None:
+    """Random byte flips, cuts and splices of an encoded import request, decoded by the codec
+    and handed to the engine: every outcome is a typed refusal or a consistent import, and
+    the engine keeps serving (a peer's bytes never fail it)."""
+    source, target = FakeEngine(), FakeEngine()
+    spec = api.ShardSpec(model="fake", n_layers=6, start=2, end=4)
+    for engine in (source, target):
+        engine.load(api.LoadConfig(shard=spec))
+    try:
+        ref = session("hostile")
+        rows = source.model_spec.hidden_size
+        bundle = api.BoundaryBundle.from_array(
+            np.arange(3 * rows, dtype=np.float32).reshape(3, rows) % 7,
+            session=ref,
+            first_pos=0,
+            layer=2,
+            model_fingerprint=source.capabilities().model_fingerprint,
+        )
+        prefill(source, ref, 0, bundle)
+        snapshot = _export(source, ref)
+        frame = bytearray(
+            wire.encode(api.ImportSessionRequest(request_id="i", snapshot=snapshot, epoch=2))
+        )
+        for _ in range(data.draw(st.integers(1, 4))):
+            at = data.draw(st.integers(0, len(frame) - 1))
+            kind = data.draw(st.sampled_from(["flip", "cut", "splice"]))
+            if kind == "flip":
+                frame[at] ^= 1 << data.draw(st.integers(0, 7))
+            elif kind == "cut":
+                del frame[at : at + data.draw(st.integers(1, 16))]
+            else:
+                frame[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+            if not frame:
+                frame = bytearray(b"\x80")
+        refused: api.ShardEngineError | None = None
+        try:
+            request = wire.decode_request(bytes(frame))
+            if isinstance(request, api.ImportSessionRequest):
+                result = target.import_session(request)
+                assert target.health().sessions == 1
+                assert target.health().kv_used_tokens == result.length
+        except api.ShardEngineError as error:
+            refused = error
+        assert not isinstance(refused, api.EngineCrashed), refused
+        if refused is not None:
+            assert (target.health().sessions, target.metrics().kv_used_tokens) == (0, 0)
+        assert target.health().state == "ready"
+    finally:
+        source.close()
+        target.close()

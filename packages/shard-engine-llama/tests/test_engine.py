@@ -26,6 +26,7 @@ from shard_engine_api import (
     PrefillRequest,
     ResourceExhausted,
     SessionRef,
+    ShardEngineError,
     ShardMismatch,
     ShardSpec,
     TokenInput,
@@ -238,6 +239,57 @@ def test_cancel_mid_prefill_from_another_thread_rolls_back(tmp_path: Path) -> No
         assert engine.health().kv_used_tokens == 4
         _prefill(clean, session, long_prompt[:4])
         assert np.array_equal(_decode(engine, session, 4, 9), _decode(clean, session, 4, 9))
+    finally:
+        _close([engine, clean])
+
+
+def test_close_mid_prefill_stops_llama_cpp(tmp_path: Path) -> None:
+    """close() while another thread's prefill is inside llama_decode sets the abort flag: the
+    prefill ends with a contract error and close() returns, the engine closed."""
+    model = tmp_path / "wide.gguf"
+    write_tiny_model(model, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
+    engine = _load(model, 0, 8, 8, max_batch_tokens=512, max_context=1024, options={"n_ubatch": 8})
+    session = SessionRef(session_id="long", epoch=1)
+    long_prompt = tuple((index * 7) % 250 + 3 for index in range(512))
+    outcome: list[BaseException | None] = []
+    started = threading.Event()
+
+    def work() -> None:
+        started.set()
+        try:
+            _prefill(engine, session, long_prompt)
+            outcome.append(None)
+        except ShardEngineError as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    started.wait(5)
+    time.sleep(0.02)
+    engine.close()
+    thread.join(10)
+    assert outcome, "the prefill thread did not finish"
+    assert isinstance(outcome[0], ShardEngineError), "prefill finished before close()"
+    assert engine.health().state == "closed"
+
+
+def test_a_stale_cancel_does_not_abort_the_next_forward(tiny_model: Path) -> None:
+    """The abort flag belongs to the running request only: cancelling a finished or an unknown
+    request leaves later forwards alone (bitwise like a clean engine; a cancel that stopped a
+    forward is followed by a clean replay in the test above)."""
+    engine = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    clean = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    session = SessionRef(session_id="s", epoch=1)
+    try:
+        for target in (engine, clean):
+            _prefill(target, session, PROMPT)
+        result = engine.cancel(CancelRequest(session_id="s"))
+        assert not result.cancelled
+        result = engine.cancel(CancelRequest(request_id="no-such-request"))
+        assert not result.cancelled
+        assert np.array_equal(
+            _decode(engine, session, len(PROMPT), 9), _decode(clean, session, len(PROMPT), 9)
+        )
     finally:
         _close([engine, clean])
 

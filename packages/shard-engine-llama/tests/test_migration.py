@@ -81,7 +81,7 @@ def _load(
     engine.load(
         LoadConfig(
             shard=ShardSpec(model=str(model), n_layers=N_LAYERS, start=start, end=end),
-            max_sessions=3,
+            max_sessions=4,
             max_context=max_context,
             kv_budget_tokens=kv_budget_tokens,
             options={"n_ubatch": 4, "model_store": str(model.parent / "store"), **options},
@@ -142,13 +142,14 @@ def test_moved_shard_continues_bit_for_bit(
             pipeline.prefill(S, 0, PROMPT)
             pipeline.prefill(T, 0, OTHER)
         # The target's slots held other sessions' positions before the import.
-        for session, tokens in (
-            (PREVIOUS, OTHER),
-            (SessionRef(session_id="p2", epoch=1), PROMPT[:5]),
-        ):
-            _warm([*source[:moved], target], session, tokens)
-        move_session(source[moved], target, S)
-        move_session(source[moved], target, T)
+        used = _warm(
+            [*source[:moved], target],
+            [(PREVIOUS, OTHER), (SessionRef(session_id="p2", epoch=1), PROMPT[:5])],
+        )
+        assert {
+            move_session(source[moved], target, S),
+            move_session(source[moved], target, T),
+        } == used
         moved_pipeline = Pipeline([*source[:moved], target, *source[moved + 1 :]])
         for expected, actual in zip(
             _continue(reference, S, len(PROMPT)),
@@ -166,23 +167,32 @@ def test_moved_shard_continues_bit_for_bit(
         _close([*unmoved, *source, target])
 
 
-def _warm(engines: Sequence[LlamaEngine], session: SessionRef, tokens: Sequence[int]) -> None:
-    """Prefill a session through ``engines`` (head first, each fed by the one before), then
-    release it everywhere: the last engine's slot held that session's positions."""
-    inputs: ShardInput = TokenInput(token_ids=tuple(tokens))
-    for index, engine in enumerate(engines):
-        result = engine.prefill(
-            PrefillRequest(
-                request_id=f"warm-{session.session_id}-{index}",
-                session=session,
-                start_pos=0,
-                inputs=inputs,
+def _warm(
+    engines: Sequence[LlamaEngine], sessions: Sequence[tuple[SessionRef, Sequence[int]]]
+) -> set[int]:
+    """Prefill sessions through ``engines`` (head first, each fed by the one before), then
+    release them everywhere; returns the last engine's slots, which held their positions."""
+    slots = set()
+    for session, tokens in sessions:
+        inputs: ShardInput = TokenInput(token_ids=tuple(tokens))
+        for index, engine in enumerate(engines):
+            result = engine.prefill(
+                PrefillRequest(
+                    request_id=f"warm-{session.session_id}-{index}",
+                    session=session,
+                    start_pos=0,
+                    inputs=inputs,
+                )
             )
-        )
-        if isinstance(result, BoundaryResult):
-            inputs = result.bundle
-    for engine in engines:
-        engine.release(ReleaseRequest(session=session))
+            if isinstance(result, BoundaryResult):
+                inputs = result.bundle
+        slot = _slot(engines[-1], session)
+        assert _positions(engines[-1], slot) == len(tokens)
+        slots.add(slot)
+    for session, _ in sessions:
+        for engine in engines:
+            engine.release(ReleaseRequest(session=session))
+    return slots
 
 
 def _full(
@@ -501,3 +511,26 @@ def test_a_failed_truncation_of_a_windowed_session_restores_it_exactly(
         )
     finally:
         _close([engine, reference])
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_flash_attention_and_f16_kv_states_move_exactly(
+    models: dict[str, Path], kv_type: str
+) -> None:
+    """With flash attention llama.cpp stores V untransposed (another state layout, and
+    another window padding); with an f16 KV cache the rows are half the size. gemma3 past
+    its window moves and decodes on bit for bit in both."""
+    model = models["gemma3"]
+    source, reference, target = (_full(model, flash_attn=True, kv_type=kv_type) for _ in range(3))
+    try:
+        for engine in (source, reference):
+            _prefill_tokens(engine, S, PROMPT)
+        move_session(source, target, S)
+        for offset, token in enumerate(DECODED):
+            position = len(PROMPT) + offset
+            np.testing.assert_array_equal(
+                _warm_keep(target, S, [token], position),
+                _warm_keep(reference, S, [token], position),
+            )
+    finally:
+        _close([source, reference, target])

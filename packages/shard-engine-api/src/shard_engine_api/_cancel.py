@@ -5,6 +5,7 @@ refused."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 
 from shard_engine_api._errors import Cancelled
 
@@ -20,11 +21,13 @@ class CancelToken:
 
     The flag is a plain attribute; a :class:`threading.Event` (costly to make, and most requests
     never wait) is created only when a backend sleeps on the token or asks for :attr:`event`.
+    ``session_ids`` is kept as given (a tuple of one for single operations: making a frozenset
+    on every decode step costs more than the rare cancel-by-session scan it would speed up).
     """
 
     __slots__ = ("_cancelled", "_event", "_sealed", "request_id", "session_ids")
 
-    def __init__(self, request_id: str, session_ids: frozenset[str]) -> None:
+    def __init__(self, request_id: str, session_ids: Collection[str]) -> None:
         self._cancelled = False
         self._sealed = False
         self._event: threading.Event | None = None

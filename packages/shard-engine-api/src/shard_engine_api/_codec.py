@@ -22,8 +22,13 @@ dtype, the receiver's expected hidden size, model fingerprint and layer, payload
 before any hashing, payload length, checksum, finiteness); a bundle verified here is marked so
 the engine core that receives it does not scan its payload again.
 
-Checksums are computed once, by the engine that creates a bundle, so encoding never recomputes
-them; decoding always verifies them.
+Session snapshots (alone or inside an import request) are verified on decode too, by
+shard_engine_api._snapshot: contract version, at least one position, state size within
+``max_payload_bytes`` (before hashing), every chunk within ``SNAPSHOT_CHUNK_BYTES`` (refused
+from its length header), chunks adding up to ``state_bytes`` and matching the checksum.
+
+Checksums are computed once, by the engine that creates a bundle or snapshot, so encoding never
+recomputes them; decoding always verifies them.
 
 Alignment: a large payload (64 KiB and up) of a bundle, a bundle-carrying request or result, or a
 logits result is placed at a 16-byte-aligned offset of the message by inserting an ignored
@@ -57,7 +62,7 @@ from shard_engine_api._errors import (
     ShardEngineError,
     error_from_info,
 )
-from shard_engine_api._snapshot import check_snapshot_integrity
+from shard_engine_api._snapshot import verify_snapshot_integrity
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryBundle,
@@ -590,7 +595,7 @@ class Codec:
         up to ``state_bytes`` and matching the checksum (ChecksumMismatch). Whether it fits
         the receiving engine (ShardMismatch) is that engine's check."""
         _check_version(snapshot.contract_version, "snapshot")
-        check_snapshot_integrity(snapshot, max_state_bytes=self.max_payload_bytes)
+        verify_snapshot_integrity(snapshot, max_state_bytes=self.max_payload_bytes)
 
     def _verify_message(self, message: WireMessage) -> None:
         match message:

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
 from typing import ClassVar, Final, Literal, Self
 
@@ -310,19 +310,16 @@ class EngineCore(abc.ABC):
                     f"{caps.limits.max_batch_tokens}; send it in chunks"
                 )
             output: OutputMode = request.logits if caps.shard.emits_logits else "hidden"
-            work = _Work(
-                kind="prefill",
-                output=output,
-                rows=(rows,),
-                admit=lambda: [self._plan_prefill(caps, session, request.start_pos, n_tokens)],
+            tokens, hidden = rows
+            result_rows, timings = self._admit_run_commit_one(
+                caps, token, output, tokens, hidden, session, request.start_pos, n_tokens
             )
-            outcomes, timings = self._admit_run_commit(caps, token, work)
             return self._make_result(
                 caps,
                 request.request_id,
                 session,
                 request.start_pos,
-                _only_rows(outcomes),
+                result_rows,
                 output,
                 timings,
                 n_tokens,
@@ -344,25 +341,17 @@ class EngineCore(abc.ABC):
             caps = self._require_serving()
             with self._state_lock:
                 self._counters.decode_requests += 1
-            check_reserved(request.mtp, request.aux)
-            rows = self._decode_inputs(caps, request.inputs, session, request.pos, single_row=True)
-            output: OutputMode = "last" if caps.shard.emits_logits else "hidden"
-            work = _Work(
-                kind="decode",
-                output=output,
-                rows=(rows,),
-                admit=lambda: [self._plan_decode(caps, session, request.pos)],
+            if request.mtp or request.aux:
+                check_reserved(request.mtp, request.aux)
+            tokens, hidden = self._decode_inputs(
+                caps, request.inputs, session, request.pos, single_row=True
             )
-            outcomes, timings = self._admit_run_commit(caps, token, work)
+            output: OutputMode = "last" if caps.shard.emits_logits else "hidden"
+            rows, timings = self._admit_run_commit_one(
+                caps, token, output, tokens, hidden, session, request.pos, None
+            )
             return self._make_result(
-                caps,
-                request.request_id,
-                session,
-                request.pos,
-                _only_rows(outcomes),
-                output,
-                timings,
-                1,
+                caps, request.request_id, session, request.pos, rows, output, timings, 1
             )
         except Exception as error:
             seen = self._caller_sees(error)
@@ -376,7 +365,7 @@ class EngineCore(abc.ABC):
         """One decode step for several distinct sessions; one result or error per item."""
         check_request(request, DecodeBatchRequest)
         sessions = tuple(item.session.session_id for item in request.items)
-        token = self._begin(request.request_id, sessions)
+        token = self._begin(request.request_id, frozenset(sessions))
         try:
             caps = self._require_serving()
             with self._state_lock:
@@ -650,11 +639,11 @@ class EngineCore(abc.ABC):
                 raise
             raise seen from error
 
-    def _begin(self, request_id: str, session_ids: Sequence[str]) -> CancelToken:
+    def _begin(self, request_id: str, session_ids: Collection[str]) -> CancelToken:
         """Register a request for cancel() while it runs (ended by :meth:`_end`)."""
         if not request_id:
             raise self._caller_sees(InvalidRequest("request_id must be non-empty"))
-        token = CancelToken(request_id, frozenset(session_ids))
+        token = CancelToken(request_id, session_ids)
         with self._state_lock:
             duplicate = request_id in self._in_flight
             if not duplicate:
@@ -834,6 +823,73 @@ class EngineCore(abc.ABC):
             self._drop(slot)
             _log.info("%s evicted 1 idle session (LRU) for a slot", self.engine_name)
 
+    def _admit_run_commit_one(
+        self,
+        caps: Capabilities,
+        token: CancelToken,
+        output: OutputMode,
+        tokens: npt.NDArray[np.int32] | None,
+        hidden: Rows | None,
+        session: SessionRef,
+        start_pos: int,
+        n_prefill: int | None,
+    ) -> tuple[Rows, Timings]:
+        """One prefill of ``n_prefill`` rows (a decode when None) through exactly the steps
+        of :meth:`_admit_run_commit` and :meth:`_run_and_commit`, without their lists: every
+        decode step of a session goes this way, and the lists cost more than the checks."""
+        started = time.perf_counter()
+        with self._compute_lock:
+            compute_started = time.perf_counter()
+            token.check()
+            self._require_serving()
+            with self._state_lock:
+                admission = (
+                    self._plan_decode(caps, session, start_pos)
+                    if n_prefill is None
+                    else self._plan_prefill(caps, session, start_pos, n_prefill)
+                )
+            if admission.evict_first is not None:
+                self._hand_over(admission, token)
+            admitted = (admission,)
+            item = ForwardItem(
+                slot=admission.slot,
+                start_pos=admission.start_pos,
+                committed_length=admission.committed_length,
+                tokens=tokens,
+                hidden=hidden,
+            )
+            forward_started = time.perf_counter()
+            try:
+                rows = self._forward(item, output, token)
+                n_rows = item.n_tokens
+                check_rows(caps, self.config.boundary_dtype, rows, output, n_rows)
+                compute_ms = (time.perf_counter() - forward_started) * 1000.0
+                with self._state_lock:
+                    token.seal()  # the commit point: a cancel from now on answers False
+                    dropped = self._ledger.commit(admitted)
+                    counters = self._counters
+                    if n_prefill is None:
+                        counters.decode_tokens += n_rows
+                    else:
+                        counters.prefill_tokens += n_rows
+                    counters.compute_ms += compute_ms
+                    counters.evictions += len(dropped)
+            except BaseException:
+                self._rollback_all(admitted)
+                raise
+            self._commit(admission.slot)
+            for slot in dropped:
+                self._drop(slot)
+            if dropped:
+                _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
+            finished = time.perf_counter()
+        timings = Timings(
+            queue_ms=(compute_started - started) * 1000.0,
+            compute_ms=(finished - compute_started) * 1000.0,
+            total_ms=(time.perf_counter() - started) * 1000.0,
+        )
+        return rows, timings
+
     def _rollback_all(self, admitted: Sequence[Admission]) -> None:
         for admission in admitted:
             try:
@@ -866,11 +922,3 @@ class EngineCore(abc.ABC):
             n_tokens=n_tokens,
             timings=timings,
         )
-
-
-def _only_rows(outcomes: Sequence[Rows | ShardEngineError]) -> Rows:
-    """The rows of a single operation (its admission raises rather than returning an error)."""
-    (outcome,) = outcomes
-    if isinstance(outcome, ShardEngineError):
-        raise outcome
-    return outcome

@@ -30,14 +30,16 @@ Rules, identical to what the msgpack decoders accept:
   engine's own typed option, which travels as a map and is the engine's to check).
 
 Cost: a checker is compiled once per Struct class from ``msgspec.inspect.type_info`` into
-closures; checking a single-token decode request is about a microsecond, with no allocation on
-success (the field path is only assembled when a check fails).
+closures (under a lock, published only when complete: a worker's threads may all make their
+first request at once); checking a single-token decode request is about a microsecond, with
+no allocation on success (the field path is only assembled when a check fails).
 """
 
 from __future__ import annotations
 
 import operator
 import reprlib
+import threading
 from collections.abc import Callable
 from typing import Final
 
@@ -398,13 +400,40 @@ def _type_name(info: msgspec.inspect.Type) -> str:
 
 # ----------------------------------------------------------------------------- structs
 
+# Compiled checkers, published only once complete: the entry points read these without a lock.
 _STRUCT_CHECKERS: dict[type, _Check] = {}
 _FIELD_CHECKERS: dict[type, _Check] = {}
+# Checkers being compiled, under _COMPILE_LOCK only. A checker of a struct type that contains
+# itself calls a placeholder until its own compilation ends, so no other thread may see it
+# before then (one that did would call the empty placeholder: IndexError on first use by
+# several threads at once).
+_STAGED_STRUCTS: dict[type, _Check] = {}
+_STAGED_FIELDS: dict[type, _Check] = {}
+_COMPILE_LOCK: Final = threading.RLock()
+
+
+def _compiled(cls: type, *, fields_only: bool) -> _Check:
+    """The checker of ``cls`` (of its fields only, with ``fields_only``), compiled on first
+    use under a lock and published complete."""
+    with _COMPILE_LOCK:
+        published = _FIELD_CHECKERS if fields_only else _STRUCT_CHECKERS
+        found = published.get(cls)
+        if found is not None:
+            return found
+        try:
+            check = _fields_checker(cls) if fields_only else _struct_checker(cls)
+            _FIELD_CHECKERS.update(_STAGED_FIELDS)
+            _STRUCT_CHECKERS.update(_STAGED_STRUCTS)
+        finally:
+            _STAGED_FIELDS.clear()
+            _STAGED_STRUCTS.clear()
+        return check
 
 
 def _fields_checker(cls: type) -> _Check:
-    """A checker of the fields of an instance of ``cls`` (its type is not checked)."""
-    found = _FIELD_CHECKERS.get(cls)
+    """A checker of the fields of an instance of ``cls`` (its type is not checked). Only while
+    compiling (see :func:`_compiled`)."""
+    found = _FIELD_CHECKERS.get(cls) or _STAGED_FIELDS.get(cls)
     if found is not None:
         return found
     # Placeholder first: a struct type may (indirectly) contain itself.
@@ -413,7 +442,7 @@ def _fields_checker(cls: type) -> _Check:
     def forward(value: object) -> None:
         pending[0](value)
 
-    _FIELD_CHECKERS[cls] = forward
+    _STAGED_FIELDS[cls] = forward
     info = msgspec.inspect.type_info(cls)
     assert isinstance(info, msgspec.inspect.StructType)
     names = tuple(field.name for field in info.fields)
@@ -432,12 +461,12 @@ def _fields_checker(cls: type) -> _Check:
             raise
 
     pending.append(check)
-    _FIELD_CHECKERS[cls] = check
+    _STAGED_FIELDS[cls] = check
     return check
 
 
 def _struct_checker(cls: type) -> _Check:
-    found = _STRUCT_CHECKERS.get(cls)
+    found = _STRUCT_CHECKERS.get(cls) or _STAGED_STRUCTS.get(cls)
     if found is not None:
         return found
     fields = _fields_checker(cls)
@@ -448,7 +477,7 @@ def _struct_checker(cls: type) -> _Check:
             raise _Bad(expected, value)
         fields(value)
 
-    _STRUCT_CHECKERS[cls] = check
+    _STAGED_STRUCTS[cls] = check
     return check
 
 
@@ -672,7 +701,7 @@ def check_request(request: object, expected: type) -> None:
     fast = _FAST.get(expected)
     if fast is not None and fast(request):
         return
-    check = _STRUCT_CHECKERS.get(expected) or _struct_checker(expected)
+    check = _STRUCT_CHECKERS.get(expected) or _compiled(expected, fields_only=False)
     try:
         check(request)
     except _Bad as bad:
@@ -685,7 +714,7 @@ def check_fields(struct: msgspec.Struct) -> None:
     Raises InvalidRequest naming the field path.
     """
     cls = type(struct)
-    check = _FIELD_CHECKERS.get(cls) or _fields_checker(cls)
+    check = _FIELD_CHECKERS.get(cls) or _compiled(cls, fields_only=True)
     try:
         check(struct)
     except _Bad as bad:

@@ -62,6 +62,10 @@ def decode_inputs(
         token_ids = inputs.token_ids
         if min(token_ids) < 0 or max(token_ids) >= caps.vocab_size:
             raise InvalidRequest(f"token ids must lie in [0, {caps.vocab_size})")
+        if n_tokens == 1:
+            # Every decode step: a shared read-only array per token id, not a new one.
+            row = _ONE_TOKEN.get(token_ids[0])
+            return (_one_token(token_ids[0]) if row is None else row), None
         return np.array(token_ids, dtype=np.int32), None
     if shard.takes_tokens:
         raise WrongRole(f"a {shard.role} shard takes token ids, not a boundary bundle")
@@ -79,6 +83,21 @@ def decode_inputs(
     # shard_engine_api._boundary. The payload length was checked there too, so the rows are a
     # plain view for f32, converted for f16 and bf16 (a bit shift, exact).
     return None, payload_rows(bundle.payload, bundle.dtype, bundle.n_tokens, bundle.hidden_size)
+
+
+_ONE_TOKEN: dict[int, npt.NDArray[np.int32]] = {}
+_ONE_TOKEN_LIMIT = 1 << 16
+
+
+def _one_token(token_id: int) -> npt.NDArray[np.int32]:
+    """The read-only int32 array ``[token_id]`` (kept: building one costs more than the
+    rest of the input checks; backends only read their inputs)."""
+    row = np.array((token_id,), dtype=np.int32)
+    row.setflags(write=False)
+    if len(_ONE_TOKEN) >= _ONE_TOKEN_LIMIT:
+        _ONE_TOKEN.clear()
+    _ONE_TOKEN[token_id] = row
+    return row
 
 
 # One expectation per capabilities object (engines keep theirs for their whole life).

@@ -212,7 +212,10 @@ class SessionLedger:
         """Admit one decode row at ``pos``, or raise. Within a batch, ``batch`` are its members
         (never evicted), ``batch_tokens`` the rows already admitted and ``batch_evictions`` the
         victims already chosen."""
-        current, status = self._live_or_fenced(session_id, epoch)
+        current = self.sessions.get(session_id)
+        if current is None or epoch < current.epoch:
+            # Not plainly live (the common case, every decode step): the fence rule decides.
+            current, status = self._live_or_fenced(session_id, epoch)
         if current is None:
             reason = "evicted" if status == "evicted" else "unknown_session"
             raise CacheMiss(
@@ -246,16 +249,10 @@ class SessionLedger:
             protect=batch,
             already=batch_evictions,
         )
-        return Admission(
-            session_id=session_id,
-            epoch=epoch,
-            slot=current.slot,
-            start_pos=pos,
-            committed_length=current.length,
-            new_length=pos + 1,
-            is_new=False,
-            evict=evict,
-        )
+        # Positional (session_id, epoch, slot, start_pos, committed_length, new_length, is_new,
+        # evict): built on every decode step, and keywords cost twice as much here.
+        length = current.length
+        return Admission(session_id, epoch, current.slot, pos, length, pos + 1, False, evict)
 
     def admit_batch(
         self, items: Sequence[tuple[str, int, int]], limits: LedgerLimits

@@ -3,11 +3,15 @@ into the contract's results."""
 
 from __future__ import annotations
 
+import math
+from typing import Final
+
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._backend import OutputMode
-from shard_engine_api._dtypes import overflow_threshold
+from shard_engine_api._checksum import SCANNED, SCANNED_FINITE, mark_scanned, payload_checksum
+from shard_engine_api._dtypes import overflow_threshold, payload_finite
 from shard_engine_api._errors import EngineCrashed, ResourceExhausted
 from shard_engine_api._types import (
     BoundaryBundle,
@@ -84,7 +88,13 @@ def build_result(
     n_tokens: int,
     timings: Timings,
 ) -> BoundaryResult | LogitsResult:
-    """A bundle of hidden rows (non-tail) or the logits of the last / all rows (tail)."""
+    """A bundle of hidden rows (non-tail) or the logits of the last / all rows (tail).
+
+    An f32 payload is checked for finiteness here (the copy, not the backend's rows, which the
+    backend may still change) and a result that passes is marked so (see
+    shard_engine_api._checksum): a ValidatingEngine in front of the core then does not scan it
+    again. A result with NaN or infinities carries no such mark, and whoever checks it finds
+    them."""
     if output == "hidden":
         bundle = BoundaryBundle.from_array(
             rows,
@@ -94,6 +104,8 @@ def build_result(
             model_fingerprint=caps.model_fingerprint,
             dtype=boundary_dtype,
         )
+        if bundle.dtype == "f32" and _finite(bundle.payload, bundle.hidden_size):
+            mark_scanned(bundle, SCANNED_FINITE)
         return BoundaryResult(
             request_id=request_id,
             session=session,
@@ -104,11 +116,62 @@ def build_result(
             timings=timings,
         )
     first_pos = start_pos if output == "all" else start_pos + n_tokens - 1
-    return LogitsResult.from_array(
-        rows,
+    if not _exact_f32(rows):
+        # Anything but a plain f32 array: from_array converts it or refuses it.
+        return LogitsResult.from_array(
+            rows,
+            request_id=request_id,
+            session=session,
+            first_pos=first_pos,
+            evidence=caps.evidence,
+            timings=timings,
+        )
+    # What from_array builds, minus its copies: one copy of the rows into immutable bytes.
+    n_rows, width = rows.shape
+    payload = memoryview(rows.tobytes())
+    result = LogitsResult(
         request_id=request_id,
         session=session,
         first_pos=first_pos,
+        n_rows=n_rows,
+        vocab_size=width,
         evidence=caps.evidence,
+        payload=payload,
+        checksum=payload_checksum(payload),
         timings=timings,
     )
+    mark_scanned(result, SCANNED_FINITE if _finite(payload, width) else SCANNED)
+    return result
+
+
+_F32: Final = np.dtype("<f4")
+_DOT_LIMIT: Final = 1 << 13
+_ZEROS: dict[int, npt.NDArray[np.float32]] = {}
+
+
+def _exact_f32(rows: object) -> bool:
+    """Whether ``rows`` is a non-empty 2-D little-endian f32 array (its bytes are a payload)."""
+    if type(rows) is not np.ndarray or rows.ndim != 2 or not rows.size:
+        return False
+    dtype = rows.dtype
+    return dtype is _F32 or dtype == _F32
+
+
+def _finite(payload: memoryview, width: int) -> bool:
+    """Whether every value of the f32 ``payload`` (rows of ``width``) is finite. One row
+    (every decode step) takes one dot product with zeros, about a third of the cost of
+    ``isfinite().all()``: ``0 * x`` is ``0`` for every finite ``x`` and NaN for NaN and the
+    infinities, and a NaN never leaves a sum, so the product is finite exactly when every value
+    is. Several rows, and rows long enough that BLAS might spread them over threads, take the
+    general scan."""
+    values = np.frombuffer(payload, dtype=_F32)
+    if values.size != width or width > _DOT_LIMIT:
+        return payload_finite(payload, "f32")
+    zeros = _ZEROS.get(width)
+    if zeros is None:
+        if len(_ZEROS) > 16:
+            _ZEROS.clear()
+        zeros = np.zeros(width, dtype=_F32)
+        zeros.setflags(write=False)
+        _ZEROS[width] = zeros
+    return math.isfinite(values.dot(zeros))

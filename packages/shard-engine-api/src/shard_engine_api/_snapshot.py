@@ -25,7 +25,7 @@ from typing import Final
 
 import msgspec
 
-from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._checksum import chunks_checksum, payload_checksum
 from shard_engine_api._errors import (
     ChecksumMismatch,
     ContractVersionMismatch,
@@ -50,6 +50,7 @@ __all__ = [
     "check_snapshot_target",
     "settings_fingerprint",
     "split_chunks",
+    "verify_snapshot_integrity",
 ]
 
 SETTINGS_SCHEME: Final = "shard-engine-settings-v1"
@@ -181,11 +182,7 @@ def check_snapshot_target(snapshot: SessionSnapshot, target: SnapshotTarget) -> 
             raise _mismatch(field, theirs, ours)
 
 
-def check_snapshot_integrity(snapshot: SessionSnapshot, *, max_state_bytes: int) -> bytes:
-    """The snapshot's state, once its header and bytes check out: at least one position,
-    ``state_bytes`` within ``max_state_bytes`` (ResourceExhausted, before hashing), every
-    chunk within SNAPSHOT_CHUNK_BYTES (InvalidRequest), chunks adding up to ``state_bytes``
-    and the carried checksum (ChecksumMismatch)."""
+def _check_header(snapshot: SessionSnapshot, max_state_bytes: int) -> None:
     if snapshot.length < 1:
         raise InvalidRequest(
             "a snapshot holds at least one position, got length 0",
@@ -218,12 +215,33 @@ def check_snapshot_integrity(snapshot: SessionSnapshot, *, max_state_bytes: int)
             f"{snapshot.state_bytes}",
             details={"received_bytes": total, "state_bytes": snapshot.state_bytes},
         )
+
+
+def _corrupted(snapshot: SessionSnapshot) -> ChecksumMismatch:
+    return ChecksumMismatch(
+        "snapshot state does not match its checksum (corrupted in transit or at rest)",
+        details={"state_bytes": snapshot.state_bytes},
+    )
+
+
+def verify_snapshot_integrity(snapshot: SessionSnapshot, *, max_state_bytes: int) -> None:
+    """Check a snapshot as :func:`check_snapshot_integrity` does, hashing its chunks in place
+    (no joined copy): for receivers that only pass a snapshot on (the codec, the validation
+    wrapper)."""
+    _check_header(snapshot, max_state_bytes)
+    if chunks_checksum(snapshot.chunks) != snapshot.checksum:
+        raise _corrupted(snapshot)
+
+
+def check_snapshot_integrity(snapshot: SessionSnapshot, *, max_state_bytes: int) -> bytes:
+    """The snapshot's state, once its header and bytes check out: at least one position,
+    ``state_bytes`` within ``max_state_bytes`` (ResourceExhausted, before hashing), every
+    chunk within SNAPSHOT_CHUNK_BYTES (InvalidRequest), chunks adding up to ``state_bytes``
+    and the carried checksum (ChecksumMismatch)."""
+    _check_header(snapshot, max_state_bytes)
     # A private immutable copy is hashed, so what was verified is what gets installed.
     chunks = snapshot.chunks
     state = bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
     if payload_checksum(state) != snapshot.checksum:
-        raise ChecksumMismatch(
-            "snapshot state does not match its checksum (corrupted in transit or at rest)",
-            details={"state_bytes": snapshot.state_bytes},
-        )
+        raise _corrupted(snapshot)
     return state

@@ -28,13 +28,14 @@ from typing import Final, NoReturn
 import msgspec
 
 from shard_engine_api._boundary import BundleExpectation, Violation, check_bundle, check_logits
+from shard_engine_api._checksum import SCANNED_FINITE, scanned
 from shard_engine_api._codec import NonFinitePolicy
 from shard_engine_api._core import EngineCore
 from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._edge import check_request, result_ok
 from shard_engine_api._errors import ErrorInfo, InvalidRequest, MalformedOutput, ShardEngineError
 from shard_engine_api._protocol import ShardEngine
-from shard_engine_api._snapshot import check_snapshot_integrity
+from shard_engine_api._snapshot import verify_snapshot_integrity
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryBundle,
@@ -477,7 +478,7 @@ class ValidatingEngine:
                 f"snapshot length {snapshot.length} outside [1, {caps.limits.max_context}]",
             )
         try:
-            check_snapshot_integrity(snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
+            verify_snapshot_integrity(snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
         except ShardEngineError as error:
             _violation("snapshot_integrity", error.message)
         return snapshot
@@ -491,9 +492,10 @@ class ValidatingEngine:
         Raises what the inner ``import_session`` raises, the caller's typed errors, or
         MalformedOutput.
         """
-        if self._check_requests:
-            check_request(request, ImportSessionRequest)
-        check_snapshot_integrity(request.snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
+        # Always checked here (not only for engines without their own edge): the integrity
+        # check below must see well-typed chunks.
+        check_request(request, ImportSessionRequest)
+        verify_snapshot_integrity(request.snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
         try:
             result = self._inner.import_session(request)
         except ShardEngineError:
@@ -579,7 +581,8 @@ class ValidatingEngine:
                 vocab_size=contract.vocab_size,
                 first_pos=first_pos,
                 n_rows=n_rows,
-                check_finite=self._check_finite,
+                # The engine core checks the finiteness of the logits it builds and marks them.
+                check_finite=self._check_finite and scanned(result) < SCANNED_FINITE,
             )
             if violation is not None:
                 _boundary_violation(violation)

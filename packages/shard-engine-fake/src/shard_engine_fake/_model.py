@@ -196,6 +196,8 @@ def _generator(seed: int, kind: int, index: int = 0) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, kind, index]))
 
 
+_LANES: Final = np.dtype("<u2")
+
 _Layer = tuple[int, int, int, int, int, int]
 """shift, shift_back, key_mask, key_mult, value_mask, value_mult (a tuple: the hot loop unpacks
 it in one step, several times faster than attribute access)."""
@@ -304,7 +306,7 @@ class FakeModel:
             data = states[0].to_bytes(size, "little")
         else:
             data = b"".join([state.to_bytes(size, "little") for state in states])
-        return np.frombuffer(data, dtype="<u2")
+        return np.frombuffer(data, dtype=_LANES)
 
     def unpack(self, states: Sequence[int]) -> npt.NDArray[np.float32]:
         """Packed states as wire hidden states: ``(n, hidden_size)`` f32 in ``[-1024, 1024)``."""
@@ -338,11 +340,12 @@ class FakeModel:
             # The decode path. The lanes come from the packed state's bytes through the lane
             # table; the logit indices are all in range, so the gather skips bounds checks
             # (mode="wrap" never wraps here, it only takes numpy's unchecked loop).
-            raw = np.frombuffer(states[0].to_bytes(self.row_bytes, "little"), dtype="<u2")
+            # (A dtype object, not the string: numpy parses a dtype string on every call.)
+            raw = np.frombuffer(states[0].to_bytes(self.row_bytes, "little"), dtype=_LANES)
             terms = self._lane_values.take(raw).take(self._logit_index, mode="wrap")
             terms *= self._logit_weight
-            single: npt.NDArray[np.float32] = np.add.reduce(terms, axis=0)
-            return single.reshape(1, -1)
+            single: npt.NDArray[np.float32] = np.add.reduce(terms, axis=0, keepdims=True)
+            return single
         lanes = self._lane_values.take(self._raw_lanes(states))
         rows = lanes.reshape(len(states), self.hidden_size)[:, self._logit_index]
         rows *= self._logit_weight

@@ -628,10 +628,15 @@ class ShardRuntime:
                         f"embedding row has shape {row.shape}, expected ({self.n_embd_input},)"
                     )
             embeddings = np.stack([np.asarray(row, dtype=np.float32) for row in rows])
-        result_sorted = self._decode(seq_ids, positions, token_array, embeddings, np.arange(n))
-        result = np.empty_like(result_sorted)
-        result[np.asarray(order)] = result_sorted
-        return result
+        destination = np.asarray(order)
+        result = self._decode(
+            seq_ids, positions, token_array, embeddings, np.arange(n), destination
+        )
+        if self.is_tail:
+            return result  # logits were read straight into item order
+        in_order = np.empty_like(result)
+        in_order[destination] = result
+        return in_order
 
     def _check_inputs(
         self,
@@ -680,7 +685,11 @@ class ShardRuntime:
         tokens: npt.NDArray[np.int32] | None,
         embeddings: npt.NDArray[np.float32] | None,
         outputs: npt.NDArray[np.int64],
+        destination: npt.NDArray[np.intp] | None = None,
     ) -> npt.NDArray[np.float32]:
+        """One llama_decode. A tail returns the logits of batch rows ``outputs``, the j-th
+        in result row ``destination[j]`` (default j); other shards return every row's hidden
+        state in batch order."""
         with self._lock:
             context = self._require_open()
             staged = self._check_inputs(seq_ids, positions, tokens, embeddings)
@@ -729,7 +738,7 @@ class ShardRuntime:
                     )
                 raise RuntimeFailure(f"{self.path.name}: llama_decode returned {status}", status)
             if self.is_tail:
-                return self._read_logits(context, outputs)
+                return self._read_logits(context, outputs, destination)
             if hidden is not None:
                 state = self._capture_state
                 state.destination = None
@@ -762,13 +771,22 @@ class ShardRuntime:
         error, self._capture_error = self._capture_error, None
         return error
 
-    def _read_logits(self, context: int, outputs: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+    def _read_logits(
+        self,
+        context: int,
+        outputs: npt.NDArray[np.int64],
+        destination: npt.NDArray[np.intp] | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """Copy each wanted row of llama.cpp's logits once, into its result row."""
         rows = np.empty((len(outputs), self.n_vocab), dtype=np.float32)
-        for row, index in enumerate(outputs.tolist()):
+        targets = range(len(outputs)) if destination is None else destination.tolist()
+        row_bytes = self.n_vocab * 4
+        base = rows.ctypes.data
+        for target, index in zip(targets, outputs.tolist(), strict=True):
             pointer = llama_cpp.llama_get_logits_ith(context, index)
             if not pointer:
                 raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
-            rows[row] = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+            ctypes.memmove(base + target * row_bytes, pointer, row_bytes)
         return rows
 
     def _rollback(self, seq_ids: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> None:

@@ -157,7 +157,7 @@ class LlamaEngine(EngineCore):
         self._state_identity = b""
         self._inject_crash = False
         # The request whose forward is inside llama.cpp now, and whether close() has begun:
-        # cancel() and close() turn them into the runtime's abort flag (see _running_forward).
+        # cancel() and close() turn them into the runtime's abort flag (see _start_forward).
         self._abort_lock = threading.Lock()
         self._running_token: CancelToken | None = None
         self._closing = False

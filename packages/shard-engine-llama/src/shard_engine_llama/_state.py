@@ -36,6 +36,8 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+
 __all__ = [
     "IO_MAGIC",
     "CacheSection",
@@ -102,6 +104,11 @@ class _Reader:
         values = layout.unpack_from(self.data, self.offset)
         self.offset = end
         return tuple(int(value) for value in values)
+
+    def block(self, n_bytes: int, what: str) -> memoryview:
+        start = self.offset
+        self.skip(n_bytes, what)
+        return self.data[start : self.offset]
 
     def skip(self, n_bytes: int, what: str) -> None:
         if n_bytes > len(self.data) - self.offset:
@@ -188,21 +195,23 @@ def parse(
                 raise StateFormatError(
                     f"{where}: {cells} cells exceed the {max_cells} a sequence may hold"
                 )
-            first = -1
-            for cell in range(cells):
-                position, n_seq, cell_seq = reader.take(_CELL, f"{where} cell {cell}")
-                if n_seq != 1 or cell_seq != seq_id:
-                    raise StateFormatError(
-                        f"{where}: cell {cell} belongs to {n_seq} sequence(s) "
-                        f"(id {cell_seq}), expected only sequence {seq_id}"
-                    )
-                if cell == 0:
-                    first = position
-                if position != first + cell or position < 0:
-                    raise StateFormatError(
-                        f"{where}: cell {cell} is at position {position}; positions must be "
-                        "contiguous and increasing from 0 or a window start"
-                    )
+            records = reader.block(cells * _CELL.size, f"{where} cell records")
+            table = np.frombuffer(records, dtype="<i4").reshape(cells, 3)
+            foreign = np.flatnonzero((table[:, 1] != 1) | (table[:, 2] != seq_id))
+            if foreign.size:
+                cell = int(foreign[0])
+                raise StateFormatError(
+                    f"{where}: cell {cell} belongs to {int(table[cell, 1])} sequence(s) "
+                    f"(id {int(table[cell, 2])}), expected only sequence {seq_id}"
+                )
+            first = int(table[0, 0])
+            misplaced = np.flatnonzero(table[:, 0] != first + np.arange(cells, dtype=np.int64))
+            if first < 0 or misplaced.size:
+                cell = int(misplaced[0]) if misplaced.size else 0
+                raise StateFormatError(
+                    f"{where}: cell {cell} is at position {int(table[cell, 0])}; positions "
+                    "must be contiguous and increasing from 0 or a window start"
+                )
             start = reader.offset
             flag, n_layers = _cache_data(reader, cells, where, kv_ggml_type, v_trans)
             section = CacheSection(first, cells, flag, n_layers, start, reader.offset)
@@ -291,7 +300,11 @@ def _rebuild(
         cells = section.cell_count + pad
         parts.append(bytes(4 * stream))
         parts.append(_U32.pack(cells))
-        parts.append(b"".join(_CELL.pack(first + cell, 1, seq_id) for cell in range(cells)))
+        table = np.empty((cells, 3), dtype="<i4")
+        table[:, 0] = np.arange(first, first + cells)
+        table[:, 1] = 1
+        table[:, 2] = seq_id
+        parts.append(table.tobytes())
         parts += _padded_data(data, section, pad)
         parts.append(bytes(4 * (n_stream - stream - 1)))
     return b"".join(parts)

@@ -29,29 +29,36 @@ from __future__ import annotations
 
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar, Final, Literal, TypeVar, cast
+from typing import ClassVar, Final, Literal, Protocol, TypeVar, cast
 
 import grpc
 import msgspec
 
 import shard_engine_api as api
 from shard_engine_api import wire
+from shard_engine_api._snapshot import check_snapshot_integrity
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._security import ClientSecurity, read_pem, read_token
 from shard_engine_remote._server import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, channel_options
 from shard_engine_remote._supervisor import ChildProcess
 from shard_engine_remote._wire import (
     CALL_METHOD,
+    EXPORT_METHOD,
+    IMPORT_METHOD,
     CapabilitiesQuery,
     HealthQuery,
+    ImportHeader,
     MetricsQuery,
     Rejected,
     RemoteReply,
     RemoteRequest,
     ServerStats,
     ServerStatsQuery,
+    decode_export_header,
     decode_reply,
+    encode_header,
     encode_request,
 )
 
@@ -59,6 +66,20 @@ __all__ = ["ENGINE_VERSION", "RemoteEngine", "RemoteOptions", "split_options"]
 
 ENGINE_VERSION: Final = "0.1.0"
 _Reply = TypeVar("_Reply")
+
+_MAX_SNAPSHOT_BYTES: Final = 1 << 36
+"""The largest exported state this side reassembles (the contract's own bound on snapshots)."""
+
+
+class _Stream(Protocol):
+    """A server-streaming call: its messages, and a way to stop it."""
+
+    def __iter__(self) -> Iterator[bytes]: ...
+
+    def __next__(self) -> bytes: ...
+
+    def cancel(self) -> bool: ...
+
 
 _DEATH_GRACE_S: Final = 2.0
 """How long a failed call waits for a child's exit to be reaped before calling the failure a
@@ -161,6 +182,12 @@ class _Link:
         self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
             self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
         )
+        self._export: grpc.UnaryStreamMultiCallable[bytes, bytes] = self.channel.unary_stream(
+            EXPORT_METHOD
+        )
+        self._import: grpc.StreamUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
+            self.channel.stream_unary(IMPORT_METHOD, response_deserializer=decode_reply)
+        )
 
     def wait_ready(self, timeout: float) -> bool:
         try:
@@ -171,6 +198,12 @@ class _Link:
 
     def call(self, message: bytes, timeout: float | None) -> RemoteReply | Rejected:
         return self._call(message, timeout=timeout, metadata=self._metadata)
+
+    def export(self, message: bytes, timeout: float | None) -> _Stream:
+        return cast(_Stream, self._export(message, timeout=timeout, metadata=self._metadata))
+
+    def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
+        return self._import(messages, timeout=timeout, metadata=self._metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -373,13 +406,76 @@ class RemoteEngine:
         return self._expect(self._invoke(request, mutating=True), api.ReleaseResult)
 
     def export_session(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
-        """Not forwarded yet: UnsupportedFeature (the served engine's capabilities may say
-        otherwise; the transport does not carry snapshots)."""
-        raise api.UnsupportedFeature("the remote engine does not carry session snapshots yet")
+        """The served engine's snapshot, streamed chunk by chunk and verified here (sizes, the
+        chunk count its header announced, the checksum). The source is unchanged whatever
+        happens, so a broken stream is RemoteUnavailable (retry), not OutcomeUnknown; a stream
+        that ends early or carries other bytes is MalformedOutput or ChecksumMismatch."""
+        link, options = self._serving_link(restart=True)
+        encoded = self._encoded(encode_request(request))
+        messages = link.export(encoded, options.timeout_s)
+        try:
+            first = next(messages, None)
+            if first is None:
+                raise api.MalformedOutput("the export stream ended before its header")
+            header = decode_export_header(first)
+            if isinstance(header, Rejected):
+                raise header.error
+            if isinstance(header, api.ErrorInfo):
+                raise self._raised(header, link)
+            chunks: list[bytes] = []
+            for received in range(1, header.n_chunks + 1):
+                chunk = next(messages, None)
+                if chunk is None:
+                    raise api.MalformedOutput(
+                        f"the export stream ended after {received - 1} of {header.n_chunks} chunks",
+                        details={"received_chunks": received - 1, "n_chunks": header.n_chunks},
+                    )
+                chunks.append(chunk)
+            if next(messages, None) is not None:
+                raise api.MalformedOutput(
+                    f"the export stream carries more than the {header.n_chunks} chunks it announced"
+                )
+        except grpc.RpcError as error:
+            raise self._transport_failure(error, link, False, options.timeout_s) from None
+        finally:
+            messages.cancel()
+        snapshot = msgspec.structs.replace(header.snapshot, chunks=tuple(chunks))
+        check_snapshot_integrity(snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
+        return snapshot
 
     def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
-        """Not forwarded yet: UnsupportedFeature."""
-        raise api.UnsupportedFeature("the remote engine does not carry session snapshots yet")
+        """Stream the snapshot to the served engine, chunk by chunk; it imports once every
+        chunk arrived (atomically, checking the checksum). A link that breaks before the last
+        chunk left is RemoteUnavailable (nothing was imported); after it, OutcomeUnknown."""
+        link, options = self._serving_link(restart=True)
+        snapshot = request.snapshot
+        header = ImportHeader(
+            request=msgspec.structs.replace(
+                request, snapshot=msgspec.structs.replace(snapshot, chunks=())
+            ),
+            n_chunks=len(snapshot.chunks),
+        )
+        first = self._encoded(encode_header(header))
+        for chunk in snapshot.chunks:
+            self._encoded(chunk)
+        sent_all = threading.Event()
+
+        def messages() -> Iterator[bytes]:
+            yield first
+            yield from snapshot.chunks
+            sent_all.set()
+
+        try:
+            reply = link.import_(messages(), options.timeout_s)
+        except grpc.RpcError as error:
+            raise self._transport_failure(
+                error, link, sent_all.is_set(), options.timeout_s
+            ) from None
+        if isinstance(reply, Rejected):
+            raise reply.error
+        if isinstance(reply, api.ErrorInfo):
+            raise self._raised(reply, link)
+        return self._expect(reply, api.ImportSessionResult)
 
     def cancel(self, request: api.CancelRequest) -> api.CancelResult:
         """Forwarded to the served engine. Raises InvalidRequest (neither or both ids) and
@@ -512,9 +608,21 @@ class RemoteEngine:
     def _roundtrip(
         self, link: _Link, message: RemoteRequest, timeout: float | None, mutating: bool
     ) -> RemoteReply:
+        encoded = self._encoded(encode_request(message))
+        try:
+            reply = link.call(encoded, timeout)
+        except grpc.RpcError as error:
+            raise self._transport_failure(error, link, mutating, timeout) from None
+        if isinstance(reply, Rejected):
+            raise reply.error
+        if isinstance(reply, api.ErrorInfo):
+            raise self._raised(reply, link)
+        return reply
+
+    def _encoded(self, encoded: bytes) -> bytes:
+        """``encoded``, once it fits the message limit (else ResourceExhausted, not sent)."""
         options = self._options
         limit = options.max_message_bytes if options is not None else DEFAULT_MAX_MESSAGE_BYTES
-        encoded = encode_request(message)
         if len(encoded) > limit:
             raise api.ResourceExhausted(
                 f"the request encodes to {len(encoded)} bytes, over the message limit of {limit}",
@@ -525,18 +633,15 @@ class RemoteEngine:
                     "limit": limit,
                 },
             )
-        try:
-            reply = link.call(encoded, timeout)
-        except grpc.RpcError as error:
-            raise self._transport_failure(error, link, mutating, timeout) from None
-        if isinstance(reply, Rejected):
-            raise reply.error
-        if isinstance(reply, api.ErrorInfo):
-            raised = wire.error_from_info(reply)
-            if isinstance(raised, api.EngineCrashed) and link is self._link:
-                self._engine_failure = self._engine_failure or raised
-            raise raised
-        return reply
+        return encoded
+
+    def _raised(self, reply: api.ErrorInfo, link: _Link) -> api.ShardEngineError:
+        """The typed error a server answered with; the served engine's own EngineCrashed is
+        remembered (permanent, like a local engine's failed state)."""
+        raised = wire.error_from_info(reply)
+        if isinstance(raised, api.EngineCrashed) and link is self._link:
+            self._engine_failure = self._engine_failure or raised
+        return raised
 
     def _transport_failure(
         self, error: grpc.RpcError, link: _Link, mutating: bool, timeout: float | None

@@ -27,12 +27,12 @@ import threading
 import time
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Final
+from typing import Final, TypeVar
 
 import grpc
 import msgspec
@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import shard_engine_api as api
 from shard_engine_api import wire
+from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._wire import (
@@ -53,12 +54,16 @@ from shard_engine_remote._wire import (
     RemoteRequest,
     ServerStats,
     ServerStatsQuery,
+    SnapshotHeader,
+    decode_import_header,
     decode_request,
+    encode_header,
     encode_reply,
 )
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_MAX_SNAPSHOT_BYTES",
     "EngineServer",
     "ServerCounters",
     "channel_options",
@@ -70,6 +75,9 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
 _SERVING_STATES: Final = ("ready", "degraded")
+DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
+"""The largest session state an import stream may announce (the engine core's own default)."""
+_Result = TypeVar("_Result")
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
 
@@ -162,6 +170,7 @@ class EngineServer:
         allow_load: bool = False,
         rate_limit: RateLimit | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES,
     ) -> None:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
@@ -170,6 +179,7 @@ class EngineServer:
         self.counters = ServerCounters()
         self.address: str | None = None
         self._allow_load = allow_load
+        self.max_snapshot_bytes = max_snapshot_bytes
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
         self._health = health.HealthServicer()
@@ -203,8 +213,22 @@ class EngineServer:
             request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
             response_serializer=encode_reply,
         )
+        export: grpc.RpcMethodHandler[RemoteRequest | Rejected, bytes]
+        export = grpc.unary_stream_rpc_method_handler(
+            self._export,
+            request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
+        )
+        import_: grpc.RpcMethodHandler[bytes, RemoteReply]
+        import_ = grpc.stream_unary_rpc_method_handler(
+            self._import, response_serializer=encode_reply
+        )
+        methods: dict[str, grpc.RpcMethodHandler[typing.Any, typing.Any]] = {
+            "Call": handler,
+            "ExportSession": export,
+            "ImportSession": import_,
+        }
         self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Call": handler}),)
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, methods),)
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
 
@@ -257,66 +281,30 @@ class EngineServer:
         finally:
             self.counters.call_ended()
 
-    def _dispatch(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
-    ) -> RemoteReply:
-        engine = self.engine
+    def _rate_limited(self, context: grpc.ServicerContext) -> api.ErrorInfo | None:
         limiter = self._limiter
-        if limiter is not None and not isinstance(request, api.CancelRequest):
-            retry_after = limiter.take(client_key(context))
-            if retry_after is not None:
-                self.counters.add("rate_limited")
-                return api.ResourceExhausted(
-                    f"this client is over its rate limit of {limiter.limit.calls_per_s:g} "
-                    f"calls/s (burst {limiter.limit.burst}); retry in {retry_after:.3f} s",
-                    details={"resource": "rate_limit", "retry_after_s": retry_after},
-                ).to_info()
+        if limiter is None:
+            return None
+        retry_after = limiter.take(client_key(context))
+        if retry_after is None:
+            return None
+        self.counters.add("rate_limited")
+        return api.ResourceExhausted(
+            f"this client is over its rate limit of {limiter.limit.calls_per_s:g} calls/s "
+            f"(burst {limiter.limit.burst}); retry in {retry_after:.3f} s",
+            details={"resource": "rate_limit", "retry_after_s": retry_after},
+        ).to_info()
+
+    def _refused_frame(self, error: api.ShardEngineError) -> api.ErrorInfo:
+        is_oversized = isinstance(error, api.ResourceExhausted)
+        self.counters.add("oversized" if is_oversized else "rejected_frames")
+        return error.to_info()
+
+    def _guarded(self, run: Callable[[], _Result]) -> _Result | api.ErrorInfo:
+        """``run()``, or the ErrorInfo of what it raised (an engine bug included: it must not
+        kill the server)."""
         try:
-            match request:
-                case Rejected(error=error):
-                    is_oversized = isinstance(error, api.ResourceExhausted)
-                    self.counters.add("oversized" if is_oversized else "rejected_frames")
-                    return error.to_info()
-                case ServerStatsQuery():
-                    return self.stats()
-                case CapabilitiesQuery():
-                    return engine.capabilities()
-                case HealthQuery():
-                    return engine.health()
-                case MetricsQuery():
-                    return engine.metrics()
-                case api.CancelRequest():
-                    return engine.cancel(request)
-                case api.ReleaseRequest():
-                    return engine.release(request)
-                case api.LoadConfig():
-                    if not self._allow_load:
-                        raise api.InvalidRequest(
-                            "this server's engine was loaded when the server started; it takes "
-                            "no load requests"
-                        )
-                    self._allow_load = False
-                    capabilities = engine.load(request)
-                    self._refresh_health()
-                    return capabilities
-                case api.PrefillRequest():
-                    return self._compute(
-                        request.request_id, context, functools.partial(engine.prefill, request)
-                    )
-                case api.DecodeRequest():
-                    return self._compute(
-                        request.request_id, context, functools.partial(engine.decode, request)
-                    )
-                case api.DecodeBatchRequest():
-                    return self._compute(
-                        request.request_id,
-                        context,
-                        functools.partial(engine.decode_batch, request),
-                    )
-                case api.ExportSessionRequest() | api.ImportSessionRequest():
-                    raise api.UnsupportedFeature("this server does not carry session snapshots yet")
-                case _:
-                    typing.assert_never(request)
+            return run()
         except api.ShardEngineError as error:
             if isinstance(error, api.EngineCrashed | api.NotReady):
                 self._refresh_health()
@@ -330,12 +318,201 @@ class EngineServer:
                 details={"exception": type(error).__name__, "where": where},
             ).to_info()
 
+    def _dispatch(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> RemoteReply:
+        if not isinstance(request, api.CancelRequest):
+            refused = self._rate_limited(context)
+            if refused is not None:
+                return refused
+        return self._guarded(functools.partial(self._operation, request, context))
+
+    def _operation(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> RemoteReply:
+        engine = self.engine
+        match request:
+            case Rejected(error=error):
+                return self._refused_frame(error)
+            case ServerStatsQuery():
+                return self.stats()
+            case CapabilitiesQuery():
+                return engine.capabilities()
+            case HealthQuery():
+                return engine.health()
+            case MetricsQuery():
+                return engine.metrics()
+            case api.CancelRequest():
+                return engine.cancel(request)
+            case api.ReleaseRequest():
+                return engine.release(request)
+            case api.LoadConfig():
+                if not self._allow_load:
+                    raise api.InvalidRequest(
+                        "this server's engine was loaded when the server started; it takes "
+                        "no load requests"
+                    )
+                self._allow_load = False
+                capabilities = engine.load(request)
+                self._refresh_health()
+                return capabilities
+            case api.PrefillRequest():
+                return self._compute(
+                    request.request_id, context, functools.partial(engine.prefill, request)
+                )
+            case api.DecodeRequest():
+                return self._compute(
+                    request.request_id, context, functools.partial(engine.decode, request)
+                )
+            case api.DecodeBatchRequest():
+                return self._compute(
+                    request.request_id,
+                    context,
+                    functools.partial(engine.decode_batch, request),
+                )
+            case api.ExportSessionRequest() | api.ImportSessionRequest():
+                raise api.InvalidRequest(
+                    "snapshots travel on their own streams (ExportSession, ImportSession), "
+                    "not through Call"
+                )
+            case _:
+                typing.assert_never(request)
+
+    # ----------------------------------------------------------------- snapshot streams
+
+    def _export(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        """The export stream: the header (or the ErrorInfo of a refusal), then each chunk."""
+        self.counters.call_started()
+        try:
+            refused = self._rate_limited(context)
+            reply: api.SessionSnapshot | api.ErrorInfo = (
+                refused
+                if refused is not None
+                else self._guarded(functools.partial(self._export_snapshot, request, context))
+            )
+            if isinstance(reply, api.ErrorInfo):
+                yield encode_header(reply)
+                return
+            header = SnapshotHeader(
+                snapshot=msgspec.structs.replace(reply, chunks=()), n_chunks=len(reply.chunks)
+            )
+            yield encode_header(header)
+            yield from reply.chunks
+        finally:
+            self.counters.call_ended()
+
+    def _export_snapshot(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> api.SessionSnapshot:
+        if isinstance(request, Rejected):
+            raise api.InvalidRequest(self._refused_frame(request.error).message)
+        if not isinstance(request, api.ExportSessionRequest):
+            raise api.InvalidRequest(
+                f"ExportSession takes an ExportSessionRequest, not {type(request).__name__}"
+            )
+        return self._compute(
+            request.request_id, context, functools.partial(self.engine.export_session, request)
+        )
+
+    def _import(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> RemoteReply:
+        self.counters.call_started()
+        try:
+            refused = self._rate_limited(context)
+            if refused is not None:
+                return refused
+            return self._guarded(functools.partial(self._import_stream, messages, context))
+        finally:
+            self.counters.call_ended()
+
+    def _next_message(self, messages: Iterator[bytes], received: int) -> bytes | None:
+        try:
+            return next(messages, None)
+        except grpc.RpcError:
+            # The client cancelled, its deadline passed or its connection broke mid-stream.
+            self.counters.add("transport_cancels")
+            raise api.Cancelled(
+                f"the import stream broke after {received} message(s); nothing was imported",
+                details={"received_messages": received},
+            ) from None
+
+    def _import_stream(
+        self, messages: Iterator[bytes], context: grpc.ServicerContext
+    ) -> api.ImportSessionResult:
+        """Receive the header and every chunk, checking sizes as they come; only a complete,
+        well-formed stream reaches ``engine.import_session`` (which verifies the checksum and
+        installs atomically). Anything short of that changes nothing."""
+        first = self._next_message(messages, 0)
+        if first is None:
+            raise api.InvalidRequest("the import stream is empty; nothing was imported")
+        header = decode_import_header(first)
+        if isinstance(header, Rejected):
+            self.counters.add("rejected_frames")
+            raise header.error
+        request, n_chunks = header.request, header.n_chunks
+        snapshot = request.snapshot
+        if snapshot.chunks:
+            raise api.InvalidRequest(
+                "an import header carries no chunks: they follow as their own messages",
+                details={"field": "ImportHeader.request.snapshot.chunks"},
+            )
+        if snapshot.state_bytes > self.max_snapshot_bytes:
+            raise api.ResourceExhausted(
+                f"the snapshot announces {snapshot.state_bytes} bytes of state, over this "
+                f"server's limit of {self.max_snapshot_bytes}",
+                retryable=False,
+                details={
+                    "resource": "snapshot_bytes",
+                    "snapshot_bytes": snapshot.state_bytes,
+                    "limit": self.max_snapshot_bytes,
+                },
+            )
+        chunks: list[bytes] = []
+        total = 0
+        for index in range(n_chunks):
+            chunk = self._next_message(messages, index + 1)
+            if chunk is None:
+                raise api.InvalidRequest(
+                    f"the import stream ended after {index} of {n_chunks} chunks; nothing was "
+                    "imported",
+                    details={"received_chunks": index, "n_chunks": n_chunks},
+                )
+            total += len(chunk)
+            if len(chunk) > SNAPSHOT_CHUNK_BYTES:
+                raise api.InvalidRequest(
+                    f"import chunk {index} holds {len(chunk)} bytes, more than the chunk size "
+                    f"of {SNAPSHOT_CHUNK_BYTES}; nothing was imported",
+                    details={"field": f"SessionSnapshot.chunks[{index}]"},
+                )
+            if total > snapshot.state_bytes:
+                # What the engine would answer for the assembled snapshot (check_snapshot_
+                # integrity), said before the excess is buffered.
+                raise api.ChecksumMismatch(
+                    f"snapshot state is extended: its chunks hold more than the "
+                    f"{snapshot.state_bytes} bytes its header promises; nothing was imported",
+                    details={"received_bytes": total, "state_bytes": snapshot.state_bytes},
+                )
+            chunks.append(chunk)
+        if self._next_message(messages, n_chunks + 1) is not None:
+            raise api.InvalidRequest(
+                f"the import stream carries more than the {n_chunks} chunks it announced; "
+                "nothing was imported",
+                details={"n_chunks": n_chunks},
+            )
+        complete = msgspec.structs.replace(
+            request, snapshot=msgspec.structs.replace(snapshot, chunks=tuple(chunks))
+        )
+        return self._compute(
+            request.request_id, context, functools.partial(self.engine.import_session, complete)
+        )
+
     def _compute(
         self,
         request_id: str,
         context: grpc.ServicerContext,
-        operation: Callable[[], api.ShardResult | api.DecodeBatchResult],
-    ) -> api.ShardResult | api.DecodeBatchResult:
+        operation: Callable[[], _Result],
+    ) -> _Result:
         if not self._compute_slots.acquire(blocking=False):
             self.counters.add("busy")
             raise api.ResourceExhausted(

@@ -14,34 +14,48 @@ ErrorInfo and the client raises.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Annotated, Final, TypeAlias
 
 import msgspec
 
 import shard_engine_api as api
 from shard_engine_api import wire
+from shard_engine_api._types import MAX_SNAPSHOT_CHUNKS
 
 __all__ = [
     "CALL_METHOD",
+    "EXPORT_METHOD",
+    "IMPORT_METHOD",
     "SERVICE_NAME",
     "THREADING_ENV",
     "CapabilitiesQuery",
     "HealthQuery",
+    "ImportHeader",
     "MetricsQuery",
     "Rejected",
     "RemoteReply",
     "RemoteRequest",
     "ServerStats",
     "ServerStatsQuery",
+    "SnapshotHeader",
+    "decode_export_header",
+    "decode_import_header",
     "decode_reply",
     "decode_request",
+    "encode_header",
     "encode_reply",
     "encode_request",
 ]
 
 SERVICE_NAME: Final = "shard_engine.v1.Engine"
 CALL_METHOD: Final = f"/{SERVICE_NAME}/Call"
-"""The full gRPC method name of the one call every operation goes through."""
+"""The full gRPC method name of the one call every operation goes through (but snapshots)."""
+EXPORT_METHOD: Final = f"/{SERVICE_NAME}/ExportSession"
+"""Server streaming: an ExportSessionRequest in; a :class:`SnapshotHeader` (or ErrorInfo) out,
+then the snapshot's chunks, one raw message each."""
+IMPORT_METHOD: Final = f"/{SERVICE_NAME}/ImportSession"
+"""Client streaming: an :class:`ImportHeader`, then the snapshot's chunks, one raw message each;
+an ImportSessionResult (or ErrorInfo) out. The engine imports only once every chunk arrived."""
 
 
 class CapabilitiesQuery(msgspec.Struct, frozen=True, kw_only=True, tag="capabilities_query"):
@@ -98,6 +112,22 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     """The OpenMP/threading variables in force in the serving process (of
     :data:`THREADING_ENV`, those set): whether a served engine got the same threading defaults
     as one in the worker's process (llama sets ``GOMP_SPINCOUNT`` before it loads llama.cpp)."""
+
+
+class SnapshotHeader(msgspec.Struct, frozen=True, kw_only=True, tag="snapshot_header"):
+    """The first message of an export stream: the snapshot without its chunks, and how many
+    chunk messages follow."""
+
+    snapshot: api.SessionSnapshot
+    n_chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_SNAPSHOT_CHUNKS)]
+
+
+class ImportHeader(msgspec.Struct, frozen=True, kw_only=True, tag="import_header"):
+    """The first message of an import stream: the request whose snapshot has no chunks, and how
+    many chunk messages follow."""
+
+    request: api.ImportSessionRequest
+    n_chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_SNAPSHOT_CHUNKS)]
 
 
 RemoteRequest: TypeAlias = (
@@ -204,3 +234,32 @@ def _explain(buf: bytes, error: Exception) -> api.ShardEngineError:
     except RecursionError:
         pass
     return api.InvalidRequest(f"undecodable request: {error}")
+
+
+_EXPORT_HEADER_DECODER: Final[msgspec.msgpack.Decoder[SnapshotHeader | api.ErrorInfo]] = (
+    msgspec.msgpack.Decoder(SnapshotHeader | api.ErrorInfo)
+)
+_IMPORT_HEADER_DECODER: Final[msgspec.msgpack.Decoder[ImportHeader]] = msgspec.msgpack.Decoder(
+    ImportHeader
+)
+
+
+def encode_header(header: SnapshotHeader | ImportHeader | api.ErrorInfo) -> bytes:
+    """The bytes of a stream's first message."""
+    return _QUERY_ENCODER.encode(header)
+
+
+def decode_export_header(buf: bytes) -> SnapshotHeader | api.ErrorInfo | Rejected:
+    """The first message of an export stream (MalformedOutput when it does not decode)."""
+    try:
+        return _EXPORT_HEADER_DECODER.decode(buf)
+    except (msgspec.MsgspecError, RecursionError) as error:
+        return Rejected(api.MalformedOutput(f"the export stream's header does not decode: {error}"))
+
+
+def decode_import_header(buf: bytes) -> ImportHeader | Rejected:
+    """The first message of an import stream (InvalidRequest when it does not decode)."""
+    try:
+        return _IMPORT_HEADER_DECODER.decode(buf)
+    except (msgspec.MsgspecError, RecursionError) as error:
+        return Rejected(api.InvalidRequest(f"the import stream's header does not decode: {error}"))

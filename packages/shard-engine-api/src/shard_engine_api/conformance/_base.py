@@ -100,6 +100,7 @@ from shard_engine_api.conformance._harness import (
     replace_bundle,
     split_ranges,
 )
+from shard_engine_api.conformance._migration import MIGRATION_TESTS, MigrationTests
 from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder
 from shard_engine_api.conformance._report import model_report
 from shard_engine_api.conformance._stateful import (
@@ -111,7 +112,7 @@ from shard_engine_api.conformance._targeted import _PROMPT, TargetedTests, _rais
 
 __all__ = ["STANDARD_TESTS", "ShardEngineConformance", "conformance_override"]
 
-STANDARD_TESTS: Final[tuple[str, ...]] = (
+_CORE_TESTS: Final[tuple[str, ...]] = (
     "test_batched_decode_item_errors",
     "test_batched_decode_matches_single",
     "test_batched_decode_metrics",
@@ -184,6 +185,7 @@ STANDARD_TESTS: Final[tuple[str, ...]] = (
     "test_wrong_role_bundle_to_token_shard",
     "test_wrong_role_tokens_to_bundle_shard",
 )
+STANDARD_TESTS: Final[tuple[str, ...]] = tuple(sorted(_CORE_TESTS + MIGRATION_TESTS))
 """Every standard test, sorted. Pinned: the suite refuses to import if its methods differ."""
 
 _EVICTION_POLICIES: Final[tuple[EvictionPolicy, ...]] = ("reject", "lru")
@@ -225,7 +227,7 @@ def _distribution_version(name: str) -> str:
         return "unknown"
 
 
-class ShardEngineConformance(TargetedTests):
+class ShardEngineConformance(TargetedTests, MigrationTests):
     """The standard conformance suite. Subclass it with ``engine_name`` set (or leave it None
     to take the engine from ``--shard-engine``)."""
 

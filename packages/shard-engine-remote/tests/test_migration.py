@@ -1,0 +1,270 @@
+"""Session snapshots over gRPC: export streams the chunks from the server, import streams them
+to it. Live sessions move between two engines in two child processes mid-decode and continue
+bit for bit; truncated, extended or corrupted streams and a peer dying mid-stream give typed
+errors and change nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import grpc
+import msgspec
+import pytest
+from conftest import Background, RemoteFactory, ServeFactory, ref, shard, wait_until
+
+import shard_engine_api as api
+from shard_engine_api import wire
+from shard_engine_remote import EngineServer
+from shard_engine_remote._wire import (
+    IMPORT_METHOD,
+    ImportHeader,
+    Rejected,
+    RemoteRequest,
+    encode_header,
+)
+
+LONG_PROMPT = tuple(index % 500 + 1 for index in range(1500))
+"""Long enough for the fake's state to span two snapshot chunks."""
+
+
+def config(**options: object) -> api.LoadConfig:
+    """A full fake shard taking the long prompt in one prefill."""
+    return api.LoadConfig(shard=shard(), max_batch_tokens=2048, options=dict(options))
+
+
+def _prefill(engine: api.ShardEngine, session: str, tokens: tuple[int, ...]) -> None:
+    engine.prefill(
+        api.PrefillRequest(
+            request_id=f"p-{session}",
+            session=ref(session),
+            start_pos=0,
+            inputs=api.TokenInput(token_ids=tokens),
+        )
+    )
+
+
+def _step(engine: api.ShardEngine, session: str, pos: int) -> bytes:
+    result = engine.decode(
+        api.DecodeRequest(
+            request_id=f"d-{session}-{pos}",
+            session=ref(session),
+            pos=pos,
+            inputs=api.TokenInput(token_ids=(pos % 97 + 1,)),
+        )
+    )
+    assert isinstance(result, api.LogitsResult)
+    return bytes(result.payload)
+
+
+def _export(engine: api.ShardEngine, session: str) -> api.SessionSnapshot:
+    return engine.export_session(
+        api.ExportSessionRequest(request_id=f"e-{session}", session=ref(session))
+    )
+
+
+def _import(engine: api.ShardEngine, snapshot: api.SessionSnapshot) -> api.ImportSessionResult:
+    return engine.import_session(api.ImportSessionRequest(request_id="i", snapshot=snapshot))
+
+
+def _unchanged_and_empty(engine: api.ShardEngine, session: str = "s") -> None:
+    """Nothing was imported: no session, no import counted, the session is unknown."""
+    assert engine.health().sessions == 0
+    assert engine.metrics().imports == 0
+    with pytest.raises(api.CacheMiss):
+        _step(engine, session, 3)
+
+
+def test_live_sessions_move_between_child_processes(remote: RemoteFactory) -> None:
+    """A worker moves two live sessions (one spanning two chunks) from one spawned engine to
+    another mid-decode; both continue exactly as they would have where they were, and the
+    source is left as it was."""
+    source = remote(config(spawn="fake"))
+    target = remote(config(spawn="fake"))
+    assert source.child_pid != target.child_pid
+    prompts = {"short": (5, 6, 7), "long": LONG_PROMPT}
+    for session, prompt in prompts.items():
+        _prefill(source, session, prompt)
+        for pos in range(len(prompt), len(prompt) + 3):
+            _step(source, session, pos)
+    before = source.health()
+    snapshots = {session: _export(source, session) for session in prompts}
+    assert len(snapshots["long"].chunks) == 2
+    assert source.health() == before, "export leaves the source unchanged"
+    for session, snapshot in snapshots.items():
+        result = _import(target, snapshot)
+        assert (result.session, result.length) == (ref(session), len(prompts[session]) + 3)
+    for session, prompt in prompts.items():
+        for pos in range(len(prompt) + 3, len(prompt) + 8):
+            assert _step(target, session, pos) == _step(source, session, pos), (session, pos)
+    assert target.metrics().imports == 2
+    assert source.metrics().exports == 2
+
+
+def test_corrupted_chunk_is_refused(remote: RemoteFactory) -> None:
+    """A chunk changed in transit fails the engine's checksum: ChecksumMismatch (retryable),
+    nothing imported."""
+    source = remote(config(in_process="fake"))
+    target = remote(config(in_process="fake"))
+    _prefill(source, "s", (1, 2, 3))
+    snapshot = _export(source, "s")
+    chunk = bytearray(snapshot.chunks[0])
+    chunk[len(chunk) // 2] ^= 0x01
+    corrupted = msgspec.structs.replace(snapshot, chunks=(bytes(chunk),))
+    with pytest.raises(api.ChecksumMismatch) as caught:
+        _import(target, corrupted)
+    assert caught.value.retryable
+    truncated = msgspec.structs.replace(snapshot, chunks=(snapshot.chunks[0][:-1],))
+    with pytest.raises(api.ChecksumMismatch):
+        _import(target, truncated)
+    _unchanged_and_empty(target)
+    _import(target, snapshot)
+    assert _step(target, "s", 3) == _step(source, "s", 3)
+
+
+def _raw_import(server: EngineServer, messages: Iterator[bytes]) -> api.ShardEngineError:
+    """Send an import stream as a hostile or dying client would; the server's typed answer."""
+    assert server.address is not None
+    with grpc.insecure_channel(server.address) as channel:
+        call: grpc.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(IMPORT_METHOD)
+        reply = call(messages, timeout=10)
+    return wire.decode_error(reply)
+
+
+def _header(snapshot: api.SessionSnapshot, n_chunks: int) -> bytes:
+    request = api.ImportSessionRequest(
+        request_id="raw", snapshot=msgspec.structs.replace(snapshot, chunks=())
+    )
+    return encode_header(ImportHeader(request=request, n_chunks=n_chunks))
+
+
+def test_broken_import_streams_change_nothing(serve: ServeFactory, remote: RemoteFactory) -> None:
+    """Streams that end early, carry more chunks than announced, oversized chunks, garbage
+    headers, chunks inside the header, or a client that dies mid-stream: each is refused
+    (typed, or the stream is cut) before the engine sees anything."""
+    source = remote(config(in_process="fake"))
+    _prefill(source, "s", LONG_PROMPT)
+    snapshot = _export(source, "s")
+    first, second = snapshot.chunks
+    server = serve(config())
+    cases: dict[str, tuple[list[bytes], type[api.ShardEngineError], str]] = {
+        "truncated": ([_header(snapshot, 2), first], api.InvalidRequest, "ended after 1 of 2"),
+        "extended": (
+            [_header(snapshot, 2), first, second, b"x"],
+            api.InvalidRequest,
+            "more than the 2 chunks",
+        ),
+        "chunk too large": (
+            [_header(snapshot, 1), first + second],
+            api.InvalidRequest,
+            "more than the chunk size",
+        ),
+        "bytes appended": (
+            [_header(snapshot, 2), first, second + b"x"],
+            api.ChecksumMismatch,
+            "extended",
+        ),
+        "garbage header": ([b"\xc1\x00", first], api.InvalidRequest, "does not decode"),
+        "empty": ([], api.InvalidRequest, "empty"),
+    }
+    for name, (messages, error_type, match) in cases.items():
+        error = _raw_import(server, iter(messages))
+        assert type(error) is error_type, (name, error)
+        assert match in error.message, (name, error.message)
+    inline = api.ImportSessionRequest(request_id="raw", snapshot=snapshot)
+    error = _raw_import(server, iter([encode_header(ImportHeader(request=inline, n_chunks=0))]))
+    assert "no chunks" in error.message
+
+    def dying() -> Iterator[bytes]:
+        yield _header(snapshot, 2)
+        yield first
+        raise ConnectionError("the client died mid-stream")
+
+    with pytest.raises(grpc.RpcError):
+        _raw_import(server, dying())
+    wait_until(lambda: server.stats().in_flight == 0)
+    assert server.engine.health().sessions == 0
+    assert server.engine.metrics().imports == 0
+    assert server.stats().rejected_frames == 1
+
+
+def test_server_dying_mid_export_is_engine_crashed(remote: RemoteFactory) -> None:
+    """kill -9 of the child while it exports: EngineCrashed naming the signal, never a
+    snapshot."""
+    plan = {
+        "rules": [
+            {"action": {"kind": "delay", "milliseconds": 5000}, "operations": ["export_session"]}
+        ]
+    }
+    engine = remote(config(spawn="fake", faults=plan))
+    _prefill(engine, "s", (1, 2, 3))
+    pid = engine.child_pid
+    assert pid is not None
+    pending = Background(lambda: _export(engine, "s"))
+    wait_until(lambda: engine.server_stats().in_flight >= 2)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(api.EngineCrashed, match="SIGKILL"):
+        pending.result()
+
+
+class _HostileServer(EngineServer):
+    """Serves everything honestly but export, whose stream it damages as ``mode`` says."""
+
+    mode = "truncate"
+
+    def _export(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        messages = list(super()._export(request, context))
+        if self.mode == "truncate":
+            yield from messages[:-1]
+        elif self.mode == "extend":
+            yield from [*messages, b"more"]
+        elif self.mode == "flip":
+            last = bytearray(messages[-1])
+            last[0] ^= 0xFF
+            yield from [*messages[:-1], bytes(last)]
+        else:
+            yield b"\xc1"
+
+
+@pytest.mark.parametrize(
+    ("mode", "error_type"),
+    [
+        ("truncate", api.MalformedOutput),
+        ("extend", api.MalformedOutput),
+        ("flip", api.ChecksumMismatch),
+        ("garbage", api.MalformedOutput),
+    ],
+)
+def test_damaged_export_streams_are_typed_errors(
+    remote: RemoteFactory, mode: str, error_type: type[api.ShardEngineError]
+) -> None:
+    server = _HostileServer(api.load_engine("fake", config()))
+    server.mode = mode
+    address = server.start("127.0.0.1:0")
+    try:
+        engine = remote(config(target=address))
+        _prefill(engine, "s", LONG_PROMPT)
+        with pytest.raises(error_type):
+            _export(engine, "s")
+        assert engine.health().sessions == 1
+        _step(engine, "s", len(LONG_PROMPT))
+    finally:
+        server.stop(grace=0.5)
+        server.engine.close()
+
+
+def test_snapshots_do_not_travel_through_call(serve: ServeFactory) -> None:
+    """Call refuses snapshot requests (they have their own streams): InvalidRequest."""
+    server = serve()
+    assert server.address is not None
+    request = api.ExportSessionRequest(request_id="e", session=ref("s"))
+    with grpc.insecure_channel(server.address) as channel:
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/shard_engine.v1.Engine/Call"
+        )
+        error = wire.decode_error(call(wire.encode(request), timeout=5))
+    assert isinstance(error, api.InvalidRequest)
+    assert "streams" in error.message
