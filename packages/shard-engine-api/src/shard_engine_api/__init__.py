@@ -72,6 +72,7 @@ from shard_engine_api._types import (
     Metrics,
     MtpState,
     OptionValue,
+    OutputKind,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
@@ -83,6 +84,7 @@ from shard_engine_api._types import (
     ShardSpec,
     Timings,
     TokenInput,
+    Tolerance,
 )
 from shard_engine_api._validation import ValidatingEngine
 
@@ -133,6 +135,7 @@ __all__ = [
     "MtpState",
     "NotReady",
     "OptionValue",
+    "OutputKind",
     "Pipeline",
     "PipelineStep",
     "PrefillRequest",
@@ -156,6 +159,7 @@ __all__ = [
     "TokenInput",
     "TokenStream",
     "Tokenizer",
+    "Tolerance",
     "UnknownEngine",
     "UnsupportedFeature",
     "ValidatingEngine",
