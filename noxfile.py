@@ -148,7 +148,8 @@ def bench(session: nox.Session) -> None:
     rate through the API; the llama engine unsplit vs split (in one process and one process
     per shard), batched vs sequential, memory, cancellation (gemma3-270m parts only when the
     model is in the model store); remote engines' per-hop overhead and a pipeline with a
-    process per shard. Every figure is also merged into .nox/bench/results.json.
+    process per shard; moving a live session (export, wire, import) vs replaying its prefill
+    through 3 shards. Every figure is also merged into .nox/bench/results.json.
 
     Arguments after ``--`` go to every benchmark (e.g. ``--quick``), except ``--readme``:
     after a full run, regenerate the README's "What has been measured" section from the

@@ -1,15 +1,14 @@
 """One shard engine in its own process behind two pipes, speaking the project's wire codec.
 
-The parent holds a :class:`ProcessShard` (prefill, decode, decode_batch, release, close, like
-an engine); the child (``python _process_shard.py ENGINE``) loads the engine named on its
-command line and answers one framed message at a time: an 8-byte little-endian length, then
-the msgpack message (``Codec.encode``). Requests are decoded with ``Codec.decode_request`` and
-replies with ``Codec.decode_reply``, both with their default checks (checksums verified,
-non-finite values rejected), as a worker behind a transport would. Health and metrics, which
-have no request type, are asked for with the frames ``health`` and ``metrics``; an empty
-frame ends the child. This is the in-repo measurement of process-per-shard (a served transport
-measures its own).
-"""
+The parent holds a :class:`ProcessShard` (prefill, decode, decode_batch, release, export_session,
+import_session, close, like an engine); the child (``python _process_shard.py ENGINE``) loads the
+engine named on its command line and answers one framed message at a time: an 8-byte little-endian
+length, then the msgpack message (``Codec.encode``). Requests are decoded with
+``Codec.decode_request`` and replies with ``Codec.decode_reply``, both with their default checks
+(checksums verified, non-finite values rejected), as a worker behind a transport would. Health and
+metrics, which have no request type, are asked for with the frames ``health`` and ``metrics``; an
+empty frame ends the child. This is the in-repo measurement of process-per-shard (a served
+transport measures its own)."""
 
 from __future__ import annotations
 
@@ -28,13 +27,17 @@ from shard_engine_api import (
     DecodeBatchResult,
     DecodeRequest,
     ErrorInfo,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     InvalidRequest,
     LoadConfig,
     Metrics,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
+    SessionSnapshot,
     ShardEngineError,
     ShardResult,
     load_engine,
@@ -164,6 +167,18 @@ class ProcessShard:
             raise TypeError(f"release answered {type(reply).__name__}")
         return reply
 
+    def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        reply = self._call(request)
+        if not isinstance(reply, SessionSnapshot):
+            raise TypeError(f"export_session answered {type(reply).__name__}")
+        return reply
+
+    def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        reply = self._call(request)
+        if not isinstance(reply, ImportSessionResult):
+            raise TypeError(f"import_session answered {type(reply).__name__}")
+        return reply
+
     def close(self) -> None:
         """End the child (it closes its engine) and wait for it. Idempotent."""
         if self._process.poll() is None:
@@ -209,6 +224,10 @@ def serve(engine_name: str, source: IO[bytes], sink: IO[bytes]) -> int:
                     reply = engine.release(request)
                 elif isinstance(request, CancelRequest):
                     reply = engine.cancel(request)
+                elif isinstance(request, ExportSessionRequest):
+                    reply = engine.export_session(request)
+                elif isinstance(request, ImportSessionRequest):
+                    reply = engine.import_session(request)
                 else:
                     raise TypeError(f"unexpected {type(request).__name__}")
                 _write_frame(sink, _CODEC.encode(reply))

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 from _results import Results, add_results_option
 
-from shard_engine_api import BoundaryBundle, BoundaryDtype, SessionRef
+from shard_engine_api import CONTRACT_VERSION, BoundaryBundle, BoundaryDtype, SessionRef
 from shard_engine_api.wire import decode_bundle, encode_bundle, payload_checksum
 
 SHAPES = [(1, 4096), (128, 4096), (512, 4096)]
@@ -72,7 +72,7 @@ def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -
         "dtype": dtype,
         "layer": 4,
         "model_fingerprint": "bench-model",
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
     }
 
     def codec() -> None:

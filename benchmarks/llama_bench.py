@@ -7,6 +7,12 @@ Measured side by side in one process, on a generated model large enough for comp
 (n_embd 512, 8 layers, F16) and on gemma3-270m when it is present (SHARD_ENGINE_LLAMA_MODEL or the
 model store's ``models/gemma-3-270m-q4_k_m.gguf``):
 
+* the engine against llama.cpp itself: the same file decoded through llama-cpp-python's raw
+  batch API (``llama_batch`` + ``llama_decode`` + a view of the logits, same threads, KV type,
+  context and batch sizes, no callbacks) vs the engine unsplit through the API, single-session
+  and ``batch_sessions``-session batched; next to it the 3-way split in one process, with the
+  native llama.cpp callbacks and with the Python ones, so the per-shard overhead is a ratio
+  in the same run;
 * prefill and decode tokens/s, unsplit vs 2-way vs 3-way, through the ShardEngine API, in one
   process and with one process per shard (``_process_shard``: each engine in its own process
   behind pipes speaking the wire codec; also the unsplit model alone behind the same pipes,
@@ -46,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import numpy as np
 from _process_shard import ProcessShard
 from _results import Results, add_results_option
@@ -87,6 +94,7 @@ N_UBATCH: Final = 512
 TARGET_PREFILL_RATIO: Final = 0.97
 TARGET_DECODE_RATIO: Final = 0.93
 TARGET_BATCH_SPEEDUP: Final = 3.0
+TARGET_RAW_RATIO: Final = 0.97
 
 Ranges = list[tuple[int, int]]
 
@@ -211,17 +219,25 @@ def _load_config(
 
 
 def _load_engine(
-    spec: ShardSpec, *, max_sessions: int, max_context: int, max_batch_tokens: int = N_UBATCH
+    spec: ShardSpec,
+    *,
+    max_sessions: int,
+    max_context: int,
+    max_batch_tokens: int = N_UBATCH,
+    native_callbacks: bool = True,
 ) -> LlamaEngine:
-    engine = LlamaEngine()
-    engine.load(
-        _load_config(
-            spec,
-            max_sessions=max_sessions,
-            max_context=max_context,
-            max_batch_tokens=max_batch_tokens,
-        )
+    config = _load_config(
+        spec,
+        max_sessions=max_sessions,
+        max_context=max_context,
+        max_batch_tokens=max_batch_tokens,
     )
+    if not native_callbacks:
+        config = msgspec.structs.replace(
+            config, options={**config.options, "native_callbacks": False}
+        )
+    engine = LlamaEngine()
+    engine.load(config)
     return engine
 
 
@@ -254,6 +270,7 @@ def _load_driver(
     max_sessions: int,
     max_context: int,
     processes: Mapping[str, str | None] | None = None,
+    native_callbacks: bool = True,
 ) -> Driver:
     """In-process engines, or with ``processes`` (environment overrides for the children)
     one child process per shard."""
@@ -262,7 +279,12 @@ def _load_driver(
         for spec in _shard_specs(model, ranges):
             if processes is None:
                 engines.append(
-                    _load_engine(spec, max_sessions=max_sessions, max_context=max_context)
+                    _load_engine(
+                        spec,
+                        max_sessions=max_sessions,
+                        max_context=max_context,
+                        native_callbacks=native_callbacks,
+                    )
                 )
             else:
                 config = _load_config(
@@ -285,6 +307,270 @@ def _spin_env(spin: str) -> dict[str, str | None]:
 
 def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_").replace("__", "_")
+
+
+# --------------------------------------------------------------------------------------------
+# 0. the engine against raw llama.cpp
+# --------------------------------------------------------------------------------------------
+
+
+class RawLlama:
+    """The model decoded through llama-cpp-python's raw batch API, with the context settings
+    the engine uses for ``max_sessions`` sessions of ``max_context`` positions (one spare
+    sequence included): what llama.cpp itself costs, with nothing of the engine around it."""
+
+    def __init__(self, path: Path, *, max_sessions: int, max_context: int) -> None:
+        import ctypes
+
+        import llama_cpp
+
+        self._ctypes = ctypes
+        self._llama = llama_cpp
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self._model = llama_cpp.llama_model_load_from_file(os.fsencode(path), model_params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = max_context * (max_sessions + 1)
+        params.n_seq_max = max_sessions + 1
+        params.n_batch = N_UBATCH
+        params.n_ubatch = N_UBATCH
+        params.n_threads = N_THREADS
+        params.n_threads_batch = N_THREADS
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.type_k = 0  # F32, the engine's default kv_type
+        params.type_v = 0
+        params.swa_full = True
+        params.kv_unified = False
+        params.no_perf = True
+        params.n_outputs_max = max(N_UBATCH, max_sessions + 1)
+        self._context = llama_cpp.llama_init_from_model(self._model, params)
+        if not self._context:
+            raise RuntimeError(f"llama.cpp could not create a context for {path}")
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self._batch = llama_cpp.llama_batch_init(N_UBATCH, 0, 1)
+
+    def decode(self, rows: Sequence[tuple[int, int, int]]) -> list[int]:
+        """One llama_decode of (sequence, position, token) rows, logits for every row; the
+        greedy next token of each row (argmax over a view of llama.cpp's logits)."""
+        return self.prefill_rows(rows, outputs=range(len(rows)))
+
+    def prefill_rows(
+        self, rows: Sequence[tuple[int, int, int]], outputs: Sequence[int] | range
+    ) -> list[int]:
+        llama_cpp = self._llama
+        batch = self._batch
+        wanted = set(outputs)
+        batch.n_tokens = len(rows)
+        for i, (seq, pos, token) in enumerate(rows):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = 1 if i in wanted else 0
+        status = int(llama_cpp.llama_decode(self._context, batch))
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        tokens = []
+        for i in outputs:
+            pointer = llama_cpp.llama_get_logits_ith(self._context, i)
+            view = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+            tokens.append(int(np.argmax(view)))
+        return tokens
+
+    def clear(self) -> None:
+        self._llama.llama_memory_clear(self._llama.llama_get_memory(self._context), True)
+
+    def close(self) -> None:
+        self._llama.llama_batch_free(self._batch)
+        self._llama.llama_free(self._context)
+        self._llama.llama_model_free(self._model)
+
+
+def _raw_sequential(
+    raw: RawLlama, prompt: Sequence[int], n_decode: int
+) -> tuple[float, tuple[int, ...]]:
+    raw.clear()
+    (token,) = raw.prefill_rows(
+        [(0, pos, t) for pos, t in enumerate(prompt)], outputs=[len(prompt) - 1]
+    )
+    generated = [token]
+    pos = len(prompt)
+    started = time.perf_counter()
+    for _ in range(n_decode):
+        (token,) = raw.decode([(0, pos, token)])
+        generated.append(token)
+        pos += 1
+    elapsed = time.perf_counter() - started
+    return n_decode / elapsed, tuple(generated)
+
+
+def _engine_sequential(
+    driver: Driver, prompt: Sequence[int], n_decode: int, session_id: str
+) -> tuple[float, tuple[int, ...]]:
+    session = SessionRef(session_id=session_id, epoch=1)
+    token = int(np.argmax(driver.prefill(session, 0, prompt).array()[-1]))
+    generated = [token]
+    pos = len(prompt)
+    started = time.perf_counter()
+    for _ in range(n_decode):
+        token = int(np.argmax(driver.decode(session, pos, token).array()[-1]))
+        generated.append(token)
+        pos += 1
+    elapsed = time.perf_counter() - started
+    driver.release(session)
+    return n_decode / elapsed, tuple(generated)
+
+
+def _raw_batched(
+    raw: RawLlama, prompts: Sequence[Sequence[int]], n_steps: int
+) -> tuple[float, tuple[int, ...]]:
+    raw.clear()
+    tokens = [
+        raw.prefill_rows([(seq, pos, t) for pos, t in enumerate(prompt)], [len(prompt) - 1])[0]
+        for seq, prompt in enumerate(prompts)
+    ]
+    pos = len(prompts[0])
+    started = time.perf_counter()
+    for _ in range(n_steps):
+        tokens = raw.decode([(seq, pos, token) for seq, token in enumerate(tokens)])
+        pos += 1
+    elapsed = time.perf_counter() - started
+    return len(prompts) * n_steps / elapsed, tuple(tokens)
+
+
+def _engine_batched(
+    driver: Driver, prompts: Sequence[Sequence[int]], n_steps: int, tag: str
+) -> tuple[float, tuple[int, ...]]:
+    sessions = [SessionRef(session_id=f"{tag}-{i}", epoch=1) for i in range(len(prompts))]
+    tokens = [
+        int(np.argmax(driver.prefill(session, 0, prompt).array()[-1]))
+        for session, prompt in zip(sessions, prompts, strict=True)
+    ]
+    pos = len(prompts[0])
+    started = time.perf_counter()
+    for _ in range(n_steps):
+        results = driver.decode_batch(sessions, [pos] * len(sessions), tokens)
+        tokens = [int(np.argmax(result.array()[-1])) for result in results]
+        pos += 1
+    elapsed = time.perf_counter() - started
+    for session in sessions:
+        driver.release(session)
+    return len(prompts) * n_steps / elapsed, tuple(tokens)
+
+
+def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
+    n = settings.batch_sessions
+    print(
+        f"\n## {model.name}: the engine vs raw llama.cpp ({N_THREADS} threads, F32 KV, "
+        f"n_ubatch {N_UBATCH}; {settings.decode_tokens} decode steps after a "
+        f"{settings.prompt_tokens}-token prompt, and {n} sessions x {settings.batch_steps} "
+        f"batched steps; {settings.repeat} interleaved repetitions, medians)"
+    )
+    prompt = model.prompt_source(settings.prompt_tokens, 0)
+    prompts = [model.prompt_source(settings.batch_prompt_tokens, 1 + i) for i in range(n)]
+    drivers: dict[str, Driver] = {}
+    raws: list[RawLlama] = []
+    try:
+        drivers["engine"] = _load_driver(
+            model, model.splits["unsplit"], max_sessions=1, max_context=512
+        )
+        drivers["3-way"] = _load_driver(
+            model, model.splits["3-way"], max_sessions=1, max_context=512
+        )
+        drivers["3-way python callbacks"] = _load_driver(
+            model, model.splits["3-way"], max_sessions=1, max_context=512, native_callbacks=False
+        )
+        drivers["engine batched"] = _load_driver(
+            model, model.splits["unsplit"], max_sessions=n, max_context=256
+        )
+        # After the engines: their first load silenced llama.cpp's log.
+        raw_single = RawLlama(model.path, max_sessions=1, max_context=512)
+        raws.append(raw_single)
+        raw_batch = RawLlama(model.path, max_sessions=n, max_context=256)
+        raws.append(raw_batch)
+        single: dict[str, list[float]] = {
+            "raw": [],
+            **{name: [] for name in drivers if name != "engine batched"},
+        }
+        batched: dict[str, list[float]] = {"raw": [], "engine": []}
+        tokens: dict[str, set[tuple[int, ...]]] = {}
+
+        def run(name: str, rep: int) -> None:
+            if name == "raw":
+                rate, seq = _raw_sequential(raw_single, prompt, settings.decode_tokens)
+            elif name == "raw batched":
+                rate, seq = _raw_batched(raw_batch, prompts, settings.batch_steps)
+            elif name == "engine batched":
+                rate, seq = _engine_batched(drivers[name], prompts, settings.batch_steps, f"b{rep}")
+            else:
+                rate, seq = _engine_sequential(
+                    drivers[name], prompt, settings.decode_tokens, f"s{rep}"
+                )
+            tokens.setdefault(name, set()).add(seq)
+            if rep >= 0:
+                if name == "raw batched":
+                    batched["raw"].append(rate)
+                elif name == "engine batched":
+                    batched["engine"].append(rate)
+                else:
+                    single[name].append(rate)
+
+        names = [
+            "raw",
+            *[name for name in drivers if name != "engine batched"],
+            "raw batched",
+            "engine batched",
+        ]
+        for name in names:  # warm-up: compute buffers, weight pages
+            run(name, -1)
+        for rep in range(settings.repeat):
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                run(name, rep)
+    finally:
+        for driver in drivers.values():
+            driver.close()
+        for raw in raws:
+            raw.close()
+    raw_rate = _median(single["raw"])
+    unsplit_rate = _median(single["engine"])
+    print(
+        f"{'decode':<28} {'tok/s':>9} {'of raw':>7} {'of unsplit':>10}   "
+        f"target: engine >= {TARGET_RAW_RATIO} of raw"
+    )
+    for name, rates in single.items():
+        rate = _median(rates)
+        verdict = f"   {_ratio_mark(rate / raw_rate, TARGET_RAW_RATIO)}" if name == "engine" else ""
+        print(
+            f"{name:<28} {rate:>9.1f} {rate / raw_rate:>7.3f} {rate / unsplit_rate:>10.3f}{verdict}"
+        )
+        key = _slug(name)
+        results.record(f"raw_cmp_{key}_decode_tok_s", round(rate, 1), "tokens/s")
+        results.record(f"raw_cmp_{key}_of_raw", round(rate / raw_rate, 3), "x")
+        results.record(f"raw_cmp_{key}_of_unsplit", round(rate / unsplit_rate, 3), "x")
+    three_way = _median(single["3-way"])
+    per_shard_ms = (1000.0 / three_way - 1000.0 / unsplit_rate) / 2
+    results.record("raw_cmp_3way_extra_ms_per_extra_shard", round(per_shard_ms, 3), "ms")
+    print(f"3-way in one process costs {per_shard_ms:+.3f} ms per token per extra shard")
+    raw_b, engine_b = _median(batched["raw"]), _median(batched["engine"])
+    results.record("raw_cmp_batched_raw_tok_s", round(raw_b, 1), "tokens/s")
+    results.record("raw_cmp_batched_engine_tok_s", round(engine_b, 1), "tokens/s")
+    results.record("raw_cmp_batched_of_raw", round(engine_b / raw_b, 3), "x")
+    print(
+        f"{n} sessions batched: raw {raw_b:.1f} tok/s, engine {engine_b:.1f} tok/s, "
+        f"{engine_b / raw_b:.3f} of raw   {_ratio_mark(engine_b / raw_b, TARGET_RAW_RATIO)}"
+    )
+    same = (
+        len(tokens["raw"] | tokens["engine"] | tokens["3-way"] | tokens["3-way python callbacks"])
+        == 1
+    )
+    same_batched = len(tokens["raw batched"] | tokens["engine batched"]) == 1
+    identical = same and same_batched
+    results.record("raw_cmp_greedy_tokens_identical", identical)
+    print(f"greedy tokens identical, raw vs engine (single and batched) vs 3-way: {identical}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,6 +960,10 @@ def rss_child(spec_json: str) -> int:
                 "maxrss_kb": usage.ru_maxrss,
                 "vmhwm_kb": _proc_status_kb("VmHWM"),
                 "vmrss_kb": _proc_status_kb("VmRSS"),
+                # Resident now, split into private memory (KV cache, compute and output
+                # buffers, repacked weights, Python objects) and mapped file pages (weights).
+                "rss_anon_kb": _proc_status_kb("RssAnon"),
+                "rss_file_kb": _proc_status_kb("RssFile"),
             }
         )
     )
@@ -717,12 +1007,14 @@ def bench_memory(model: BenchModel, configs: Sequence[str]) -> None:
     baseline = _measure_rss({"model": None, "prompt": prompt})
     print(
         "empty process (imports everything, loads no model): peak "
-        f"{baseline['maxrss_kb'] / 1024:.1f} MiB (VmHWM {baseline['vmhwm_kb'] / 1024:.1f} MiB)"
+        f"{baseline['maxrss_kb'] / 1024:.1f} MiB (VmHWM {baseline['vmhwm_kb'] / 1024:.1f} MiB; "
+        f"private {baseline['rss_anon_kb'] / 1024:.1f}, file-backed "
+        f"{baseline['rss_file_kb'] / 1024:.1f})"
     )
     print(
         f"{'shard':<10} {'layers':>6} {'file MiB':>9} {'peak MiB':>9} {'VmHWM':>7} "
         f"{'above base':>10} {'RSS frac':>8} {'layer frac':>10} {'file frac':>9} "
-        f"{'above - file':>12}"
+        f"{'above - file':>12} {'private+':>8} {'mapped+':>7}"
     )
     full_rss: float | None = None
     for name in configs:
@@ -745,7 +1037,9 @@ def bench_memory(model: BenchModel, configs: Sequence[str]) -> None:
                 f"{measured['maxrss_kb'] / 1024:>9.1f} {measured['vmhwm_kb'] / 1024:>7.1f} "
                 f"{above:>10.1f} {above / full_rss:>8.3f} "
                 f"{(spec.end - spec.start) / model.n_layers:>10.3f} "
-                f"{size / info.file_size:>9.3f} {above - size / 2**20:>12.1f}"
+                f"{size / info.file_size:>9.3f} {above - size / 2**20:>12.1f} "
+                f"{(measured['rss_anon_kb'] - baseline['rss_anon_kb']) / 1024:>8.1f} "
+                f"{(measured['rss_file_kb'] - baseline['rss_file_kb']) / 1024:>7.1f}"
             )
     print(
         "target: shard memory proportional to its layers. RSS follows the shard FILE (llama.cpp "
@@ -753,7 +1047,9 @@ def bench_memory(model: BenchModel, configs: Sequence[str]) -> None:
         "engine ('above - file'). Non-layer tensors (token_embd, output) take "
         f"{info.non_layer_bytes / 2**20:.1f} of {info.file_size / 2**20:.1f} MiB of the full "
         "model and every head and tail shard carries them (the tail of a tied-embedding model "
-        "needs token_embd as its lm-head), so RSS is proportional to layers only above that floor"
+        "needs token_embd as its lm-head), so RSS is proportional to layers only above that floor. "
+        "'private+' / 'mapped+' = RssAnon / RssFile above the empty process after the prefill: "
+        "the engine's own floor (context, KV, buffers) vs the weights it maps"
     )
 
 
@@ -973,7 +1269,7 @@ def find_gemma3(explicit: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
-SECTIONS: Final = ("split", "spin", "batched", "memory", "cancel", "hops")
+SECTIONS: Final = ("raw", "split", "spin", "batched", "memory", "cancel", "hops")
 
 
 def run_sections(
@@ -986,6 +1282,8 @@ def run_sections(
     memory: Sequence[str] | None = None,
     spin_counts: Sequence[str] = (),
 ) -> None:
+    if "raw" in sections:
+        bench_raw(model, settings, results)
     if "split" in sections:
         bench_split(model, settings, results, spin_counts)
     if "spin" in sections:

@@ -210,3 +210,30 @@ def test_every_benchmark_takes_the_session_arguments() -> None:
         for option in ("--quick", "--smoke", "--results"):
             assert option in shown, f"{script.name} does not take {option}"
     assert checked >= 3
+
+
+def test_renderer_quotes_the_migration_figures_and_the_model() -> None:
+    """The session-migration bullet quotes the 2,048-position figures of the model that was
+    measured, and says when gemma3-270m was not there."""
+    document = _sample_results()
+    benches = document["benches"]
+    assert isinstance(benches, dict)
+    figures = {
+        "generated_2048_replay_ms": 1500.0,
+        "generated_2048_tail_move_ms": 12.5,
+        "generated_2048_tail_ratio": 0.0083,
+        "generated_2048_all_ratio": 0.025,
+        "generated_2048_tail_bytes_per_position": 16384,
+    }
+    benches["migration"] = {
+        "run": {"mode": "full", "model": "generated"},
+        "figures": {key: {"value": value, "unit": ""} for key, value in figures.items()},
+    }
+    block = " ".join(readme_figures.render(document).split())
+    assert "the generated model (no gemma3-270m)" in block
+    assert "12.5 ms for the tail shard: 0.008x replaying" in block
+    assert "(1,500 ms); all three shards 0.025x; 16,384 bytes per position" in block
+    benches["migration"]["run"]["mode"] = "smoke"
+    assert "**Session migration**: not measured in this run." in " ".join(
+        readme_figures.render(document).split()
+    )

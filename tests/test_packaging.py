@@ -1,4 +1,4 @@
-"""Distribution hygiene: the API depends on msgspec, pluggy and numpy only; every package
+"""Distribution hygiene: the API depends on msgspec, pluggy, numpy and xxhash only; every package
 re-exports a sorted, pinned ``__all__`` and ships ``py.typed``."""
 
 from __future__ import annotations
@@ -40,12 +40,15 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "ErrorInfo",
         "EvictionPolicy",
         "EvidenceClass",
+        "ExportSessionRequest",
         "Features",
         "FinishReason",
         "GeneratedToken",
         "GenerationResult",
         "Health",
         "HookStatus",
+        "ImportSessionRequest",
+        "ImportSessionResult",
         "InstalledEngine",
         "InvalidRequest",
         "LifecycleState",
@@ -58,6 +61,7 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "MtpState",
         "NotReady",
         "OptionValue",
+        "OutcomeUnknown",
         "OutputKind",
         "Pipeline",
         "PipelineStep",
@@ -70,6 +74,7 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "Sampler",
         "Sampling",
         "SessionRef",
+        "SessionSnapshot",
         "ShardEngine",
         "ShardEngineError",
         "ShardInput",
@@ -83,6 +88,7 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "TokenStream",
         "Tokenizer",
         "Tolerance",
+        "Unauthenticated",
         "UnknownEngine",
         "UnsupportedFeature",
         "ValidatingEngine",
@@ -130,6 +136,7 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "WireMessage",
         "WireReply",
         "WireRequest",
+        "chunks_checksum",
         "decode_bundle",
         "decode_error",
         "decode_message",
@@ -144,13 +151,13 @@ PINNED_EXPORTS: dict[str, list[str]] = {
 }
 
 
-def test_api_declares_only_its_three_dependencies() -> None:
+def test_api_declares_only_its_four_dependencies() -> None:
     project = tomllib.loads((ROOT / "packages/shard-engine-api/pyproject.toml").read_text())
     names = {
         requirement.split(">")[0].split("=")[0].split("<")[0].strip()
         for requirement in project["project"]["dependencies"]
     }
-    assert names == {"msgspec", "pluggy", "numpy"}
+    assert names == {"msgspec", "pluggy", "numpy", "xxhash"}
 
 
 def _third_party_modules(code: str) -> set[str]:
@@ -167,12 +174,12 @@ def _third_party_modules(code: str) -> set[str]:
 
 def test_importing_the_api_loads_no_other_third_party_module() -> None:
     """``import shard_engine_api`` (and its CLI) pulls in nothing beyond the standard library,
-    the three declared dependencies and what they import themselves (msgspec uses
+    the four declared dependencies and what they import themselves (msgspec uses
     typing_extensions when it is installed). Modules the interpreter preloads through .pth
     files are the baseline."""
     baseline = _third_party_modules("pass")
     loaded = _third_party_modules("import shard_engine_api, shard_engine_api.cli") - baseline
-    allowed = {"shard_engine_api", "msgspec", "pluggy", "numpy", "typing_extensions"}
+    allowed = {"shard_engine_api", "msgspec", "pluggy", "numpy", "xxhash", "typing_extensions"}
     assert loaded <= allowed, loaded - allowed
 
 

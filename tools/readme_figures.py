@@ -206,6 +206,33 @@ def _cancel(f: Figures) -> str | None:
     )
 
 
+def _migration(f: Figures) -> str | None:
+    model = f.run("migration").get("model")
+    if model not in ("gemma3", "generated"):
+        return None
+    key = f"{model}_2048"
+    replay = f.value("migration", f"{key}_replay_ms")
+    tail = f.value("migration", f"{key}_tail_move_ms")
+    tail_ratio = f.value("migration", f"{key}_tail_ratio")
+    all_ratio = f.value("migration", f"{key}_all_ratio")
+    per_position = f.value("migration", f"{key}_tail_bytes_per_position")
+    if (
+        replay is None
+        or tail is None
+        or tail_ratio is None
+        or all_ratio is None
+        or per_position is None
+    ):
+        return None
+    name = "gemma3-270m" if model == "gemma3" else "the generated model (no gemma3-270m)"
+    return (
+        f"moving a 2,048-position session of {name} to a fresh engine (export, wire "
+        f"encode + decode, import) takes {tail:.1f} ms for the tail shard: {tail_ratio:.3f}x "
+        f"replaying its prefill through the 3-shard pipeline ({replay:,.0f} ms); all three "
+        f"shards {all_ratio:.3f}x; {per_position:,.0f} bytes per position for the tail shard."
+    )
+
+
 def render(document: Results) -> str:
     """The README block (marker lines included) for a results document."""
     f = Figures(document)
@@ -220,6 +247,7 @@ def render(document: Results) -> str:
             _bullet("Wire codec", _codec(f)),
             _bullet("Fake engine", _fake(f)),
             _bullet("Cancellation", _cancel(f)),
+            _bullet("Session migration", _migration(f)),
             END,
         ]
     )

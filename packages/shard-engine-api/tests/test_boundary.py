@@ -36,8 +36,9 @@ from shard_engine_api import (
     ValidatingEngine,
 )
 from shard_engine_api import _boundary as boundary
-from shard_engine_api._boundary import BundleExpectation, ViolationKind, all_finite, check_bundle
+from shard_engine_api._boundary import BundleExpectation, ViolationKind, check_bundle
 from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._dtypes import payload_finite
 from shard_engine_api.wire import Codec, encode
 
 N_LAYERS: Final = 4
@@ -187,18 +188,18 @@ class Scans:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.checksums = 0
         self.finite = 0
-        checksum, finite = payload_checksum, all_finite
+        checksum, finite = payload_checksum, payload_finite
 
         def counted_checksum(payload: Any) -> int:
             self.checksums += 1
             return checksum(payload)
 
-        def counted_finite(values: Any) -> bool:
+        def counted_finite(payload: Any, dtype: Any) -> bool:
             self.finite += 1
-            return finite(values)
+            return finite(payload, dtype)
 
         monkeypatch.setattr(boundary, "payload_checksum", counted_checksum)
-        monkeypatch.setattr(boundary, "all_finite", counted_finite)
+        monkeypatch.setattr(boundary, "payload_finite", counted_finite)
 
 
 def test_a_decoded_bundle_is_scanned_once_per_hop(

@@ -313,7 +313,7 @@ def test_version_of_nested_bundle_is_reported() -> None:
 
 def test_capabilities_of_another_version_are_refused() -> None:
     mapping = raw(capabilities())
-    mapping["contract_version"] = 2
+    mapping["contract_version"] = CONTRACT_VERSION + 1
     with pytest.raises(ContractVersionMismatch):
         decode_reply(rebuilt(mapping))
     mapping["limits"] = "unknown shape"
@@ -346,7 +346,8 @@ def test_version_one_with_a_broken_shape_is_plain_invalid_request() -> None:
         ("hidden_size", 2**62, "header promises"),
         ("n_tokens", 2**64 - 1, "Expected `int` <= 9223372036854775807"),
         ("first_pos", -(2**63), "Expected `int` >= 0"),
-        ("dtype", "bf16", "bf16"),
+        ("dtype", "f8", "f8"),
+        ("dtype", "bf16", "header promises"),
         ("dtype", 4, "Expected `str`"),
         ("payload", "text", "Expected `bytes`"),
     ],

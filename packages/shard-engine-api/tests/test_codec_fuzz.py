@@ -32,8 +32,11 @@ from shard_engine_api import (
     DecodeRequest,
     Determinism,
     ErrorInfo,
+    ExportSessionRequest,
     Features,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     InvalidRequest,
     Limits,
     LoadConfig,
@@ -44,6 +47,7 @@ from shard_engine_api import (
     ReleaseResult,
     ResourceExhausted,
     SessionRef,
+    SessionSnapshot,
     ShardEngineError,
     ShardSpec,
     Timings,
@@ -60,6 +64,7 @@ from shard_engine_api.wire import (
     decode_request,
     encode,
     encode_error,
+    payload_checksum,
 )
 
 EXAMPLES: Final = int(os.environ.get("SHARD_ENGINE_FUZZ_EXAMPLES", "0")) or None
@@ -119,6 +124,23 @@ def _capabilities() -> Capabilities:
     )
 
 
+def _snapshot() -> SessionSnapshot:
+    chunks = (bytes(range(256)) * 3, b"tail")
+    return SessionSnapshot(
+        engine="e",
+        engine_version="1",
+        shard=SPEC,
+        model_fingerprint="fp",
+        settings_fingerprint="sf",
+        session=SESSION,
+        length=5,
+        boundary_dtype="f32",
+        state_bytes=sum(map(len, chunks)),
+        chunks=chunks,
+        checksum=payload_checksum(b"".join(chunks)),
+    )
+
+
 def valid_messages() -> list[WireMessage]:
     """At least one valid message of every top-level wire type (and each input kind)."""
     tokens = TokenInput(token_ids=(1, 2, 3))
@@ -154,6 +176,11 @@ def valid_messages() -> list[WireMessage]:
         Metrics(requests=3, errors={"cache_miss": 1}),
         ErrorInfo(code="stale_epoch", message="old", retryable=False, details={"epoch": 2}),
         bundle,
+        ExportSessionRequest(request_id="x", session=SESSION),
+        _snapshot(),
+        ImportSessionRequest(request_id="i", snapshot=_snapshot()),
+        ImportSessionRequest(request_id="i", snapshot=_snapshot(), epoch=9),
+        ImportSessionResult(request_id="i", session=SESSION, length=5, replaced=True, evicted=1),
     ]
 
 

@@ -18,7 +18,7 @@ import pluggy
 import pytest
 from conformance_engines import BROKEN_ENGINES, CORRECT_ENGINES, ReferencePlugin
 
-from shard_engine_api import EvidenceClass
+from shard_engine_api import CONTRACT_VERSION, EvidenceClass
 from shard_engine_api.conformance import (
     STANDARD_TESTS,
     ConformanceReport,
@@ -313,7 +313,7 @@ def test_report_of_a_fixture_engine_is_fixture_only(pytester: pytest.Pytester) -
     assert report.engine_version == "0.0-test"
     assert report.evidence == "fixture"
     assert report.certification == "fixture-only"
-    assert report.contract_version == 1
+    assert report.contract_version == CONTRACT_VERSION
     assert report.totals == Totals(total=len(STANDARD_TESTS), passed=len(STANDARD_TESTS))
     assert report.missing_standard_tests == ()
     assert [(o.test, o.reason) for o in report.overrides] == [

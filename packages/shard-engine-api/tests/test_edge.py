@@ -157,7 +157,7 @@ case("release session None", partial(ReleaseRequest, session=None),  # type: ign
 BUNDLE_BAD: list[tuple[str, object]] = [
     ("payload", "text"), ("payload", None), ("payload", [1, 2]),
     ("payload", memoryview(np.ones((4, 4), np.float32)[:, :1])),  # type: ignore[arg-type]
-    ("dtype", "bf16"), ("dtype", None), ("checksum", -1), ("checksum", 2**64), ("checksum", 1.0),
+    ("dtype", "f8"), ("dtype", None), ("checksum", -1), ("checksum", 2**64), ("checksum", 1.0),
     ("layer", "2"), ("model_fingerprint", None), ("model_fingerprint", "f" * 300),
     ("session", None), ("first_pos", 1.5), ("n_tokens", True), ("hidden_size", None),
     ("contract_version", None), ("contract_version", 2**64), ("mtp", None),
@@ -231,7 +231,7 @@ CONSTRUCTION: list[tuple[str, Callable[[], object], str]] = [
      "LoadConfig.eviction"),
     ("LoadConfig eviction='bogus'", lambda: LoadConfig(shard=SPEC, eviction="bogus"),  # type: ignore[arg-type]
      "LoadConfig.eviction"),
-    ("LoadConfig dtype", lambda: LoadConfig(shard=SPEC, boundary_dtype="bf16"),  # type: ignore[arg-type]
+    ("LoadConfig dtype", lambda: LoadConfig(shard=SPEC, boundary_dtype="f8"),  # type: ignore[arg-type]
      "LoadConfig.boundary_dtype"),
     ("LoadConfig max_sessions=2**31", lambda: LoadConfig(shard=SPEC, max_sessions=2**31),
      "LoadConfig.max_sessions"),
@@ -310,7 +310,7 @@ def test_from_array_refuses_an_unknown_dtype() -> None:
     with pytest.raises(InvalidRequest, match="dtype"):
         BoundaryBundle.from_array(
             np.ones((1, 2)), session=SESSION, first_pos=0, layer=1, model_fingerprint="f",
-            dtype="bf16",  # type: ignore[arg-type]
+            dtype="f8",  # type: ignore[arg-type]
         )  # fmt: skip
 
 

@@ -16,11 +16,13 @@ from shard_engine_api import (
     InvalidRequest,
     MalformedOutput,
     NotReady,
+    OutcomeUnknown,
     ResourceExhausted,
     SessionRef,
     ShardEngineError,
     ShardMismatch,
     StaleEpoch,
+    Unauthenticated,
     UnsupportedFeature,
     WrongRole,
     _errors,
@@ -50,6 +52,8 @@ TAXONOMY: list[tuple[type[ShardEngineError], str, bool, type[Exception]]] = [
     (Cancelled, "cancelled", True, ShardEngineError),
     (MalformedOutput, "malformed_output", True, ShardEngineError),
     (EngineCrashed, "engine_crashed", False, ShardEngineError),
+    (OutcomeUnknown, "outcome_unknown", True, ShardEngineError),
+    (Unauthenticated, "unauthenticated", False, ShardEngineError),
 ]
 CLASSES = [row[0] for row in TAXONOMY]
 

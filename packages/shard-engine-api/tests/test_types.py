@@ -23,7 +23,10 @@ from shard_engine_api import (
     DecodeBatchResult,
     DecodeRequest,
     ErrorInfo,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     InvalidRequest,
     LoadConfig,
     LogitsResult,
@@ -33,6 +36,7 @@ from shard_engine_api import (
     ReleaseRequest,
     ReleaseResult,
     SessionRef,
+    SessionSnapshot,
     ShardSpec,
     TokenInput,
     _types,
@@ -61,6 +65,10 @@ PINNED_TAGS: dict[type[msgspec.Struct], str] = {
     Health: "health",
     Metrics: "metrics",
     ErrorInfo: "error",
+    ExportSessionRequest: "export_session",
+    SessionSnapshot: "session_snapshot",
+    ImportSessionRequest: "import_session",
+    ImportSessionResult: "import_session_result",
 }
 
 

@@ -24,7 +24,10 @@ from shard_engine_api import (
     DecodeRequest,
     Determinism,
     ErrorInfo,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     InvalidRequest,
     LoadConfig,
     LogitsMode,
@@ -36,6 +39,7 @@ from shard_engine_api import (
     ReleaseRequest,
     ReleaseResult,
     SessionRef,
+    SessionSnapshot,
     ShardEngine,
     ShardResult,
     ShardSpec,
@@ -131,6 +135,12 @@ class Tamper:
 
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         return self._hand_on(self.inner.release(request))  # type: ignore[no-any-return]
+
+    def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        return self._hand_on(self.inner.export_session(request))  # type: ignore[no-any-return]
+
+    def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        return self._hand_on(self.inner.import_session(request))  # type: ignore[no-any-return]
 
     def health(self) -> Health:
         return self.inner.health()
@@ -353,7 +363,7 @@ NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("bundle session", replace_bundle(session=session("o")), "session"),
     ("hidden size", rebuild_bundle(lambda v: np.hstack([v, v])), "hidden_size"),
     ("dtype not loaded", rebuild_bundle(lambda v: v, "f16"), "dtype"),
-    ("dtype unknown", replace_bundle(dtype="bf16"), "result_fields"),
+    ("dtype unknown", replace_bundle(dtype="f8"), "result_fields"),
     ("layer", replace_bundle(layer=1), "layer"),
     ("fingerprint", replace_bundle(model_fingerprint="fp-other"), "fingerprint"),
     ("contract version", replace_bundle(contract_version=CONTRACT_VERSION + 1), "contract_version"),
@@ -576,7 +586,7 @@ CAPABILITY_BREAKAGES: list[tuple[str, Callable[[Capabilities], Capabilities], st
     ("evidence", _caps_change(evidence="certified"), "evidence"),
     ("hidden", _caps_change(hidden_size=0), "shape"),
     ("dtypes", _caps_change(boundary_dtypes=("f16",)), "dtype"),
-    ("dtype names", _caps_change(boundary_dtypes=("f32", "bf16")), "dtype"),
+    ("dtype names", _caps_change(boundary_dtypes=("f32", "f8")), "dtype"),
 ]
 
 

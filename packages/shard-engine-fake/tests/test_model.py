@@ -256,7 +256,7 @@ def test_capabilities(make_engine: EngineFactory) -> None:
     assert caps.evidence == "fixture"
     assert caps.role == "middle"
     assert (caps.hidden_size, caps.vocab_size) == (64, 512)
-    assert caps.boundary_dtypes == ("f32", "f16")
+    assert caps.boundary_dtypes == ("f32", "f16", "bf16")
     assert caps.determinism == api.Determinism(
         deterministic=True, split_exact=True, batch_invariant=True
     )

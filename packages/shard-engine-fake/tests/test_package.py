@@ -34,6 +34,7 @@ EXPECTED_ALL = [
     "MemoryPressure",
     "MemoryRelief",
     "Operation",
+    "StateFailure",
     "__version__",
     "corrupt_result",
     "detokenize",

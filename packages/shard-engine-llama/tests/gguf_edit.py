@@ -49,21 +49,26 @@ def write_gguf(
     tensors: Sequence[TensorEdit],
 ) -> Path:
     writer = gguf.GGUFWriter(destination, architecture, use_temp_file=False)
-    for key, entry in metadata.items():
-        if key == "general.architecture":
-            continue
-        writer.add_key_value(key, entry.value, entry.value_type, entry.element_type)
-    for tensor in tensors:
-        size = n_bytes(tensor.shape, tensor.ggml_type)
-        data = tensor.data if tensor.data is not None and len(tensor.data) == size else bytes(size)
-        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
-        byte_shape = (*reversed(tensor.shape[1:]), tensor.shape[0] // block_size * type_size)
-        array = np.frombuffer(data, dtype=np.uint8).reshape(byte_shape)
-        writer.add_tensor(tensor.name, array, raw_dtype=tensor.ggml_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    try:
+        for key, entry in metadata.items():
+            if key == "general.architecture":
+                continue
+            writer.add_key_value(key, entry.value, entry.value_type, entry.element_type)
+        for tensor in tensors:
+            size = n_bytes(tensor.shape, tensor.ggml_type)
+            data = (
+                tensor.data if tensor.data is not None and len(tensor.data) == size else bytes(size)
+            )
+            block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
+            byte_shape = (*reversed(tensor.shape[1:]), tensor.shape[0] // block_size * type_size)
+            array = np.frombuffer(data, dtype=np.uint8).reshape(byte_shape)
+            writer.add_tensor(tensor.name, array, raw_dtype=tensor.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        # A value the writer refuses halfway must not leave the file open.
+        writer.close()
     return destination
 
 

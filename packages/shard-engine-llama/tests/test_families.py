@@ -30,6 +30,7 @@ SPLITS: Final = {
 # (family, generator arguments): llama with experts is the Mixtral-style MoE case.
 CASES: Final = [
     ("granite", {}),
+    ("granitemoe", {}),
     ("llama-moe", {"arch": "llama", "n_expert": 4, "n_expert_used": 2}),
     ("olmo2", {}),
     ("phi3", {}),
@@ -112,14 +113,18 @@ def test_smollm3_shards_keep_the_no_rope_step(tmp_path: Path) -> None:
     assert tail.get_int("smollm3.block_count") == 2
 
 
-def test_granite_non_head_shards_disable_the_embedding_scale(tmp_path: Path) -> None:
-    model = _model(tmp_path, "granite", {})
+@pytest.mark.parametrize("arch", ["granite", "granitemoe"])
+def test_granite_non_head_shards_disable_the_embedding_scale(tmp_path: Path, arch: str) -> None:
+    model = _model(tmp_path, arch, {})
     manifest = split_model(model, [(0, 2), (2, 4), (4, 6)], tmp_path / "shards")
-    scales = [
-        read_gguf_header(manifest.shard_path(i)).metadata["granite.embedding_scale"].value
-        for i in range(3)
-    ]
+    headers = [read_gguf_header(manifest.shard_path(i)) for i in range(3)]
+    scales = [header.metadata[f"{arch}.embedding_scale"].value for header in headers]
     assert scales == [12.0, 0.0, 0.0]
+    # The other multipliers act inside every layer and on the logits: copied unchanged.
+    source = read_gguf_header(model)
+    for key in ("residual_scale", "attention.scale", "logit_scale"):
+        values = {header.metadata[f"{arch}.{key}"].value for header in headers}
+        assert values == {source.metadata[f"{arch}.{key}"].value}
 
 
 def test_gemma2_is_refused_naming_the_rule(tmp_path: Path) -> None:

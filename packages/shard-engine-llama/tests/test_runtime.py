@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from shard_engine_llama._abi import (
     KVFullError,
     LlamaRuntimeError,
     ShardRuntime,
+    native_callbacks_available,
 )
 from shard_engine_llama._gguf import Manifest, split_model
 from shard_engine_llama._self_test import self_test
@@ -192,6 +193,53 @@ def test_batched_hidden_rows_follow_item_order(f32_split: Manifest) -> None:
         head.close()
 
 
+def test_native_callbacks_are_built() -> None:
+    """The project's install builds the optional C callbacks (a compiler is part of its
+    toolchain: llama-cpp-python itself builds from source); without them every non-tail shard
+    pays a Python call per graph node."""
+    assert native_callbacks_available(), (
+        "shard_engine_llama._native was not built: reinstall the llama package with a C compiler"
+    )
+
+
+@pytest.mark.parametrize("shard", [0, 1])
+def test_native_and_python_callbacks_capture_the_same_bits(f32_split: Manifest, shard: int) -> None:
+    """Head and middle shards capture their rows through the native eval callback or the
+    Python one: identical bits for prefills longer than a ubatch (several captures appended),
+    single decodes and batched decodes of several sequences."""
+    runtimes = [
+        ShardRuntime(f32_split.shard_path(shard), settings=OPTIONS, native_callbacks=native)
+        for native in (True, False)
+    ]
+    try:
+        assert [runtime.native_callbacks for runtime in runtimes] == [True, False]
+        width = runtimes[0].n_embd_input
+        rng = np.random.default_rng(shard)
+        prompt = _prompt(45, 7)
+        hidden = rng.standard_normal((45, width)).astype(np.float32)
+        outputs: list[list[npt.NDArray[np.float32]]] = []
+        for runtime in runtimes:
+            rows: list[npt.NDArray[np.float32]] = []
+            for seq_id in (0, 1, 2):
+                if runtime.is_head:
+                    rows.append(runtime.run(seq_id, 0, tokens=prompt[: 20 + seq_id * 10]))
+                else:
+                    rows.append(runtime.run(seq_id, 0, embeddings=hidden[: 20 + seq_id * 10]))
+            items = [
+                BatchItem(seq_id, 20 + seq_id * 10, token=prompt[seq_id])
+                if runtime.is_head
+                else BatchItem(seq_id, 20 + seq_id * 10, embedding=hidden[seq_id])
+                for seq_id in (2, 0, 1)
+            ]
+            rows.append(runtime.run_batch(items))
+            outputs.append(rows)
+        for native_rows, python_rows in zip(*outputs, strict=True):
+            np.testing.assert_array_equal(native_rows, python_rows)
+    finally:
+        for runtime in runtimes:
+            runtime.close()
+
+
 def test_abort_mid_prefill_rolls_back(tmp_path: Path) -> None:
     """An abort from another thread stops a long prefill; after rollback a rerun is clean."""
     path = tmp_path / "wide.gguf"
@@ -275,6 +323,45 @@ def test_wrong_inputs_are_rejected(f32_model: Path, f32_split: Manifest) -> None
             full.run(9, 0, tokens=[1])
         with pytest.raises(InvalidInputError, match="distinct"):
             full.run_batch([BatchItem(0, 0, token=1), BatchItem(0, 1, token=2)])
+        full.run(0, 0, tokens=[1, 2, 3])
+        bad_calls: list[Callable[[], object]] = [
+            lambda: full.run(0, 3, tokens=[-1]),
+            lambda: full.run(0, 3, tokens=[2**31]),
+            lambda: full.run(0, 3, tokens=np.array([1.5])),
+            lambda: full.run(0, 3, tokens=np.array([[1, 2]])),
+            lambda: full.run(0, 3, tokens=[]),
+            lambda: full.run(0, -1, tokens=[1]),
+            lambda: full.run(0, 2**31, tokens=[1]),
+            lambda: full.run(-1, 3, tokens=[1]),
+            lambda: full.run(0, 3, tokens=list(range(65))),
+            lambda: full.run(0, 3, embeddings=np.zeros((1, full.n_embd), np.float32)),
+            lambda: full.run_batch([BatchItem(0, 3, embedding=np.zeros(full.n_embd, np.float32))]),
+            lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(1, 0, token=-5)]),
+        ]
+        for call in bad_calls:
+            with pytest.raises(InvalidInputError):
+                call()
+            # A refused call changes nothing.
+            assert full.seq_pos_max(0) == 2
+            assert full.seq_pos_max(1) == -1
+    with ShardRuntime(f32_split.shard_path(1), settings=OPTIONS) as middle:
+        width = middle.n_embd_input
+        for embeddings in (
+            np.zeros((0, width), np.float32),
+            np.zeros((2, width, 1), np.float32),
+            np.zeros(width, np.float32),
+            np.zeros((2, width + 1), np.float32),
+        ):
+            with pytest.raises(InvalidInputError):
+                middle.run(0, 0, embeddings=embeddings)
+        with pytest.raises(InvalidInputError, match="shape"):
+            middle.run_batch([BatchItem(0, 0, embedding=np.zeros(width - 1, np.float32))])
+        with pytest.raises(InvalidInputError, match="hidden states"):
+            middle.run_batch([BatchItem(0, 0, token=1)])
+        assert middle.seq_pos_max(0) == -1
+        # float64 rows are converted, as before.
+        rows = middle.run(0, 0, embeddings=np.zeros((2, width), np.float64))
+        assert rows.shape == (2, middle.n_embd)
 
 
 def test_close_is_idempotent(f32_model: Path) -> None:

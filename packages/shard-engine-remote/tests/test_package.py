@@ -11,6 +11,7 @@ import pytest
 
 import shard_engine_api as api
 import shard_engine_remote
+from shard_engine_api import wire
 from shard_engine_api.engine import EngineDescription, check_pending, get_plugin_manager
 from shard_engine_remote import RemoteEngine, is_loopback, plugin
 
@@ -24,11 +25,13 @@ EXPECTED_ALL = [
     "ClientSecurity",
     "EngineServer",
     "OutcomeUnknown",
+    "RateLimit",
     "RemoteEngine",
     "RemoteOptions",
     "RemoteUnavailable",
     "ServerCounters",
     "ServerSecurity",
+    "ServerStats",
     "Unauthenticated",
     "__version__",
     "is_loopback",
@@ -45,6 +48,20 @@ def test_all_is_sorted_and_pinned() -> None:
     assert shard_engine_remote.__all__ == sorted(shard_engine_remote.__all__, key=kind)
     for name in shard_engine_remote.__all__:
         assert hasattr(shard_engine_remote, name), name
+
+
+def test_link_errors_a_worker_catches_without_this_package() -> None:
+    """OutcomeUnknown and Unauthenticated are the API's classes (a worker catches them, and
+    they keep their class across another hop's wire); RemoteUnavailable is NotReady."""
+    assert shard_engine_remote.OutcomeUnknown is api.OutcomeUnknown
+    assert shard_engine_remote.Unauthenticated is api.Unauthenticated
+    assert issubclass(shard_engine_remote.RemoteUnavailable, api.NotReady)
+    assert shard_engine_remote.RemoteUnavailable.code == api.NotReady.code
+    unknown = api.OutcomeUnknown("lost", details={"reason": "connection_lost"})
+    back = wire.error_from_info(unknown.to_info())
+    assert type(back) is api.OutcomeUnknown
+    assert back.retryable
+    assert back.details == {"reason": "connection_lost"}
 
 
 def test_plugin_module_holds_one_registration_hook() -> None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
+import threading
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import msgspec
 import pytest
-from conftest import RemoteFactory, ServeFactory, config, decode, prefill
+from conftest import Background, RemoteFactory, ServeFactory, config, decode, prefill
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -23,10 +26,13 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import (
     CALL_METHOD,
+    RateLimit,
     RemoteUnavailable,
     ServerSecurity,
+    ServerStats,
     Unauthenticated,
 )
+from shard_engine_remote._ratelimit import RateLimiter
 
 # ----------------------------------------------------------------- certificates
 
@@ -325,3 +331,108 @@ def test_session_floods_get_resource_exhausted(serve: ServeFactory, remote: Remo
     assert refused == 12 - 3
     decode(worker, 3, session="worker")
     assert worker.health().sessions == 4
+
+
+# ----------------------------------------------------------------- counters and rate limits
+
+
+def test_server_stats_reach_the_client(
+    serve: ServeFactory, remote: RemoteFactory, tmp_path: Path
+) -> None:
+    """What hostile peers cost the server is typed on the wire: refused tokens, garbage frames
+    and oversized messages are counted, and a client reads them with ``server_stats()``."""
+    limit = 64 * 1024
+    server = serve(security=ServerSecurity(token=TOKEN), max_message_bytes=limit)
+    assert server.address is not None
+    with pytest.raises(Unauthenticated):
+        remote(config(target=server.address, token_file=_token_file(tmp_path, "wrong")))
+    engine = remote(config(target=server.address, token_file=_token_file(tmp_path, TOKEN)))
+    with grpc.insecure_channel(server.address) as channel:
+        raw: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(CALL_METHOD)
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+        reply = raw(b"\xc1", timeout=5, metadata=metadata)
+        assert isinstance(wire.decode_error(reply), api.InvalidRequest)
+        # Over the limit but within what gRPC lets through: refused by the server, typed.
+        over = raw(b"\x00" * (limit + 10), timeout=5, metadata=metadata)
+        error = wire.decode_error(over)
+        assert isinstance(error, api.ResourceExhausted)
+        assert not error.retryable
+        assert error.details["resource"] == "message_bytes"
+    stats = engine.server_stats()
+    assert isinstance(stats, ServerStats)
+    assert (stats.unauthenticated, stats.rejected_frames, stats.oversized) == (1, 1, 1)
+    assert stats.in_flight == 1, "the stats query itself"
+    assert stats.rate_limited == 0
+    assert msgspec.structs.replace(server.stats(), in_flight=1) == stats
+    assert server.engine.metrics().errors == {}, "nothing reached the engine"
+
+
+class FrozenClock:
+    """A clock that moves only when told (rate limits without sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rate_limit_is_per_client(serve: ServeFactory, remote: RemoteFactory) -> None:
+    """A client over its rate limit gets a retryable ResourceExhausted with ``retry_after_s``
+    (counted); another client's budget is untouched, so the flood starves nobody; cancel is
+    never limited; the bucket refills with time."""
+    clock = FrozenClock()
+    server = serve(rate_limit=RateLimit(calls_per_s=2.0, burst=5), clock=clock)
+    assert server.address is not None
+    flooder = remote(config(target=server.address))  # 1 call: capabilities
+    worker_started = threading.Event()
+
+    def flood() -> tuple[int, list[api.ResourceExhausted]]:
+        admitted, refused = 0, []
+        worker_started.wait(10)
+        for index in range(200):
+            try:
+                prefill(flooder, session=f"flood-{index % 12}")
+                admitted += 1
+            except api.ResourceExhausted as error:
+                refused.append(error)
+        return admitted, refused
+
+    flooding = Background(flood)
+    worker = remote(config(target=server.address))
+    worker_started.set()
+    prefill(worker, session="worker")
+    for position in range(3, 6):
+        decode(worker, position, session="worker")  # 5 calls: the worker's whole burst
+    admitted, refused = typing.cast(tuple[int, list[api.ResourceExhausted]], flooding.result())
+    assert admitted == 4
+    assert len(refused) == 196
+    assert all(error.retryable for error in refused)
+    assert {error.details["resource"] for error in refused} == {"rate_limit"}
+    assert all(error.details["retry_after_s"] == pytest.approx(0.5) for error in refused)
+    assert not flooder.cancel(api.CancelRequest(request_id="nothing")).cancelled
+    stats = server.stats()
+    assert stats.rate_limited == 196, "the cancel was not limited"
+    assert stats.rate_limited_clients == 2
+    clock.now += 0.5
+    prefill(flooder, session="again")
+    with pytest.raises(api.ResourceExhausted):
+        prefill(flooder, session="again")
+    assert server.engine.health().sessions == 6
+
+
+def test_rate_limits_are_bounded_in_clients() -> None:
+    """The limiter forgets the idlest client first, so a flood of new connections cannot grow
+    it without bound; a forgotten client starts with a full bucket."""
+    clock = FrozenClock()
+    limiter = RateLimiter(RateLimit(calls_per_s=1.0, burst=1, max_clients=3), clock)
+    assert limiter.take("a") is None
+    assert limiter.take("a") == pytest.approx(1.0)
+    for name in ("b", "c", "d"):
+        assert limiter.take(name) is None
+    assert len(limiter) == 3
+    assert limiter.take("a") is None, "forgotten, so a full bucket again"
+    with pytest.raises(api.InvalidRequest):
+        RateLimit(calls_per_s=0.0, burst=1)
+    with pytest.raises(api.InvalidRequest):
+        RateLimit(calls_per_s=1.0, burst=0)

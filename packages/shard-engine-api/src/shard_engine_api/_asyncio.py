@@ -5,11 +5,11 @@ Cancelling a task that awaits one of the adapter's calls:
 
 - a call still queued in the executor is withdrawn before it runs: ``CancelledError``, nothing
   happened;
-- a running prefill, decode or batch is cancelled in the engine (by request id), and the task
-  waits until the call has ended, so the caller never races a half-finished operation. If it
-  rolled back (or failed), the task ends with ``CancelledError``; if it committed before the
-  cancel reached it, **the result stands and is returned**: the cancellation is absorbed
-  rather than reported as a rollback that did not happen;
+- a running prefill, decode, batch, export or import is cancelled in the engine (by request id),
+  and the task waits until the call has ended, so the caller never races a half-finished operation.
+  If it rolled back (or failed), the task ends with ``CancelledError``; if it committed before the
+  cancel reached it, **the result stands and is returned**: the cancellation is absorbed rather
+  than reported as a rollback that did not happen;
 - a running call that has no request id (``release``, ``load``, ``close``) cannot be stopped:
   the task waits for it and returns its result (a release that ran says so), or ends with
   ``CancelledError`` if it failed.
@@ -35,12 +35,16 @@ from shard_engine_api._types import (
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     LoadConfig,
     Metrics,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
+    SessionSnapshot,
     ShardResult,
 )
 
@@ -113,6 +117,16 @@ class AsyncShardEngine:
     async def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """Await ShardEngine.decode_batch; cancelling the task cancels the batch (see above)."""
         return await self._run(lambda: self.engine.decode_batch(request), request.request_id)
+
+    async def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        """Await ShardEngine.export_session; cancelling the task cancels the export (see
+        above: a snapshot taken before the cancel reached it is returned)."""
+        return await self._run(lambda: self.engine.export_session(request), request.request_id)
+
+    async def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        """Await ShardEngine.import_session; cancelling the task cancels the import (see
+        above: ``CancelledError`` means nothing was installed)."""
+        return await self._run(lambda: self.engine.import_session(request), request.request_id)
 
     async def cancel(self, request: CancelRequest) -> CancelResult:
         """ShardEngine.cancel, called on the event loop's thread without an executor hop:

@@ -35,6 +35,14 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     ``spare_slot``: the backend accepts slot ``max_sessions`` too (one more than sessions are
     admitted). Then an LRU eviction that frees a slot for a new session happens only when the
     new session commits; without it the victim is dropped just before the forward.
+
+    ``settings``: the backend's result-affecting settings as ``(name, value)`` pairs (a KV
+    cache type, a micro-batch size, flash attention on or off, a context size...). The core
+    fingerprints them, with the engine and its version, the model, the layer range, the
+    boundary dtype and the context limit, into a session snapshot's ``settings_fingerprint``:
+    a snapshot only moves between engines whose fingerprints agree, because only then does a
+    moved session continue bit for bit. An engine that implements ``_export_state`` and
+    ``_import_state`` also sets ``features=Features(session_migration=True)``.
     """
 
     engine_version: str
@@ -48,6 +56,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_context: int | None = None
     max_sessions: int | None = None
     spare_slot: bool = False
+    settings: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,9 @@ UnsupportedFeature, ResourceExhausted), the wrapper to MalformedOutput with
 Checks run cheapest first: contract version, reserved MTP/aux state, header ranges, dtype,
 hidden size, model fingerprint (which must be non-empty), layer index, the request's session,
 position and row count, the payload size limit (before any hashing), payload length against the
-header, the checksum, and finiteness (NaN/Inf; f16 through a fast integer test of the exponent
-bits).
+header, the checksum (xxh3-64, one pass), and finiteness (NaN/Inf: two read-only max reductions
+over integer views of the bits, see shard_engine_api._dtypes; measured against the
+alternatives in benchmarks/codec_bench.py).
 
 One scan per hop: the checksum and finiteness passes read the whole payload, so a bundle that
 passed them carries a private mark recording it, and a later check of the same object skips them
@@ -29,7 +30,6 @@ therefore not rescanned by the engine core that receives it, and a result bundle
 from __future__ import annotations
 
 import enum
-import threading
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -43,6 +43,7 @@ from shard_engine_api._checksum import (
     payload_checksum,
     scanned,
 )
+from shard_engine_api._dtypes import BOUNDARY_DTYPES, ITEMSIZE, payload_finite
 from shard_engine_api._errors import (
     ChecksumMismatch,
     ContractVersionMismatch,
@@ -56,9 +57,9 @@ from shard_engine_api._errors import (
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryBundle,
+    BoundaryDtype,
     LogitsResult,
     SessionRef,
-    numpy_dtype,
 )
 
 __all__ = [
@@ -115,50 +116,24 @@ class BundleExpectation:
     check_finite: bool = True
 
 
-_KNOWN_DTYPES: Final = frozenset({"f32", "f16"})
-_LOGITS_DTYPE: Final = np.dtype("<f4")
-_ITEMSIZE: Final = {"f32": 4, "f16": 2}
+_KNOWN_DTYPES: Final = BOUNDARY_DTYPES
 
 # ----------------------------------------------------------------------------- finiteness
 
-# Finiteness of f16 is checked on the raw bits: numpy's isfinite on float16 runs an unvectorised
-# loop (~30x slower than a memory copy), while an f16 value is NaN or infinite iff its five
-# exponent bits are all ones, which two vectorised integer passes find. Work runs in bounded
-# chunks through a per-thread scratch buffer so a large payload never allocates a temporary of
-# its own size (and never pays page faults for one).
-_FINITE_CHUNK_ITEMS: Final = 1 << 19
-_SMALL_ARRAY_ITEMS: Final = 256
-_F16_EXPONENT: Final = 0x7C00
-_F16: Final = np.dtype("<f2")
-_scratch = threading.local()
+_DTYPE_NAMES: Final[dict[np.dtype[np.generic], BoundaryDtype]] = {
+    np.dtype("<f4"): "f32",
+    np.dtype("<f2"): "f16",
+}
 
 
 def all_finite(values: npt.NDArray[np.floating]) -> bool:
-    """Whether every value of a float array is finite (no NaN, no infinity)."""
-    flat = values if values.ndim == 1 else values.reshape(-1)
-    size = flat.size
-    is_f16 = flat.dtype == _F16
-    if size <= _SMALL_ARRAY_ITEMS or (not is_f16 and size <= 2 * _FINITE_CHUNK_ITEMS):
-        # The decode step's case (one row): one vectorised pass, nothing else.
-        return bool(np.isfinite(flat).all())
-    if not is_f16:
-        # numpy's isfinite is vectorised for f32; chunking only bounds the temporary.
-        for start in range(0, size, 2 * _FINITE_CHUNK_ITEMS):
-            if not np.isfinite(flat[start : start + 2 * _FINITE_CHUNK_ITEMS]).all():
-                return False
-        return True
-    bits = flat.view("<u2")
-    scratch: npt.NDArray[np.uint16] | None = getattr(_scratch, "f16_bits", None)
-    if scratch is None:
-        scratch = np.empty(_FINITE_CHUNK_ITEMS, dtype="<u2")
-        _scratch.f16_bits = scratch
-    for start in range(0, bits.size, _FINITE_CHUNK_ITEMS):
-        chunk = bits[start : start + _FINITE_CHUNK_ITEMS]
-        masked = scratch[: chunk.size]
-        np.bitwise_and(chunk, _F16_EXPONENT, out=masked)
-        if int(masked.max()) == _F16_EXPONENT:
-            return False
-    return True
+    """Whether every value of an f32 or f16 array is finite (no NaN, no infinity), tested on
+    the bits (see :func:`shard_engine_api._dtypes.payload_finite`); other float dtypes go
+    through numpy's isfinite."""
+    name = _DTYPE_NAMES.get(values.dtype)
+    if name is None or not values.flags.c_contiguous:
+        return bool(np.isfinite(values).all())
+    return payload_finite(values, name)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -248,7 +223,7 @@ def check_bundle(
     size = memoryview(payload).nbytes
     if expect.max_payload_bytes is not None and size > expect.max_payload_bytes:
         return _size_violation("bundle", size, expect.max_payload_bytes)
-    expected_size = rows * width * _ITEMSIZE[dtype]
+    expected_size = rows * width * ITEMSIZE[dtype]
     if size != expected_size:
         return Violation(
             ViolationKind.PAYLOAD_LENGTH,
@@ -261,7 +236,7 @@ def check_bundle(
     if not level and payload_checksum(payload) != bundle.checksum:
         return Violation(ViolationKind.CHECKSUM, "bundle payload does not match its checksum")
     if expect.check_finite:
-        if not all_finite(np.frombuffer(payload, dtype=numpy_dtype(dtype))):
+        if not payload_finite(payload, dtype):
             return Violation(ViolationKind.FINITE, "bundle hidden states contain NaN or Inf")
         mark_scanned(bundle, SCANNED_FINITE)
     elif not level:
@@ -312,7 +287,7 @@ def check_logits(
         )
     if not scanned(result) and payload_checksum(payload) != result.checksum:
         return Violation(ViolationKind.CHECKSUM, "logits payload does not match its checksum")
-    if check_finite and not all_finite(np.frombuffer(payload, dtype=_LOGITS_DTYPE)):
+    if check_finite and not payload_finite(payload, "f32"):
         return Violation(ViolationKind.FINITE, "logits contain NaN or Inf")
     return None
 

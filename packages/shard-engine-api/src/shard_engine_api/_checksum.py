@@ -1,13 +1,23 @@
-"""The payload checksum of contract version 1 ("gsum64-crc32").
+"""The payload checksum: xxh3-64 (the ``xxhash`` package), for every payload the project checks.
 
-CRC-32 over megabytes runs ~10x slower than a memory copy, which would dominate a boundary hop.
-This checksum reads the payload once at vectorised speed: the bytes are split into 4 KiB groups,
-each group is summed as little-endian uint64 words (wrapping), and CRC-32 runs over the group
-sums (1/512 of the data), then over the trailing bytes that do not fill a group, then over the
-length. It detects any change confined to one word, truncation and extension, and any
-reordering of groups; it does not detect a permutation of words within one 4 KiB group, which
-no transport produces. Payloads under 64 KiB are CRC-32'd directly (numpy overhead would
-dominate there).
+Every checksum the project computes or verifies goes through :func:`payload_checksum` (one
+buffer) or :func:`chunks_checksum` (a sequence of buffers, checksummed as their
+concatenation): bundle and logits payloads, session snapshots, and anything added later. The
+algorithm is part of the contract version (:data:`CHECKSUM_ALGORITHM` belongs to
+``CONTRACT_VERSION`` 2; version 1 used a home-made "gsum64-crc32"), so a bundle checksummed by
+another algorithm is refused as ContractVersionMismatch before its checksum is looked at, never
+misread as corrupt or, worse, as sound.
+
+Why xxh3-64: it runs near memory bandwidth (~50 GB/s here, faster than one memory copy), every
+output bit depends on every input bit and on the length, and its 64 bits make an undetected
+random corruption a 2**-64 event. The home-made checksum it replaces summed 4 KiB groups as
+uint64 words, so it could not see two words of one group changed by +d and -d, or two sign-bit
+flips (1,618 of 1,620 such corruptions passed), and let random 2-bit errors through about once
+in 30,000. It is not a cryptographic hash: it guards against corruption, not against a peer
+that forges payloads (authenticated transports do that).
+
+The value is an unsigned 64-bit integer (:data:`CHECKSUM_MAX`); on the wire it is a msgpack
+uint64, so checksum fields are typed ``Checksum`` (0..2**64-1), not ``Count`` (<= INT64_MAX).
 
 Scan marks: a bundle or logits result whose payload was verified (checksum, and optionally
 finiteness) carries a private mark saying so, so the same object is not scanned twice at one
@@ -16,40 +26,48 @@ hop (see shard_engine_api._boundary). A mark is only set where the payload canno
 
 from __future__ import annotations
 
-import zlib
-from typing import Final
+from collections.abc import Iterable
+from typing import Final, TypeAlias
 
 import numpy as np
+import xxhash
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "CHECKSUM_MAX",
     "SCANNED",
     "SCANNED_FINITE",
+    "Buffer",
+    "chunks_checksum",
     "mark_checksummed",
     "mark_scanned",
     "payload_checksum",
     "scanned",
 ]
 
-CHECKSUM_ALGORITHM: Final = "gsum64-crc32"
-_GROUP_WORDS: Final = 512
-_GROUP_BYTES: Final = _GROUP_WORDS * 8
-_DIRECT_LIMIT: Final = 64 * 1024
+CHECKSUM_ALGORITHM: Final = "xxh3-64"
+"""The payload checksum algorithm of this contract version: xxh3, 64 bits, seed 0."""
+CHECKSUM_MAX: Final = 2**64 - 1
+"""The largest checksum (an unsigned 64-bit value)."""
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+_xxh3_64: Final = xxhash.xxh3_64
+_digest: Final = xxhash.xxh3_64_intdigest
 
 
-def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
-    """The 32-bit checksum of ``payload`` (see the module docstring for the algorithm)."""
-    view = memoryview(payload).cast("B")
-    length = len(view)
-    if length < _DIRECT_LIMIT:
-        crc = zlib.crc32(view)
-    else:
-        grouped = length - length % _GROUP_BYTES
-        words = np.frombuffer(view[:grouped], dtype="<u8").reshape(-1, _GROUP_WORDS)
-        sums = words.sum(axis=1, dtype=np.uint64).astype("<u8", copy=False)
-        crc = zlib.crc32(memoryview(sums).cast("B"))
-        crc = zlib.crc32(view[grouped:], crc)
-    return zlib.crc32(length.to_bytes(8, "little"), crc)
+def payload_checksum(payload: Buffer) -> int:
+    """The xxh3-64 checksum of ``payload``'s bytes, an integer in ``[0, 2**64)``."""
+    return _digest(payload)
+
+
+def chunks_checksum(chunks: Iterable[Buffer]) -> int:
+    """The checksum of the concatenation of ``chunks`` (equal to :func:`payload_checksum` of
+    ``b"".join(chunks)``), computed without joining them."""
+    state = _xxh3_64()
+    for chunk in chunks:
+        state.update(chunk)
+    return state.intdigest()
 
 
 # ----------------------------------------------------------------------------- scan marks

@@ -57,6 +57,7 @@ from shard_engine_api._errors import (
     ShardEngineError,
     error_from_info,
 )
+from shard_engine_api._snapshot import check_snapshot_integrity
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryBundle,
@@ -67,13 +68,17 @@ from shard_engine_api._types import (
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     LoadConfig,
     LogitsResult,
     Metrics,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
+    SessionSnapshot,
 )
 
 __all__ = [
@@ -117,6 +122,8 @@ WireRequest: TypeAlias = (
     | DecodeBatchRequest
     | CancelRequest
     | ReleaseRequest
+    | ExportSessionRequest
+    | ImportSessionRequest
 )
 """Every message a worker sends to an engine."""
 
@@ -129,6 +136,8 @@ WireReply: TypeAlias = (
     | ReleaseResult
     | Health
     | Metrics
+    | SessionSnapshot
+    | ImportSessionResult
 )
 """Every successful answer an engine sends back (an error travels as :class:`ErrorInfo`)."""
 
@@ -149,6 +158,10 @@ WireMessage: TypeAlias = (
     | Metrics
     | ErrorInfo
     | BoundaryBundle
+    | ExportSessionRequest
+    | ImportSessionRequest
+    | SessionSnapshot
+    | ImportSessionResult
 )
 """Every top-level message of the wire: requests, replies, errors and bare bundles.
 (``TokenInput``, ``MtpState`` and ``AuxState`` are tagged too, but only travel nested.)"""
@@ -202,6 +215,10 @@ _MESSAGE_DECODER: Final[msgspec.msgpack.Decoder[WireMessage]] = msgspec.msgpack.
     | Metrics
     | ErrorInfo
     | BoundaryBundle
+    | ExportSessionRequest
+    | ImportSessionRequest
+    | SessionSnapshot
+    | ImportSessionResult
 )
 _REQUEST_DECODER: Final[msgspec.msgpack.Decoder[WireRequest]] = msgspec.msgpack.Decoder(
     _WireLoadConfig
@@ -210,6 +227,8 @@ _REQUEST_DECODER: Final[msgspec.msgpack.Decoder[WireRequest]] = msgspec.msgpack.
     | DecodeBatchRequest
     | CancelRequest
     | ReleaseRequest
+    | ExportSessionRequest
+    | ImportSessionRequest
 )
 _REPLY_DECODER: Final[msgspec.msgpack.Decoder[WireReply | ErrorInfo]] = msgspec.msgpack.Decoder(
     WireReply | ErrorInfo
@@ -229,6 +248,7 @@ class _VersionProbe(msgspec.Struct):
     contract_version: int | None = None
     inputs: _VersionProbe | None = None
     bundle: _VersionProbe | None = None
+    snapshot: _VersionProbe | None = None
     items: tuple[_VersionProbe, ...] = ()
 
 
@@ -246,6 +266,8 @@ def _probe_versions(probe: _VersionProbe) -> int | None:
             pending.append(node.inputs)
         if node.bundle is not None:
             pending.append(node.bundle)
+        if node.snapshot is not None:
+            pending.append(node.snapshot)
         pending.extend(node.items)
     return None
 
@@ -562,6 +584,14 @@ class Codec:
         if violation is not None:
             raise violation_error(violation)
 
+    def verify_snapshot(self, snapshot: SessionSnapshot) -> None:
+        """Check a session snapshot's contract version and integrity: at least one position,
+        state within ``max_payload_bytes`` (ResourceExhausted, before hashing), chunks adding
+        up to ``state_bytes`` and matching the checksum (ChecksumMismatch). Whether it fits
+        the receiving engine (ShardMismatch) is that engine's check."""
+        _check_version(snapshot.contract_version, "snapshot")
+        check_snapshot_integrity(snapshot, max_state_bytes=self.max_payload_bytes)
+
     def _verify_message(self, message: WireMessage) -> None:
         match message:
             case BoundaryBundle():
@@ -584,6 +614,10 @@ class Codec:
                         self._verify_message(result)
             case Capabilities(contract_version=version):
                 _check_version(version, "capabilities")
+            case SessionSnapshot():
+                self.verify_snapshot(message)
+            case ImportSessionRequest(snapshot=snapshot):
+                self.verify_snapshot(snapshot)
             case _:
                 pass
 

@@ -2,12 +2,13 @@
 
 Every engine builds on :class:`EngineCore` so that the session semantics of the contract are
 implemented once. An engine supplies only the backend steps (``_open``, ``_forward``,
-``_rollback``, ``_commit``, ``_drop``, ``_close``). The pure :class:`~._ledger.SessionLedger`
+``_rollback``, ``_commit``, ``_drop``, ``_close``), and, for session migration, the two optional
+state hooks ``_export_state`` and ``_import_state``. The pure :class:`~._ledger.SessionLedger`
 decides what may run (epochs, fences, committed lengths, LRU evictions); the core runs every
 prefill, decode and batch through one admit-run-commit step: admit (ledger decision, nothing
-changed), run the backend, check its rows, then commit ledger and backend together. A failure
-or a cancel anywhere before the commit point rolls the backend back and leaves the ledger,
-evictions included, exactly as it was.
+changed), run the backend, check its rows, then commit ledger and backend together. A failure or a
+cancel anywhere before the commit point rolls the backend back and leaves the ledger, evictions
+included, exactly as it was.
 
 Threading: operations on one engine are serialised by a compute lock (a model context is not
 re-entrant); ``cancel``, ``health`` and ``metrics`` never wait for it. Every counter and the
@@ -44,6 +45,7 @@ from shard_engine_api._errors import (
     InvalidRequest,
     NotReady,
     ShardEngineError,
+    UnsupportedFeature,
 )
 from shard_engine_api._fences import DEFAULT_GENERATION_SIZE
 from shard_engine_api._inputs import InputRows, batch_rows, check_reserved, decode_inputs, n_rows
@@ -51,6 +53,12 @@ from shard_engine_api._ledger import Admission, LedgerLimits, SessionLedger
 from shard_engine_api._lifecycle import Lifecycle
 from shard_engine_api._metrics import Counters
 from shard_engine_api._results import build_result, check_rows
+from shard_engine_api._snapshot import (
+    SnapshotTarget,
+    build_snapshot,
+    check_snapshot_integrity,
+    check_snapshot_target,
+)
 from shard_engine_api._types import (
     BoundaryResult,
     CancelRequest,
@@ -59,7 +67,10 @@ from shard_engine_api._types import (
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     LifecycleState,
     LoadConfig,
     LogitsResult,
@@ -68,6 +79,7 @@ from shard_engine_api._types import (
     ReleaseRequest,
     ReleaseResult,
     SessionRef,
+    SessionSnapshot,
     ShardInput,
     ShardResult,
     Timings,
@@ -107,10 +119,14 @@ class EngineCore(abc.ABC):
     methods; they never touch the ledger. ``with engine:`` closes it on exit.
 
     ``fence_generation``: the fences (tombstones) of at least this many most recently released
-    or evicted sessions are kept, at 17 bytes each (see ``_fences``)."""
+    or evicted sessions are kept, at 17 bytes each (see ``_fences``).
+
+    ``max_snapshot_bytes``: the largest session state ``import_session`` accepts (larger ones
+    are ResourceExhausted before anything is hashed or installed)."""
 
     engine_name: ClassVar[str] = "unnamed"
     fence_generation: ClassVar[int] = DEFAULT_GENERATION_SIZE
+    max_snapshot_bytes: ClassVar[int] = 1 << 32
 
     def __init__(self) -> None:
         self._lifecycle = Lifecycle(self.engine_name)
@@ -120,6 +136,7 @@ class EngineCore(abc.ABC):
         self._ledger = SessionLedger(self.fence_generation)
         self._kv_budget = 0
         self._admission_limits: LedgerLimits | None = None
+        self._snapshot_target: SnapshotTarget | None = None
         self._counters = Counters()
         self._compute_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -161,6 +178,23 @@ class EngineCore(abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None:
         """Free the backend. Called once."""
+
+    def _export_state(self, slot: int, length: int) -> bytes:
+        """The opaque state of positions ``0..length-1`` of the session in ``slot`` (what
+        :meth:`_import_state` of an engine with the same settings fingerprint installs). Must
+        not change the slot. Called under the compute lock with no uncommitted forward on the
+        slot. Engines that implement both hooks set ``Features(session_migration=True)``;
+        the default raises UnsupportedFeature."""
+        raise UnsupportedFeature(f"{self.engine_name} engine cannot export session state")
+
+    def _import_state(self, slot: int, length: int, state: bytes) -> None:
+        """Install ``state`` (from :meth:`_export_state`, verified against its checksum) as
+        positions ``0..length-1`` of the EMPTY ``slot``. Raise a ShardEngineError on failure
+        (InvalidRequest for state that does not decode, ResourceExhausted when the backend
+        has no room); the core drops the slot after any failure, so partial work needs no
+        undo. Any other exception is reported as InvalidRequest once the slot is dropped.
+        The default raises UnsupportedFeature."""
+        raise UnsupportedFeature(f"{self.engine_name} engine cannot import session state")
 
     # ----------------------------------------------------------------- lifecycle helpers
 
@@ -243,6 +277,9 @@ class EngineCore(abc.ABC):
                     kv_budget=self._kv_budget,
                     evict_lru=capabilities.features.eviction,
                     spare_slot=info.spare_slot,
+                )
+                self._snapshot_target = SnapshotTarget.of(
+                    capabilities, config.boundary_dtype, info.settings
                 )
                 self._lifecycle.loaded()
             return capabilities
@@ -436,6 +473,116 @@ class EngineCore(abc.ABC):
                 self._drop(decision.slot)
                 return ReleaseResult(released=True, detail=f"freed {decision.length} positions")
 
+    def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        """Snapshot a live session at exactly its epoch. Changes nothing: not the session,
+        not its LRU position (being moved away is not a use)."""
+        check_request(request, ExportSessionRequest)
+        session = request.session
+        token = self._begin(request.request_id, (session.session_id,))
+        try:
+            caps = self._require_serving()
+            target = self._migration_target(caps)
+            with self._compute_lock:
+                token.check()
+                self._require_serving()
+                with self._state_lock:
+                    entry = self._ledger.check_export(session.session_id, session.epoch)
+                    slot, length = entry.slot, entry.length
+                state = self._export_state(slot, length)
+                if not isinstance(state, bytes | bytearray | memoryview):
+                    raise EngineCrashed(
+                        f"backend exported {type(state).__name__}, not bytes, for slot {slot}"
+                    )
+                with self._state_lock:
+                    token.check()
+                    token.seal()
+                    self._counters.exports += 1
+            return build_snapshot(target, caps, session, length, bytes(state))
+        except Exception as error:
+            seen = self._caller_sees(error)
+            if seen is error:
+                raise
+            raise seen from error
+        finally:
+            self._end(token)
+
+    def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        """Install a snapshot as a live session, atomically (see the package README, "Session
+        migration"): every check runs before any state is touched, the state goes into an
+        empty slot, and the ledger (a replaced older epoch, evictions) changes only at the
+        commit point, after the backend succeeded."""
+        check_request(request, ImportSessionRequest)
+        snapshot = request.snapshot
+        session_id = snapshot.session.session_id
+        token = self._begin(request.request_id, (session_id,))
+        try:
+            caps = self._require_serving()
+            check_snapshot_target(snapshot, self._migration_target(caps))
+            epoch = snapshot.session.epoch if request.epoch is None else request.epoch
+            if epoch < snapshot.session.epoch:
+                raise InvalidRequest(
+                    f"import epoch {epoch} is older than the snapshot's epoch "
+                    f"{snapshot.session.epoch}",
+                    details={"field": "ImportSessionRequest.epoch"},
+                )
+            state = check_snapshot_integrity(snapshot, max_state_bytes=self.max_snapshot_bytes)
+            started = time.perf_counter()
+            with self._compute_lock:
+                compute_started = time.perf_counter()
+                token.check()
+                self._require_serving()
+                with self._state_lock:
+                    admission = self._ledger.admit_import(
+                        session_id, epoch, snapshot.length, self._limits()
+                    )
+                try:
+                    try:
+                        self._import_state(admission.slot, admission.length, state)
+                    except ShardEngineError:
+                        raise
+                    except Exception as error:
+                        raise InvalidRequest(
+                            f"snapshot state could not be installed: {type(error).__name__}: "
+                            f"{error}"
+                        ) from error
+                    with self._state_lock:
+                        token.check()
+                        token.seal()  # the commit point: a cancel from now on answers False
+                        dropped = self._ledger.commit_import(admission)
+                        self._counters.imports += 1
+                        self._counters.evictions += len(admission.evict)
+                except BaseException:
+                    self._discard_slot(admission.slot)
+                    raise
+                for slot in dropped:
+                    self._drop(slot)
+                finished = time.perf_counter()
+            if admission.evict:
+                _log.info(
+                    "%s evicted %d idle session(s) (LRU) for an import",
+                    self.engine_name,
+                    len(admission.evict),
+                )
+            return ImportSessionResult(
+                request_id=request.request_id,
+                session=SessionRef(session_id=session_id, epoch=epoch),
+                length=admission.length,
+                replaced=admission.replaces is not None,
+                evicted=len(admission.evict),
+                timings=Timings(
+                    queue_ms=(compute_started - started) * 1000.0,
+                    compute_ms=(finished - compute_started) * 1000.0,
+                    total_ms=(time.perf_counter() - started) * 1000.0,
+                ),
+            )
+        except Exception as error:
+            seen = self._caller_sees(error)
+            if seen is error:
+                raise
+            raise seen from error
+        finally:
+            self._end(token)
+
     def health(self) -> Health:
         """The lifecycle state and occupancy now. Never raises."""
         with self._state_lock:
@@ -532,6 +679,26 @@ class EngineCore(abc.ABC):
         if capabilities is None:  # serving implies loaded
             raise NotReady(f"{self.engine_name} engine is not loaded", retryable=False)
         return capabilities
+
+    def _migration_target(self, caps: Capabilities) -> SnapshotTarget:
+        """What snapshots of this engine say; UnsupportedFeature without session migration."""
+        target = self._snapshot_target
+        if not caps.features.session_migration or target is None:
+            raise UnsupportedFeature(
+                f"{self.engine_name} engine does not support session migration "
+                "(Features.session_migration is false)"
+            )
+        return target
+
+    def _discard_slot(self, slot: int) -> None:
+        """Drop whatever a failed import left in ``slot``; a backend that cannot is failed."""
+        try:
+            self._drop(slot)
+        except Exception as error:
+            self._fail(f"dropping slot {slot} after a failed import failed: {error}")
+            raise EngineCrashed(
+                f"dropping slot {slot} after a failed import failed: {error}"
+            ) from (error)
 
     # ----------------------------------------------------------------- admission
 

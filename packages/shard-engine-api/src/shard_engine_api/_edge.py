@@ -21,7 +21,7 @@ Rules, identical to what the msgpack decoders accept:
 - a ``str`` field takes ``str`` within its length bounds; a literal takes one of its strings;
 - a ``tuple[...]`` field takes a ``tuple`` (not a list) within its length bounds;
 - a ``memoryview`` or ``bytes`` field takes a contiguous ``bytes``, ``bytearray`` or
-  ``memoryview``;
+  ``memoryview`` (within its byte bound, for a bounded ``bytes`` field: snapshot chunks);
 - a Struct field takes exactly that Struct class; a tagged union takes one of its classes;
 - ``None`` only where the annotation says ``| None``;
 - an engine option (``LoadConfig.options`` values) is JSON-like: None, bool, int (64-bit),
@@ -43,6 +43,7 @@ from typing import Final
 
 import msgspec
 
+from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._errors import InvalidRequest
 from shard_engine_api._types import (
     INT32_MAX,
@@ -74,8 +75,9 @@ MAX_OPTION_ITEMS: Final = 4096
 
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
+_UINT64_MAX: Final = 2**64 - 1
 _BUFFER_TYPES: Final = (bytes, bytearray, memoryview)
-_DTYPES: Final = frozenset({"f32", "f16"})
+_DTYPES: Final = BOUNDARY_DTYPES
 _EVIDENCE: Final = frozenset({"fixture", "real"})
 
 _Check = Callable[[object], None]
@@ -128,9 +130,9 @@ def _bounds_text(low: int | None, high: int | None) -> str:
 # ----------------------------------------------------------------------------- scalars
 
 
-def _int_bounds(info: msgspec.inspect.IntType) -> tuple[int, int]:
+def _int_bounds(info: msgspec.inspect.IntType, limit: int = _INT64_MAX) -> tuple[int, int]:
     low = _INT64_MIN
-    high = _INT64_MAX
+    high = limit
     if info.ge is not None:
         low = max(low, info.ge)
     if info.gt is not None:
@@ -142,8 +144,8 @@ def _int_bounds(info: msgspec.inspect.IntType) -> tuple[int, int]:
     return low, high
 
 
-def _int_checker(info: msgspec.inspect.IntType) -> _Check:
-    low, high = _int_bounds(info)
+def _int_checker(info: msgspec.inspect.IntType, limit: int = _INT64_MAX) -> _Check:
+    low, high = _int_bounds(info, limit)
     expected = "int" + _bounds_text(low, high)
 
     def check(value: object) -> None:
@@ -212,6 +214,20 @@ def _buffer_check(value: object) -> None:
         return
     if not isinstance(value, _BUFFER_TYPES):
         raise _Bad("bytes, bytearray or memoryview", value)
+
+
+def _bounded_buffer_checker(high: int) -> _Check:
+    expected = f"a buffer of at most {high} bytes"
+
+    def check(value: object) -> None:
+        _buffer_check(value)
+        assert isinstance(value, _BUFFER_TYPES)
+        if memoryview(value).nbytes > high:
+            raise _Bad(
+                expected, value, reason=f"expected {expected}, got {memoryview(value).nbytes}"
+            )
+
+    return check
 
 
 def _any_check(value: object) -> None:
@@ -442,6 +458,14 @@ def _checker(info: msgspec.inspect.Type) -> _Check:
             return _struct_checker(cls)
         case msgspec.inspect.IntType():
             return _int_checker(info)
+        case msgspec.inspect.Metadata(type=msgspec.inspect.IntType() as inner, extra=extra) if (
+            extra is not None and extra.get("uint64") is True
+        ):
+            # An unsigned 64-bit field (checksums): msgspec bounds only int64, so the marker
+            # in the type's metadata carries the upper bound the wire allows (2**64 - 1).
+            return _int_checker(inner, _UINT64_MAX)
+        case msgspec.inspect.Metadata(type=inner):
+            return _checker(inner)
         case msgspec.inspect.FloatType():
             return _float_checker(info)
         case msgspec.inspect.StrType():
@@ -462,6 +486,8 @@ def _checker(info: msgspec.inspect.Type) -> _Check:
             return _fixed_tuple_checker(info)
         case msgspec.inspect.DictType():
             return _dict_checker(info)
+        case msgspec.inspect.BytesType(max_length=int() as high):
+            return _bounded_buffer_checker(high)
         case (
             msgspec.inspect.BytesType()
             | msgspec.inspect.ByteArrayType()
@@ -513,7 +539,7 @@ def _bundle_ok(bundle: BoundaryBundle) -> bool:
         and type(layer) is int
         and 0 <= layer <= _INT64_MAX
         and type(checksum) is int
-        and 0 <= checksum <= _INT64_MAX
+        and 0 <= checksum <= _UINT64_MAX
         and type(version) is int
         and _INT64_MIN <= version <= _INT64_MAX
         and type(dtype) is str
@@ -610,7 +636,7 @@ def result_ok(result: object) -> bool:
             and type(vocab_size) is int
             and 0 <= vocab_size <= _INT64_MAX
             and type(checksum) is int
-            and 0 <= checksum <= _INT64_MAX
+            and 0 <= checksum <= _UINT64_MAX
             and type(payload) is memoryview
             and payload.c_contiguous
             and _result_head_ok(result)

@@ -17,7 +17,15 @@ Every error an engine raises is a :class:`ShardEngineError`, which carries a sta
     ├── ResourceExhausted            KV budget, session slots or context length exceeded
     ├── Cancelled                    the operation was cancelled; the session was rolled back
     ├── MalformedOutput              an engine produced a result that breaks the contract
-    └── EngineCrashed                the engine failed; every later call raises this too
+    ├── EngineCrashed                the engine failed; every later call raises this too
+    ├── OutcomeUnknown               the link to an engine broke mid-request: it may have run
+    └── Unauthenticated              an engine's server refused the caller's credentials
+
+Engines reached over a transport (``shard-engine-remote``) raise the last two: a worker must be
+able to tell "may have run" (re-issue; a committed decode answers CacheMiss with the committed
+length) from "did not run" (NotReady: the server could not be reached) and from "will never run
+with these credentials" without importing the transport, and both must keep their class when
+an error crosses another hop's wire.
 
 Backend exceptions (llama.cpp return codes, ctypes failures) are mapped to these at the engine
 edge; ``msgspec.ValidationError`` becomes :class:`InvalidRequest` at the API edge.
@@ -40,10 +48,12 @@ __all__ = [
     "InvalidRequest",
     "MalformedOutput",
     "NotReady",
+    "OutcomeUnknown",
     "ResourceExhausted",
     "ShardEngineError",
     "ShardMismatch",
     "StaleEpoch",
+    "Unauthenticated",
     "UnsupportedFeature",
     "WrongRole",
     "error_from_info",
@@ -207,6 +217,26 @@ class EngineCrashed(ShardEngineError):
     code = "engine_crashed"
 
 
+class OutcomeUnknown(ShardEngineError):
+    """Raised by an engine reached over a transport when the connection broke, or the deadline
+    passed, while a state-changing request (prefill, decode, decode_batch, release, import) was
+    in flight: the engine may or may not have committed it, and it is never reported as a
+    success. ``details["reason"]`` says what happened (``connection_lost``,
+    ``deadline_exceeded``, ``cancelled``, ``transport_error``). Retryable: re-issue the request;
+    a decode that did commit answers CacheMiss carrying the committed length to resume from."""
+
+    code = "outcome_unknown"
+    default_retryable = True
+
+
+class Unauthenticated(ShardEngineError):
+    """Raised by an engine reached over a transport when its server refused the call's
+    credentials (no bearer token, a wrong one, a client certificate it does not accept).
+    Nothing ran. Not retryable with the same credentials."""
+
+    code = "unauthenticated"
+
+
 _BY_CODE: Final[dict[str, type[ShardEngineError]]] = {
     cls.code: cls
     for cls in (
@@ -224,6 +254,8 @@ _BY_CODE: Final[dict[str, type[ShardEngineError]]] = {
         Cancelled,
         MalformedOutput,
         EngineCrashed,
+        OutcomeUnknown,
+        Unauthenticated,
     )
 }
 

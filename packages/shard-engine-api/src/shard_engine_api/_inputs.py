@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._boundary import BundleExpectation, check_bundle, violation_error
+from shard_engine_api._dtypes import payload_rows
 from shard_engine_api._errors import InvalidRequest, ShardEngineError, UnsupportedFeature, WrongRole
 from shard_engine_api._types import (
     AuxState,
@@ -20,7 +21,6 @@ from shard_engine_api._types import (
     SessionRef,
     ShardInput,
     TokenInput,
-    numpy_dtype,
 )
 
 __all__ = ["InputRows", "batch_rows", "check_reserved", "decode_inputs", "n_rows"]
@@ -77,9 +77,8 @@ def decode_inputs(
         raise violation_error(violation)
     # A bundle the codec (or a ValidatingEngine) already scanned is not scanned again: see
     # shard_engine_api._boundary. The payload length was checked there too, so the rows are a
-    # plain view (converted only when the boundary dtype is f16).
-    rows = np.frombuffer(bundle.payload, dtype=numpy_dtype(bundle.dtype))
-    return None, rows.reshape(bundle.n_tokens, bundle.hidden_size).astype(np.float32, copy=False)
+    # plain view for f32, converted for f16 and bf16 (a bit shift, exact).
+    return None, payload_rows(bundle.payload, bundle.dtype, bundle.n_tokens, bundle.hidden_size)
 
 
 # One expectation per capabilities object (engines keep theirs for their whole life).

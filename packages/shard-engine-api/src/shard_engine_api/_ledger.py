@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from shard_engine_api._errors import CacheMiss, ResourceExhausted, ShardEngineError, StaleEpoch
 from shard_engine_api._fences import DEFAULT_GENERATION_SIZE, FenceTable
 
-__all__ = ["Admission", "LedgerLimits", "Release", "SessionEntry", "SessionLedger"]
+__all__ = [
+    "Admission",
+    "ImportAdmission",
+    "LedgerLimits",
+    "Release",
+    "SessionEntry",
+    "SessionLedger",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +70,20 @@ class Admission:
     is_new: bool
     evict: tuple[str, ...] = ()
     evict_first: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ImportAdmission:
+    """What an admitted import will do when it commits: install ``length`` positions in the
+    empty ``slot`` under ``epoch``, replace the older live epoch ``replaces`` (its slot is
+    dropped at commit) and evict the idle sessions ``evict`` (also at commit)."""
+
+    session_id: str
+    epoch: int
+    slot: int
+    length: int
+    replaces: int | None = None
+    evict: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,11 +334,14 @@ class SessionLedger:
             )
         return tuple(chosen)
 
-    def _peek_slot(self, limits: LedgerLimits) -> int | None:
-        """The slot a new session would get now, without taking it."""
+    def _peek_slot(self, limits: LedgerLimits, *, replacing: bool = False) -> int | None:
+        """The slot a new session would get now, without taking it. ``replacing``: the new
+        state replaces a live session at commit, so the backend's spare slot may hold it
+        meanwhile whatever the eviction policy (the session count does not grow)."""
         if self._free_slots:
             return self._free_slots[-1]
-        pool = limits.max_sessions + (1 if limits.spare_slot and limits.evict_lru else 0)
+        spare = limits.spare_slot and (limits.evict_lru or replacing)
+        pool = limits.max_sessions + (1 if spare else 0)
         return self._next_slot if self._next_slot < pool else None
 
     def _take_slot(self, slot: int) -> None:
@@ -325,6 +349,93 @@ class SessionLedger:
             self._next_slot += 1
         else:
             self._free_slots.remove(slot)
+
+    # ----------------------------------------------------------------- migration
+
+    def check_export(self, session_id: str, epoch: int) -> SessionEntry:
+        """The live entry an export of ``(session_id, epoch)`` reads, or the error a decode of
+        that epoch would get (CacheMiss for unknown, evicted or not-yet-prefilled newer epochs;
+        StaleEpoch for older or released ones). Changes nothing, LRU order included."""
+        current, status = self._live_or_fenced(session_id, epoch)
+        if current is None:
+            reason = "evicted" if status == "evicted" else "unknown_session"
+            raise CacheMiss(
+                f"session {session_id!r} has no cached state to export ({reason})",
+                committed_length=0,
+                reason=reason,
+            )
+        if epoch > current.epoch:
+            raise CacheMiss(
+                f"session {session_id!r} epoch {epoch} has not been prefilled",
+                committed_length=0,
+                reason="new_epoch",
+            )
+        return current
+
+    def admit_import(
+        self, session_id: str, epoch: int, length: int, limits: LedgerLimits
+    ) -> ImportAdmission:
+        """Admit installing ``length`` positions of ``session_id`` under ``epoch``, or raise.
+
+        The epoch rule is prefill's, made strict for live state: an epoch not newer than the
+        live one, not newer than a released one, or older than an evicted one is StaleEpoch;
+        an unknown session (or one evicted at this epoch) gets a new slot; an older live epoch
+        is replaced at commit. The state goes into an empty slot while the old one is kept, and
+        every eviction waits for the commit, so a failure changes nothing; when no empty slot
+        exists without evicting first, the import is refused with ResourceExhausted."""
+        if length > limits.max_context:
+            raise ResourceExhausted(
+                f"snapshot of {length} positions exceeds max_context {limits.max_context}",
+                retryable=False,
+                details={"resource": "context"},
+            )
+        current, _status = self._live_or_fenced(session_id, epoch)
+        if current is not None and epoch <= current.epoch:
+            raise StaleEpoch(
+                f"session {session_id!r} is live at epoch {current.epoch}; an import must "
+                f"carry a newer epoch, got {epoch}"
+            )
+        replacing = current is not None
+        extra = length - (current.length if current is not None else 0)
+        evict = self._room_for(session_id, extra, is_new=not replacing, limits=limits)
+        slot = self._peek_slot(limits, replacing=replacing)
+        if slot is None:
+            raise ResourceExhausted(
+                f"no empty session slot to install session {session_id!r} into (all "
+                f"{limits.max_sessions} are in use and idle sessions are only evicted once an "
+                "import has succeeded)",
+                details={"resource": "sessions"},
+            )
+        return ImportAdmission(
+            session_id=session_id,
+            epoch=epoch,
+            slot=slot,
+            length=length,
+            replaces=current.slot if current is not None else None,
+            evict=evict,
+        )
+
+    def commit_import(self, admission: ImportAdmission) -> tuple[int, ...]:
+        """Apply a succeeded import; return the slots the backend must drop (the replaced
+        epoch's, then the evicted sessions')."""
+        self._tick += 1
+        self._take_slot(admission.slot)
+        dropped: tuple[int, ...] = ()
+        current = self.sessions.pop(admission.session_id, None)
+        if current is not None:
+            self.kv_used -= current.length
+            self._free_slots.append(current.slot)
+            dropped += (current.slot,)
+        self.sessions[admission.session_id] = SessionEntry(
+            session_id=admission.session_id,
+            epoch=admission.epoch,
+            slot=admission.slot,
+            length=admission.length,
+            last_used=self._tick,
+        )
+        self.kv_used += admission.length
+        dropped += tuple(self._evict(victim) for victim in admission.evict)
+        return dropped
 
     # ----------------------------------------------------------------- changes
 

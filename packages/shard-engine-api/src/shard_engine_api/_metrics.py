@@ -24,6 +24,8 @@ class Counters:
     cancelled: int = 0
     evictions: int = 0
     releases: int = 0
+    exports: int = 0
+    imports: int = 0
     compute_ms: float = 0.0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -45,6 +47,8 @@ class Counters:
             cancelled=self.cancelled,
             evictions=self.evictions,
             releases=self.releases,
+            exports=self.exports,
+            imports=self.imports,
             sessions_active=sessions_active,
             tombstones=tombstones,
             fences_dropped=fences_dropped,

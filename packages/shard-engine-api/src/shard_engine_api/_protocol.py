@@ -16,12 +16,16 @@ from shard_engine_api._types import (
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     LoadConfig,
     Metrics,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
+    SessionSnapshot,
     ShardResult,
 )
 
@@ -88,6 +92,29 @@ class ShardEngine(Protocol):
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Free a session and tombstone its epoch. Raises StaleEpoch for an older epoch,
         NotReady, EngineCrashed."""
+        ...
+
+    def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        """Snapshot a live session at exactly its current epoch; the source is unchanged (its
+        LRU position too). Needs ``Features.session_migration``.
+
+        Raises UnsupportedFeature (no migration), InvalidRequest, NotReady, CacheMiss (unknown,
+        evicted, or newer epoch not yet prefilled), StaleEpoch (older or released epoch),
+        Cancelled, EngineCrashed.
+        """
+        ...
+
+    def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        """Install a snapshot as a live session, atomically: on any error nothing changed (no
+        session, no slot, no KV use, an older live epoch intact). Needs
+        ``Features.session_migration``.
+
+        Raises UnsupportedFeature, InvalidRequest (bad request, epoch below the snapshot's,
+        undecodable state), ShardMismatch (another engine, version, model, layer range,
+        boundary dtype or settings), ContractVersionMismatch, ChecksumMismatch (truncated or
+        corrupted state), StaleEpoch (not newer than a live epoch, or fenced), ResourceExhausted
+        (context, session slots, KV budget), NotReady, Cancelled, EngineCrashed.
+        """
         ...
 
     def health(self) -> Health:

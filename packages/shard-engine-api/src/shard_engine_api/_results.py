@@ -3,12 +3,11 @@ into the contract's results."""
 
 from __future__ import annotations
 
-from typing import Final
-
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._backend import OutputMode
+from shard_engine_api._dtypes import overflow_threshold
 from shard_engine_api._errors import EngineCrashed, ResourceExhausted
 from shard_engine_api._types import (
     BoundaryBundle,
@@ -20,9 +19,7 @@ from shard_engine_api._types import (
     Timings,
 )
 
-__all__ = ["build_result", "check_rows"]
-
-_F16_MAX: Final = 65504.0
+__all__ = ["build_result", "check_range", "check_rows"]
 
 
 def check_rows(
@@ -40,15 +37,39 @@ def check_rows(
         raise EngineCrashed(
             f"backend returned shape {rows.shape}, expected {(expected_rows, width)}"
         )
-    if output == "hidden" and boundary_dtype == "f16":
-        largest = float(np.max(np.abs(rows))) if rows.size else 0.0
-        if not largest <= _F16_MAX:
-            raise ResourceExhausted(
-                f"hidden states reach {largest:.4g}, beyond the f16 range; load the shard "
-                "with boundary_dtype='f32'",
-                retryable=False,
-                details={"resource": "boundary_dtype_range"},
-            )
+    if output == "hidden" and boundary_dtype != "f32":
+        check_range(rows, boundary_dtype)
+
+
+def check_range(rows: npt.NDArray[np.float32], boundary_dtype: BoundaryDtype) -> None:
+    """Refuse hidden states that ``boundary_dtype`` would turn into infinities: a finite value
+    of magnitude >= its overflow threshold (f16: 65520; bf16: ~3.4e38). ResourceExhausted, not
+    retryable (the same shard gives the same states again), naming the dtype and the largest
+    magnitude; NaN and infinities already in the rows are not an overflow (they pass, as they
+    would in f32, and receivers refuse them under the default non-finite policy)."""
+    if not rows.size:
+        return
+    limit = overflow_threshold(boundary_dtype)
+    # Two read-only reductions (no |rows| temporary); NaN fails both comparisons and takes
+    # the exact path.
+    if float(rows.max()) < limit and float(rows.min()) > -limit:
+        return
+    magnitudes = np.abs(rows)
+    overflowing = np.isfinite(magnitudes) & (magnitudes >= limit)
+    if overflowing.any():
+        largest = float(magnitudes[overflowing].max())
+        raise ResourceExhausted(
+            f"hidden states reach {largest:.4g}, beyond the {boundary_dtype} range (values of "
+            f"magnitude >= {limit:.5g} become infinite); load the shard with "
+            "boundary_dtype='f32'",
+            retryable=False,
+            details={
+                "resource": "boundary_dtype_range",
+                "dtype": boundary_dtype,
+                "largest": largest,
+                "limit": limit,
+            },
+        )
 
 
 def build_result(

@@ -15,6 +15,13 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import mark_checksummed, payload_checksum
+from shard_engine_api._dtypes import (
+    BOUNDARY_DTYPES,
+    ITEMSIZE,
+    f32_to_bf16_bits,
+    payload_rows,
+    storage_dtype,
+)
 from shard_engine_api._errors import ErrorInfo, InvalidRequest
 
 __all__ = [
@@ -26,15 +33,19 @@ __all__ = [
     "CancelRequest",
     "CancelResult",
     "Capabilities",
+    "Checksum",
     "DecodeBatchRequest",
     "DecodeBatchResult",
     "DecodeRequest",
     "Determinism",
     "EvictionPolicy",
     "EvidenceClass",
+    "ExportSessionRequest",
     "Features",
     "Health",
     "HookStatus",
+    "ImportSessionRequest",
+    "ImportSessionResult",
     "LifecycleState",
     "Limits",
     "LoadConfig",
@@ -50,6 +61,7 @@ __all__ = [
     "ReservedHooks",
     "Role",
     "SessionRef",
+    "SessionSnapshot",
     "ShardInput",
     "ShardResult",
     "ShardSpec",
@@ -58,12 +70,17 @@ __all__ = [
     "Tolerance",
 ]
 
-CONTRACT_VERSION: Final = 1
-"""The version of this contract. Bundles and messages of another version are refused."""
+CONTRACT_VERSION: Final = 2
+"""The version of this contract. Bundles and messages of another version are refused.
+
+Version 2: payload checksums are xxh3-64 (version 1's were "gsum64-crc32"), bundles may carry
+bf16."""
 
 Role = Literal["head", "middle", "tail", "full"]
 EvidenceClass = Literal["fixture", "real"]
-BoundaryDtype = Literal["f32", "f16"]
+BoundaryDtype = Literal["f32", "f16", "bf16"]
+"""How hidden states travel: IEEE binary32, binary16, or bfloat16 (f32's range with 8
+significant bits; see shard_engine_api._dtypes)."""
 LifecycleState = Literal["unloaded", "loading", "ready", "degraded", "failed", "closed"]
 LogitsMode = Literal["last", "all"]
 EvictionPolicy = Literal["reject", "lru"]
@@ -71,7 +88,8 @@ OptionValue = object
 """An engine option: any JSON-compatible value (engines convert it to their own types)."""
 
 INT64_MAX: Final = 2**63 - 1
-"""The largest integer the wire carries: every wire integer is a signed 64-bit value."""
+"""The largest integer the wire carries, except checksums: every other wire integer is a signed
+64-bit value (checksums are unsigned 64-bit, see ``Checksum``)."""
 INT32_MAX: Final = 2**31 - 1
 """The largest token id (token ids are int32 on every backend)."""
 MAX_ID_CHARS: Final = 256
@@ -97,6 +115,13 @@ MAX_KV_BUDGET_TOKENS: Final = 1 << 36
 for any model, so only nonsense is refused)."""
 MAX_THREADS: Final = 4096
 """The largest ``LoadConfig.n_threads``."""
+SNAPSHOT_CHUNK_BYTES: Final = 1 << 20
+"""The largest chunk of a session snapshot's state (1 MiB). Engines cut the state into chunks of
+exactly this size (the last one shorter), so a transport can stream a snapshot chunk by chunk
+instead of holding one giant message."""
+MAX_SNAPSHOT_CHUNKS: Final = 1 << 16
+"""The most chunks one snapshot carries (64 GiB of state at most; the codec's
+``max_payload_bytes`` is the practical bound, see shard_engine_api._codec)."""
 
 # Wire bounds as msgspec constraints: the decoders enforce them in C while decoding (container
 # lengths before any element is built), and the edge checks of shard_engine_api._edge read them
@@ -104,21 +129,23 @@ MAX_THREADS: Final = 4096
 Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 """A non-negative wire integer: positions, epochs, counts, sizes."""
 Int64: TypeAlias = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
-"""A signed wire integer (contract versions, checksums are unsigned 32-bit but travel as this)."""
+"""A signed wire integer (contract versions)."""
+Checksum: TypeAlias = Annotated[int, msgspec.Meta(ge=0, extra={"uint64": True})]
+"""A payload checksum (:func:`~shard_engine_api._checksum.payload_checksum`): an unsigned
+64-bit value in ``[0, CHECKSUM_MAX]``, a msgpack uint64 on the wire (``Count`` stops at
+INT64_MAX and cannot hold it). msgspec bounds integers only within int64, so the upper bound is
+the one msgpack itself imposes when decoding, and the edge checks (which read the ``uint64``
+marker) for structs built in Python."""
 TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Identifier: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 """A non-empty id of at most MAX_ID_CHARS characters."""
 Fingerprint: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
-_NUMPY_DTYPES: Final[dict[str, np.dtype[np.floating]]] = {
-    "f32": np.dtype("<f4"),
-    "f16": np.dtype("<f2"),
-}
 
-
-def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.floating]:
-    """The little-endian numpy dtype a boundary dtype name stands for."""
-    return _NUMPY_DTYPES[dtype]
+def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.generic]:
+    """The little-endian numpy dtype a payload of ``dtype`` is stored as (``<f4``, ``<f2``;
+    bf16, which numpy lacks, as its ``<u2`` bits: use ``BoundaryBundle.array()`` for values)."""
+    return storage_dtype(dtype)
 
 
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -228,7 +255,7 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
     layer: Count
     model_fingerprint: Fingerprint
     payload: memoryview
-    checksum: Count
+    checksum: Checksum
     contract_version: Int64 = CONTRACT_VERSION
     mtp: Annotated[tuple[MtpState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
     aux: Annotated[tuple[AuxState, ...], msgspec.Meta(max_length=MAX_RESERVED_ITEMS)] = ()
@@ -245,13 +272,18 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
         dtype: BoundaryDtype = "f32",
     ) -> BoundaryBundle:
         """Build a bundle from an ``(n_tokens, hidden_size)`` array, converting it to ``dtype``
-        and computing the checksum. The payload is a read-only view of a private copy."""
+        (bf16: rounded to nearest even, see shard_engine_api._dtypes) and computing the
+        checksum. The payload is a read-only view of a private copy."""
         _check_array("hidden states", hidden)
-        if dtype not in _NUMPY_DTYPES:
-            raise InvalidRequest(f"dtype must be one of {sorted(_NUMPY_DTYPES)}, got {dtype!r}")
-        data = np.ascontiguousarray(hidden, dtype=numpy_dtype(dtype))
-        if data is hidden:
-            data = data.copy()
+        if dtype not in BOUNDARY_DTYPES:
+            raise InvalidRequest(f"dtype must be one of {sorted(BOUNDARY_DTYPES)}, got {dtype!r}")
+        data: npt.NDArray[np.generic]
+        if dtype == "bf16":
+            data = f32_to_bf16_bits(hidden)
+        else:
+            data = np.ascontiguousarray(hidden, dtype=storage_dtype(dtype))
+            if data is hidden:
+                data = data.copy()
         data.setflags(write=False)
         payload = data.data.cast("B")
         bundle = cls(
@@ -271,17 +303,21 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
     @property
     def expected_payload_bytes(self) -> int:
         """The payload length the header promises: n_tokens x hidden_size x dtype size."""
-        return self.n_tokens * self.hidden_size * numpy_dtype(self.dtype).itemsize
+        return self.n_tokens * self.hidden_size * ITEMSIZE[self.dtype]
 
     def array(self) -> npt.NDArray[np.floating]:
-        """The hidden states as a read-only ``(n_tokens, hidden_size)`` view of the payload
-        (no copy). Raises InvalidRequest when the payload length disagrees with the header."""
+        """The hidden states as an ``(n_tokens, hidden_size)`` array: a read-only view of the
+        payload (no copy) for f32 and f16; for bf16, which numpy has no type for, the values
+        as f32 (exact, a new array). Raises InvalidRequest when the payload length disagrees
+        with the header."""
         if len(self.payload) != self.expected_payload_bytes:
             raise InvalidRequest(
                 f"payload has {len(self.payload)} bytes, header promises "
                 f"{self.expected_payload_bytes}"
             )
-        view = np.frombuffer(self.payload, dtype=numpy_dtype(self.dtype))
+        if self.dtype == "bf16":
+            return payload_rows(self.payload, "bf16", self.n_tokens, self.hidden_size)
+        view = np.frombuffer(self.payload, dtype=storage_dtype(self.dtype))
         return view.reshape(self.n_tokens, self.hidden_size)
 
 
@@ -363,6 +399,54 @@ class ReleaseResult(msgspec.Struct, frozen=True, kw_only=True, tag="release_resu
     detail: str = ""
 
 
+class ExportSessionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="export_session"):
+    """Snapshot a live session (at exactly its current epoch) so another engine holding the
+    same shard can continue it. The source is left unchanged."""
+
+    request_id: Identifier
+    session: SessionRef
+
+
+SnapshotChunk: TypeAlias = Annotated[bytes, msgspec.Meta(max_length=SNAPSHOT_CHUNK_BYTES)]
+"""One chunk of a snapshot's opaque state: at most SNAPSHOT_CHUNK_BYTES bytes."""
+
+
+class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="session_snapshot"):
+    """A session's cached state, portable to another engine of the same engine, version, model,
+    layer range and result-affecting settings.
+
+    ``chunks`` are the engine's opaque state of positions ``0..length-1``, cut into chunks of
+    at most :data:`SNAPSHOT_CHUNK_BYTES`; ``state_bytes`` is their total length and
+    ``checksum`` is :func:`payload_checksum` of their concatenation. ``settings_fingerprint``
+    hashes everything that affects results (see ``EngineCore``); ``shard.model`` is the
+    exporter's model reference (a path), informative only: the model is identified by
+    ``model_fingerprint``.
+    """
+
+    engine: Identifier
+    engine_version: Fingerprint
+    shard: ShardSpec
+    model_fingerprint: Fingerprint
+    settings_fingerprint: Fingerprint
+    session: SessionRef
+    length: Count
+    boundary_dtype: BoundaryDtype
+    state_bytes: Count
+    chunks: Annotated[tuple[SnapshotChunk, ...], msgspec.Meta(max_length=MAX_SNAPSHOT_CHUNKS)]
+    checksum: Checksum
+    contract_version: Int64 = CONTRACT_VERSION
+
+
+class ImportSessionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="import_session"):
+    """Install ``snapshot`` as a live session. ``epoch`` (at least the snapshot's) installs it
+    under a newer epoch, so the exporter's epoch is fenced at the importer; None keeps the
+    snapshot's epoch."""
+
+    request_id: Identifier
+    snapshot: SessionSnapshot
+    epoch: Count | None = None
+
+
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
     """Wall-clock milliseconds: waiting for the shard, computing, and the whole call."""
 
@@ -395,7 +479,7 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
     vocab_size: Count
     evidence: EvidenceClass
     payload: memoryview
-    checksum: Count
+    checksum: Checksum
     timings: Timings = Timings()
 
     @classmethod
@@ -446,6 +530,19 @@ class LogitsResult(msgspec.Struct, frozen=True, kw_only=True, tag="logits_result
 ShardResult = BoundaryResult | LogitsResult
 
 
+class ImportSessionResult(msgspec.Struct, frozen=True, kw_only=True, tag="import_session_result"):
+    """An installed session: its reference (the epoch it now has), committed length, whether it
+    replaced an older live epoch of the same session, and how many idle sessions were evicted
+    to make room."""
+
+    request_id: Identifier
+    session: SessionRef
+    length: Count
+    replaced: bool = False
+    evicted: Count = 0
+    timings: Timings = Timings()
+
+
 class DecodeBatchResult(msgspec.Struct, frozen=True, kw_only=True, tag="decode_batch_result"):
     """One entry per request item, in item order: its result or its typed error."""
 
@@ -473,6 +570,9 @@ class Features(msgspec.Struct, frozen=True, kw_only=True):
     batched_decode: bool = True
     truncate: bool = True
     eviction: bool = True
+    session_migration: bool = False
+    """``export_session``/``import_session`` are supported (see the package README, "Session
+    migration")."""
 
 
 OutputKind = Literal["logits", "hidden"]
@@ -643,6 +743,8 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
     cancelled: int = 0
     evictions: int = 0
     releases: int = 0
+    exports: int = 0
+    imports: int = 0
     sessions_active: int = 0
     tombstones: int = 0
     fences_dropped: int = 0

@@ -30,9 +30,11 @@ import msgspec
 from shard_engine_api._boundary import BundleExpectation, Violation, check_bundle, check_logits
 from shard_engine_api._codec import NonFinitePolicy
 from shard_engine_api._core import EngineCore
+from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._edge import check_request, result_ok
 from shard_engine_api._errors import ErrorInfo, InvalidRequest, MalformedOutput, ShardEngineError
 from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._snapshot import check_snapshot_integrity
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryBundle,
@@ -44,7 +46,10 @@ from shard_engine_api._types import (
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
+    ExportSessionRequest,
     Health,
+    ImportSessionRequest,
+    ImportSessionResult,
     LoadConfig,
     LogitsMode,
     LogitsResult,
@@ -53,13 +58,16 @@ from shard_engine_api._types import (
     ReleaseRequest,
     ReleaseResult,
     SessionRef,
+    SessionSnapshot,
     ShardInput,
     ShardResult,
 )
 
 __all__ = ["ValidatingEngine"]
 
-_KNOWN_DTYPES: Final[frozenset[str]] = frozenset({"f32", "f16"})
+_MAX_SNAPSHOT_BYTES: Final = 1 << 36
+"""The largest snapshot state this wrapper hashes (the engine's own limit is usually lower)."""
+_KNOWN_DTYPES: Final[frozenset[str]] = BOUNDARY_DTYPES
 _EVIDENCE_CLASSES: Final[frozenset[str]] = frozenset({"fixture", "real"})
 
 
@@ -155,7 +163,9 @@ def _check_capability_values(capabilities: Capabilities, config: LoadConfig | No
         )
     if not capabilities.boundary_dtypes or not set(capabilities.boundary_dtypes) <= _KNOWN_DTYPES:
         _violation(
-            "dtype", f"boundary dtypes {capabilities.boundary_dtypes} are not a subset of f32/f16"
+            "dtype",
+            f"boundary dtypes {capabilities.boundary_dtypes} are not a subset of "
+            f"{'/'.join(sorted(_KNOWN_DTYPES))}",
         )
     if config is not None and config.boundary_dtype not in capabilities.boundary_dtypes:
         _violation(
@@ -402,6 +412,113 @@ class ValidatingEngine:
             raise self._foreign_error("release", error) from error
         if not isinstance(result, ReleaseResult):
             _violation("result_type", f"expected ReleaseResult, got {type(result).__name__}")
+        return result
+
+    def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        """Delegate and check the snapshot: an engine that does not advertise
+        ``session_migration`` exports nothing; the snapshot's fields are well typed, it names
+        the requested session, this engine, version, model, layer range and loaded boundary
+        dtype, speaks this contract version, carries a settings fingerprint, cuts its state
+        into chunks of at most SNAPSHOT_CHUNK_BYTES that add up to ``state_bytes`` and match
+        the checksum.
+
+        Raises what the inner ``export_session`` raises, or MalformedOutput.
+        """
+        if self._check_requests:
+            check_request(request, ExportSessionRequest)
+        try:
+            snapshot = self._inner.export_session(request)
+        except ShardEngineError:
+            raise
+        except Exception as error:
+            raise self._foreign_error("export_session", error) from error
+        contract = self._contract or self._adopt()
+        caps = contract.capabilities
+        if type(snapshot) is not SessionSnapshot:
+            _violation("result_type", f"expected SessionSnapshot, got {type(snapshot).__name__}")
+        try:
+            check_request(snapshot, SessionSnapshot)
+        except InvalidRequest as error:
+            _violation("result_fields", f"snapshot has a field of the wrong type: {error}")
+        if not caps.features.session_migration:
+            _violation(
+                "capabilities",
+                "the engine exported a session but does not advertise session_migration",
+            )
+        if snapshot.session != request.session:
+            _violation(
+                "session", f"snapshot belongs to {snapshot.session}, request to {request.session}"
+            )
+        if snapshot.contract_version != CONTRACT_VERSION:
+            _violation(
+                "contract_version",
+                f"snapshot speaks contract version {snapshot.contract_version}, this library "
+                f"{CONTRACT_VERSION}",
+            )
+        expected: tuple[tuple[str, object, object], ...] = (
+            ("engine", snapshot.engine, caps.engine),
+            ("engine_version", snapshot.engine_version, caps.engine_version),
+            ("shard", snapshot.shard, caps.shard),
+            ("model_fingerprint", snapshot.model_fingerprint, caps.model_fingerprint),
+        )
+        for check, theirs, ours in expected:
+            if theirs != ours:
+                _violation(check, f"snapshot says {theirs!r}, capabilities say {ours!r}")
+        dtypes = contract.bundle_expectations[True].dtypes
+        if dtypes is not None and snapshot.boundary_dtype not in dtypes:
+            _violation(
+                "dtype", f"snapshot says boundary dtype {snapshot.boundary_dtype}, loaded {dtypes}"
+            )
+        if not snapshot.settings_fingerprint:
+            _violation("settings_fingerprint", "snapshot carries no settings fingerprint")
+        if snapshot.length < 1 or snapshot.length > caps.limits.max_context:
+            _violation(
+                "length",
+                f"snapshot length {snapshot.length} outside [1, {caps.limits.max_context}]",
+            )
+        try:
+            check_snapshot_integrity(snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
+        except ShardEngineError as error:
+            _violation("snapshot_integrity", error.message)
+        return snapshot
+
+    def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        """Check what the caller sends (types; the snapshot's integrity: truncated or corrupted
+        state is ChecksumMismatch before the engine sees it), delegate, and check the result:
+        request id echoed, the snapshot's session under the requested epoch (the snapshot's
+        when none was asked for), the snapshot's length.
+
+        Raises what the inner ``import_session`` raises, the caller's typed errors, or
+        MalformedOutput.
+        """
+        if self._check_requests:
+            check_request(request, ImportSessionRequest)
+        check_snapshot_integrity(request.snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
+        try:
+            result = self._inner.import_session(request)
+        except ShardEngineError:
+            raise
+        except Exception as error:
+            raise self._foreign_error("import_session", error) from error
+        if type(result) is not ImportSessionResult:
+            _violation("result_type", f"expected ImportSessionResult, got {type(result).__name__}")
+        try:
+            check_request(result, ImportSessionResult)
+        except InvalidRequest as error:
+            _violation("result_fields", f"import result has a field of the wrong type: {error}")
+        snapshot = request.snapshot
+        epoch = snapshot.session.epoch if request.epoch is None else request.epoch
+        session = SessionRef(session_id=snapshot.session.session_id, epoch=epoch)
+        if result.request_id != request.request_id:
+            _violation(
+                "request_id", f"result has {result.request_id!r}, request {request.request_id!r}"
+            )
+        if result.session != session:
+            _violation("session", f"result installed {result.session}, request asked {session}")
+        if result.length != snapshot.length:
+            _violation(
+                "length", f"result says {result.length} positions, snapshot holds {snapshot.length}"
+            )
         return result
 
     # ----------------------------------------------------------------- checks

@@ -28,6 +28,7 @@ import numpy as np
 import pluggy
 
 from shard_engine_api import __version__
+from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._errors import ShardEngineError
 from shard_engine_api._hookspecs import CliSubparsers, EngineDescription, ModelFixture, Tokenizer
 from shard_engine_api._pipeline import GenerationResult, load_pipeline, split_layers
@@ -526,9 +527,10 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
         )
         sub.add_argument(
             "--boundary-dtype",
-            choices=["f32", "f16"],
+            choices=sorted(BOUNDARY_DTYPES),
             default="f32",
-            help="dtype of the hidden states crossing each boundary",
+            help="dtype of the hidden states crossing each boundary (bf16: f32's range in "
+            "16 bits; f16 overflows on models whose hidden states exceed 65504)",
         )
         sub.add_argument("--threads", type=_non_negative, default=0, help="0 = engine default")
         sub.add_argument(

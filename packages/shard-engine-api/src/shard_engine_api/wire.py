@@ -2,7 +2,7 @@
 its limits, the payload checksum and the error wire form. ``shard_engine_api`` itself holds the
 objects; this namespace holds how they travel."""
 
-from shard_engine_api._checksum import CHECKSUM_ALGORITHM, payload_checksum
+from shard_engine_api._checksum import CHECKSUM_ALGORITHM, chunks_checksum, payload_checksum
 from shard_engine_api._codec import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Codec,
@@ -30,6 +30,7 @@ __all__ = [
     "WireMessage",
     "WireReply",
     "WireRequest",
+    "chunks_checksum",
     "decode_bundle",
     "decode_error",
     "decode_message",

@@ -16,6 +16,7 @@ from shard_engine_fake._faults import (
     MemoryPressure,
     MemoryRelief,
     Operation,
+    StateFailure,
     fault_plan_from_options,
     load_fault_plan,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "MemoryPressure",
     "MemoryRelief",
     "Operation",
+    "StateFailure",
     "__version__",
     "corrupt_result",
     "detokenize",

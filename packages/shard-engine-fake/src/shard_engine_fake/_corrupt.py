@@ -11,13 +11,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api import BoundaryBundle, LogitsResult, ShardResult
+from shard_engine_api import BoundaryBundle, BoundaryDtype, LogitsResult, ShardResult
 from shard_engine_api.wire import payload_checksum
 from shard_engine_fake._faults import Defect
 
 __all__ = ["corrupt_result"]
 
-_OTHER_DTYPE: Final = {"f32": "f16", "f16": "f32"}
+_OTHER_DTYPE: Final[dict[str, BoundaryDtype]] = {"f32": "f16", "f16": "f32", "bf16": "f32"}
 
 
 def _frozen(array: npt.NDArray[np.generic]) -> memoryview:
@@ -30,26 +30,41 @@ def _with_payload(payload: memoryview) -> dict[str, object]:
     return {"payload": payload, "checksum": payload_checksum(payload)}
 
 
+def _encoded(
+    bundle: BoundaryBundle, hidden: npt.NDArray[np.float32], dtype: BoundaryDtype
+) -> dict[str, object]:
+    """The payload and checksum of ``hidden`` in ``dtype`` (bf16 has no numpy type, so the
+    contract's own conversion makes it)."""
+    rebuilt = BoundaryBundle.from_array(
+        hidden,
+        session=bundle.session,
+        first_pos=bundle.first_pos,
+        layer=bundle.layer,
+        model_fingerprint=bundle.model_fingerprint,
+        dtype=dtype,
+    )
+    return {"payload": rebuilt.payload, "checksum": rebuilt.checksum}
+
+
 def _corrupt_bundle(bundle: BoundaryBundle, defect: Defect) -> BoundaryBundle:
-    hidden = np.array(bundle.array())
+    hidden = np.array(bundle.array(), dtype=np.float32)
     match defect:
         case "nan":
             hidden[0, 0] = np.nan
-            return msgspec.structs.replace(bundle, **_with_payload(_frozen(hidden)))
+            return msgspec.structs.replace(bundle, **_encoded(bundle, hidden, bundle.dtype))
         case "wrong_shape":
             # One column short, header agreeing with the payload: only a comparison with the
             # shard's hidden size can catch it.
             narrow = hidden[:, :-1] if bundle.hidden_size > 1 else np.zeros((bundle.n_tokens, 2))
-            narrow = narrow.astype(hidden.dtype)
+            narrow = narrow.astype(np.float32)
             return msgspec.structs.replace(
-                bundle, hidden_size=int(narrow.shape[1]), **_with_payload(_frozen(narrow))
+                bundle, hidden_size=int(narrow.shape[1]), **_encoded(bundle, narrow, bundle.dtype)
             )
         case "wrong_dtype":
             # Correctly encoded in the other dtype: only a comparison with the configured
             # boundary dtype can catch it.
             other = _OTHER_DTYPE[bundle.dtype]
-            converted = hidden.astype("<f2" if other == "f16" else "<f4")
-            return msgspec.structs.replace(bundle, dtype=other, **_with_payload(_frozen(converted)))
+            return msgspec.structs.replace(bundle, dtype=other, **_encoded(bundle, hidden, other))
         case "truncated":
             short = bundle.payload[: max(0, len(bundle.payload) - 2)]
             return msgspec.structs.replace(bundle, **_with_payload(short))

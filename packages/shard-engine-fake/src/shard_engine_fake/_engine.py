@@ -17,17 +17,23 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api import (
+    BoundaryDtype,
     DecodeBatchRequest,
     DecodeBatchResult,
     DecodeRequest,
     Determinism,
     EngineCrashed,
+    ExportSessionRequest,
     Features,
+    ImportSessionRequest,
+    ImportSessionResult,
     InvalidRequest,
     LoadConfig,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
+    ResourceExhausted,
+    SessionSnapshot,
     ShardResult,
 )
 from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
@@ -43,16 +49,49 @@ from shard_engine_fake._faults import (
     MemoryPressure,
     MemoryRelief,
     Operation,
+    StateFailure,
     fault_plan_from_options,
 )
-from shard_engine_fake._model import FakeModel, FakeModelSpec, resolve_model
+from shard_engine_fake._model import LOGIT_BOUND, FakeModel, FakeModelSpec, resolve_model
 
 __all__ = ["ENGINE_VERSION", "FakeEngine"]
 
 ENGINE_VERSION: Final = "0.1.0"
 _KNOWN_OPTIONS: Final = frozenset({"seed", "hidden_size", "vocab_size", "faults"})
 _MEMORY_KEY: Final = "fault:memory_pressure"
+_LANE_DTYPE: Final = np.dtype("<u2")
+# Exported state: every cache entry of every layer as its packed lanes (little-endian uint16,
+# each below 2048), layer-major: n_shard_layers x length x hidden_size lanes.
+_STATE_LAYOUT: Final = "cum-u16-layer-major-v1"
 _Result = TypeVar("_Result")
+
+
+BF16_LOGIT_TOLERANCE: Final = 2 * LOGIT_BOUND
+"""The fake's declared tolerance with bf16 boundaries: the width of its logit range, i.e. no
+useful bound (see :func:`_determinism`)."""
+
+
+def _determinism(boundary_dtype: BoundaryDtype) -> Determinism:
+    """What the fake promises with ``boundary_dtype`` boundaries.
+
+    Hidden states are integers in [-1024, 1024): exact in f32 and f16, so with those dtypes
+    any split gives bitwise the logits of one full shard. bf16 keeps 8 significant bits: a
+    bf16 boundary carries each value rounded to nearest even (exact for |v| <= 256, even
+    integers up to 512, multiples of 4 up to 1024), and the receiving shard reads the nearest
+    integer wrapped into 11 bits (so 1024 becomes -1024). That is deterministic and
+    batch-invariant, but the model's mixing spreads the rounding over every later value, so a
+    bf16 pipeline is not split-exact and its logits may differ from a full shard's anywhere
+    within their range: the declared tolerance is that range's width. Compare splits with f32
+    or f16 boundaries; bf16 exercises the dtype's conversions and checks end to end.
+    """
+    if boundary_dtype == "bf16":
+        return Determinism(
+            deterministic=True,
+            split_exact=False,
+            tolerance=BF16_LOGIT_TOLERANCE,
+            batch_invariant=True,
+        )
+    return Determinism(deterministic=True, split_exact=True, batch_invariant=True)
 
 
 class _CallFaults(threading.local):
@@ -60,6 +99,7 @@ class _CallFaults(threading.local):
     on the caller's thread, so a thread-local hands it from the public method to ``_forward``."""
 
     delay_seconds: float = 0.0
+    state_failure: str | None = None
 
 
 class _Undo:
@@ -125,14 +165,13 @@ class FakeEngine(EngineCore):
             model_fingerprint=spec.fingerprint,
             hidden_size=spec.hidden_size,
             vocab_size=spec.vocab_size,
-            # Hidden states are integers in [-1024, 1024), exact in f16 as well as f32, so
-            # both boundary dtypes are split-exact.
-            determinism=Determinism(deterministic=True, split_exact=True, batch_invariant=True),
-            features=Features(cancel=True, cancel_latency_ms=10.0),
-            boundary_dtypes=("f32", "f16"),
+            determinism=_determinism(config.boundary_dtype),
+            features=Features(cancel=True, cancel_latency_ms=10.0, session_migration=True),
+            boundary_dtypes=("f32", "f16", "bf16"),
             # Caches are per-slot dicts, so one slot beyond max_sessions costs nothing and lets
             # an LRU eviction wait for the new session's commit.
             spare_slot=True,
+            settings=(("state_layout", _STATE_LAYOUT),),
         )
 
     def _forward(
@@ -181,6 +220,42 @@ class FakeEngine(EngineCore):
     def _drop(self, slot: int) -> None:
         self._caches.pop(slot, None)
         self._undo.pop(slot, None)
+
+    def _export_state(self, slot: int, length: int) -> bytes:
+        model = self._loaded_model()
+        caches = self._caches.get(slot)
+        if caches is None or any(len(cache) != length for cache in caches):
+            held = None if caches is None else [len(cache) for cache in caches]
+            raise EngineCrashed(f"fake cache of slot {slot} holds {held} positions, not {length}")
+        size = model.row_bytes
+        state = b"".join([entry.to_bytes(size, "little") for cache in caches for entry in cache])
+        if self._injector.active:
+            self._state_faults()
+        return state
+
+    def _import_state(self, slot: int, length: int, state: bytes) -> None:
+        model = self._loaded_model()
+        if slot in self._caches:
+            raise EngineCrashed(f"fake slot {slot} is not empty at import")
+        n_layers = model.end - model.start
+        size = model.row_bytes
+        expected = n_layers * length * size
+        if len(state) != expected:
+            raise InvalidRequest(
+                f"fake session state holds {len(state)} bytes; {length} positions of "
+                f"{n_layers} layers take {expected}"
+            )
+        if int(np.frombuffer(state, dtype=_LANE_DTYPE).max()) >= 2048:
+            raise InvalidRequest("fake session state holds a lane value outside [0, 2048)")
+        view = memoryview(state)
+        entries = [
+            int.from_bytes(view[at : at + size], "little") for at in range(0, expected, size)
+        ]
+        self._caches[slot] = [
+            entries[layer * length : (layer + 1) * length] for layer in range(n_layers)
+        ]
+        if self._injector.active:
+            self._state_faults()  # after the slot was written: the core must drop it
 
     def _close(self) -> None:
         self._caches.clear()
@@ -232,7 +307,54 @@ class FakeEngine(EngineCore):
             threading.Event().wait(delay / 1000.0)
         return super().release(request)
 
+    def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
+        """The core's export, with the fault plan applied (delays sleep uncancellably before
+        the state is read; a cancel meanwhile still ends it with Cancelled)."""
+        if not self._injector.active:
+            return super().export_session(request)
+        rules = self._before("export_session", (request.session.session_id,), request.request_id)
+        return self._with_state_faults(
+            rules, lambda: super(FakeEngine, self).export_session(request)
+        )
+
+    def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
+        """The core's import, with the fault plan applied (see :class:`StateFailure`)."""
+        if not self._injector.active:
+            return super().import_session(request)
+        rules = self._before(
+            "import_session", (request.snapshot.session.session_id,), request.request_id
+        )
+        return self._with_state_faults(
+            rules, lambda: super(FakeEngine, self).import_session(request)
+        )
+
     # ----------------------------------------------------------------- internals
+
+    def _with_state_faults(
+        self, rules: Sequence[FaultRule], call: Callable[[], _Result]
+    ) -> _Result:
+        delay = sum(rule.action.milliseconds for rule in rules if isinstance(rule.action, Delay))
+        failure = next(
+            (rule.action.detail for rule in rules if isinstance(rule.action, StateFailure)), None
+        )
+        self._call_faults.state_failure = failure
+        self._call_faults.delay_seconds = delay / 1000.0
+        try:
+            return call()
+        finally:
+            self._call_faults.state_failure = None
+            self._call_faults.delay_seconds = 0.0
+
+    def _state_faults(self) -> None:
+        """Apply the injected faults of the running export or import to its state step: the
+        delay sleeps while the request is in flight (a cancel meanwhile makes the core answer
+        Cancelled and drop what was written), then the failure raises."""
+        faults = self._call_faults
+        seconds, faults.delay_seconds = faults.delay_seconds, 0.0
+        if seconds:
+            threading.Event().wait(seconds)
+        if faults.state_failure is not None:
+            raise ResourceExhausted(faults.state_failure, details={"resource": "memory"})
 
     def _loaded_model(self) -> FakeModel:
         model = self._model

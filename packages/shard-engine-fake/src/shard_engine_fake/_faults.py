@@ -35,6 +35,7 @@ __all__ = [
     "MemoryPressure",
     "MemoryRelief",
     "Operation",
+    "StateFailure",
     "fault_plan_from_options",
     "load_fault_plan",
 ]
@@ -42,7 +43,9 @@ __all__ = [
 FAULTS_ENV_VAR: Final = "SHARD_ENGINE_FAKE_FAULTS"
 """Names a JSON fault plan file, read at load when ``options`` carries no ``faults``."""
 
-Operation = Literal["prefill", "decode", "decode_batch", "release"]
+Operation = Literal[
+    "prefill", "decode", "decode_batch", "release", "export_session", "import_session"
+]
 Defect = Literal[
     "nan",
     "wrong_shape",
@@ -53,6 +56,7 @@ Defect = Literal[
     "wrong_evidence",
 ]
 _RESULT_OPERATIONS: Final[frozenset[str]] = frozenset({"prefill", "decode", "decode_batch"})
+_STATE_OPERATIONS: Final[frozenset[str]] = frozenset({"export_session", "import_session"})
 
 
 class Delay(msgspec.Struct, frozen=True, kw_only=True, tag="delay", tag_field="kind"):
@@ -110,7 +114,18 @@ class Crash(msgspec.Struct, frozen=True, kw_only=True, tag="crash", tag_field="k
             raise InvalidRequest(f"exit_code must lie in [0, 255]: {self.exit_code}")
 
 
-FaultAction = Delay | MemoryPressure | MemoryRelief | Malformed | Crash
+class StateFailure(
+    msgspec.Struct, frozen=True, kw_only=True, tag="state_failure", tag_field="kind"
+):
+    """Make the backend's state step of an export or import fail as an allocation failure
+    would (ResourceExhausted): an import fails after it has written the state into its slot
+    (so the core must drop it), an export after reading the state. Only export_session and
+    import_session match."""
+
+    detail: str = "injected state failure"
+
+
+FaultAction = Delay | MemoryPressure | MemoryRelief | Malformed | Crash | StateFailure
 
 
 class FaultRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -215,6 +230,8 @@ class _RuleState:
         if rule.operations and operation not in rule.operations:
             return False
         if isinstance(rule.action, Malformed) and operation not in _RESULT_OPERATIONS:
+            return False
+        if isinstance(rule.action, StateFailure) and operation not in _STATE_OPERATIONS:
             return False
         return rule.session_id is None or rule.session_id in session_ids
 

@@ -61,6 +61,9 @@ VALUE_BITS: Final = 11
 SIGN_BIT: Final = VALUE_BITS - 1
 LOGIT_TERMS: Final = 4
 LOGIT_SCALE: Final = 1.0 / 64.0
+LOGIT_BOUND: Final = 512.0
+"""No logit's magnitude exceeds this: LOGIT_TERMS products of a value in [-1024, 1024) and a
+weight w / 64 with |w| <= 8."""
 MAX_HIDDEN_SIZE: Final = 16384
 MAX_VOCAB_SIZE: Final = 1 << 20
 MAX_LAYERS: Final = 4096

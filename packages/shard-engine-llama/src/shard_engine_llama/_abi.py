@@ -12,12 +12,18 @@ How a shard runs (see ``_gguf.writer`` for how its file is built):
   after their last real layer from the eval callback, then stop the graph (the identity block and
   lm-head are never computed);
 * one ``llama_context`` per shard, one sequence id per session, rollback with
-  ``llama_memory_seq_rm``; an abort callback polls a ``threading.Event``.
+  ``llama_memory_seq_rm``; an abort callback polls a flag that :meth:`ShardRuntime.request_abort`
+  sets from any thread;
+* both callbacks run once per graph node (hundreds per decode), so they are native C functions
+  (``_native.c``) when that optional extension is built, and Python ones otherwise (same results;
+  ``SHARD_ENGINE_LLAMA_NATIVE=0`` forces the Python ones). Batch arrays are preallocated once per
+  runtime and filled through numpy views.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import threading
 from collections.abc import Sequence
@@ -32,6 +38,7 @@ SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
 _SUPPORTED_MINIMUM = (0, 3, 36)
 _SUPPORTED_BELOW = (0, 3, 37)
 LOG_ENV = "SHARD_ENGINE_LLAMA_LOG"
+NATIVE_ENV = "SHARD_ENGINE_LLAMA_NATIVE"
 
 
 class LlamaRuntimeError(RuntimeError):
@@ -102,6 +109,8 @@ apply_threading_defaults()
 
 import llama_cpp  # noqa: E402  (imported only once the pinned version is confirmed)
 
+from shard_engine_llama import _state  # noqa: E402
+
 _GGML_TYPE_F32 = 0
 _GGML_TYPE_F16 = 1
 _KV_TYPES = {"f32": _GGML_TYPE_F32, "f16": _GGML_TYPE_F16}
@@ -134,6 +143,78 @@ def _load_ggml_base() -> ctypes.CDLL:
 
 
 _ggml = _load_ggml_base()
+
+_CAPTURE_NAME_BYTES = 64  # GGML_MAX_NAME of the pinned release
+_CAPTURE_ERRORS = {
+    1: "the captured tensor is not F32",
+    2: "the captured tensor does not have n_embd columns and 2 dimensions",
+    3: "the captured tensor has more rows than the batch",
+    4: "the captured tensor is not contiguous",
+}
+
+
+class _CaptureState(ctypes.Structure):
+    """``struct capture_state`` of ``_native.c`` (same field order and types)."""
+
+    _fields_ = [
+        ("get_name", ctypes.c_void_p),
+        ("tensor_get", ctypes.c_void_p),
+        ("nbytes", ctypes.c_void_p),
+        ("ne_offset", ctypes.c_int64),
+        ("row_values", ctypes.c_int64),
+        ("capacity_rows", ctypes.c_int64),
+        ("destination", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("error", ctypes.c_int32),
+        ("calls", ctypes.c_int32),
+        ("name", ctypes.c_char * _CAPTURE_NAME_BYTES),
+    ]
+
+
+@dataclass(frozen=True)
+class _NativeCallbacks:
+    """Addresses of the native callbacks and of the ggml functions they call."""
+
+    capture_eval: int
+    abort_flag: int
+    get_name: int
+    tensor_get: int
+    nbytes: int
+
+
+def _address(function: object) -> int:
+    value = ctypes.cast(function, ctypes.c_void_p).value  # type: ignore[arg-type]
+    if not value:
+        raise OSError("null function address")
+    return int(value)
+
+
+def _load_native() -> _NativeCallbacks | None:
+    """The built ``_native`` extension's callbacks, or None (not built, or disabled)."""
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None
+    spec = importlib.util.find_spec("shard_engine_llama._native")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        library = ctypes.CDLL(spec.origin)
+        return _NativeCallbacks(
+            capture_eval=_address(library.shard_engine_capture_eval),
+            abort_flag=_address(library.shard_engine_abort_flag),
+            get_name=_address(_ggml.ggml_get_name),
+            tensor_get=_address(_ggml.ggml_backend_tensor_get),
+            nbytes=_address(_ggml.ggml_nbytes),
+        )
+    except (OSError, AttributeError):
+        return None
+
+
+_native = _load_native()
+
+
+def native_callbacks_available() -> bool:
+    """Whether runtimes created from now on use the native callbacks of ``_native.c``."""
+    return _native is not None
 
 
 @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
@@ -179,6 +260,22 @@ class BatchItem:
     embedding: npt.NDArray[np.float32] | None = None
 
 
+def _set_field(structure: ctypes.Structure, name: str, value: object) -> None:
+    """Set a pointer field of a llama-cpp-python struct (its annotations call them arrays)."""
+    setattr(structure, name, value)
+
+
+def _token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int32]:
+    """Token ids as int32, refusing values that do not fit (they are checked against the
+    vocabulary afterwards)."""
+    array = np.asarray(tokens)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidInputError("token ids must be a 1-D sequence of integers")
+    if array.size and (int(array.min()) < -(2**31) or int(array.max()) >= 2**31):
+        raise InvalidInputError("token id outside the int32 range")
+    return array.astype(np.int32, copy=False)
+
+
 class ShardRuntime:
     """One shard file loaded into one llama.cpp context.
 
@@ -203,13 +300,16 @@ class ShardRuntime:
         is_head: bool | None = None,
         is_tail: bool | None = None,
         last_layer_index: int | None = None,
+        native_callbacks: bool = True,
     ) -> None:
         """Load ``path``. Role and capture layer default to what the shard's ``shard.*`` keys say.
 
         ``settings``, when given, replaces the individual context arguments (use one settings object
         for every shard of a pipeline). ``last_layer_index`` is the shard-local index of the last
-        real layer whose output a non-tail shard returns. Raises ModelLoadError when llama.cpp
-        cannot load the file and GGUFValidationError when it is not a sound GGUF file.
+        real layer whose output a non-tail shard returns. ``native_callbacks=False`` uses the
+        Python callbacks even when the native ones are built (for comparisons). Raises
+        ModelLoadError when llama.cpp cannot load the file and GGUFValidationError when it is
+        not a sound GGUF file.
         """
         from shard_engine_llama._gguf.reader import read_gguf_header
         from shard_engine_llama._gguf.writer import shard_layout
@@ -241,9 +341,15 @@ class ShardRuntime:
         self.is_tail = is_tail
         self.last_layer_index = last_layer_index
         self._capture_name = f"l_out-{last_layer_index}".encode()
+        if len(self._capture_name) >= _CAPTURE_NAME_BYTES:
+            raise InvalidInputError(f"layer index {last_layer_index} gives too long a name")
         self._lock = threading.Lock()
         self._own_abort = threading.Event()
-        self._abort = self._own_abort
+        # Polled by the native abort callback; request_abort sets it together with the event.
+        self._abort_flag = ctypes.c_uint8(0)
+        native = _native if native_callbacks else None
+        self.native_callbacks = native is not None
+        self._capture_state = _CaptureState()
         self._model: int | None = None
         self._context: int | None = None
         self._closed = False
@@ -295,14 +401,35 @@ class ShardRuntime:
             # The default bound is n_batch, which aborts the process (same assert) when there
             # are more sequences than batch rows: allow every row and one per sequence.
             params.n_outputs_max = max(settings.n_batch, settings.n_seq_max)
-        # The ctypes callback objects must outlive the context: keep them on self.
-        self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort_poll)
-        params.abort_callback = self._abort_callback
-        params.abort_callback_data = None
+        # The ctypes callback objects (and the memory the native ones read) must outlive the
+        # context: keep them on self.
+        if native is not None:
+            self._abort_callback = llama_cpp.ggml_abort_callback(native.abort_flag)
+            params.abort_callback = self._abort_callback
+            params.abort_callback_data = ctypes.cast(
+                ctypes.pointer(self._abort_flag), ctypes.c_void_p
+            )
+        else:
+            self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort_poll)
+            params.abort_callback = self._abort_callback
+            params.abort_callback_data = None
         if not self.is_tail:
-            self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
-            params.cb_eval = self._eval_callback
-            params.cb_eval_user_data = None
+            if native is not None:
+                state = self._capture_state
+                state.get_name = native.get_name
+                state.tensor_get = native.tensor_get
+                state.nbytes = native.nbytes
+                state.ne_offset = _GGML_TENSOR_NE_OFFSET
+                state.name = self._capture_name
+                self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(
+                    native.capture_eval
+                )
+                params.cb_eval = self._eval_callback
+                params.cb_eval_user_data = ctypes.cast(ctypes.pointer(state), ctypes.c_void_p)
+            else:
+                self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+                params.cb_eval = self._eval_callback
+                params.cb_eval_user_data = None
         context = llama_cpp.llama_init_from_model(model, params)
         if not context:
             self.close()
@@ -317,12 +444,66 @@ class ShardRuntime:
         # llama.cpp pads each sequence's KV stream to a multiple of 256 cells and sets
         # n_ctx = n_ctx_seq * n_seq_max: a sequence can hold more than n_ctx/n_seq_max positions.
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(context))
+        # Sliding-window span (0 without windowed layers) and how many KV caches a sequence
+        # state has (one, or full-attention + windowed): an empty sequence's state says.
+        self.n_swa = int(llama_cpp.llama_model_n_swa(model))
+        empty = self._raw_state(self._context, 0)
+        per_section = 4 + 4 * settings.n_seq_max
+        if ctypes.sizeof(empty) < 8 + per_section or (ctypes.sizeof(empty) - 8) % per_section:
+            self.close()
+            raise ModelLoadError(
+                f"{self.path}: llama.cpp writes a sequence state of an unknown layout"
+            )
+        self.n_state_sections = (ctypes.sizeof(empty) - 8) // per_section
+        self._allocate_batch(settings.n_batch)
+
+    def _allocate_batch(self, capacity: int) -> None:
+        """One ``llama_batch`` for the runtime's life whose arrays numpy owns: a call fills them
+        through views instead of ``llama_batch_init``/``free`` and a Python loop per row."""
+        self._batch_tokens = np.zeros(capacity, dtype=np.int32)
+        self._batch_positions = np.zeros(capacity, dtype=np.int32)
+        self._batch_n_seq_id = np.ones(capacity, dtype=np.int32)
+        self._batch_seq_ids = np.zeros(capacity, dtype=np.int32)
+        # seq_id is an array of per-row pointers, each to that row's one sequence id.
+        base = self._batch_seq_ids.ctypes.data
+        self._batch_seq_id_rows = np.array(
+            [base + 4 * row for row in range(capacity)] + [0], dtype=np.uintp
+        )
+        self._batch_output_flags = np.zeros(capacity, dtype=np.int8)
+        self._batch_token_pointer = self._batch_tokens.ctypes.data_as(
+            ctypes.POINTER(llama_cpp.llama_token)
+        )
+        batch = llama_cpp.llama_batch()
+        batch.n_tokens = 0
+        _set_field(batch, "token", None)
+        _set_field(batch, "embd", None)
+        _set_field(
+            batch,
+            "pos",
+            self._batch_positions.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos)),
+        )
+        _set_field(
+            batch, "n_seq_id", self._batch_n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        )
+        _set_field(
+            batch,
+            "seq_id",
+            self._batch_seq_id_rows.ctypes.data_as(
+                ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id))
+            ),
+        )
+        _set_field(
+            batch,
+            "logits",
+            self._batch_output_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self._batch = batch
 
     # -- callbacks (run on llama.cpp's thread while llama_decode holds no GIL) -----------------
 
     def _on_abort_poll(self, user_data: int | None) -> bool:
         del user_data
-        return self._abort.is_set()
+        return self._own_abort.is_set()
 
     def _on_eval(self, tensor: int | None, ask: bool, user_data: int | None) -> bool:
         del user_data
@@ -357,14 +538,16 @@ class ShardRuntime:
 
     def request_abort(self) -> None:
         """Make the running (or next) llama_decode stop at its next node; it raises AbortedError."""
-        self._abort.set()
+        self._own_abort.set()
+        self._abort_flag.value = 1
 
     def clear_abort(self) -> None:
-        self._abort.clear()
+        self._own_abort.clear()
+        self._abort_flag.value = 0
 
     @property
     def abort_requested(self) -> bool:
-        return self._abort.is_set()
+        return self._own_abort.is_set()
 
     # -- running -----------------------------------------------------------------------------
 
@@ -377,7 +560,7 @@ class ShardRuntime:
         self,
         seq_id: int,
         start_pos: int,
-        tokens: Sequence[int] | None = None,
+        tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
         embeddings: npt.NDArray[np.float32] | None = None,
         all_logits: bool = False,
     ) -> npt.NDArray[np.float32]:
@@ -390,23 +573,22 @@ class ShardRuntime:
         """
         if tokens is not None and embeddings is not None:
             raise InvalidInputError("pass tokens or embeddings, not both")
+        token_array: npt.NDArray[np.int32] | None = None
         if tokens is not None:
-            n = len(tokens)
+            token_array = _token_array(tokens)
+            n = int(token_array.shape[0])
         elif embeddings is not None:
+            if embeddings.ndim != 2:
+                raise InvalidInputError(f"embeddings have shape {embeddings.shape}, expected 2-D")
             n = int(embeddings.shape[0])
         else:
             raise InvalidInputError("pass tokens or embeddings")
         if n == 0:
             raise InvalidInputError("no inputs")
-        items: list[BatchItem] = []
-        for i in range(n):
-            if tokens is not None:
-                items.append(BatchItem(seq_id, start_pos + i, token=int(tokens[i])))
-            else:
-                assert embeddings is not None
-                items.append(BatchItem(seq_id, start_pos + i, embedding=embeddings[i]))
-        outputs = list(range(n)) if all_logits else [n - 1]
-        return self._decode(items, outputs)
+        seq_ids = np.full(n, seq_id, dtype=np.int64)
+        positions = np.arange(start_pos, start_pos + n, dtype=np.int64)
+        outputs = np.arange(n) if all_logits else np.array([n - 1])
+        return self._decode(seq_ids, positions, token_array, embeddings, outputs)
 
     def run_batch(self, items: Sequence[BatchItem]) -> npt.NDArray[np.float32]:
         """One decode step for several sequences in ONE llama_decode call; rows in item order.
@@ -416,128 +598,201 @@ class ShardRuntime:
         """
         if not items:
             raise InvalidInputError("no items")
-        seq_ids = [item.seq_id for item in items]
-        if len(set(seq_ids)) != len(seq_ids):
+        seq_list = [item.seq_id for item in items]
+        if len(set(seq_list)) != len(seq_list):
             raise InvalidInputError(
                 "run_batch needs distinct sequence ids (one position per sequence)"
             )
         # llama.cpp's per-sequence KV streams split a multi-sequence batch into ubatches of
         # consecutive, increasing sequence ids, in batch order; submitting the items sorted by
         # sequence id makes the captured rows come back in that same sorted order.
-        order = sorted(range(len(items)), key=lambda i: items[i].seq_id)
+        order = sorted(range(len(items)), key=lambda i: seq_list[i])
         sorted_items = [items[i] for i in order]
-        result_sorted = self._decode(sorted_items, list(range(len(items))))
-        result = np.empty_like(result_sorted)
-        result[np.asarray(order)] = result_sorted
-        return result
+        n = len(items)
+        seq_ids = np.array([item.seq_id for item in sorted_items], dtype=np.int64)
+        positions = np.array([item.pos for item in sorted_items], dtype=np.int64)
+        token_array: npt.NDArray[np.int32] | None = None
+        embeddings: npt.NDArray[np.float32] | None = None
+        if self.is_head:
+            if any(item.token is None for item in sorted_items):
+                raise InvalidInputError("this shard takes token ids")
+            token_array = _token_array([item.token for item in sorted_items])  # type: ignore[misc]
+        else:
+            rows = [item.embedding for item in sorted_items]
+            if any(row is None for row in rows):
+                raise InvalidInputError("this shard takes hidden states (embeddings)")
+            for row in rows:
+                assert row is not None
+                if row.shape != (self.n_embd_input,):
+                    raise InvalidInputError(
+                        f"embedding row has shape {row.shape}, expected ({self.n_embd_input},)"
+                    )
+            embeddings = np.stack([np.asarray(row, dtype=np.float32) for row in rows])
+        destination = np.asarray(order)
+        result = self._decode(
+            seq_ids, positions, token_array, embeddings, np.arange(n), destination
+        )
+        if self.is_tail:
+            return result  # logits were read straight into item order
+        in_order = np.empty_like(result)
+        in_order[destination] = result
+        return in_order
+
+    def _check_inputs(
+        self,
+        seq_ids: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int32] | None,
+        embeddings: npt.NDArray[np.float32] | None,
+    ) -> npt.NDArray[np.float32] | None:
+        """Refuse inputs that do not fit the shard; the embeddings as contiguous float32."""
+        n = int(seq_ids.shape[0])
+        if n > self.settings.n_batch:
+            raise InvalidInputError(
+                f"{n} inputs exceed n_batch={self.settings.n_batch}; split the call"
+            )
+        if int(seq_ids.min()) < 0 or int(seq_ids.max()) >= self.settings.n_seq_max:
+            raise InvalidInputError(f"seq_id outside [0, {self.settings.n_seq_max})")
+        if int(positions.min()) < 0:
+            raise InvalidInputError(f"negative position {int(positions.min())}")
+        if int(positions.max()) >= 2**31:
+            raise InvalidInputError(f"position {int(positions.max())} beyond llama.cpp's range")
+        if self.is_head and tokens is None:
+            raise InvalidInputError("this shard takes token ids")
+        if not self.is_head and embeddings is None:
+            raise InvalidInputError("this shard takes hidden states (embeddings)")
+        if tokens is not None:
+            if not self.is_head:
+                raise InvalidInputError("this shard takes hidden states (embeddings)")
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.n_vocab:
+                bad = low if low < 0 else high
+                raise InvalidInputError(f"token {bad} outside the vocabulary of {self.n_vocab}")
+            return None
+        assert embeddings is not None
+        if self.is_head:
+            raise InvalidInputError("this shard takes token ids")
+        if embeddings.shape != (n, self.n_embd_input):
+            raise InvalidInputError(
+                f"embedding rows have shape {embeddings.shape[1:]}, expected ({self.n_embd_input},)"
+            )
+        return np.ascontiguousarray(embeddings, dtype=np.float32)
 
     def _decode(
-        self, items: Sequence[BatchItem], outputs: Sequence[int]
+        self,
+        seq_ids: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int32] | None,
+        embeddings: npt.NDArray[np.float32] | None,
+        outputs: npt.NDArray[np.int64],
+        destination: npt.NDArray[np.intp] | None = None,
     ) -> npt.NDArray[np.float32]:
+        """One llama_decode. A tail returns the logits of batch rows ``outputs``, the j-th
+        in result row ``destination[j]`` (default j); other shards return every row's hidden
+        state in batch order."""
         with self._lock:
             context = self._require_open()
-            n = len(items)
-            if n > self.settings.n_batch:
-                raise InvalidInputError(
-                    f"{n} inputs exceed n_batch={self.settings.n_batch}; split the call"
-                )
-            for item in items:
-                if not 0 <= item.seq_id < self.settings.n_seq_max:
-                    raise InvalidInputError(
-                        f"seq_id {item.seq_id} outside [0, {self.settings.n_seq_max})"
-                    )
-                if item.pos < 0:
-                    raise InvalidInputError(f"negative position {item.pos}")
-                if self.is_head and item.token is None:
-                    raise InvalidInputError("this shard takes token ids")
-                if not self.is_head and item.embedding is None:
-                    raise InvalidInputError("this shard takes hidden states (embeddings)")
-                if item.token is not None and not 0 <= item.token < self.n_vocab:
-                    raise InvalidInputError(
-                        f"token {item.token} outside the vocabulary of {self.n_vocab}"
-                    )
-                if item.embedding is not None and item.embedding.shape != (self.n_embd_input,):
-                    raise InvalidInputError(
-                        f"embedding row has shape {item.embedding.shape}, "
-                        f"expected ({self.n_embd_input},)"
-                    )
-            batch = llama_cpp.llama_batch_init(n, 0 if self.is_head else self.n_embd_input, 1)
-            try:
-                batch.n_tokens = n
-                wanted = set(outputs) if self.is_tail else set()
-                if not self.is_head:
-                    staged = np.ascontiguousarray(
-                        np.stack([np.asarray(item.embedding, dtype=np.float32) for item in items])
-                    )
-                    ctypes.memmove(batch.embd, staged.ctypes.data, staged.nbytes)
-                for i, item in enumerate(items):
-                    if self.is_head:
-                        assert item.token is not None
-                        batch.token[i] = item.token
-                    batch.pos[i] = item.pos
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = item.seq_id
-                    batch.logits[i] = 1 if i in wanted else 0
+            staged = self._check_inputs(seq_ids, positions, tokens, embeddings)
+            n = int(seq_ids.shape[0])
+            batch = self._batch
+            batch.n_tokens = n
+            self._batch_seq_ids[:n] = seq_ids
+            self._batch_positions[:n] = positions
+            flags = self._batch_output_flags
+            flags[:n] = 0
+            if self.is_tail:
+                flags[outputs] = 1
+            if tokens is not None:
+                self._batch_tokens[:n] = tokens
+                _set_field(batch, "token", self._batch_token_pointer)
+                _set_field(batch, "embd", None)
+            else:
+                assert staged is not None
+                _set_field(batch, "token", None)
+                # llama.cpp copies the rows into its input tensor; ``staged`` outlives the call.
+                _set_field(batch, "embd", staged.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+            hidden: npt.NDArray[np.float32] | None = None
+            if not self.is_tail:
                 self._captured = []
                 self._capture_error = None
-                status = int(llama_cpp.llama_decode(context, batch))
-                if status != 0:
-                    self._rollback(items)
-                    if status == 2:
-                        raise AbortedError(f"{self.path.name}: decode aborted")
-                    if status == 1:
-                        raise KVFullError(
-                            f"{self.path.name}: no KV slot for {n} tokens (each sequence holds "
-                            f"{self.n_ctx_seq} positions)",
-                            status,
-                        )
-                    raise RuntimeFailure(
-                        f"{self.path.name}: llama_decode returned {status}", status
+                if self.native_callbacks:
+                    hidden = np.empty((n, self.n_embd), dtype=np.float32)
+                    state = self._capture_state
+                    state.row_values = self.n_embd
+                    state.capacity_rows = n
+                    state.destination = hidden.ctypes.data
+                    state.rows = 0
+                    state.error = 0
+                    state.calls = 0
+            status = int(llama_cpp.llama_decode(context, batch))
+            _set_field(batch, "embd", None)
+            if status != 0:
+                self._rollback(seq_ids, positions)
+                if status == 2:
+                    raise AbortedError(f"{self.path.name}: decode aborted")
+                if status == 1:
+                    raise KVFullError(
+                        f"{self.path.name}: no KV slot for {n} tokens (each sequence holds "
+                        f"{self.n_ctx_seq} positions)",
+                        status,
                     )
-                if self.is_tail:
-                    return self._read_logits(context, outputs)
+                raise RuntimeFailure(f"{self.path.name}: llama_decode returned {status}", status)
+            if self.is_tail:
+                return self._read_logits(context, outputs, destination)
+            if hidden is not None:
+                state = self._capture_state
+                state.destination = None
+                captured_rows = int(state.rows)
+                capture_error = _CAPTURE_ERRORS.get(int(state.error)) if state.error else None
+            else:
                 capture_error = self._take_capture_error()
-                if capture_error is not None:
-                    self._rollback(items)
-                    raise RuntimeFailure(f"{self.path.name}: {capture_error}", -100)
                 hidden = (
                     np.concatenate(self._captured)
                     if self._captured
                     else np.empty((0, self.n_embd), np.float32)
                 )
                 self._captured = []
-                if hidden.shape[0] != n:
-                    self._rollback(items)
-                    raise RuntimeFailure(
-                        f"{self.path.name}: captured {hidden.shape[0]} rows of "
-                        f"{self._capture_name.decode()} "
-                        f"for {n} inputs",
-                        -101,
-                    )
-                return hidden
-            finally:
-                llama_cpp.llama_batch_free(batch)
+                captured_rows = int(hidden.shape[0])
+            if capture_error is not None:
+                self._rollback(seq_ids, positions)
+                raise RuntimeFailure(f"{self.path.name}: {capture_error}", -100)
+            if captured_rows != n:
+                self._rollback(seq_ids, positions)
+                raise RuntimeFailure(
+                    f"{self.path.name}: captured {captured_rows} rows of "
+                    f"{self._capture_name.decode()} "
+                    f"for {n} inputs",
+                    -101,
+                )
+            return hidden
 
     def _take_capture_error(self) -> str | None:
         # Set from the eval callback during llama_decode, hence read through a call.
         error, self._capture_error = self._capture_error, None
         return error
 
-    def _read_logits(self, context: int, outputs: Sequence[int]) -> npt.NDArray[np.float32]:
+    def _read_logits(
+        self,
+        context: int,
+        outputs: npt.NDArray[np.int64],
+        destination: npt.NDArray[np.intp] | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """Copy each wanted row of llama.cpp's logits once, into its result row."""
         rows = np.empty((len(outputs), self.n_vocab), dtype=np.float32)
-        for row, index in enumerate(outputs):
+        targets = range(len(outputs)) if destination is None else destination.tolist()
+        row_bytes = self.n_vocab * 4
+        base = rows.ctypes.data
+        for target, index in zip(targets, outputs.tolist(), strict=True):
             pointer = llama_cpp.llama_get_logits_ith(context, index)
             if not pointer:
                 raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
-            rows[row] = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+            ctypes.memmove(base + target * row_bytes, pointer, row_bytes)
         return rows
 
-    def _rollback(self, items: Sequence[BatchItem]) -> None:
-        first: dict[int, int] = {}
-        for item in items:
-            first[item.seq_id] = min(first.get(item.seq_id, item.pos), item.pos)
-        for seq_id, pos in first.items():
-            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
+    def _rollback(self, seq_ids: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> None:
+        for seq_id in np.unique(seq_ids).tolist():
+            first = int(positions[seq_ids == seq_id].min())
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, first, -1)
 
     # -- sequences -------------------------------------------------------------------------------
 
@@ -559,42 +814,87 @@ class ShardRuntime:
             self._require_open()
             llama_cpp.llama_memory_clear(self._memory, True)
 
-    # -- whole-sequence snapshots (rollback of a truncating prefill) ---------------------------
+    # -- whole-sequence snapshots (rollback of a truncating prefill, session transfer) ---------
 
-    def save_sequence(self, seq_id: int) -> bytes:
-        """A byte snapshot of ``seq_id``'s cached positions (KV of every layer), for restoring
-        the sequence exactly after a failed truncate-and-append."""
+    def _state_limits(self) -> dict[str, int]:
+        return {
+            "n_sections": self.n_state_sections,
+            "max_cells": self.n_ctx_seq,
+            "kv_ggml_type": _KV_TYPES[self.settings.kv_type],
+            # llama.cpp stores V transposed unless flash attention is on (llama-context.cpp).
+            "v_trans": 0 if self.settings.flash_attn else 1,
+        }
+
+    def _raw_state(self, context: int, seq_id: int) -> ctypes.Array[ctypes.c_uint8]:
+        size = int(llama_cpp.llama_state_seq_get_size(context, seq_id))
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = int(llama_cpp.llama_state_seq_get_data(context, buffer, size, seq_id))
+        if written != size:
+            raise RuntimeFailure(
+                f"{self.path.name}: snapshot of sequence {seq_id} wrote {written} of {size} bytes",
+                -103,
+            )
+        return buffer
+
+    def save_sequence(self, seq_id: int, prefix: bytes = b"") -> tuple[bytes, _state.SequenceState]:
+        """The cached positions of ``seq_id`` (KV of every layer) in the portable form of
+        :mod:`._state` (loadable into any context with the same settings, whatever its
+        sequence count) after ``prefix``, and what it holds."""
         with self._lock:
             context = self._require_open()
-            size = int(llama_cpp.llama_state_seq_get_size(context, seq_id))
-            buffer = (ctypes.c_uint8 * max(size, 1))()
-            written = int(llama_cpp.llama_state_seq_get_data(context, buffer, size, seq_id))
-            if written != size:
-                raise RuntimeFailure(
-                    f"{self.path.name}: snapshot of sequence {seq_id} wrote {written} of "
-                    f"{size} bytes",
-                    -103,
+            if not 0 <= seq_id < self.settings.n_seq_max:
+                raise InvalidInputError(f"seq_id {seq_id} outside [0, {self.settings.n_seq_max})")
+            buffer = self._raw_state(context, seq_id)
+            try:
+                return _state.portable(
+                    memoryview(buffer)[: ctypes.sizeof(buffer)],
+                    n_stream=self.settings.n_seq_max,
+                    seq_id=seq_id,
+                    prefix=prefix,
+                    **self._state_limits(),
                 )
-            return bytes(buffer)[:size]
+            except _state.StateFormatError as error:
+                raise RuntimeFailure(
+                    f"{self.path.name}: llama.cpp wrote a sequence state this module does not "
+                    f"know: {error}",
+                    -105,
+                ) from error
 
-    def restore_sequence(self, seq_id: int, snapshot: bytes) -> None:
-        """Replace ``seq_id``'s cache with a snapshot taken by :meth:`save_sequence`."""
+    def restore_sequence(self, seq_id: int, snapshot: bytes | memoryview) -> _state.SequenceState:
+        """Replace ``seq_id``'s cache with a portable snapshot (from :meth:`save_sequence` of
+        a context with the same settings). The snapshot is checked field by field first
+        (InvalidInputError, the sequence left empty); llama.cpp refusing it (layer count, row
+        sizes) is InvalidInputError too, and leaves the sequence empty."""
         with self._lock:
             context = self._require_open()
+            if not 0 <= seq_id < self.settings.n_seq_max:
+                raise InvalidInputError(f"seq_id {seq_id} outside [0, {self.settings.n_seq_max})")
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-            if not snapshot:
-                return
-            buffer = (ctypes.c_uint8 * len(snapshot)).from_buffer_copy(snapshot)
-            read = int(llama_cpp.llama_state_seq_set_data(context, buffer, len(snapshot), seq_id))
-            if read == 0:
-                raise RuntimeFailure(
-                    f"{self.path.name}: could not restore sequence {seq_id} from its snapshot", -104
+            try:
+                local, state = _state.localize(
+                    snapshot,
+                    n_stream=self.settings.n_seq_max,
+                    seq_id=seq_id,
+                    **self._state_limits(),
                 )
-
-    def bind_abort_event(self, event: threading.Event | None) -> None:
-        """Poll ``event`` (instead of the runtime's own) to abort llama_decode; None restores
-        the runtime's own event. Callers bind a request's cancel event around one call."""
-        self._abort = event if event is not None else self._own_abort
+            except _state.StateFormatError as error:
+                raise InvalidInputError(f"not a sequence state of this shard: {error}") from error
+            if state.length == 0:
+                return state
+            buffer = (ctypes.c_uint8 * len(local)).from_buffer_copy(local)
+            read = int(llama_cpp.llama_state_seq_set_data(context, buffer, len(local), seq_id))
+            if read != len(local):
+                llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                raise InvalidInputError(
+                    f"{self.path.name}: llama.cpp refused the sequence state (read {read} of "
+                    f"{len(local)} bytes): its layers or tensor sizes are not this shard's"
+                )
+            if int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) != state.length - 1:
+                llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                raise InvalidInputError(
+                    f"{self.path.name}: the restored sequence does not end at {state.length - 1}"
+                )
+            return state
 
     # -- vocabulary ----------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ backend steps onto :class:`ShardRuntime` and maps runtime failures onto the cont
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -19,7 +20,10 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api import (
+    CacheMiss,
     Cancelled,
+    CancelRequest,
+    CancelResult,
     Determinism,
     EngineCrashed,
     Features,
@@ -40,7 +44,7 @@ from shard_engine_api.engine import (
     file_sha256,
     model_store,
 )
-from shard_engine_llama import _abi, _self_test
+from shard_engine_llama import _abi, _self_test, _state
 from shard_engine_llama._gguf import (
     GGUFHeader,
     GGUFValidationError,
@@ -84,6 +88,9 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       the first engine of the process reports ready.
     - ``inject_crash``: test only: the next forward fails as a backend crash would (the
       conformance suite checks EngineCrashed and health "failed" with it).
+    - ``native_callbacks``: use llama.cpp callbacks written in C when the optional extension
+      is built (default); False runs them in Python (same results, slower per token: for
+      comparisons).
     """
 
     n_ubatch: int = 512
@@ -93,6 +100,7 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tolerance: float | None = None
     self_test: bool = True
     inject_crash: bool = False
+    native_callbacks: bool = True
 
 
 def _run_self_test() -> _self_test.SelfTestReport:
@@ -143,7 +151,18 @@ class LlamaEngine(EngineCore):
         super().__init__()
         self._runtime: _abi.ShardRuntime | None = None
         self._snapshots: dict[int, bytes] = {}
+        # Per slot: the lowest position a truncating prefill may go back to (see
+        # _state.SequenceState.window_floor); only slots restored from a state have one.
+        self._window_floors: dict[int, int] = {}
+        self._untouched: set[int] = set()
+        self.result_settings: tuple[tuple[str, str], ...] = ()
+        self._state_identity = b""
         self._inject_crash = False
+        # The request whose forward is inside llama.cpp now, and whether close() has begun:
+        # cancel() and close() turn them into the runtime's abort flag (see _running_forward).
+        self._abort_lock = threading.Lock()
+        self._running_token: CancelToken | None = None
+        self._closing = False
         self.shard_path: Path | None = None
         self.self_test_report: _self_test.SelfTestReport | None = None
 
@@ -170,7 +189,9 @@ class LlamaEngine(EngineCore):
                 raise EngineCrashed(f"llama.cpp start-up self-test failed: {error}") from error
         try:
             choice = self._shard_file(config, options)
-            determinism = _declared_determinism(choice.header, options.tolerance)
+            determinism = _declared_determinism(
+                choice.header, options.tolerance, config.boundary_dtype
+            )
             runtime = _abi.ShardRuntime(
                 choice.path,
                 # One spare sequence (slot max_sessions): a new session evicting the LRU one
@@ -187,6 +208,7 @@ class LlamaEngine(EngineCore):
                 is_head=choice.layout.is_head,
                 is_tail=choice.layout.is_tail,
                 last_layer_index=choice.layout.last_layer_index,
+                native_callbacks=options.native_callbacks,
             )
             if file_identity(choice.path) != choice.identity:
                 # Replaced or rewritten between verification and llama.cpp mapping it.
@@ -205,6 +227,14 @@ class LlamaEngine(EngineCore):
         except OSError as error:
             raise InvalidRequest(f"cannot read model {config.shard.model!r}: {error}") from error
         self._runtime = runtime
+        self.result_settings = _result_settings(runtime.settings, runtime.n_ctx_seq)
+        self._state_identity = _state_identity(
+            choice.fingerprint,
+            config.shard.start,
+            config.shard.end,
+            config.shard.n_layers,
+            self.result_settings,
+        )
         self.shard_path = choice.path
         self._inject_crash = options.inject_crash
         _log.info(
@@ -227,11 +257,15 @@ class LlamaEngine(EngineCore):
                 cancel_latency_ms=50.0,
                 batched_decode=True,
                 truncate=True,
+                session_migration=True,
             ),
-            boundary_dtypes=("f32", "f16"),
+            # Converted by the core on the way out (round to nearest even) and in (exact):
+            # llama.cpp sees f32 rows either way.
+            boundary_dtypes=("f32", "f16", "bf16"),
             max_context=runtime.n_ctx_seq,
             max_sessions=config.max_sessions,
             spare_slot=True,
+            settings=self.result_settings,
         )
 
     def _shard_file(self, config: LoadConfig, options: LlamaOptions) -> _ShardChoice:
@@ -309,23 +343,26 @@ class LlamaEngine(EngineCore):
         runtime = self._require_runtime()
         self._injected_crash()
         if item.start_pos < item.committed_length:
+            self._check_window_floor(item.slot, item.start_pos, item.committed_length)
             # Truncate-and-append: keep the whole sequence so a failure restores it exactly.
-            self._snapshots[item.slot] = runtime.save_sequence(item.slot)
+            try:
+                self._snapshots[item.slot], _ = runtime.save_sequence(item.slot)
+            except _abi.LlamaRuntimeError as error:
+                raise _map_runtime_error(error) from error
             runtime.seq_rm(item.slot, item.start_pos, -1)
-        token.check()
-        runtime.bind_abort_event(token.event)
+        self._start_forward(runtime, token)
         try:
             return runtime.run(
                 item.slot,
                 item.start_pos,
-                tokens=None if item.tokens is None else item.tokens.tolist(),
+                tokens=item.tokens,
                 embeddings=item.hidden,
                 all_logits=output == "all",
             )
         except _abi.LlamaRuntimeError as error:
             raise _map_runtime_error(error) from error
         finally:
-            runtime.bind_abort_event(None)
+            self._end_forward(runtime)
 
     def _forward_batch(
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
@@ -341,36 +378,149 @@ class LlamaEngine(EngineCore):
             )
             for item in items
         ]
-        token.check()
-        runtime.bind_abort_event(token.event)
+        self._start_forward(runtime, token)
         try:
             rows = runtime.run_batch(batch)
         except _abi.LlamaRuntimeError as error:
             raise _map_runtime_error(error) from error
         finally:
-            runtime.bind_abort_event(None)
+            self._end_forward(runtime)
         return [rows[index : index + 1] for index in range(len(items))]
 
     def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
         runtime = self._require_runtime()
+        if slot in self._untouched:
+            # The forward refused before it changed the sequence.
+            self._untouched.discard(slot)
+            return
         runtime.seq_rm(slot, start_pos, -1)
         snapshot = self._snapshots.pop(slot, None)
         if snapshot is not None:
-            runtime.restore_sequence(slot, snapshot)
+            restored = runtime.restore_sequence(slot, snapshot)
+            self._set_window_floor(slot, restored)
         elif runtime.seq_pos_max(slot) + 1 > committed_length:
             runtime.seq_rm(slot, committed_length, -1)
 
     def _commit(self, slot: int) -> None:
         self._snapshots.pop(slot, None)
+        self._untouched.discard(slot)
 
     def _drop(self, slot: int) -> None:
         self._snapshots.pop(slot, None)
+        self._window_floors.pop(slot, None)
         self._require_runtime().seq_rm(slot, -1, -1)
+
+    # ------------------------------------------------------------------ session transfer
+
+    def _export_state(self, slot: int, length: int) -> bytes:
+        """The portable llama.cpp state of the session in ``slot`` (see ``_state``): the KV of
+        positions ``[0, length)`` of every layer of this shard (a sliding-window cache: only
+        its window). The slot is unchanged."""
+        try:
+            blob, state = self._require_runtime().save_sequence(slot, self._state_identity)
+        except _abi.LlamaRuntimeError as error:
+            raise _map_runtime_error(error) from error
+        if state.length != length:
+            raise EngineCrashed(
+                f"slot {slot} holds {state.length} positions, the session {length}",
+                details={"slot": slot},
+            )
+        return blob
+
+    def _import_state(self, slot: int, length: int, state: bytes) -> None:
+        """Install a state from :meth:`_export_state` of an engine with the same shard and
+        settings into the empty ``slot``. Every field llama.cpp would trust is checked first
+        (``_state.parse``): a malformed, truncated or foreign state is InvalidRequest and
+        leaves the slot empty."""
+        runtime = self._require_runtime()
+        self._window_floors.pop(slot, None)
+        identity = self._state_identity
+        if state[: len(identity)] != identity:
+            # Geometry alone cannot tell two models (or settings) apart: llama.cpp would load
+            # a same-shaped model's KV and continue with it.
+            raise InvalidRequest(
+                "session state is not of this model, shard range and settings "
+                "(its identity prefix differs)"
+            )
+        try:
+            restored = runtime.restore_sequence(slot, memoryview(state)[len(identity) :])
+        except _abi.InvalidInputError as error:
+            raise InvalidRequest(f"session state refused: {error}") from error
+        except _abi.LlamaRuntimeError as error:
+            raise _map_runtime_error(error) from error
+        if restored.length != length:
+            runtime.seq_rm(slot, -1, -1)
+            raise InvalidRequest(
+                f"session state holds {restored.length} positions, the snapshot says {length}"
+            )
+        self._set_window_floor(slot, restored)
+
+    def _set_window_floor(self, slot: int, state: _state.SequenceState) -> None:
+        floor = state.window_floor(self._require_runtime().n_swa)
+        if floor:
+            self._window_floors[slot] = floor
+        else:
+            self._window_floors.pop(slot, None)
+
+    def _check_window_floor(self, slot: int, start_pos: int, committed_length: int) -> None:
+        """A restored sliding-window cache holds only the window of its last position, so a
+        truncation further back than that would attend cells it does not have."""
+        floor = self._window_floors.get(slot, 0)
+        if 0 < start_pos < floor:
+            self._untouched.add(slot)
+            raise CacheMiss(
+                f"this session was restored from a state whose sliding-window layers hold "
+                f"positions from {floor - self._require_runtime().n_swa + 1} on; truncating to "
+                f"{start_pos} needs earlier ones: prefill from position 0 (or from {floor} on)",
+                committed_length=committed_length,
+                reason="window",
+                details={"window_floor": floor},
+            )
+        if start_pos == 0:
+            self._window_floors.pop(slot, None)
 
     def _close(self) -> None:
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+
+    # ------------------------------------------------------------------ cancellation
+
+    def _start_forward(self, runtime: _abi.ShardRuntime, token: CancelToken) -> None:
+        """Make ``token`` the running request. The runtime polls a native flag, not the token:
+        a cancel that lands before this point is seen by ``token.check()`` below, one after it
+        finds the token running and sets the flag (both sides hold ``_abort_lock``)."""
+        with self._abort_lock:
+            runtime.clear_abort()
+            self._running_token = token
+            if self._closing:
+                runtime.request_abort()
+        token.check()
+
+    def _end_forward(self, runtime: _abi.ShardRuntime) -> None:
+        with self._abort_lock:
+            self._running_token = None
+            runtime.clear_abort()
+
+    def _abort_if_cancelled(self) -> None:
+        with self._abort_lock:
+            token = self._running_token
+            runtime = self._runtime
+            if token is not None and runtime is not None and (token.cancelled or self._closing):
+                runtime.request_abort()
+
+    def cancel(self, request: CancelRequest) -> CancelResult:
+        result = super().cancel(request)
+        if result.cancelled:
+            self._abort_if_cancelled()
+        return result
+
+    def close(self) -> None:
+        with self._abort_lock:
+            self._closing = True
+        # A forward in llama.cpp stops at its next node; the core then cancels every token.
+        self._abort_if_cancelled()
+        super().close()
 
     def _injected_crash(self) -> None:
         if self._inject_crash:
@@ -392,13 +542,80 @@ def _available_cores() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def _declared_determinism(header: GGUFHeader, explicit: float | None) -> Determinism:
-    """What the engine declares: splits are bit-exact (the split recipe reproduces unsplit
-    llama.cpp), batch shapes are not (llama.cpp picks other kernels and groupings for other
-    batch and ubatch sizes), within a tolerance per output kind chosen by the widest-error
-    weight type of the model (a shard carries its source's weight types).
+_STATE_MAGIC: Final = b"SELS\x01"  # shard-engine llama state, layout 1
 
-    The tolerances are the largest per-row differences measured by
+
+def _state_identity(
+    fingerprint: str, start: int, end: int, n_layers: int, settings: tuple[tuple[str, str], ...]
+) -> bytes:
+    """The prefix of every exported state: the layout tag and a digest of the model, the shard
+    range and the result settings, so a state is refused by any other engine before llama.cpp
+    reads it, whatever checked it upstream."""
+    digest = hashlib.sha256()
+    digest.update(msgspec.msgpack.encode([fingerprint, start, end, n_layers, list(settings)]))
+    return _STATE_MAGIC + digest.digest()
+
+
+def _result_settings(settings: _abi.ContextSettings, n_ctx_seq: int) -> tuple[tuple[str, str], ...]:
+    """The context settings a session's state and its continuation depend on (``ModelInfo
+    .settings``: a snapshot moves only between engines whose settings are equal).
+
+    In: the KV tensor type (the state's bytes and every later attention); flash attention
+    (another kernel, and V stored untransposed); the effective micro-batch (a later prefill is
+    split into micro-batches of this size, and llama.cpp picks kernels by batch shape); the
+    per-sequence context (what fits; llama.cpp pads the attention span to 256 cells, so
+    results are not known to depend on it, kept equal to be safe); the full-size sliding
+    window cache and per-sequence KV streams (the state's layout); the llama.cpp build (the
+    state has no version of its own). Out: threads (ggml's CPU kernels give every output
+    element to one thread, so results do not depend on the count: checked bitwise), the batch
+    bound (a batch is cut into the same micro-batches whatever it is) and the session count
+    (the portable state has one stream whatever the exporter's count).
+    """
+    return (
+        ("flash_attn", "true" if settings.flash_attn else "false"),
+        ("kv_type", settings.kv_type),
+        ("kv_unified", "false"),
+        ("llama_cpp_python", _abi.LLAMA_CPP_PYTHON_VERSION),
+        ("n_ctx_seq", str(n_ctx_seq)),
+        ("n_ubatch", str(settings.n_ubatch)),
+        ("swa_full", "true"),
+    )
+
+
+_BOUNDARY_TOLERANCE: Final[dict[str, Tolerance]] = {
+    "f32": Tolerance(),
+    "f16": Tolerance(absolute=1e-3, relative=1e-2),
+    "bf16": Tolerance(absolute=1e-2, relative=0.1),
+}
+"""The logits drift of a pipeline whose boundaries carry 16-bit hidden states, against the
+same split with f32 boundaries (which equals the unsplit model bit for bit), relative to each
+row's magnitude.
+
+Measured (teacher-forced over prompt + 32 greedy tokens, all rows; 2- and 3-way splits):
+generated llama and gemma3 models (n_embd 64 and 512, F32 and F16, logits up to ~5): bf16 up to
+0.012 (~2.4e-3 of the row), f16 up to 0.0022 (~4.4e-4); gemma3-270m Q4_K_M (logits up to ~31):
+bf16 up to 1.19 (~0.04), f16 refused (hidden states reach ~8.3e4, beyond its range). bf16 keeps
+8 significant bits, so its drift grows with the logit scale: 0.1 covers the real model with
+margin; f16 is declared at ~20x its measurement because it is only usable where states stay
+below 65504."""
+
+_BOUNDARY_ROUNDING: Final[dict[str, float]] = {"f32": 0.0, "f16": 0.0, "bf16": 2.0**-7}
+"""Hidden states leave a shard rounded to the boundary dtype: when a batch-shape difference
+moves a value across a rounding step, the emitted rows differ by one step (relative 2**-8 of
+the value for bf16, bounded by the row's magnitude; declared with a factor 2). The conformance
+suite already allows one f16 step itself."""
+
+
+def _declared_determinism(
+    header: GGUFHeader, explicit: float | None, boundary_dtype: str
+) -> Determinism:
+    """What the engine declares: splits are bit-exact with f32 boundaries (the split recipe
+    reproduces unsplit llama.cpp; a 16-bit boundary rounds the hidden states), batch shapes are
+    not (llama.cpp picks other kernels and groupings for other batch and ubatch sizes), within
+    a tolerance per output kind chosen by the widest-error weight type of the model (a shard
+    carries its source's weight types), widened by the boundary dtype's drift.
+
+    The weight-type tolerances are the largest per-row differences measured by
     ``tools/measure_tolerance.py`` (one prefill of 40 positions vs. chunks of 1, 3, 7, 16 and
     17 rows and a 3-session decode_batch, on a full, a head and a middle shard, n_ubatch 16,
     relative to each row's largest magnitude), with a margin of about 2x or more:
@@ -413,9 +630,10 @@ def _declared_determinism(header: GGUFHeader, explicit: float | None) -> Determi
 
     ``explicit`` (the ``tolerance`` option) declares one absolute bound for both kinds instead,
     as before per-kind tolerances existed."""
+    split_exact = boundary_dtype == "f32"
     if explicit is not None:
         return Determinism(
-            deterministic=True, split_exact=True, tolerance=explicit, batch_invariant=False
+            deterministic=True, split_exact=split_exact, tolerance=explicit, batch_invariant=False
         )
     types = {record.ggml_type.name for record in header.tensors.values()}
     if types <= _FLOAT_TYPES:
@@ -425,12 +643,19 @@ def _declared_determinism(header: GGUFHeader, explicit: float | None) -> Determi
     else:
         logits = Tolerance(absolute=1e-2, relative=0.4)
         hidden = Tolerance(absolute=1e-2, relative=0.2)
+    boundary = _BOUNDARY_TOLERANCE[boundary_dtype]
+    rounding = _BOUNDARY_ROUNDING[boundary_dtype]
     return Determinism(
         deterministic=True,
-        split_exact=True,
+        split_exact=split_exact,
         batch_invariant=False,
-        logits_tolerance=logits,
-        hidden_tolerance=hidden,
+        logits_tolerance=Tolerance(
+            absolute=max(logits.absolute, boundary.absolute),
+            relative=max(logits.relative, boundary.relative),
+        ),
+        hidden_tolerance=Tolerance(
+            absolute=hidden.absolute, relative=max(hidden.relative, rounding)
+        ),
     )
 
 

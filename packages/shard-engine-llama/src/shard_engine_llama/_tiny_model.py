@@ -21,6 +21,7 @@ SUPPORTED_TINY_ARCHITECTURES: tuple[str, ...] = (
     "gemma2",
     "gemma3",
     "granite",
+    "granitemoe",
     "llama",
     "olmo2",
     "phi3",
@@ -31,7 +32,11 @@ SUPPORTED_TINY_ARCHITECTURES: tuple[str, ...] = (
     "smollm3",
 )
 # Families whose feed-forward is a mixture of experts (llama gets experts with ``n_expert``).
-MOE_TINY_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
+MOE_TINY_ARCHITECTURES = frozenset({"granitemoe", "qwen2moe", "qwen3moe"})
+# granite's multipliers (embedding, residual, attention, logit scales) in both granite families.
+_GRANITE_ARCHITECTURES = frozenset({"granite", "granitemoe"})
+# Experts as wide as n_ff, no expert_feed_forward_length key (llama.cpp's llama/granite loader).
+_FF_WIDE_EXPERT_ARCHITECTURES = frozenset({"llama", "granitemoe"})
 _QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3moe", "gemma3"})
 _QKV_BIAS_ARCHITECTURES = frozenset({"qwen2", "qwen2moe"})
 _GEMMA_ARCHITECTURES = frozenset({"gemma3", "gemma2"})
@@ -153,8 +158,9 @@ def write_tiny_model(
         raise ValueError("n_expert_used must lie in [1, n_expert]")
     if n_expert and arch not in MOE_TINY_ARCHITECTURES | {"llama"}:
         raise ValueError(f"{arch} has no experts in this generator")
-    # llama's experts are n_ff wide; the qwen MoE families have their own expert length.
-    if n_expert and arch == "llama":
+    # llama's (and granitemoe's) experts are n_ff wide; the qwen MoE families have their own
+    # expert length.
+    if n_expert and arch in _FF_WIDE_EXPERT_ARCHITECTURES:
         n_ff_exp = n_ff
     n_ff_exp = n_ff_exp or (n_ff // 2 if n_expert else 0)
     if dtype == "q8_0" and (n_embd % 32 or n_ff % 32 or (n_head * head_dim) % 32):
@@ -179,10 +185,10 @@ def write_tiny_model(
         n_ff_exp=n_ff_exp,
         n_ff_shexp=n_ff // 2 if arch == "qwen2moe" else 0,
         # granite's multipliers; the embedding one is what a non-head shard must not reapply.
-        embedding_scale=12.0 if arch == "granite" else 0.0,
-        residual_scale=0.22 if arch == "granite" else 0.0,
-        attention_scale=0.0078125 if arch == "granite" else 0.0,
-        logit_scale=8.0 if arch == "granite" else 0.0,
+        embedding_scale=12.0 if arch in _GRANITE_ARCHITECTURES else 0.0,
+        residual_scale=0.22 if arch in _GRANITE_ARCHITECTURES else 0.0,
+        attention_scale=0.0078125 if arch in _GRANITE_ARCHITECTURES else 0.0,
+        logit_scale=8.0 if arch in _GRANITE_ARCHITECTURES else 0.0,
     )
     rng = np.random.default_rng(seed)
 
@@ -216,11 +222,11 @@ def write_tiny_model(
     if n_expert:
         writer.add_expert_count(n_expert)
         writer.add_expert_used_count(n_expert_used)
-        if arch != "llama":
+        if arch not in _FF_WIDE_EXPERT_ARCHITECTURES:
             writer.add_expert_feed_forward_length(n_ff_exp)
     if config.n_ff_shexp:
         writer.add_expert_shared_feed_forward_length(config.n_ff_shexp)
-    if arch == "granite":
+    if arch in _GRANITE_ARCHITECTURES:
         writer.add_float32(f"{arch}.embedding_scale", config.embedding_scale)
         writer.add_float32(f"{arch}.residual_scale", config.residual_scale)
         writer.add_float32(f"{arch}.attention.scale", config.attention_scale)

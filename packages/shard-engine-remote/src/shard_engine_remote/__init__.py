@@ -3,6 +3,7 @@ with the project's msgpack codec, and survive its crashes."""
 
 from shard_engine_remote._client import ENGINE_VERSION, RemoteEngine, RemoteOptions
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
+from shard_engine_remote._ratelimit import RateLimit
 from shard_engine_remote._security import (
     TOKEN_ENV_VAR,
     ClientSecurity,
@@ -16,7 +17,7 @@ from shard_engine_remote._server import (
     serve_until_signalled,
 )
 from shard_engine_remote._supervisor import ChildProcess
-from shard_engine_remote._wire import CALL_METHOD, SERVICE_NAME
+from shard_engine_remote._wire import CALL_METHOD, SERVICE_NAME, ServerStats
 
 __version__ = ENGINE_VERSION
 
@@ -30,11 +31,13 @@ __all__ = [
     "ClientSecurity",
     "EngineServer",
     "OutcomeUnknown",
+    "RateLimit",
     "RemoteEngine",
     "RemoteOptions",
     "RemoteUnavailable",
     "ServerCounters",
     "ServerSecurity",
+    "ServerStats",
     "Unauthenticated",
     "__version__",
     "is_loopback",

@@ -49,6 +49,8 @@ from shard_engine_remote._wire import (
     Rejected,
     RemoteReply,
     RemoteRequest,
+    ServerStats,
+    ServerStatsQuery,
     decode_reply,
     encode_request,
 )
@@ -151,7 +153,10 @@ class _Link:
 
     def __init__(self, target: str, security: ClientSecurity, max_message_bytes: int) -> None:
         self.target = target
-        self.channel = security.channel(target, channel_options(max_message_bytes))
+        # A connection of its own (gRPC would share one between channels to the same target):
+        # the server's per-client limits and a crash's blast radius are per remote engine.
+        options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        self.channel = security.channel(target, options)
         self._metadata = security.metadata()
         self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
             self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
@@ -367,6 +372,15 @@ class RemoteEngine:
     def release(self, request: api.ReleaseRequest) -> api.ReleaseResult:
         return self._expect(self._invoke(request, mutating=True), api.ReleaseResult)
 
+    def export_session(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
+        """Not forwarded yet: UnsupportedFeature (the served engine's capabilities may say
+        otherwise; the transport does not carry snapshots)."""
+        raise api.UnsupportedFeature("the remote engine does not carry session snapshots yet")
+
+    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+        """Not forwarded yet: UnsupportedFeature."""
+        raise api.UnsupportedFeature("the remote engine does not carry session snapshots yet")
+
     def cancel(self, request: api.CancelRequest) -> api.CancelResult:
         """Forwarded to the served engine. Raises InvalidRequest (neither or both ids) and
         EngineCrashed (the engine or its process failed); answers ``cancelled=False`` when
@@ -418,6 +432,13 @@ class RemoteEngine:
             return self._last_metrics
         self._last_metrics = reply
         return reply
+
+    def server_stats(self) -> ServerStats:
+        """The serving process's own counters (refused frames, unauthenticated and rate-limited
+        calls, oversized messages, calls in flight, ...): what a hostile or misconfigured peer
+        cost it. Raises NotReady (not loaded, closed), RemoteUnavailable, Unauthenticated,
+        EngineCrashed (the child died) and ResourceExhausted (this client's rate limit)."""
+        return self._expect(self._invoke(ServerStatsQuery(), mutating=False), ServerStats)
 
     # ----------------------------------------------------------------- calls
 

@@ -6,7 +6,10 @@
         --tls-cert server.pem --tls-key server.key --token-file token [--tls-client-ca ca.pem]
 
 Loopback and unix sockets need nothing more; any other address is refused without TLS and a
-bearer token. SIGTERM (or Ctrl-C) drains in-flight calls, closes the engine and exits 0.
+bearer token. Each client (mTLS identity, else connection) may make ``--rate-limit`` calls/s
+(bursts of ``--rate-burst``); beyond, calls get a retryable ResourceExhausted with
+``retry_after_s`` while other clients are served. SIGTERM (or Ctrl-C) drains in-flight calls,
+closes the engine and exits 0.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def _option(text: str) -> tuple[str, object]:
 def _command_serve(args: argparse.Namespace) -> int:
     import shard_engine_api as api
     from shard_engine_api._plugins import describe_model, get_plugin_manager, model_fixture
+    from shard_engine_remote._ratelimit import RateLimit
     from shard_engine_remote._security import ServerSecurity, read_pem, read_token
     from shard_engine_remote._server import EngineServer, serve_until_signalled
 
@@ -69,6 +73,13 @@ def _command_serve(args: argparse.Namespace) -> int:
         client_ca=read_pem(args.tls_client_ca, "TLS client CA"),
         token=read_token(args.token_file),
     )
+    rate_limit = (
+        RateLimit(
+            calls_per_s=args.rate_limit, burst=args.rate_burst or int(2 * args.rate_limit) or 1
+        )
+        if args.rate_limit
+        else None
+    )
     # Refuse a bad address before spending minutes loading a model.
     security.check_listen(args.listen)
     engine = api.load_engine(args.engine, config, manager=manager)
@@ -77,6 +88,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         security=security,
         max_message_bytes=args.max_payload_bytes + (1 << 20),
         max_workers=args.workers,
+        rate_limit=rate_limit,
     )
     try:
         address = server.start(args.listen)
@@ -139,5 +151,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="largest payload accepted (the codec's limit; default 256 MiB)",
     )
     serve.add_argument("--workers", type=int, default=16, help="threads serving calls")
+    serve.add_argument(
+        "--rate-limit",
+        type=float,
+        default=2000.0,
+        metavar="CALLS_PER_S",
+        help="calls per second each client may make (default 2000; 0 = no limit)",
+    )
+    serve.add_argument(
+        "--rate-burst", type=int, default=0, help="calls a client may make at once (default 2x)"
+    )
     serve.add_argument("--drain-seconds", type=float, default=10.0)
     serve.set_defaults(func=_command_serve)

@@ -1,7 +1,7 @@
-"""The errors a remote engine adds to the contract's taxonomy: what a transport can fail with.
+"""The errors of the link itself, and where each lives in the contract's taxonomy.
 
 Errors an engine raised on the other side travel as :class:`~shard_engine_api.ErrorInfo` and are
-raised here as the same class, code and ``retryable``. These are the failures of the link itself::
+raised here as the same class, code and ``retryable``. The failures of the link::
 
     ShardEngineError
     ├── NotReady
@@ -9,13 +9,19 @@ raised here as the same class, code and ``retryable``. These are the failures of
     ├── OutcomeUnknown          the link broke while a request was in flight: it may have run
     └── Unauthenticated         the server refused the call's credentials; nothing ran
 
+OutcomeUnknown and Unauthenticated are the API's own classes (re-exported here): a worker tells
+"may have run" from "did not run" without importing this package, and both keep their class
+across another hop's wire. RemoteUnavailable stays here: on the wire and to a worker it *is*
+NotReady (code ``not_ready``, retryable, nothing ran), so ``except NotReady`` already handles it;
+the subclass only adds, for whoever holds the remote engine, that the cause was the link.
+
 A child process that died is :class:`~shard_engine_api.EngineCrashed` (naming the signal), not
 one of these: its sessions are gone whatever the request's outcome was.
 """
 
 from __future__ import annotations
 
-from shard_engine_api import NotReady, ShardEngineError
+from shard_engine_api import NotReady, OutcomeUnknown, Unauthenticated
 
 __all__ = ["OutcomeUnknown", "RemoteUnavailable", "Unauthenticated"]
 
@@ -25,21 +31,3 @@ class RemoteUnavailable(NotReady):
     handshake failure) or a read-only call (capabilities, health, metrics) timed out. The request
     was not executed (or had no effect). Retryable: a restarted server becomes reachable. Its
     code is ``not_ready``, so a worker that handles NotReady handles it."""
-
-
-class OutcomeUnknown(ShardEngineError):
-    """Raised when the connection broke or the deadline passed while a state-changing request
-    (prefill, decode, decode_batch, release) was in flight: the server may or may not have
-    committed it. ``details["reason"]`` says which (``connection_lost``, ``deadline_exceeded``,
-    ``cancelled``, ``transport_error``). Retryable: re-issue the request; a decode that did
-    commit is answered with CacheMiss carrying the committed length, from which to resume."""
-
-    code = "outcome_unknown"
-    default_retryable = True
-
-
-class Unauthenticated(ShardEngineError):
-    """Raised when the server refused the call: no bearer token, a wrong token, or a TLS client
-    certificate it does not accept. Nothing ran. Not retryable with the same credentials."""
-
-    code = "unauthenticated"

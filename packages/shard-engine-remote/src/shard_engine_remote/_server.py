@@ -5,10 +5,13 @@ A call whose RPC ends before the engine answered (the client cancelled, its dead
 connection dropped) becomes ``engine.cancel(request_id)``, so the engine stops at its next safe
 point and rolls back. Engine errors are answered as their ErrorInfo; nothing an engine or a
 client does stops the server from serving other clients: undecodable frames get InvalidRequest,
-messages over the size limit are refused by gRPC with RESOURCE_EXHAUSTED, compute calls beyond
-the server's slots get a retryable ResourceExhausted (cancel, release, health and metrics always
-have a thread), calls without the bearer token are refused before decoding. Each of these is
-counted in :attr:`EngineServer.counters`.
+messages over the size limit get ResourceExhausted (not retryable; beyond twice the limit gRPC
+refuses them itself), a client over its rate limit gets a retryable ResourceExhausted with
+``retry_after_s`` (per client: others keep their own budget), compute calls beyond the server's
+slots get a retryable ResourceExhausted (cancel, release, health and metrics always have a
+thread), calls without the bearer token are refused before decoding. Each of these is counted
+in :attr:`EngineServer.counters`, which clients read as :class:`ServerStats`
+(``RemoteEngine.server_stats()``).
 
 ``grpc.health.v1`` is served alongside (``""`` and ``shard_engine.v1.Engine``): SERVING while
 the engine is ready or degraded, NOT_SERVING otherwise and while draining.
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import threading
+import time
 import traceback
 import typing
 from collections.abc import Callable
@@ -30,19 +35,24 @@ from types import FrameType
 from typing import Final
 
 import grpc
+import msgspec
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import shard_engine_api as api
 from shard_engine_api import wire
+from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._wire import (
     SERVICE_NAME,
+    THREADING_ENV,
     CapabilitiesQuery,
     HealthQuery,
     MetricsQuery,
     Rejected,
     RemoteReply,
     RemoteRequest,
+    ServerStats,
+    ServerStatsQuery,
     decode_request,
     encode_reply,
 )
@@ -52,6 +62,7 @@ __all__ = [
     "EngineServer",
     "ServerCounters",
     "channel_options",
+    "client_key",
     "serve_until_signalled",
 ]
 
@@ -77,28 +88,58 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
 
 @dataclass
 class ServerCounters:
-    """What the server refused or cut short, since it started."""
+    """What the server saw, refused or cut short since it started (see :class:`ServerStats`
+    for what each counts)."""
 
     calls: int = 0
-    rejected_frames: int = 0
+    in_flight: int = 0
     unauthenticated: int = 0
+    rejected_frames: int = 0
+    oversized: int = 0
+    rate_limited: int = 0
     busy: int = 0
     transport_cancels: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, name: str) -> None:
+    def add(self, name: str, amount: int = 1) -> None:
         with self._lock:
-            setattr(self, name, getattr(self, name) + 1)
+            setattr(self, name, getattr(self, name) + amount)
+
+    def call_started(self) -> None:
+        with self._lock:
+            self.calls += 1
+            self.in_flight += 1
+
+    def call_ended(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def stats(self, rate_limited_clients: int = 0) -> ServerStats:
+        with self._lock:
+            return ServerStats(
+                calls=self.calls,
+                in_flight=self.in_flight,
+                unauthenticated=self.unauthenticated,
+                rejected_frames=self.rejected_frames,
+                oversized=self.oversized,
+                rate_limited=self.rate_limited,
+                busy=self.busy,
+                transport_cancels=self.transport_cancels,
+                rate_limited_clients=rate_limited_clients,
+                threading={name: os.environ[name] for name in THREADING_ENV if name in os.environ},
+            )
 
     def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "calls": self.calls,
-                "rejected_frames": self.rejected_frames,
-                "unauthenticated": self.unauthenticated,
-                "busy": self.busy,
-                "transport_cancels": self.transport_cancels,
-            }
+        return msgspec.structs.asdict(self.stats())
+
+
+def client_key(context: grpc.ServicerContext) -> str:
+    """Who is calling, for the rate limiter: the mutual-TLS identity when the peer presented a
+    certificate, else its connection (``ipv4:127.0.0.1:PORT``, ``unix:...``)."""
+    identities = context.peer_identities()
+    if identities:
+        return "tls:" + b",".join(identities).decode("utf-8", "replace")
+    return context.peer()
 
 
 class EngineServer:
@@ -106,7 +147,9 @@ class EngineServer:
     private socket of a spawned child); a server started on a loaded engine refuses loads.
 
     ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
-    cancel, release, health and metrics are never starved.
+    cancel, release, health and metrics are never starved. ``rate_limit`` bounds each client's
+    calls (cancel is never limited: a client must always be able to stop its own work);
+    ``clock`` is the rate limiter's (tests).
     """
 
     def __init__(
@@ -117,6 +160,8 @@ class EngineServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int = 16,
         allow_load: bool = False,
+        rate_limit: RateLimit | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
@@ -125,6 +170,7 @@ class EngineServer:
         self.counters = ServerCounters()
         self.address: str | None = None
         self._allow_load = allow_load
+        self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
         self._health = health.HealthServicer()
         self._health_status: int | None = None
@@ -139,11 +185,23 @@ class EngineServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"),
             interceptors=interceptors,
-            options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+            options=[
+                # Up to twice the limit reaches the deserializer, which refuses (and counts)
+                # what is over it; beyond that gRPC refuses the message unread.
+                ("grpc.max_receive_message_length", 2 * max_message_bytes),
+                *(
+                    option
+                    for option in channel_options(max_message_bytes)
+                    if option[0] != "grpc.max_receive_message_length"
+                ),
+                ("grpc.so_reuseport", 0),
+            ],
             maximum_concurrent_rpcs=max_workers * 8,
         )
         handler = grpc.unary_unary_rpc_method_handler(
-            self._call, request_deserializer=decode_request, response_serializer=encode_reply
+            self._call,
+            request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
+            response_serializer=encode_reply,
         )
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Call": handler}),)
@@ -185,16 +243,42 @@ class EngineServer:
 
     # ----------------------------------------------------------------- dispatch
 
+    def stats(self) -> ServerStats:
+        """The server's counters now (what ``RemoteEngine.server_stats()`` returns)."""
+        limiter = self._limiter
+        return self.counters.stats(0 if limiter is None else len(limiter))
+
     def _call(
         self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
     ) -> RemoteReply:
-        self.counters.add("calls")
+        self.counters.call_started()
+        try:
+            return self._dispatch(request, context)
+        finally:
+            self.counters.call_ended()
+
+    def _dispatch(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> RemoteReply:
         engine = self.engine
+        limiter = self._limiter
+        if limiter is not None and not isinstance(request, api.CancelRequest):
+            retry_after = limiter.take(client_key(context))
+            if retry_after is not None:
+                self.counters.add("rate_limited")
+                return api.ResourceExhausted(
+                    f"this client is over its rate limit of {limiter.limit.calls_per_s:g} "
+                    f"calls/s (burst {limiter.limit.burst}); retry in {retry_after:.3f} s",
+                    details={"resource": "rate_limit", "retry_after_s": retry_after},
+                ).to_info()
         try:
             match request:
                 case Rejected(error=error):
-                    self.counters.add("rejected_frames")
+                    is_oversized = isinstance(error, api.ResourceExhausted)
+                    self.counters.add("oversized" if is_oversized else "rejected_frames")
                     return error.to_info()
+                case ServerStatsQuery():
+                    return self.stats()
                 case CapabilitiesQuery():
                     return engine.capabilities()
                 case HealthQuery():
@@ -229,6 +313,8 @@ class EngineServer:
                         context,
                         functools.partial(engine.decode_batch, request),
                     )
+                case api.ExportSessionRequest() | api.ImportSessionRequest():
+                    raise api.UnsupportedFeature("this server does not carry session snapshots yet")
                 case _:
                     typing.assert_never(request)
         except api.ShardEngineError as error:

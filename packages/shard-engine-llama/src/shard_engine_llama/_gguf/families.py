@@ -275,8 +275,8 @@ def _llama_model(h: Hyperparameters, present: Callable[[str], bool]) -> list[Ten
 
 
 def _llama_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -> list[TensorNeed]:
-    """models/llama.cpp (also granite.cpp, which has the same tensors): dense or Mixtral-style
-    experts by ``n_expert``."""
+    """models/llama.cpp (also granite.cpp for granite and granitemoe, which have the same
+    tensors): dense or Mixtral-style experts by ``n_expert``, ``n_ff`` wide."""
     needs = [TensorNeed(_blk(il, "attn_norm.weight"), (h.n_embd,))]
     needs += _qkv(h, il, present, h.n_embd_q, h.n_embd_k_gqa, h.n_embd_v_gqa)
     needs += [
@@ -511,6 +511,14 @@ FAMILIES: dict[str, Family] = {
             _llama_model,
             _llama_layer,
             (*_BASE_RULES, EMBEDDING_SCALE_HEAD_ONLY),
+            extra_required_keys=("logit_scale",),
+        ),
+        Family(
+            "granitemoe",
+            _llama_model,
+            _llama_layer,
+            (*_BASE_RULES, EMBEDDING_SCALE_HEAD_ONLY, EXPERTS_WITH_LAYERS),
+            moe=True,
             extra_required_keys=("logit_scale",),
         ),
         Family(

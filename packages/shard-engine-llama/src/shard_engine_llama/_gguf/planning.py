@@ -33,7 +33,7 @@ ALLOWED_ARCHITECTURES: tuple[str, ...] = tuple(
 # whether it came from token ids or from ``batch.embd`` (so a non-head shard would rescale the
 # hidden states it receives), named so the refusal says why.
 _EMBEDDING_SCALED_ARCHITECTURES = frozenset(
-    {"gemma", "granitemoe", "granitehybrid", "minicpm", "minicpm3", "plamo"}
+    {"gemma", "granitehybrid", "minicpm", "minicpm3", "plamo"}
 )
 
 # gemma3 picks the 27B attention-scale rule from the layer count.
