@@ -916,8 +916,8 @@ class _NoLock:
 class NotThreadSafe(ReferenceEngine):
     """Drops the compute lock ("the GIL protects us") and keeps one scratch row buffer for
     every call. While other requests are in flight, each use of the buffer waits (up to 1 s)
-    for another thread to reach the same point, so concurrent calls always overwrite each
-    other's buffer: the race happens on every run, not only when the scheduler allows."""
+    for another thread to reach the same point, so calls that overlap always overwrite each
+    other's buffer, not only when the scheduler happens to switch threads there."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -928,6 +928,7 @@ class NotThreadSafe(ReferenceEngine):
     def _history(self, item: ForwardItem, layer: int, pos: int, sums: Array) -> Array:
         history = super()._history(item, layer, pos, sums)
         self._scratch = history
+        time.sleep(0)  # lets the other threads in, as any I/O or allocation would
         if len(self._in_flight) > 1:
             try:
                 self._meeting.wait(timeout=1.0)

@@ -138,6 +138,10 @@ INNER_OPTIONS: Final = (
     # Pass or fail is what these runs check; shrinking a failure to its shortest call
     # sequence is checked once, on its own.
     "--shard-engine-no-shrink",
+    # A fixed number of examples: by default the model-based test runs fewer on a slow (loaded)
+    # machine, and which bugs it finds must not depend on the machine's load.
+    "--shard-engine-examples",
+    "8",
     # Third-party plugins cost ~0.5 s per in-process session (hypothesis) and play no part here.
     "-p",
     "no:cacheprovider",
