@@ -1631,7 +1631,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_batched_decode_metrics",
             "test_batched_decode_order_with_interleaved_errors",
             "test_batched_decode_reserved_fields",
-            *_MACHINE,
+            "test_state_machine_full_shard",
         ),
     ),
     "batch_allows_duplicates": Broken(
@@ -1720,7 +1720,6 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_boundary_checks_on_every_path",
             "test_failed_first_prefill_leaves_nothing",
             "test_limit_max_batch_tokens",
-            *_MACHINE,
         ),
     ),
     "cancel_only_between_forwards": Broken(
@@ -1819,7 +1818,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "context_off_by_one": Broken(
         ContextOffByOne,
-        ("test_limit_max_context", *_MACHINE),
+        ("test_limit_max_context",),
     ),
     "batch_tokens_off_by_one": Broken(
         BatchTokensOffByOne,
@@ -1909,11 +1908,11 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "batch_refuses_duplicates_whole": Broken(
         BatchRefusesDuplicatesWhole,
-        ("test_batched_decode_same_session_twice", *_MACHINE),
+        ("test_batched_decode_same_session_twice", "test_state_machine_full_shard"),
     ),
     "batch_refuses_every_duplicate": Broken(
         BatchRefusesEveryDuplicate,
-        ("test_batched_decode_same_session_twice", *_MACHINE),
+        ("test_batched_decode_same_session_twice", "test_state_machine_full_shard"),
     ),
     "batch_evicts_later_members": Broken(
         BatchEvictsLaterMembers,
