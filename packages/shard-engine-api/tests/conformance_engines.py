@@ -1847,7 +1847,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "truncation_still_counted": Broken(
         TruncationStillCounted,
-        ("test_limit_kv_budget", *_MACHINE),
+        ("test_limit_kv_budget",),
     ),
     "exceeds_declared_tolerance": Broken(
         ExceedsDeclaredTolerance,
