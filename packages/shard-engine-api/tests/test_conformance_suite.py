@@ -147,6 +147,10 @@ INNER_OPTIONS: Final = (
     # Pass or fail is what these runs check; shrinking a failure to its shortest call
     # sequence is checked once, on its own.
     "--shard-engine-no-shrink",
+    # A fixed number of examples: by default the model-based test runs fewer on a slow (loaded)
+    # machine, and which bugs it finds must not depend on the machine's load.
+    "--shard-engine-examples",
+    "8",
     # Third-party plugins cost ~0.5 s per in-process session (hypothesis) and play no part here.
     "-p",
     "no:cacheprovider",
@@ -697,3 +701,23 @@ def test_real_engine_on_a_generated_model_is_not_a_real_model_certification() ->
     assert certify(
         totals=Totals(total=1, passed=1), evidence_sources=sources, missing_standard_tests=()
     ) == ("real", "synthetic-model")
+
+
+def test_report_shows_declared_tolerances_next_to_what_was_measured(
+    pytester: pytest.Pytester,
+) -> None:
+    """A certification names the tolerance the engine declared and the differences the
+    suite's comparisons measured within it (never more than the bound on a passing run)."""
+    _write_suite(pytester, "HonestRelativeTolerance")
+    report_path = pytester.path / "report.json"
+    pytester.inline_run(
+        *INNER_OPTIONS, f"--shard-engine-report={report_path}", "-k", "decode_consistency"
+    )
+    report = _read_report(report_path)
+    assert report.declared is not None
+    assert report.declared.determinism["logits_tolerance"] == {"absolute": 0.0, "relative": 1e-4}
+    assert report.verified is not None
+    logits = report.verified.observed_differences["logits"]
+    assert logits.rows_compared == 3
+    assert 0.0 < logits.max_relative_difference <= 1e-4
+    assert 0.0 < logits.max_fraction_of_bound <= 1.0

@@ -77,6 +77,7 @@ from shard_engine_api._types import (
     Metrics,
     MtpState,
     OptionValue,
+    OutputKind,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
@@ -89,6 +90,7 @@ from shard_engine_api._types import (
     ShardSpec,
     Timings,
     TokenInput,
+    Tolerance,
 )
 from shard_engine_api._validation import ValidatingEngine
 
@@ -143,6 +145,7 @@ __all__ = [
     "NotReady",
     "OptionValue",
     "OutcomeUnknown",
+    "OutputKind",
     "Pipeline",
     "PipelineStep",
     "PrefillRequest",
@@ -167,6 +170,7 @@ __all__ = [
     "TokenInput",
     "TokenStream",
     "Tokenizer",
+    "Tolerance",
     "Unauthenticated",
     "UnknownEngine",
     "UnsupportedFeature",

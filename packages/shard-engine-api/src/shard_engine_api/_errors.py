@@ -146,7 +146,8 @@ class UnsupportedFeature(ShardEngineError):
 
 class NotReady(ShardEngineError):
     """Raised when the engine is not in a serving state (loading, closed, never loaded).
-    Retryable: a loading engine becomes ready."""
+    Retryable only while the engine is loading (it becomes ready); ``retryable=False`` for an
+    engine never loaded or closed, which no retry brings back."""
 
     code = "not_ready"
     default_retryable = True
@@ -185,7 +186,9 @@ class StaleEpoch(ShardEngineError):
 
 class ResourceExhausted(ShardEngineError):
     """Raised when admitting the request would exceed the KV budget, the session slots or the
-    context length, and eviction is off or cannot free enough."""
+    context length, and eviction is off or cannot free enough. Retryable for occupancy that a
+    release or an eviction can free (KV budget, session slots); ``retryable=False`` when the
+    request itself cannot fit (positions past max_context, a payload above the limit)."""
 
     code = "resource_exhausted"
     default_retryable = True

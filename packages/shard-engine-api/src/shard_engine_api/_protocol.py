@@ -74,6 +74,9 @@ class ShardEngine(Protocol):
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """One decode step for distinct sessions; per-item errors are returned, not raised.
 
+        The first item naming a session is served as a single decode would be; every later
+        item naming the same session fails alone with InvalidRequest. Admitting the batch
+        evicts (with eviction "lru") only idle sessions, never a session a valid item names.
         Raises (for the whole batch) InvalidRequest, NotReady, Cancelled, EngineCrashed.
         """
         ...

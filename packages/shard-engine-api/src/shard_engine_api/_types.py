@@ -7,6 +7,7 @@ New fields get defaults; tags are never reused.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Final, Literal, TypeAlias
 
 import msgspec
@@ -53,6 +54,7 @@ __all__ = [
     "Metrics",
     "MtpState",
     "OptionValue",
+    "OutputKind",
     "PrefillRequest",
     "ReleaseRequest",
     "ReleaseResult",
@@ -65,6 +67,7 @@ __all__ = [
     "ShardSpec",
     "Timings",
     "TokenInput",
+    "Tolerance",
 ]
 
 CONTRACT_VERSION: Final = 2
@@ -572,15 +575,73 @@ class Features(msgspec.Struct, frozen=True, kw_only=True):
     migration")."""
 
 
+OutputKind = Literal["logits", "hidden"]
+"""The two kinds of output rows: a tail's logits, a non-tail shard's hidden states."""
+
+
+class Tolerance(msgspec.Struct, frozen=True, kw_only=True):
+    """How far one output row may move when the same positions are computed another way
+    (other batch shapes, chunks, splits): for every element ``i`` of a row ``e`` and its
+    recomputation ``a``, ``|a[i] - e[i]| <= absolute + relative * max(|e|)``.
+
+    The relative part scales with the row's own magnitude, so one declaration fits logits of
+    ~20 and hidden states of ~1e5 alike; ``absolute`` covers rows near zero. Both are finite
+    and >= 0; a ``relative`` of 1 or more would accept an all-zero row for any row, so it is
+    refused (InvalidRequest) as a declaration that promises nothing."""
+
+    absolute: float = 0.0
+    relative: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("absolute", "relative"):
+            value = getattr(self, name)
+            if type(value) not in (float, int) or not math.isfinite(value) or value < 0:
+                raise InvalidRequest(f"Tolerance.{name} must be finite and >= 0, got {value!r}")
+        if self.relative >= 1.0:
+            raise InvalidRequest(
+                f"Tolerance.relative must be < 1 (a bound of the row's whole magnitude accepts "
+                f"any output), got {self.relative!r}"
+            )
+
+    def bound(self, magnitude: float) -> float:
+        """The largest difference allowed in a row whose largest magnitude is ``magnitude``."""
+        return self.absolute + self.relative * magnitude
+
+
 class Determinism(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine promises about repeatability: same inputs give the same outputs
     (``deterministic``); a pipeline of shards equals one full shard bit for bit
-    (``split_exact``) or within ``tolerance``; batching does not change outputs."""
+    (``split_exact``); batching and chunking do not change outputs (``batch_invariant``).
+
+    Where an engine is not exact it declares how far outputs may move, per output kind:
+    ``logits_tolerance`` and ``hidden_tolerance`` (:class:`Tolerance`, relative to each row's
+    magnitude). ``tolerance`` is the older single absolute bound for both kinds; it applies to
+    a kind whose own tolerance is not declared, so engines built before the per-kind fields
+    keep exactly their behaviour. The conformance suite reports what was declared next to the
+    largest difference it observed."""
 
     deterministic: bool
     split_exact: bool
     tolerance: float = 0.0
     batch_invariant: bool = True
+    logits_tolerance: Tolerance | None = None
+    hidden_tolerance: Tolerance | None = None
+
+    def tolerance_for(self, kind: OutputKind) -> Tolerance:
+        """The tolerance that applies to outputs of ``kind``."""
+        declared = self.logits_tolerance if kind == "logits" else self.hidden_tolerance
+        if declared is not None:
+            return declared
+        return Tolerance(absolute=self.tolerance) if _valid_bound(self.tolerance) else _VACUOUS
+
+
+def _valid_bound(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+_VACUOUS: Final = Tolerance()
+"""Stand-in for an invalid legacy ``tolerance`` (NaN, negative): exactness; the conformance
+suite fails such a declaration on its own."""
 
 
 class HookStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -663,7 +724,14 @@ class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
 
 
 class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
-    """Counters since load. ``errors`` counts raised errors by code; ``fences_dropped`` counts
+    """Counters since load.
+
+    ``requests`` counts the compute requests that reached the engine (prefill, decode and
+    decode_batch calls, a batch once), failed and cancelled ones included; ``release``,
+    ``cancel`` and the queries are not requests (releases are counted in ``releases``).
+    ``decode_requests`` counts single decodes only (a batch counts in ``batch_requests``).
+    ``errors`` counts, by code, every error a caller received: raised by any operation
+    (release included) or returned as an item of a batch result. ``fences_dropped`` counts
     tombstones forgotten early (their old epochs would be accepted again)."""
 
     requests: int = 0

@@ -513,9 +513,14 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
 
     def test_capabilities_fields(self) -> None:
         """Capabilities name the engine, speak this contract version, carry a valid evidence
-        class, echo the loaded shard, and advertise limits within the requested config.
+        class, echo the loaded shard, and advertise limits within the requested config. A
+        declared tolerance is finite, >= 0, at most half a row's magnitude, and tells apart
+        the outputs of two different prompts (logits, and hidden states of a head shard), so
+        that no tolerance can make the comparisons of other tests vacuous.
 
-        Fix: build Capabilities from the LoadConfig (EngineCore.load does)."""
+        Fix: build Capabilities from the LoadConfig (EngineCore.load does); declare the
+        tolerance measured on the engine's own numbers (with a margin), not a bound that
+        accepts anything."""
         h = self.harness
         config = h.config()
         engine = h.new_engine()
@@ -539,9 +544,9 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         assert 1 <= limits.max_context <= config.max_context
         assert 1 <= limits.max_batch_tokens <= config.max_batch_tokens
         assert 1 <= limits.kv_budget_tokens <= config.kv_budget_tokens
-        assert caps.determinism.tolerance >= 0.0
         if caps.features.cancel:
             assert caps.features.cancel_latency_ms > 0.0, "a cancel latency bound must be > 0"
+        self._check_declared_tolerances(engine)
 
     def test_role_derived_from_shard(self) -> None:
         """The role is derived from the layer range: full [0, n), head [0, k), tail [k, n),
@@ -1424,9 +1429,11 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
     def test_lru_eviction(self) -> None:
         """With eviction "lru", admitting past the KV budget evicts the least recently used
         idle session; its next decode raises CacheMiss with reason "evicted", and the
-        evicted epoch can restart with a prefill at 0. Others are untouched.
+        evicted epoch can restart with a prefill at 0. Others are untouched. A decode_batch
+        never evicts a session it names, even one used less recently than an idle session.
 
-        Fix: evict by last use, remember the evicted epoch, report reason "evicted"."""
+        Fix: evict by last use, remember the evicted epoch, report reason "evicted"; when
+        admitting a batch, exclude every session the batch names from the candidates."""
         h = self.harness
         engine = h.load(kv_budget_tokens=12, eviction="lru")
         caps = engine.capabilities()
@@ -1450,6 +1457,34 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         assert_matches(
             got, want, exact=exact, tolerance=tolerance, what="re-prefill of an evicted session"
         )
+        if caps.features.batched_decode:
+            self._check_batch_spares_its_members()
+
+    def _check_batch_spares_its_members(self) -> None:
+        """A full budget, three sessions (the batch's second member used least recently):
+        admitting the batch's first item must evict the idle third session, never the
+        batch's own later member."""
+        h = self.harness
+        engine = h.load(kv_budget_tokens=12, eviction="lru")
+        later, first, idle = h.session("later"), h.session("first"), h.session("idle")
+        for seed, session in enumerate((later, first, idle)):
+            h.prefill(engine, session, 0, h.tokens(4, seed=seed))
+        items = tuple(
+            DecodeRequest(
+                request_id=h.request_id(), session=session, pos=4, inputs=TokenInput(token_ids=(1,))
+            )
+            for session in (first, later)
+        )
+        outcomes = engine.decode_batch(DecodeBatchRequest(request_id=h.request_id(), items=items))
+        for name, outcome in zip(("first", "later"), outcomes.items, strict=True):
+            assert not isinstance(outcome, ErrorInfo), (
+                f"batch item of {name!r} failed ({outcome}): admitting a batch may evict only "
+                "idle sessions, never one the batch names"
+            )
+            h.observe(outcome)
+        miss = _raises(CacheMiss, lambda: h.decode(engine, idle, 4, (1,)), "decode of the idle")
+        assert isinstance(miss, CacheMiss)
+        assert miss.reason == "evicted", f"the idle session must be the one evicted: {miss}"
 
     def test_failed_request_is_atomic(self) -> None:
         """Failed requests (bad token mid-truncation, context overflow, KV budget, reserved
@@ -1638,11 +1673,12 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
 
     def test_health_metrics_consistent(self) -> None:
         """Health and metrics agree with the operations performed: request counts (failed
-        ones included), prefill/decode token counts (successful ones only), errors by code,
-        sessions, KV positions used, releases and tombstones.
+        ones included; prefill, decode and decode_batch calls are requests, releases are
+        not), prefill/decode token counts (successful ones only), errors by code (a release's
+        StaleEpoch included), sessions, KV positions used, releases and tombstones.
 
         Fix: count in the shared ledger (EngineCore does) and report the counters as they
-        are; do not count tokens of failed or cancelled requests."""
+        are; do not count tokens of failed or cancelled requests, nor releases as requests."""
         h = self.harness
         engine = h.load()
         assert engine.metrics().requests == 0
@@ -1677,10 +1713,19 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
             f"in flight {health.in_flight} (expected 2, 9, 0)"
         )
         h.release(engine, b)
+        _raises(StaleEpoch, lambda: h.release(engine, h.session("a", epoch=0)), "stale release")
+        h.release(engine, h.session("never-seen"))
         metrics = engine.metrics()
         assert (metrics.releases, metrics.sessions_active, metrics.kv_used_tokens) == (1, 1, 6)
         assert metrics.tombstones >= 1
         assert engine.health().kv_used_tokens == 6
+        assert metrics.requests == 5, (
+            f"metrics.requests is {metrics.requests} after three releases; requests count "
+            "prefill, decode and decode_batch calls only (releases are counted in releases)"
+        )
+        assert metrics.errors == {"cache_miss": 1, "stale_epoch": 2}, (
+            f"metrics.errors {metrics.errors}: the StaleEpoch a release raised counts too"
+        )
 
 
 def _check_pinned() -> None:

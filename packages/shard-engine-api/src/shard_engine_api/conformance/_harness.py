@@ -25,10 +25,12 @@ from shard_engine_api._types import (
     CancelResult,
     Capabilities,
     DecodeRequest,
+    Determinism,
     LoadConfig,
     LogitsMode,
     LogitsResult,
     OptionValue,
+    OutputKind,
     PrefillRequest,
     ReleaseRequest,
     ReleaseResult,
@@ -36,10 +38,19 @@ from shard_engine_api._types import (
     ShardInput,
     ShardResult,
     TokenInput,
+    Tolerance,
 )
 from shard_engine_api.conformance._recorder import SuiteRecord
+from shard_engine_api.conformance._report import DeclaredValue
 
-__all__ = ["Canceller", "EngineUnderTest", "Harness", "assert_matches", "split_ranges"]
+__all__ = [
+    "Canceller",
+    "EngineUnderTest",
+    "Harness",
+    "Tolerances",
+    "assert_matches",
+    "split_ranges",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,18 +78,41 @@ def split_ranges(n_layers: int, parts: int) -> list[tuple[int, int]]:
     return ranges
 
 
+@dataclass(frozen=True, slots=True)
+class Tolerances:
+    """The tolerance an engine declared for each output kind, and the record the measured
+    differences go to (the report shows them next to the declaration)."""
+
+    logits: Tolerance
+    hidden: Tolerance
+    record: SuiteRecord | None = None
+
+    @classmethod
+    def declared(cls, determinism: Determinism, record: SuiteRecord | None = None) -> Tolerances:
+        return cls(
+            logits=determinism.tolerance_for("logits"),
+            hidden=determinism.tolerance_for("hidden"),
+            record=record,
+        )
+
+    def of(self, kind: OutputKind) -> Tolerance:
+        return self.logits if kind == "logits" else self.hidden
+
+
 def assert_matches(
     actual: npt.NDArray[np.floating],
     expected: npt.NDArray[np.floating],
     *,
     exact: bool,
-    tolerance: float,
+    tolerance: Tolerances,
     what: str,
+    kind: OutputKind = "logits",
 ) -> None:
-    """Equal bytes when ``exact``; else equal shapes and max |difference| <= ``tolerance``,
-    plus one unit in the last place for f16 values (a difference within the tolerance may
-    round to the neighbouring f16 number). NaN or infinity on either side never matches (two
-    NaNs are not equal outputs)."""
+    """Equal bytes when ``exact``; else equal shapes and, in every row, max |difference| <=
+    the declared tolerance of ``kind`` (``absolute + relative * max |expected row|``), plus
+    one unit in the last place for f16 values (a difference within the tolerance may round to
+    the neighbouring f16 number). NaN or infinity on either side never matches (two NaNs are
+    not equal outputs). Tolerance comparisons are recorded for the report."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
     for side, values in (("output", actual), ("expected output", expected)):
@@ -94,15 +128,43 @@ def assert_matches(
                 f"(max |difference| = {difference:.3g})"
             )
         return
-    gap = np.abs(actual.astype(np.float64) - expected)
+    if expected.size == 0:
+        return
+    want = np.atleast_2d(expected.astype(np.float64))
+    gap = np.abs(np.atleast_2d(actual.astype(np.float64)) - want)
     if expected.dtype == np.float16:
-        gap = gap - np.spacing(np.abs(expected)).astype(np.float64)
-    difference = float(np.max(gap)) if gap.size else 0.0
-    if not difference <= tolerance:
-        raise AssertionError(
-            f"{what}: max |difference| = {difference:.3g} exceeds the declared tolerance "
-            f"{tolerance:.3g}"
+        gap = np.maximum(gap - np.atleast_2d(np.spacing(np.abs(expected)).astype(np.float64)), 0.0)
+    declared = tolerance.of(kind)
+    row_gap = gap.reshape(len(want), -1).max(axis=1)
+    magnitude = np.abs(want).reshape(len(want), -1).max(axis=1)
+    bound = declared.absolute + declared.relative * magnitude
+    tiny = np.finfo(np.float64).tiny
+    fraction = np.where(
+        bound > 0, row_gap / np.maximum(bound, tiny), np.where(row_gap > 0, np.inf, 0.0)
+    )
+    if tolerance.record is not None:
+        tolerance.record.add_differences(
+            kind,
+            rows=len(row_gap),
+            max_abs=float(row_gap.max()),
+            max_relative=float((row_gap / np.maximum(magnitude, tiny)).max()),
+            max_fraction=float(fraction.max()),
+            max_magnitude=float(magnitude.max()),
         )
+    worst = int(np.argmax(fraction))
+    if not row_gap[worst] <= bound[worst]:
+        raise AssertionError(
+            f"{what}: row {worst}: max |difference| = {row_gap[worst]:.3g} exceeds the declared "
+            f"{kind} tolerance {declared.absolute:.3g} + {declared.relative:.3g} x "
+            f"{magnitude[worst]:.3g} (the row's magnitude) = {bound[worst]:.3g}"
+        )
+
+
+def _declared(value: msgspec.Struct) -> dict[str, DeclaredValue]:
+    """A declared capabilities struct as report fields (nested tolerances as mappings)."""
+    fields = msgspec.to_builtins(value)
+    assert isinstance(fields, dict)
+    return fields
 
 
 class Harness:
@@ -148,8 +210,8 @@ class Harness:
             record.engine_version = caps.engine_version
             record.contract_version = caps.contract_version
             if not record.declared_determinism:
-                record.declared_determinism = msgspec.structs.asdict(caps.determinism)
-                record.declared_features = msgspec.structs.asdict(caps.features)
+                record.declared_determinism = _declared(caps.determinism)
+                record.declared_features = _declared(caps.features)
                 record.boundary_dtypes = tuple(caps.boundary_dtypes)
         if self._vocab_size is None:
             self._vocab_size = caps.vocab_size

@@ -104,8 +104,8 @@ class ModelCounters:
     releases: int = 0
     cancelled: int = 0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
-    item_errors: collections.Counter[str] = field(default_factory=collections.Counter)
-    """Errors returned inside a batch result (not raised): an engine may count them too."""
+    """Every error a caller received, by code: raised (any operation, release included) or
+    returned as an item of a batch result."""
 
 
 class ContractModel:

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from shard_engine_api._types import EvidenceClass, ShardSpec
-from shard_engine_api.conformance._report import ModelReport, TestOutcome, TestResult
+from shard_engine_api.conformance._report import (
+    DeclaredValue,
+    ModelReport,
+    ObservedDifferences,
+    TestOutcome,
+    TestResult,
+)
 
 __all__ = ["RECORDER_KEY", "Recorder", "SuiteRecord", "TestRecord"]
 
@@ -34,8 +40,10 @@ class SuiteRecord:
     model: ModelReport | None = None
     shards: list[ShardSpec] = field(default_factory=list)
     overrides: dict[str, str] = field(default_factory=dict)
-    declared_determinism: dict[str, float | bool] = field(default_factory=dict)
-    declared_features: dict[str, float | bool] = field(default_factory=dict)
+    declared_determinism: dict[str, DeclaredValue] = field(default_factory=dict)
+    declared_features: dict[str, DeclaredValue] = field(default_factory=dict)
+    observed: dict[str, ObservedDifferences] = field(default_factory=dict)
+    """Per output kind: the largest differences of the tolerance comparisons."""
     boundary_dtypes: tuple[str, ...] = ()
     nodeids: list[str] = field(default_factory=list)
     test_names: dict[str, str] = field(default_factory=dict)
@@ -49,6 +57,27 @@ class SuiteRecord:
     def add_result_evidence(self, evidence: EvidenceClass) -> None:
         with self.lock:
             self.result_evidence.add(evidence)
+
+    def add_differences(
+        self,
+        kind: str,
+        *,
+        rows: int,
+        max_abs: float,
+        max_relative: float,
+        max_fraction: float,
+        max_magnitude: float,
+    ) -> None:
+        """Fold one tolerance comparison into the kind's maxima."""
+        with self.lock:
+            seen = self.observed.get(kind, ObservedDifferences())
+            self.observed[kind] = ObservedDifferences(
+                rows_compared=seen.rows_compared + rows,
+                max_abs_difference=max(seen.max_abs_difference, max_abs),
+                max_relative_difference=max(seen.max_relative_difference, max_relative),
+                max_fraction_of_bound=max(seen.max_fraction_of_bound, max_fraction),
+                max_magnitude=max(seen.max_magnitude, max_magnitude),
+            )
 
 
 @dataclass(slots=True)

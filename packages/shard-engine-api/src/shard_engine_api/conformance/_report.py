@@ -31,6 +31,7 @@ __all__ = [
     "ConformanceReport",
     "EnvironmentReport",
     "ModelReport",
+    "ObservedDifferences",
     "OverrideRecord",
     "PluginDeclarations",
     "TestOutcome",
@@ -105,6 +106,25 @@ class OverrideRecord(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class ObservedDifferences(msgspec.Struct, frozen=True, kw_only=True):
+    """The differences the suite measured, for one output kind, wherever it compared outputs
+    within the engine's declared tolerance rather than bit for bit. A row's magnitude is its
+    largest absolute expected value; its bound is the declared ``absolute + relative *
+    magnitude``."""
+
+    rows_compared: int = 0
+    max_abs_difference: float = 0.0
+    max_relative_difference: float = 0.0
+    """The largest ``max |difference| / magnitude`` of a row."""
+    max_fraction_of_bound: float = 0.0
+    """The largest ``max |difference| / bound`` of a row: above 1 a comparison failed."""
+    max_magnitude: float = 0.0
+
+
+DeclaredValue = float | bool | dict[str, float] | None
+"""A declared capability field as reported: a flag, a number or a nested tolerance."""
+
+
 class VerifiedFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What the suite established by itself during the run."""
 
@@ -118,6 +138,9 @@ class VerifiedFacts(msgspec.Struct, frozen=True, kw_only=True):
     capability_evidence: tuple[EvidenceClass, ...]
     result_evidence: tuple[EvidenceClass, ...]
     """Evidence classes seen on every capabilities object and every result."""
+    observed_differences: dict[str, ObservedDifferences] = msgspec.field(default_factory=dict)
+    """Per output kind ("logits", "hidden"): what the tolerance comparisons measured, to be
+    read next to ``declared.determinism``."""
 
 
 class PluginDeclarations(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,8 +150,10 @@ class PluginDeclarations(msgspec.Struct, frozen=True, kw_only=True):
     registered_evidence: tuple[EvidenceClass, ...]
     model_synthetic: bool | None
     model_description: str
-    determinism: dict[str, float | bool] = msgspec.field(default_factory=dict)
-    features: dict[str, float | bool] = msgspec.field(default_factory=dict)
+    determinism: dict[str, DeclaredValue] = msgspec.field(default_factory=dict)
+    """The declared ``Determinism``, tolerances included (see ``verified.observed_differences``
+    for what the comparisons measured)."""
+    features: dict[str, DeclaredValue] = msgspec.field(default_factory=dict)
     boundary_dtypes: tuple[str, ...] = ()
 
 

@@ -8,6 +8,7 @@ inherits them; each test's docstring says what it checks and how to fix a failur
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ from shard_engine_api._types import (
     DecodeRequest,
     LogitsResult,
     MtpState,
+    OutputKind,
     PrefillRequest,
     SessionRef,
     ShardInput,
@@ -59,6 +61,7 @@ from shard_engine_api._types import (
 from shard_engine_api.conformance._harness import (
     Canceller,
     Harness,
+    Tolerances,
     assert_matches,
     bundle_of,
     logits_array,
@@ -90,11 +93,8 @@ _TAXONOMY: Final[tuple[type[ShardEngineError], ...]] = (
 )
 """The classes an engine may raise (the root is never raised itself)."""
 _BY_CODE: Final = {cls.code: cls for cls in _TAXONOMY}
-_RETRYABLE_EITHER_WAY: Final[frozenset[type[ShardEngineError]]] = frozenset(
-    {ResourceExhausted, NotReady}
-)
-"""Classes whose retryability depends on the case: a context overflow or a closed engine
-cannot succeed on retry, a full budget or a loading engine may."""
+MAX_RELATIVE_TOLERANCE: Final = 0.5
+"""The largest relative tolerance (of a row's magnitude) the suite accepts as a declaration."""
 _CANCEL_LATENCY_SLACK_MS: Final = 25.0
 """Added to twice the advertised cancel latency: thread wake-ups on a loaded machine."""
 
@@ -113,6 +113,19 @@ def _raises(
             f"{type(error).__name__} (code {error.code!r}): {error}"
         ) from error
     raise AssertionError(f"{what}: expected {expected.__name__}, but it returned {outcome!r}")
+
+
+def _raises_exactly(
+    expected: type[ShardEngineError], call: Callable[[], object], what: str
+) -> ShardEngineError:
+    """As :func:`_raises`, but the error must be of class ``expected`` itself (its code)."""
+    error = _raises(expected, call, what)
+    if type(error) is not expected:
+        raise AssertionError(
+            f"{what}: expected {expected.__name__} (code {expected.code!r}) itself, got "
+            f"{type(error).__name__} (code {error.code!r}): {error}"
+        )
+    return error
 
 
 class TargetedTests:
@@ -134,31 +147,81 @@ class TargetedTests:
         (head_range, tail_range) = split_ranges(self.harness.n_layers, 2)
         return self.harness.load(*head_range), self.harness.load(*tail_range)
 
-    def _exactness(self, caps: Capabilities) -> tuple[bool, float]:
-        """Pipeline vs. one full shard: bit-exact when the engine declares split_exact."""
-        return caps.determinism.split_exact, caps.determinism.tolerance
+    def _tolerances(self, caps: Capabilities) -> Tolerances:
+        """The engine's declared tolerance per output kind, recording what is measured."""
+        return Tolerances.declared(caps.determinism, self.harness.record)
 
-    def _shape_exactness(self, caps: Capabilities) -> tuple[bool, float]:
+    def _exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
+        """Pipeline vs. one full shard: bit-exact when the engine declares split_exact."""
+        return caps.determinism.split_exact, self._tolerances(caps)
+
+    def _shape_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
         """The same positions computed through other batch shapes (decode vs. a longer
         prefill, chunks, logits of all rows vs. the last, replays after rollback or eviction):
         bit-exact only when the engine declares batch_invariant; else within its tolerance."""
         determinism = caps.determinism
-        return determinism.batch_invariant and determinism.deterministic, determinism.tolerance
+        exact = determinism.batch_invariant and determinism.deterministic
+        return exact, self._tolerances(caps)
 
-    def _repeat_exactness(self, caps: Capabilities) -> tuple[bool, float]:
+    def _repeat_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
         """The same calls repeated: bit-exact when the engine declares deterministic."""
-        return caps.determinism.deterministic, caps.determinism.tolerance
+        return caps.determinism.deterministic, self._tolerances(caps)
 
-    def _batch_exactness(self, caps: Capabilities) -> tuple[bool, float]:
+    def _batch_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
         """Batched vs. single decode: bit-exact when the engine declares batch_invariant."""
         determinism = caps.determinism
-        return determinism.batch_invariant and determinism.deterministic, determinism.tolerance
+        exact = determinism.batch_invariant and determinism.deterministic
+        return exact, self._tolerances(caps)
 
-    def _isolation_exactness(self, caps: Capabilities) -> tuple[bool, float]:
+    def _isolation_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
         """A session run alone vs. interleaved with others (other cache layouts, other
         batches around it): bit-exact when the engine declares deterministic and
         batch_invariant; else within its tolerance."""
         return self._shape_exactness(caps)
+
+    def _check_declared_tolerances(self, engine: ShardEngine) -> None:
+        """The declared tolerances are numbers a comparison can fail: finite, >= 0, a
+        relative part of at most ``MAX_RELATIVE_TOLERANCE``, and (when any comparison uses
+        them) too tight to accept the outputs of a different prompt as the same."""
+        h = self.harness
+        determinism = engine.capabilities().determinism
+        legacy = determinism.tolerance
+        if not (math.isfinite(legacy) and legacy >= 0.0):
+            raise AssertionError(f"determinism.tolerance is {legacy!r}; it must be finite and >= 0")
+        kinds: tuple[OutputKind, ...] = ("logits", "hidden")
+        for kind in kinds:
+            declared = determinism.tolerance_for(kind)
+            assert declared.relative <= MAX_RELATIVE_TOLERANCE, (
+                f"the declared {kind} tolerance {declared} allows {declared.relative:.0%} of a "
+                f"row's magnitude; at most {MAX_RELATIVE_TOLERANCE:.0%} is a bound a wrong output "
+                "can fail"
+            )
+        if determinism.deterministic and determinism.split_exact and determinism.batch_invariant:
+            return  # every comparison is bit for bit; no tolerance is ever applied
+        tolerances = Tolerances.declared(determinism)
+        first, second = h.tokens(_PROMPT, seed=1), h.tokens(_PROMPT, seed=2)
+        engines: list[tuple[ShardEngine, OutputKind]] = [(engine, "logits")]
+        if h.n_layers >= 2:
+            (head_range, _tail) = split_ranges(h.n_layers, 2)
+            engines.append((h.load(*head_range), "hidden"))
+        for shard, kind in engines:
+            outputs = [
+                self._rows(
+                    h.prefill(shard, h.session(f"tolerance-{seed}"), 0, tokens, logits="all")
+                )
+                for seed, tokens in ((1, first), (2, second))
+            ]
+            try:
+                assert_matches(
+                    outputs[1], outputs[0], exact=False, tolerance=tolerances, what="", kind=kind
+                )
+            except AssertionError:
+                continue  # some row of the other prompt lies outside the tolerance
+            raise AssertionError(
+                f"the declared {kind} tolerance {tolerances.of(kind)} accepts the outputs of "
+                f"another prompt ({_PROMPT} positions) as equal: comparisons within it cannot "
+                "fail, so the tests that rely on it would pass any output"
+            )
 
     def _split_boundaries(self) -> list[tuple[int, ...]]:
         """The pipelines split tests run: the fixture's own splits (uneven ones) and, when it
@@ -649,12 +712,14 @@ class TargetedTests:
             assert self._committed_length(engine, session) == length
 
     def test_batched_decode_same_session_twice(self) -> None:
-        """A batch naming one session twice never decodes it twice: the whole batch is
-        refused with InvalidRequest, or the repeated items fail as invalid_request (the
-        first may succeed); the other sessions are served; the session's length grows by at
-        most one and its next decode equals a clean run.
+        """A batch naming one session twice never decodes it twice: the batch result is
+        returned (not raised), the first item naming the session is served as a single decode
+        would be, every later item naming it fails alone with invalid_request (at the same
+        position or the next), the other sessions are served, the session grows by exactly
+        one position and its next decode equals a clean run.
 
-        Fix: reject duplicate sessions while planning the batch."""
+        Fix: while planning the batch, refuse every item after the first that names an
+        already named session (InvalidRequest in its place), and serve the rest."""
         h = self.harness
         engine = h.load()
         self._need_batches(engine)
@@ -668,38 +733,37 @@ class TargetedTests:
                 self._item(twice, 4, (1,)),
                 self._item(other, 4, (2,)),
                 self._item(twice, second_pos, (3,)),
+                self._item(twice, second_pos, (3,)),
             ]
             try:
                 result = self._batch(engine, items)
-            except InvalidRequest:
-                result = None
             except ShardEngineError as error:
                 raise AssertionError(
-                    f"{case}: a batch naming a session twice raised {error!r}; expected "
-                    "InvalidRequest or per-item errors"
+                    f"{case}: a batch naming a session twice raised {error!r}; only the later "
+                    "items naming it may fail, in their place"
                 ) from error
-            grown = 0
-            if result is not None:
-                first, middle, last = result.items
-                assert isinstance(last, ErrorInfo), f"{case}: the repeated item succeeded"
-                assert last.code == "invalid_request", (
-                    f"{case}: the repeated item must fail with invalid_request, got {last!r}"
-                )
-                assert isinstance(middle, LogitsResult | BoundaryResult), (
-                    f"{case}: the other session's item failed: {middle!r}"
-                )
-                if isinstance(first, ErrorInfo):
-                    assert first.code == "invalid_request", f"{case}: first item {first!r}"
-                else:
-                    grown = 1
+            first, middle, *later = result.items
+            assert isinstance(first, LogitsResult | BoundaryResult), (
+                f"{case}: the first item naming the session failed: {first!r}"
+            )
+            h.observe(first)
+            assert isinstance(middle, LogitsResult | BoundaryResult), (
+                f"{case}: the other session's item failed: {middle!r}"
+            )
+            h.observe(middle)
+            for number, outcome in enumerate(later, start=2):
+                if not (isinstance(outcome, ErrorInfo) and outcome.code == "invalid_request"):
+                    raise AssertionError(
+                        f"{case}: item {number} names the session again and must fail with "
+                        f"invalid_request, got {outcome!r}"
+                    )
             length = self._committed_length(engine, twice)
-            assert length == 4 + grown, (
-                f"{case}: the session named twice holds {length} positions; expected {4 + grown}"
+            assert length == 5, (
+                f"{case}: the session named twice holds {length} positions; expected 5"
             )
             reference = h.session(f"clean-{second_pos}")
             h.prefill(clean, reference, 0, h.tokens(4, seed=1))
-            if grown:
-                h.decode(clean, reference, 4, (1,))
+            h.decode(clean, reference, 4, (1,))
             assert_matches(
                 self._rows(h.decode(engine, twice, length, (5,))),
                 self._rows(h.decode(clean, reference, length, (5,))),
@@ -758,11 +822,12 @@ class TargetedTests:
         assert self._committed_length(tail, session) == 3
 
     def test_batched_decode_metrics(self) -> None:
-        """After a batch, metrics count one request and one batch request, decode tokens
-        for the successful items only, the KV positions they added, and the item errors
-        at most once each; health agrees.
+        """After a batch, metrics count one request and one batch request (no decode
+        requests), decode tokens for the successful items only, the KV positions they added,
+        and each item error exactly once in metrics.errors; health agrees.
 
-        Fix: count a batch once, and its tokens per successful item."""
+        Fix: count a batch once, in requests and batch_requests; its tokens per successful
+        item; every error item of a returned batch result in metrics.errors."""
         h = self.harness
         engine = h.load()
         self._need_batches(engine)
@@ -800,11 +865,14 @@ class TargetedTests:
         }
         assert observed == expected, f"metrics changes {observed} != {expected}"
         decode_requests = after.decode_requests - before.decode_requests
-        assert decode_requests in (0, 3), (
-            f"decode_requests grew by {decode_requests}: count a batch's items all or none"
+        assert decode_requests == 0, (
+            f"decode_requests grew by {decode_requests}: a batch counts once, in batch_requests"
         )
         misses = after.errors.get("cache_miss", 0) - before.errors.get("cache_miss", 0)
-        assert misses in (0, 1), f"one failed item counted {misses} times in metrics.errors"
+        assert misses == 1, (
+            f"one failed item counted {misses} times in metrics.errors (every error a caller "
+            "receives counts once, batch items included)"
+        )
         health = engine.health()
         assert (health.sessions, health.kv_used_tokens) == (2, 10)
         failing = self._batch(engine, [self._item(a, 9, (1,))])
@@ -818,8 +886,9 @@ class TargetedTests:
     def test_boundary_checks_on_every_path(self) -> None:
         """Bundles are checked on prefill, decode and batch items alike, on the tail and
         the middle shard: a wrong checksum is ChecksumMismatch; another fingerprint, an
-        empty fingerprint, or a layer one below or one above the shard's start is
-        ShardMismatch. Nothing changes.
+        empty fingerprint, or a layer one below (layer 0 included) or one above the shard's
+        start is ShardMismatch (that class exactly, not a plain InvalidRequest). Nothing
+        changes.
 
         Fix: run the same bundle checks (checksum, fingerprint, layer == start, hidden
         size) for every operation that takes a bundle, before any state is touched."""
@@ -838,8 +907,8 @@ class TargetedTests:
             def variants(
                 bundle: BoundaryBundle, start: int = start
             ) -> list[tuple[str, type[ShardEngineError], BoundaryBundle]]:
-                # An empty fingerprint may be refused as malformed (InvalidRequest) or as
-                # another model's (ShardMismatch); accepting it is the violation.
+                # A bundle that names no model, or enters no producer's end (layer 0), is not
+                # this shard's bundle: ShardMismatch, like any other model or layer.
                 return [
                     (
                         "checksum off by one",
@@ -853,13 +922,12 @@ class TargetedTests:
                     ),
                     (
                         "an empty fingerprint",
-                        InvalidRequest,
+                        ShardMismatch,
                         replace_bundle(bundle, model_fingerprint=""),
                     ),
                     (
                         "layer one below the start",
-                        # Layer 0 is no producer's end at all: malformed, not just mismatched.
-                        ShardMismatch if start > 1 else InvalidRequest,
+                        ShardMismatch,
                         replace_bundle(bundle, layer=start - 1),
                     ),
                     (
@@ -871,7 +939,7 @@ class TargetedTests:
 
             where = f"[{start}, {end})"
             for what, error, candidate in variants(prompt):
-                _raises(
+                _raises_exactly(
                     error,
                     partial(h.prefill, engine, session, 0, candidate),
                     f"{where} prefill: {what}",
@@ -879,16 +947,14 @@ class TargetedTests:
             assert engine.health().sessions == 0, f"{where}: a refused bundle created a session"
             h.prefill(engine, session, 0, prompt)
             for what, error, candidate in variants(row):
-                _raises(
+                _raises_exactly(
                     error,
                     partial(h.decode, engine, session, 4, candidate),
                     f"{where} decode: {what}",
                 )
                 if batched:
                     [outcome] = self._batch(engine, [self._item(session, 4, candidate)]).items
-                    codes = {error.code} | (
-                        {"shard_mismatch", "invalid_request"} if error is InvalidRequest else set()
-                    )
+                    codes = {error.code}
                     assert isinstance(outcome, ErrorInfo), f"{where} batch item: {what}: served"
                     assert outcome.code in codes, (
                         f"{where} batch item: {what}: expected {error.code}, got {outcome!r}"
@@ -1078,6 +1144,7 @@ class TargetedTests:
             engine = h.load(start, end)
             caps = engine.capabilities()
             exact, tolerance = self._shape_exactness(caps)
+            kind: OutputKind = "logits" if caps.shard.emits_logits else "hidden"
             upstream = self._row_sources(start)
             where = f"[{start}, {end}) ({caps.role})"
             original, edit = h.tokens(8, seed=1), h.tokens(3, seed=2)
@@ -1109,6 +1176,7 @@ class TargetedTests:
                 exact=exact,
                 tolerance=tolerance,
                 what=f"{where}: truncate at 4 vs a fresh run",
+                kind=kind,
             )
             newer = SessionRef(session_id=session.session_id, epoch=2)
             renewed = self._rows(
@@ -1124,6 +1192,7 @@ class TargetedTests:
                 exact=exact,
                 tolerance=tolerance,
                 what=f"{where}: a newer epoch vs a brand-new session",
+                kind=kind,
             )
             _raises(
                 StaleEpoch,
@@ -1426,21 +1495,29 @@ class TargetedTests:
 
     def test_error_codes_match_taxonomy(self) -> None:
         """Every error raised (and every error item of a batch) is an instance of exactly one
-        taxonomy class with that class's code, and its retryable flag is the class's (a
-        ResourceExhausted or NotReady may say either); the wire form rebuilds the same
-        class. A subclass with its own code, or a retryable StaleEpoch, violates the contract.
+        taxonomy class with that class's code, and its retryable flag is the contract's: the
+        class default, except that ResourceExhausted is retryable only for occupancy a release
+        or eviction can free (KV budget, session slots), not for positions past max_context,
+        and NotReady only while the engine is loading (never before load or after close). The
+        wire form rebuilds the same class. A subclass with its own code, or a retryable
+        StaleEpoch, violates the contract.
 
-        Fix: raise the contract's error classes themselves, with their default retryable."""
+        Fix: raise the contract's error classes themselves, with their default retryable;
+        retryable=False for a context overflow and for an unloaded or closed engine."""
         h = self.harness
         engine = h.load(max_sessions=2, eviction="reject")
         vocab = engine.capabilities().vocab_size
         session = h.session("a")
         h.prefill(engine, session, 0, h.tokens(3, seed=1))
         h.prefill(engine, h.session("b", epoch=2), 0, h.tokens(3, seed=1))
+        full = h.load(max_context=12, max_batch_tokens=16, kv_budget_tokens=64)
+        limit = full.capabilities().limits.max_context
+        h.prefill(full, session, 0, h.tokens(limit, seed=4))
         calls: list[tuple[str, Callable[[], object]]] = [
             ("cache miss", lambda: h.decode(engine, session, 9, (1,))),
             ("stale epoch", lambda: h.prefill(engine, h.session("b", epoch=1), 0, (1,))),
-            ("resource exhausted", lambda: h.prefill(engine, h.session("c"), 0, (1,))),
+            ("resource exhausted (slots)", lambda: h.prefill(engine, h.session("c"), 0, (1,))),
+            ("resource exhausted (context)", lambda: h.decode(full, session, limit, (1,))),
             ("invalid token", lambda: h.prefill(engine, session, 3, (vocab,))),
             (
                 "reserved field",
@@ -1480,7 +1557,15 @@ class TargetedTests:
             ]
         closed = h.load()
         closed.close()
-        calls.append(("not ready", lambda: h.prefill(closed, session, 0, (1,))))
+        unloaded = h.new_engine()
+        calls.append(("not ready (closed)", lambda: h.prefill(closed, session, 0, (1,))))
+        calls.append(("not ready (never loaded)", lambda: h.prefill(unloaded, session, 0, (1,))))
+        retryable = {
+            "resource exhausted (slots)": True,
+            "resource exhausted (context)": False,
+            "not ready (closed)": False,
+            "not ready (never loaded)": False,
+        }
         for what, call in calls:
             error = _raises(ShardEngineError, call, what)
             cls = type(error)
@@ -1489,11 +1574,10 @@ class TargetedTests:
                 "not a contract error class"
             )
             assert error.code == cls.code, f"{what}: code {error.code!r} != {cls.code!r}"
-            if cls not in _RETRYABLE_EITHER_WAY:
-                assert error.retryable == cls.default_retryable, (
-                    f"{what}: {cls.__name__}.retryable is {error.retryable}, the taxonomy says "
-                    f"{cls.default_retryable}"
-                )
+            wanted = retryable.get(what, cls.default_retryable)
+            assert error.retryable == wanted, (
+                f"{what}: {cls.__name__}.retryable is {error.retryable}, the contract says {wanted}"
+            )
             rebuilt = error_from_info(error.to_info())
             assert (type(rebuilt), rebuilt.code, rebuilt.retryable) == (
                 cls,
@@ -1515,10 +1599,9 @@ class TargetedTests:
                 assert known is not None, (
                     f"batch item error code {outcome.code!r} is not in the taxonomy"
                 )
-                if known not in _RETRYABLE_EITHER_WAY:
-                    assert outcome.retryable == known.default_retryable, (
-                        f"batch item {outcome.code}: retryable {outcome.retryable}"
-                    )
+                assert outcome.retryable == known.default_retryable, (
+                    f"batch item {outcome.code}: retryable {outcome.retryable}"
+                )
 
     def test_outputs_finite(self) -> None:
         """Every output is finite: logits of prefill ("last" and "all"), decode and batch

@@ -260,6 +260,7 @@ def _report_of(record: SuiteRecord, recorder: Recorder, config: pytest.Config) -
         missing_standard_tests=missing,
         capability_evidence=sources["capabilities"],
         result_evidence=sources["results"],
+        observed_differences=dict(sorted(record.observed.items())),
     )
     declared = PluginDeclarations(
         registered_evidence=sources["spec"],
