@@ -229,7 +229,8 @@ def bench(model: BenchModel, settings: Settings, results: Results) -> None:
                 replays.append(_replay(pipeline, session, prompt))
                 for index, (source, target) in enumerate(zip(sources, targets, strict=True)):
                     moves[index].append(_move(source, target, session, run))
-                if run < settings.repeat - 1:
+                # Every session is released except the last one, whose continuation is checked.
+                if (length, run) != (settings.lengths[-1], settings.repeat - 1):
                     for engine in (*sources, *targets):
                         engine.release(ReleaseRequest(session=session))
             replay = _median(replays)
