@@ -256,7 +256,7 @@ class RemoteEngine:
     def served_capabilities(self) -> api.Capabilities:
         """The served engine's capabilities as it reported them. Raises NotReady before load."""
         if self._served is None:
-            raise api.NotReady("remote engine is not loaded")
+            raise api.NotReady("remote engine is not loaded", retryable=False)
         return self._served
 
     # ----------------------------------------------------------------- lifecycle
@@ -384,7 +384,8 @@ class RemoteEngine:
         """The served engine's capabilities (cached at load). Raises NotReady before load and
         after close, EngineCrashed once the child died (unless a restart is due)."""
         if self._state == "closed" or self._capabilities is None:
-            raise api.NotReady(f"remote engine is {self._state}")
+            state = "not loaded" if self._state == "loading" else self._state
+            raise api.NotReady(f"remote engine is {state}", retryable=False)
         options = self._options
         if self._state == "crashed" and not (options and self._can_restart(options)):
             raise self._crash_copy()
@@ -565,6 +566,9 @@ class RemoteEngine:
                     raise self._crash_copy()
                 self._restart(options)
             if self._state != "ready" or self._link is None or options is None:
+                if options is None and self._state == "loading":
+                    # Never loaded (a load in progress holds the lock): waiting will not help.
+                    raise api.NotReady("remote engine is not loaded", retryable=False)
                 raise api.NotReady(
                     f"remote engine is {self._state}", retryable=self._state == "loading"
                 )
