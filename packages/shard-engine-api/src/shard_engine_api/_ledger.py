@@ -215,20 +215,9 @@ class SessionLedger:
         current = self.sessions.get(session_id)
         if current is None or epoch < current.epoch:
             # Not plainly live (the common case, every decode step): the fence rule decides.
-            current, status = self._live_or_fenced(session_id, epoch)
-        if current is None:
-            reason = "evicted" if status == "evicted" else "unknown_session"
-            raise CacheMiss(
-                f"session {session_id!r} has no cached state ({reason})",
-                committed_length=0,
-                reason=reason,
-            )
-        if epoch > current.epoch:
-            raise CacheMiss(
-                f"session {session_id!r} epoch {epoch} has not been prefilled",
-                committed_length=0,
-                reason="new_epoch",
-            )
+            current = self._cached_entry(session_id, epoch, "")
+        elif epoch > current.epoch:
+            raise _not_prefilled(session_id, epoch)
         if pos != current.length:
             raise CacheMiss(
                 f"decode at {pos} but session {session_id!r} has {current.length} cached positions",
@@ -353,20 +342,21 @@ class SessionLedger:
         """The live entry an export of ``(session_id, epoch)`` reads, or the error a decode of
         that epoch would get (CacheMiss for unknown, evicted or not-yet-prefilled newer epochs;
         StaleEpoch for older or released ones). Changes nothing, LRU order included."""
+        return self._cached_entry(session_id, epoch, " to export")
+
+    def _cached_entry(self, session_id: str, epoch: int, purpose: str) -> SessionEntry:
+        """The live entry of ``(session_id, epoch)`` by the fence rule, or the CacheMiss /
+        StaleEpoch a read of its cache gets (``purpose`` completes the CacheMiss message)."""
         current, status = self._live_or_fenced(session_id, epoch)
         if current is None:
             reason = "evicted" if status == "evicted" else "unknown_session"
             raise CacheMiss(
-                f"session {session_id!r} has no cached state to export ({reason})",
+                f"session {session_id!r} has no cached state{purpose} ({reason})",
                 committed_length=0,
                 reason=reason,
             )
         if epoch > current.epoch:
-            raise CacheMiss(
-                f"session {session_id!r} epoch {epoch} has not been prefilled",
-                committed_length=0,
-                reason="new_epoch",
-            )
+            raise _not_prefilled(session_id, epoch)
         return current
 
     def admit_import(
@@ -501,3 +491,11 @@ class SessionLedger:
         self.kv_used = 0
         self._free_slots.clear()
         self._next_slot = 0
+
+
+def _not_prefilled(session_id: str, epoch: int) -> CacheMiss:
+    return CacheMiss(
+        f"session {session_id!r} epoch {epoch} has not been prefilled",
+        committed_length=0,
+        reason="new_epoch",
+    )
