@@ -10,14 +10,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._backend import OutputMode
-from shard_engine_api._checksum import (
-    SCANNED,
-    SCANNED_FINITE,
-    mark_checksummed,
-    mark_scanned,
-    payload_checksum,
-)
-from shard_engine_api._dtypes import overflow_threshold, payload_finite
+from shard_engine_api._checksum import SCANNED, SCANNED_FINITE, mark_scanned
+from shard_engine_api._dtypes import checksum_and_finite, overflow_threshold, payload_finite
 from shard_engine_api._errors import EngineCrashed, ResourceExhausted
 from shard_engine_api._types import (
     BoundaryBundle,
@@ -110,6 +104,7 @@ def build_result(
     if output == "hidden":
         if rows_private and boundary_dtype == "f32" and _exact_f32(rows):
             payload = _frozen_payload(rows)
+            checksum, finite = checksum_and_finite(payload, "f32")
             bundle = BoundaryBundle(
                 session=session,
                 first_pos=start_pos,
@@ -119,9 +114,9 @@ def build_result(
                 layer=caps.shard.end,
                 model_fingerprint=caps.model_fingerprint,
                 payload=payload,
-                checksum=payload_checksum(payload),
+                checksum=checksum,
             )
-            mark_checksummed(bundle)
+            mark_scanned(bundle, SCANNED_FINITE if finite else SCANNED)
         else:
             bundle = BoundaryBundle.from_array(
                 rows,
@@ -131,8 +126,8 @@ def build_result(
                 model_fingerprint=caps.model_fingerprint,
                 dtype=boundary_dtype,
             )
-        if bundle.dtype == "f32" and _finite(bundle.payload, bundle.hidden_size):
-            mark_scanned(bundle, SCANNED_FINITE)
+            if bundle.dtype == "f32" and _finite(bundle.payload, bundle.hidden_size):
+                mark_scanned(bundle, SCANNED_FINITE)
         return BoundaryResult(
             request_id=request_id,
             session=session,
@@ -157,6 +152,7 @@ def build_result(
     # the rows into immutable bytes.
     n_rows, width = rows.shape
     payload = _frozen_payload(rows) if rows_private else memoryview(rows.tobytes())
+    checksum, finite = checksum_and_finite(payload, "f32")
     result = LogitsResult(
         request_id=request_id,
         session=session,
@@ -165,10 +161,10 @@ def build_result(
         vocab_size=width,
         evidence=caps.evidence,
         payload=payload,
-        checksum=payload_checksum(payload),
+        checksum=checksum,
         timings=timings,
     )
-    mark_scanned(result, SCANNED_FINITE if _finite(payload, width) else SCANNED)
+    mark_scanned(result, SCANNED_FINITE if finite else SCANNED)
     return result
 
 
