@@ -1,4 +1,4 @@
-"""``RemoteEngine``: a ShardEngine whose work runs elsewhere, over gRPC.
+"""``RemoteEngine``: a ShardEngine whose work runs elsewhere, over gRPC or the framed transport.
 
 Exactly one of three load options says where::
 
@@ -6,8 +6,11 @@ Exactly one of three load options says where::
     {"spawn": "llama"}                      a supervised child process on a private unix socket
     {"in_process": "fake"}                  a server in this process (tests, transport cost)
 
-Every other option is the served engine's (spawn and in_process; a target's engine was loaded
-by its server, so it takes none). The remote engine's own options are the fields of
+``transport`` says how calls travel: ``framed`` (length-prefixed codec frames on a unix socket
+in a private directory, :mod:`shard_engine_remote._framed`; the default for ``spawn``) or
+``grpc`` (the default otherwise, and the only one beyond this machine). Every other option is
+the served engine's (spawn and in_process; a target's engine was loaded by its server, so it
+takes none). The remote engine's own options are the fields of
 :class:`RemoteOptions`.
 
 Capabilities are the served engine's (evidence class, limits, determinism, fingerprint), with

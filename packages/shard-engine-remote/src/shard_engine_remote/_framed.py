@@ -649,25 +649,36 @@ class _ServerConnection:
                 self._refuse(call_id, api.InvalidRequest(f"unknown frame kind {kind}"))
                 continue
             if self._owner.draining:
-                self.send(
-                    ERROR,
-                    call_id,
-                    _HELLO_ENCODER.encode(
-                        ("UNAVAILABLE", f"the server is shutting down; {NOT_SENT} to its engine")
-                    ),
-                )
+                self._draining_error(call_id)
+                continue
+            if not self._owner.admit():
+                self._server.counters.add("busy")
+                self._refuse_busy(call_id)
                 continue
             context = _CallContext(self._peer)
             with self._lock:
                 self._calls[call_id] = context
                 if kind == IMPORT:
                     stream = self._streams[call_id] = queue.SimpleQueue()
-            if kind == CALL:
-                pool.submit(self._run, call_id, context, self._call, body)
-            elif kind == EXPORT:
-                pool.submit(self._run, call_id, context, self._export, body)
-            else:
-                pool.submit(self._run, call_id, context, self._import, stream)
+            serve: Callable[[int, _CallContext, typing.Any], None] = (
+                self._call if kind == CALL else self._export if kind == EXPORT else self._import
+            )
+            try:
+                pool.submit(self._run, call_id, context, serve, stream if kind == IMPORT else body)
+            except RuntimeError:  # the pool shut down: the server is stopping
+                self._owner.release()
+                self._draining_error(call_id)
+
+    def _draining_error(self, call_id: int) -> None:
+        message = f"the server is shutting down; {NOT_SENT} to its engine"
+        self.send(ERROR, call_id, _HELLO_ENCODER.encode(("UNAVAILABLE", message)))
+
+    def _refuse_busy(self, call_id: int) -> None:
+        error = api.ResourceExhausted(
+            "the server holds as many calls as it queues; retry",
+            details={"resource": "server_calls"},
+        )
+        self.send(REPLY, call_id, encode_reply(error.to_info()))
 
     def _refuse(self, call_id: int, error: api.ShardEngineError) -> None:
         self._server.counters.add("calls")
@@ -683,6 +694,7 @@ class _ServerConnection:
         try:
             serve(call_id, context, argument)
         finally:
+            self._owner.release()
             with self._lock:
                 self._calls.pop(call_id, None)
                 self._streams.pop(call_id, None)
@@ -744,6 +756,15 @@ class FramedServer:
         self._connections: set[_ServerConnection] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._calls = threading.BoundedSemaphore(server.max_workers * 8)
+        """Calls queued or running, all connections together (gRPC's maximum_concurrent_rpcs
+        on the other transport): beyond, a retryable ResourceExhausted."""
+
+    def admit(self) -> bool:
+        return self._calls.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._calls.release()
 
     def start(self, path: Path) -> str:
         """Bind ``path`` (its directory must be private) and serve; returns ``unix:PATH``.

@@ -99,12 +99,14 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     rejected_frames: int = 0
     """Request bytes that did not decode (InvalidRequest)."""
     oversized: int = 0
-    """Requests over the message limit (ResourceExhausted, not retryable). Beyond twice the
-    limit gRPC refuses them before the server sees a byte, uncounted."""
+    """Requests over the message limit (ResourceExhausted, not retryable). Over gRPC, beyond
+    twice the limit gRPC refuses them before the server sees a byte, uncounted; the framed
+    transport skips and counts every one."""
     rate_limited: int = 0
     """Calls refused by the client's rate limit (ResourceExhausted with ``retry_after_s``)."""
     busy: int = 0
-    """Compute calls refused because every compute thread was busy (retryable)."""
+    """Compute calls refused because every compute thread was busy (retryable); on the framed
+    transport also calls and connections beyond what the server queues."""
     transport_cancels: int = 0
     """Compute calls whose RPC ended first (cancel, deadline, lost connection): engine.cancel."""
     rate_limited_clients: int = 0
