@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import RemoteFactory, ServeFactory, config, decode, prefill
+from conftest import RemoteFactory, ServeFactory, config, decode, prefill, wait_until
 
 import shard_engine_api as api
 from shard_engine_api import cli, wire
@@ -205,3 +205,38 @@ def test_serves_only_in_a_private_directory(
     remote = api.load_engine("remote")
     with pytest.raises(api.InvalidRequest, match="unix socket"):
         remote.load(config(target="127.0.0.1:7450", transport="framed"))
+
+
+def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) -> None:
+    """Connections beyond the server's bound are closed at once and counted (busy); those
+    already open keep being served, and a freed slot is taken again."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    engine = api.load_engine("fake", config())
+    server = FramedServer(EngineServer(engine), max_connections=2)
+    address = server.start(private / "engine.sock")
+    try:
+        first = _Raw(address, token="")
+        assert first.greeting()[0] == HELLO
+        worker = remote(config(target=address, transport="framed"))
+        prefill(worker)
+        flood = _Raw(address, token="")
+        assert _closed(flood.sock)
+        flood.close()
+        assert server.server.stats().busy == 1
+        decode(worker, 3)
+        first.close()
+        wait_until(lambda: _greeted(address))
+    finally:
+        server.stop(grace=0.5)
+        engine.close()
+
+
+def _greeted(address: str) -> bool:
+    raw = _Raw(address, token="")
+    try:
+        return raw.greeting()[0] == HELLO
+    except (EOFError, ConnectionResetError):
+        return False
+    finally:
+        raw.close()
