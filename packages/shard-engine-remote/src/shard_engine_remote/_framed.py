@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import logging
 import os
 import queue
 import select
@@ -86,6 +87,7 @@ NOT_SENT: Final = "the request was not sent"
 """Words in a link error's details meaning the request never reached the server (the remote
 engine then reports RemoteUnavailable, never OutcomeUnknown)."""
 _HELLO_ENCODER: Final = msgspec.msgpack.Encoder()
+_LOG: Final = logging.getLogger("shard_engine.remote")
 
 
 class _Hello(msgspec.Struct, frozen=True, kw_only=True):
@@ -205,13 +207,14 @@ def _send(
                     sent = sock.send(view, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     remaining = deadline - time.monotonic()
-                    poller = select.poll()
-                    poller.register(sock, select.POLLOUT)
-                    if remaining <= 0 or not poller.poll(remaining * 1000):
+                    if remaining <= 0:
                         raise FramedLinkError(
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             "deadline passed while sending" + ("" if sent_any else f"; {NOT_SENT}"),
                         ) from None
+                    poller = select.poll()
+                    poller.register(sock, select.POLLOUT)
+                    poller.poll(min(remaining, 60.0) * 1000)
                     continue
                 sent_any = True
                 view = view[sent:]
@@ -305,7 +308,8 @@ class _Connection:
                 if arrivals is not None:
                     arrivals.put((kind, body))
         except (OSError, _Closed) as error:
-            self._fail(FramedLinkError(grpc.StatusCode.UNAVAILABLE, f"connection lost: {error}"))
+            reason = str(error) or "the server closed it"
+            self._fail(FramedLinkError(grpc.StatusCode.UNAVAILABLE, f"connection lost: {reason}"))
         except FramedLinkError as error:
             self._fail(error)
 
@@ -313,13 +317,14 @@ class _Connection:
         with self._waiting_lock:
             self.broken = error
             waiting, self._waiting = self._waiting, {}
+        # Shut down, not closed: a sender may still hold the socket (closed when dropped).
         _shutdown(self.sock)
-        self.sock.close()
         for arrivals in waiting.values():
             arrivals.put(error)
 
     def close(self) -> None:
         _shutdown(self.sock)
+        self.sock.close()
 
 
 def _error_frame(body: bytes) -> FramedLinkError:
@@ -693,6 +698,10 @@ class _ServerConnection:
     ) -> None:
         try:
             serve(call_id, context, argument)
+        except Exception as error:  # noqa: BLE001 - a bug here must not leave the caller waiting
+            _LOG.exception("serving a framed call failed")
+            failure = api.ShardEngineError(f"the server failed: {type(error).__name__}: {error}")
+            self.send(REPLY, call_id, encode_reply(failure.to_info()))
         finally:
             self._owner.release()
             with self._lock:
