@@ -17,7 +17,7 @@ from conftest import Background, RemoteFactory, ServeFactory, ref, shard, wait_u
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer
+from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, RemoteUnavailable
 from shard_engine_remote._framed import FramedLink
 from shard_engine_remote._server import CallContext
 from shard_engine_remote._wire import (
@@ -288,3 +288,25 @@ def test_snapshots_do_not_travel_through_call(serve: ServeFactory) -> None:
         error = wire.decode_error(call(wire.encode(request), timeout=5))
     assert isinstance(error, api.InvalidRequest)
     assert "streams" in error.message
+
+
+def test_export_past_its_deadline_cancels_the_engine_work(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """An export whose deadline passes while the engine works: the client gets
+    RemoteUnavailable (the source is unchanged, so retrying is safe), the server cancels the
+    export, and the session decodes on."""
+    plan = {
+        "rules": [
+            {"action": {"kind": "delay", "milliseconds": 3000}, "operations": ["export_session"]}
+        ]
+    }
+    server = serve(config(faults=plan), transport=transport)
+    assert server.address is not None
+    engine = remote(config(target=server.address, transport=transport, timeout_s=0.5))
+    _prefill(engine, "s", (1, 2, 3))
+    with pytest.raises(RemoteUnavailable):
+        _export(engine, "s")
+    wait_until(lambda: server.engine.metrics().cancelled == 1)
+    assert server.stats().transport_cancels == 1
+    _step(engine, "s", 3)
