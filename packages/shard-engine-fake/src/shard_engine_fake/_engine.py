@@ -189,7 +189,10 @@ class FakeEngine(EngineCore):
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
     ) -> list[npt.NDArray[np.float32]]:
         model = self._loaded_model()
-        states = [self._run(model, item, token)[0] for item in items]
+        token.check()
+        inputs = [self._inputs(model, item)[0] for item in items]
+        # One packed pass over the whole batch (each row bitwise its single decode).
+        states = model.run_rows(inputs, [self._prepare(model, item) for item in items])
         if self._injector.active:
             self._injected_delay(token)
         # One vectorised unpack/projection for the whole batch; integer-exact, so each row is
@@ -362,7 +365,9 @@ class FakeEngine(EngineCore):
             raise EngineCrashed("fake engine has no model (not loaded or closed)")
         return model
 
-    def _run(self, model: FakeModel, item: ForwardItem, token: CancelToken) -> list[int]:
+    def _prepare(self, model: FakeModel, item: ForwardItem) -> list[list[int]]:
+        """The slot's layer caches, cut to ``item.start_pos``, with what the cut removed kept
+        for a rollback."""
         caches = self._caches.get(item.slot)
         if caches is None:
             caches = self._caches[item.slot] = [[] for _ in range(model.end - model.start)]
@@ -374,11 +379,18 @@ class FakeEngine(EngineCore):
             for cache in caches:
                 del cache[start:]
         self._undo[item.slot] = _Undo(start, replaced)
+        return caches
+
+    @staticmethod
+    def _inputs(model: FakeModel, item: ForwardItem) -> list[int]:
         if item.tokens is not None:
-            inputs = model.embed(item.tokens)
-        else:
-            assert item.hidden is not None
-            inputs = model.pack(item.hidden)
+            return model.embed(item.tokens)
+        assert item.hidden is not None
+        return model.pack(item.hidden)
+
+    def _run(self, model: FakeModel, item: ForwardItem, token: CancelToken) -> list[int]:
+        caches = self._prepare(model, item)
+        inputs = self._inputs(model, item)
         run_row = model.run_row
         states: list[int] = []
         for state in inputs:

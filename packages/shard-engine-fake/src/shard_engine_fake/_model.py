@@ -201,12 +201,18 @@ _LANES: Final = np.dtype("<u2")
 _Layer = tuple[int, int, int, int, int, int]
 """shift, shift_back, key_mask, key_mult, value_mask, value_mult (a tuple: the hot loop unpacks
 it in one step, several times faster than attribute access)."""
+_BatchLayer = tuple[int, int, int, int, int, int, int, int]
+"""shift, shift_back, high_lanes, low_lanes, key_mask, key_mult, value_mask, value_mult for a
+batch of rows packed side by side (the masks repeated per row; high_lanes/low_lanes select
+what each half of the rotation contributes to each row)."""
+_BATCH_SIZES_KEPT: Final = 8
 
 
 class FakeModel:
     """The weights of layers ``[start, end)`` of a fake model and its forward arithmetic."""
 
     __slots__ = (
+        "_batches",
         "_embedding",
         "_lane_values",
         "_layers",
@@ -263,6 +269,7 @@ class FakeModel:
                 )
             )
         self._layers = tuple(layers)
+        self._batches: dict[int, tuple[int, int, tuple[_BatchLayer, ...]]] = {}
         self._logit_index: npt.NDArray[np.intp] = np.zeros((LOGIT_TERMS, 0), dtype=np.intp)
         self._logit_weight: npt.NDArray[np.float32] = np.zeros((LOGIT_TERMS, 0), np.float32)
         if end == spec.n_layers:
@@ -299,6 +306,84 @@ class FakeModel:
             cache.append(mixed)
             state = ((state ^ layer_mask) + mixed * layer_mult) & value_mask
         return state
+
+    def run_rows(self, states: Sequence[int], caches: Sequence[Sequence[list[int]]]) -> list[int]:
+        """:meth:`run_row` for rows of distinct sessions (``caches[j]`` holds the layer caches
+        of row ``j``). The rows are packed side by side into one integer, so a layer costs a
+        handful of big-integer operations for the whole batch rather than per row. Each lane
+        computes what :meth:`run_row` computes (no operation carries into the next lane and
+        the rotation is masked per row), so every row is bitwise its single-row result."""
+        count = len(states)
+        if count == 1:
+            return [self.run_row(states[0], caches[0])]
+        size = self.row_bytes
+        total = size * count
+        value_mask, low6, layers = self._batch_constants(count)
+        packed = int.from_bytes(
+            b"".join([state.to_bytes(size, "little") for state in states]), "little"
+        )
+        offsets = range(0, total, size)
+        for layer, (
+            shift,
+            shift_back,
+            high,
+            low,
+            key_mask,
+            key_mult,
+            layer_mask,
+            layer_mult,
+        ) in enumerate(layers):
+            rotated = ((packed << shift) & high) | ((packed >> shift_back) & low)
+            rotated ^= (rotated >> 5) & low6
+            key = ((rotated ^ key_mask) * key_mult) & value_mask
+            # Every row of a decode batch has cached positions; an empty cache counts as 0,
+            # as in run_row.
+            previous = int.from_bytes(
+                b"".join(
+                    [
+                        row[layer][-1].to_bytes(size, "little") if row[layer] else bytes(size)
+                        for row in caches
+                    ]
+                ),
+                "little",
+            )
+            mixed = (previous * 3 + key) & value_mask
+            data = mixed.to_bytes(total, "little")
+            for offset, row in zip(offsets, caches, strict=True):
+                row[layer].append(int.from_bytes(data[offset : offset + size], "little"))
+            packed = ((packed ^ layer_mask) + mixed * layer_mult) & value_mask
+        data = packed.to_bytes(total, "little")
+        return [int.from_bytes(data[offset : offset + size], "little") for offset in offsets]
+
+    def _batch_constants(self, count: int) -> tuple[int, int, tuple[_BatchLayer, ...]]:
+        """The masks of :meth:`run_rows` for ``count`` rows (built once per batch size)."""
+        found = self._batches.get(count)
+        if found is not None:
+            return found
+        size = self.row_bytes
+
+        def repeat(value: int) -> int:
+            return int.from_bytes(value.to_bytes(size, "little") * count, "little")
+
+        row = (1 << (self.hidden_size * LANE_BITS)) - 1
+        layers = tuple(
+            (
+                shift,
+                shift_back,
+                repeat(row ^ ((1 << shift) - 1)),
+                repeat((1 << shift) - 1),
+                repeat(key_mask),
+                key_mult,
+                repeat(layer_mask),
+                layer_mult,
+            )
+            for shift, shift_back, key_mask, key_mult, layer_mask, layer_mult in self._layers
+        )
+        constants = (repeat(self._value_mask), repeat(self._low6), layers)
+        if len(self._batches) >= _BATCH_SIZES_KEPT:
+            self._batches.clear()
+        self._batches[count] = constants
+        return constants
 
     def _raw_lanes(self, states: Sequence[int]) -> npt.NDArray[np.uint16]:
         size = self.row_bytes
