@@ -40,7 +40,6 @@ from shard_engine_api import (
 from shard_engine_api import _boundary as boundary
 from shard_engine_api import _results as results
 from shard_engine_api._boundary import BundleExpectation, ViolationKind, check_bundle
-from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._dtypes import payload_finite
 from shard_engine_api.wire import Codec, encode
 
@@ -191,17 +190,19 @@ class Scans:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.checksums = 0
         self.finite = 0
-        checksum, finite = payload_checksum, payload_finite
+        verify, finite = boundary.verify_payload, payload_finite
 
-        def counted_checksum(payload: Any) -> int:
+        def counted_verify(payload: Any, checksum: int, finite_kind: int) -> int:
+            # One pass that verifies the checksum and (for a non-zero kind) finiteness.
             self.checksums += 1
-            return checksum(payload)
+            self.finite += bool(finite_kind)
+            return verify(payload, checksum, finite_kind)
 
         def counted_finite(payload: Any, dtype: Any) -> bool:
             self.finite += 1
             return finite(payload, dtype)
 
-        monkeypatch.setattr(boundary, "payload_checksum", counted_checksum)
+        monkeypatch.setattr(boundary, "verify_payload", counted_verify)
         monkeypatch.setattr(boundary, "payload_finite", counted_finite)
         # The core checks the finiteness of the results it builds (and marks them).
         self.built = 0

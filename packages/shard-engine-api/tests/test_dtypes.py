@@ -30,12 +30,19 @@ from shard_engine_api._dtypes import (
     overflow_threshold,
     payload_finite,
     payload_rows,
+    python_payload_finite,
 )
 from shard_engine_api._results import check_range
 from shard_engine_api.engine import CancelToken, ForwardItem, ModelInfo, OutputMode
 from shard_engine_api.wire import decode_bundle, encode_bundle
 
 SESSION = SessionRef(session_id="s", epoch=1)
+# The bound implementation (the C extension's where it is built) and the numpy fallback.
+FINITE_TESTS = pytest.mark.parametrize(
+    "payload_finite",
+    [payload_finite, python_payload_finite],
+    ids=["bound", "python"],
+)
 ALL_16 = np.arange(1 << 16, dtype=np.uint16)
 
 
@@ -114,8 +121,11 @@ def test_conversion_keeps_shape_and_takes_other_numeric_dtypes() -> None:
     assert f32_to_bf16_bits(np.zeros((0,), dtype=np.float32)).size == 0
 
 
+@FINITE_TESTS
 @pytest.mark.parametrize(("dtype", "exponent"), [("f16", 0x7C00), ("bf16", 0x7F80)])
-def test_finiteness_of_every_16_bit_pattern(dtype: BoundaryDtype, exponent: int) -> None:
+def test_finiteness_of_every_16_bit_pattern(
+    dtype: BoundaryDtype, exponent: int, payload_finite: typing.Callable[..., bool]
+) -> None:
     """Every finite pattern together passes; every non-finite pattern (each infinity and NaN
     of either sign) fails on its own among finite values, at the start, middle and end."""
     finite = (ALL_16 & exponent) != exponent
@@ -129,8 +139,11 @@ def test_finiteness_of_every_16_bit_pattern(dtype: BoundaryDtype, exponent: int)
             assert not payload_finite(payload.tobytes(), dtype), (hex(bits), at)
 
 
+@FINITE_TESTS
 @pytest.mark.parametrize("size", [33, 20_000])  # a decode row's path and the large one
-def test_finiteness_of_f32_edge_patterns(size: int) -> None:
+def test_finiteness_of_f32_edge_patterns(
+    size: int, payload_finite: typing.Callable[..., bool]
+) -> None:
     patterns = {
         0x00000000: True,
         0x80000000: True,

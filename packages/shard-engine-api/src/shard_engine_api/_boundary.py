@@ -12,9 +12,12 @@ UnsupportedFeature, ResourceExhausted), the wrapper to MalformedOutput with
 Checks run cheapest first: contract version, reserved MTP/aux state, header ranges, dtype,
 hidden size, model fingerprint (which must be non-empty), layer index, the request's session,
 position and row count, the payload size limit (before any hashing), payload length against the
-header, the checksum (xxh3-64, one pass), and finiteness (NaN/Inf: two read-only max reductions
-over integer views of the bits, see shard_engine_api._dtypes; measured against the
-alternatives in benchmarks/codec_bench.py).
+header, then the checksum (xxh3-64) and finiteness (NaN/Inf, tested on the bits) together by
+:func:`verify_payload`: one pass in the optional C extension (each cache-sized block hashed,
+then tested while it is still in cache), else the xxhash package and two read-only numpy max
+reductions over integer views of the bits (see shard_engine_api._dtypes). A payload that fails
+both is reported as a checksum mismatch, whichever implementation ran; measured against the
+alternatives in benchmarks/codec_bench.py.
 
 One scan per hop: the checksum and finiteness passes read the whole payload, so a bundle that
 passed them carries a private mark recording it, and a later check of the same object skips them
@@ -30,6 +33,7 @@ therefore not rescanned by the engine core that receives it, and a result bundle
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -37,13 +41,21 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import (
+    NATIVE_MODULE,
     SCANNED,
     SCANNED_FINITE,
+    Buffer,
     mark_scanned,
-    payload_checksum,
+    python_checksum,
     scanned,
 )
-from shard_engine_api._dtypes import BOUNDARY_DTYPES, ITEMSIZE, payload_finite
+from shard_engine_api._dtypes import (
+    BOUNDARY_DTYPES,
+    FINITE_KINDS,
+    ITEMSIZE,
+    payload_finite,
+    python_payload_finite,
+)
 from shard_engine_api._errors import (
     ChecksumMismatch,
     ContractVersionMismatch,
@@ -63,12 +75,17 @@ from shard_engine_api._types import (
 )
 
 __all__ = [
+    "CHECKSUM_MISMATCH",
+    "NONFINITE",
+    "SOUND",
     "BundleExpectation",
     "Violation",
     "ViolationKind",
     "all_finite",
     "check_bundle",
     "check_logits",
+    "python_verify_payload",
+    "verify_payload",
     "violation_error",
 ]
 
@@ -136,6 +153,39 @@ def all_finite(values: npt.NDArray[np.floating]) -> bool:
     return payload_finite(values, name)
 
 
+# ----------------------------------------------------------------------------- one pass
+
+SOUND: Final = 0
+""":func:`verify_payload`: the checksum matches and (when tested) every value is finite."""
+CHECKSUM_MISMATCH: Final = 1
+""":func:`verify_payload`: the payload does not match its checksum (whatever its values)."""
+NONFINITE: Final = 2
+""":func:`verify_payload`: the checksum matches, but a value is NaN or infinite."""
+
+_KIND_DTYPES: Final[dict[int, BoundaryDtype]] = {
+    kind: dtype for dtype, kind in FINITE_KINDS.items()
+}
+_F32_KIND: Final = FINITE_KINDS["f32"]
+
+
+def python_verify_payload(payload: Buffer, checksum: int, finite_kind: int) -> int:
+    """:func:`verify_payload` with the xxhash package and numpy (the fallback without the C
+    extension): the checksum, then, if it matches, the finiteness test."""
+    if python_checksum(payload) != checksum:
+        return CHECKSUM_MISMATCH
+    if finite_kind and not python_payload_finite(payload, _KIND_DTYPES[finite_kind]):
+        return NONFINITE
+    return SOUND
+
+
+verify_payload: Final[Callable[[Buffer, int, int], int]] = (
+    python_verify_payload if NATIVE_MODULE is None else NATIVE_MODULE.verify
+)
+"""``verify_payload(payload, checksum, finite_kind)``: :data:`SOUND`, :data:`CHECKSUM_MISMATCH`
+or :data:`NONFINITE`. ``finite_kind`` is ``FINITE_KINDS[dtype]`` (shard_engine_api._dtypes), or
+0 to test the checksum only. ValueError when the length is not a whole number of values."""
+
+
 # ----------------------------------------------------------------------------- checks
 
 
@@ -145,6 +195,13 @@ def _size_violation(what: str, size: int, limit: int) -> Violation:
         f"{what} payload of {size} bytes exceeds the limit of {limit}",
         {"resource": "payload_bytes", "payload_bytes": size, "limit": limit},
     )
+
+
+def _payload_violation(what: str, status: int) -> Violation:
+    """The violation a non-zero :func:`verify_payload` status stands for."""
+    if status == CHECKSUM_MISMATCH:
+        return Violation(ViolationKind.CHECKSUM, f"{what} does not match its checksum")
+    return Violation(ViolationKind.FINITE, f"{what} contain NaN or Inf")
 
 
 def check_bundle(
@@ -230,17 +287,21 @@ def check_bundle(
             f"bundle payload has {size} bytes; header promises {rows} x {width} x {dtype} "
             f"= {expected_size}",
         )
+    check_finite = expect.check_finite
     level = scanned(bundle)
-    if level >= (SCANNED_FINITE if expect.check_finite else SCANNED):
-        return None
-    if not level and payload_checksum(payload) != bundle.checksum:
-        return Violation(ViolationKind.CHECKSUM, "bundle payload does not match its checksum")
-    if expect.check_finite:
+    if level:
+        # Checksum already verified (or computed from the payload by from_array).
+        if not check_finite or level >= SCANNED_FINITE:
+            return None
         if not payload_finite(payload, dtype):
-            return Violation(ViolationKind.FINITE, "bundle hidden states contain NaN or Inf")
+            return _payload_violation("bundle hidden states", NONFINITE)
         mark_scanned(bundle, SCANNED_FINITE)
-    elif not level:
-        mark_scanned(bundle, SCANNED)
+        return None
+    status = verify_payload(payload, bundle.checksum, FINITE_KINDS[dtype] if check_finite else 0)
+    if status:
+        what = "bundle payload" if status == CHECKSUM_MISMATCH else "bundle hidden states"
+        return _payload_violation(what, status)
+    mark_scanned(bundle, SCANNED_FINITE if check_finite else SCANNED)
     return None
 
 
@@ -285,10 +346,14 @@ def check_logits(
             f"logits payload has {size} bytes; header promises {rows} x {width} x f32 "
             f"= {expected_size}",
         )
-    if not scanned(result) and payload_checksum(payload) != result.checksum:
-        return Violation(ViolationKind.CHECKSUM, "logits payload does not match its checksum")
-    if check_finite and not payload_finite(payload, "f32"):
-        return Violation(ViolationKind.FINITE, "logits contain NaN or Inf")
+    if scanned(result):
+        if check_finite and not payload_finite(payload, "f32"):
+            return _payload_violation("logits", NONFINITE)
+        return None
+    status = verify_payload(payload, result.checksum, _F32_KIND if check_finite else 0)
+    if status:
+        what = "logits payload" if status == CHECKSUM_MISMATCH else "logits"
+        return _payload_violation(what, status)
     return None
 
 

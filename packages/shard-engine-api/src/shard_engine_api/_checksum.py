@@ -16,6 +16,14 @@ flips (1,618 of 1,620 such corruptions passed), and let random 2-bit errors thro
 in 30,000. It is not a cryptographic hash: it guards against corruption, not against a peer
 that forges payloads (authenticated transports do that).
 
+Two implementations, one result: the optional C extension ``shard_engine_api._native`` (xxHash's
+own XXH3_64bits, vendored, with its run-time SSE2/AVX2/AVX-512 dispatch) when it was built, else
+the ``xxhash`` package. The extension also verifies a payload's checksum and finiteness in one
+pass (``verify_payload`` of shard_engine_api._boundary); without it that is the checksum, then
+the numpy bit tests of shard_engine_api._dtypes. :data:`NATIVE` says which is in use; the
+environment variable ``SHARD_ENGINE_API_NATIVE=0``, set before the import, selects the fallback
+(the tests pin that both give the same answers).
+
 The value is an unsigned 64-bit integer (:data:`CHECKSUM_MAX`); on the wire it is a msgpack
 uint64, so checksum fields are typed ``Checksum`` (0..2**64-1), not ``Count`` (<= INT64_MAX).
 
@@ -26,22 +34,29 @@ hop (see shard_engine_api._boundary). A mark is only set where the payload canno
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Final, TypeAlias
+import os
+from collections.abc import Callable, Iterable
+from typing import Final, Protocol, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "CHECKSUM_MAX",
+    "NATIVE",
+    "NATIVE_ENV",
+    "NATIVE_MODULE",
     "SCANNED",
     "SCANNED_FINITE",
     "Buffer",
+    "NativeScan",
     "chunks_checksum",
     "mark_checksummed",
     "mark_scanned",
     "payload_checksum",
+    "python_checksum",
     "scanned",
 ]
 
@@ -52,13 +67,51 @@ CHECKSUM_MAX: Final = 2**64 - 1
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
+NATIVE_ENV: Final = "SHARD_ENGINE_API_NATIVE"
+"""Set to ``0`` (before the import) to use the pure-Python fallback even where the extension
+was built."""
+
+
+class NativeScan(Protocol):
+    """The C extension's functions (see _native.c and _native.pyi)."""
+
+    VECTOR: str
+
+    def checksum(self, buffer: Buffer, /) -> int: ...
+    def finite(self, buffer: Buffer | npt.NDArray[np.generic], kind: int, /) -> bool: ...
+    def verify(self, buffer: Buffer, checksum: int, kind: int, /) -> int: ...
+    def checksum_and_finite(
+        self, buffer: Buffer | npt.NDArray[np.generic], kind: int, /
+    ) -> tuple[int, bool]: ...
+
+
+def _load_native() -> NativeScan | None:
+    """The built ``_native`` extension, or None (not built, or disabled by the environment)."""
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None
+    try:
+        from shard_engine_api import _native
+    except ImportError:
+        return None
+    return _native
+
+
+NATIVE_MODULE: Final = _load_native()
+"""The C extension, or None (then the xxhash package and numpy do its work)."""
+NATIVE: Final = NATIVE_MODULE is not None
+"""Whether payload checksums and finiteness tests run in the C extension."""
+
 _xxh3_64: Final = xxhash.xxh3_64
 _digest: Final = xxhash.xxh3_64_intdigest
 
+python_checksum: Final[Callable[[Buffer], int]] = _digest
+"""The xxhash package's xxh3-64 (the fallback of :data:`payload_checksum`)."""
 
-def payload_checksum(payload: Buffer) -> int:
-    """The xxh3-64 checksum of ``payload``'s bytes, an integer in ``[0, 2**64)``."""
-    return _digest(payload)
+payload_checksum: Final[Callable[[Buffer], int]] = (
+    _digest if NATIVE_MODULE is None else NATIVE_MODULE.checksum
+)
+"""``payload_checksum(payload)``: the xxh3-64 checksum of ``payload``'s bytes, an integer in
+``[0, 2**64)`` (the extension's, or the xxhash package's: the same value)."""
 
 
 def chunks_checksum(chunks: Iterable[Buffer]) -> int:

@@ -20,7 +20,9 @@ measured side by side here they run within 2x of ml-dtypes' casts (2M values: 6-
 
 Finiteness is tested on the integer bits as well (see :func:`payload_finite`): numpy's isfinite
 on float16 runs a scalar loop (~20x a memory copy), and on float32 writes a full-size boolean
-temporary.
+temporary. Where the optional C extension is built (shard_engine_api._checksum.NATIVE), it
+tests the bits in one vectorised pass with no numpy call; :func:`python_payload_finite` is the
+fallback, and the tests pin that both agree on every 16-bit pattern and on f32 edge patterns.
 """
 
 from __future__ import annotations
@@ -30,19 +32,25 @@ from typing import TYPE_CHECKING, Final, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from shard_engine_api._checksum import NATIVE_MODULE, python_checksum
+
 if TYPE_CHECKING:
     # Only for annotations: _types imports this module.
     from shard_engine_api._types import BoundaryDtype
 
 __all__ = [
     "BOUNDARY_DTYPES",
+    "FINITE_KINDS",
     "ITEMSIZE",
     "bf16_bits_to_f32",
+    "checksum_and_finite",
     "encode_rows",
     "f32_to_bf16_bits",
     "overflow_threshold",
     "payload_finite",
     "payload_rows",
+    "python_checksum_and_finite",
+    "python_payload_finite",
     "storage_dtype",
 ]
 
@@ -66,6 +74,8 @@ _FINITE_BITS: Final[dict[str, _BitTest]] = {
     "f16": (np.dtype("<i2"), np.dtype("<u2"), 0x7C00, 0xFC00),
     "bf16": (np.dtype("<i2"), np.dtype("<u2"), 0x7F80, 0xFF80),
 }
+FINITE_KINDS: Final[dict[BoundaryDtype, int]] = {"f16": 1, "bf16": 2, "f32": 3}
+"""The C extension's code for each dtype's finiteness test (0 there means "not tested")."""
 # The smallest magnitude that rounds to infinity: halfway between the largest finite value and
 # the next power of two (a tie, which rounds to the even neighbour: infinity).
 _OVERFLOW: Final[dict[str, float]] = {
@@ -89,10 +99,10 @@ def overflow_threshold(dtype: BoundaryDtype) -> float:
     return _OVERFLOW[dtype]
 
 
-def payload_finite(
+def python_payload_finite(
     payload: bytes | bytearray | memoryview | npt.NDArray[np.generic], dtype: BoundaryDtype
 ) -> bool:
-    """Whether every value of a payload (a buffer of ``dtype`` values) is finite."""
+    """:func:`payload_finite` in numpy (the fallback without the C extension)."""
     signed, unsigned, positive_limit, negative_limit = _FINITE_BITS[dtype]
     as_signed = np.frombuffer(payload, dtype=signed)
     size = as_signed.size
@@ -108,6 +118,43 @@ def payload_finite(
         int(_max(as_signed)) < positive_limit
         and int(_max(as_signed.view(unsigned))) < negative_limit
     )
+
+
+if NATIVE_MODULE is None:
+    payload_finite = python_payload_finite
+else:
+    _native_finite: Final = NATIVE_MODULE.finite
+    _KIND: Final = FINITE_KINDS
+
+    def payload_finite(
+        payload: bytes | bytearray | memoryview | npt.NDArray[np.generic], dtype: BoundaryDtype
+    ) -> bool:
+        """Whether every value of a payload (a C-contiguous buffer of ``dtype`` values) is
+        finite. ValueError when its length is not a whole number of values."""
+        return _native_finite(payload, _KIND[dtype])
+
+
+def python_checksum_and_finite(
+    payload: bytes | bytearray | memoryview | npt.NDArray[np.generic], dtype: BoundaryDtype
+) -> tuple[int, bool]:
+    """:func:`checksum_and_finite` with the xxhash package and numpy (the fallback)."""
+    raw = payload.data if isinstance(payload, np.ndarray) else payload
+    return python_checksum(raw), python_payload_finite(payload, dtype)
+
+
+if NATIVE_MODULE is None:
+    checksum_and_finite = python_checksum_and_finite
+else:
+    _native_checksum_and_finite: Final = NATIVE_MODULE.checksum_and_finite
+
+    def checksum_and_finite(
+        payload: bytes | bytearray | memoryview | npt.NDArray[np.generic], dtype: BoundaryDtype
+    ) -> tuple[int, bool]:
+        """A payload's checksum (:func:`shard_engine_api._checksum.payload_checksum`) and
+        whether every value is finite (:func:`payload_finite`): what an engine computes for a
+        result it builds. One pass in the C extension. ValueError when the length is not a
+        whole number of values."""
+        return _native_checksum_and_finite(payload, _KIND[dtype])
 
 
 def bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
