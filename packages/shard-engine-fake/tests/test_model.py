@@ -23,7 +23,7 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_fake import DEFAULT_MODEL, FakeEngine, FakeModelSpec, parse_model_reference
-from shard_engine_fake._model import FakeModel
+from shard_engine_fake._model import DENSE_PROJECTION_LIMIT, FakeModel
 from shard_engine_fake.pipeline import generate, step
 
 PROMPT = tuple(range(1, 9))
@@ -389,8 +389,9 @@ class _LaneFormulas:
 
 
 LANE_MODELS = [
-    "fake:seed=0,hidden=64,vocab=512,layers=6",
+    DEFAULT_MODEL,  # a dense tail projection (see DENSE_PROJECTION_LIMIT)
     "fake:seed=11,hidden=5,vocab=300,layers=3",
+    WIDE_MODEL,  # a sparse one
 ]
 
 
@@ -427,6 +428,8 @@ def test_logits_equal_the_lane_formulas_signed_zeros_included(model: str) -> Non
     spec = FakeModelSpec(**parse_model_reference(model))
     formulas = _LaneFormulas(spec)
     fake = FakeModel(spec, 0, spec.n_layers)
+    dense = (spec.hidden_size + 1) * spec.vocab_size <= DENSE_PROJECTION_LIMIT
+    assert dense == (model != WIDE_MODEL)
     rng = np.random.default_rng(5)
     lanes = rng.integers(0, 2048, (6, spec.hidden_size))
     lanes[0] = 0
