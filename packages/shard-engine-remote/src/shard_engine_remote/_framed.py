@@ -795,9 +795,9 @@ class _ServerConnection:
 
 class FramedServer:
     """Serves an :class:`EngineServer`'s dispatch over the framed transport on a unix socket in
-    a private directory. Threads: one accepting, one reading each connection, and a pool of the
-    server's ``max_workers`` running calls (compute calls are bounded by the server's slots,
-    as over gRPC)."""
+    a private directory. Threads: one accepting; two per connection, taking turns at reading
+    and serving the call just read; and a pool of the server's ``max_workers`` for calls that
+    overlap on a connection (compute calls are bounded by the server's slots, as over gRPC)."""
 
     def __init__(self, server: EngineServer, *, max_connections: int = 64) -> None:
         self.server = server
