@@ -479,6 +479,9 @@ class ShardRuntime:
         batch.n_tokens = 0
         _set_field(batch, "token", None)
         _set_field(batch, "embd", None)
+        # Which input the batch points at: token ids (``_batch_token_pointer``) or, for one
+        # call at a time, a staged embeddings array (reset to NULL after the call).
+        self._batch_has_tokens = False
         _set_field(
             batch,
             "pos",
@@ -544,7 +547,8 @@ class ShardRuntime:
         self._abort_flag.value = 1
 
     def clear_abort(self) -> None:
-        self._own_abort.clear()
+        if self._own_abort.is_set():  # (clear() takes the event's lock; twice per forward)
+            self._own_abort.clear()
         self._abort_flag.value = 0
 
     @property
@@ -729,11 +733,14 @@ class ShardRuntime:
                     flags[row] = 1
             if tokens is not None:
                 self._batch_tokens[:n] = tokens
-                _set_field(batch, "token", self._batch_token_pointer)
-                _set_field(batch, "embd", None)
+                if not self._batch_has_tokens:
+                    _set_field(batch, "token", self._batch_token_pointer)
+                    self._batch_has_tokens = True
             else:
                 assert staged is not None
-                _set_field(batch, "token", None)
+                if self._batch_has_tokens:
+                    _set_field(batch, "token", None)
+                    self._batch_has_tokens = False
                 # llama.cpp copies the rows into its input tensor; ``staged`` outlives the call.
                 _set_field(batch, "embd", staged.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
             hidden: npt.NDArray[np.float32] | None = None
@@ -750,7 +757,8 @@ class ShardRuntime:
                     state.error = 0
                     state.calls = 0
             status = int(llama_cpp.llama_decode(context, batch))
-            _set_field(batch, "embd", None)
+            if staged is not None:
+                _set_field(batch, "embd", None)  # no pointer to a freed array stays behind
             if status != 0:
                 self._rollback(firsts)
                 if status == 2:
