@@ -553,7 +553,8 @@ _ImportItem = bytes | None | object
 
 
 class _ServerConnection:
-    """One client's connection: read by one thread, its calls run on the server's pool."""
+    """One client's connection, served by two threads taking turns (see :meth:`_lead`); calls
+    that overlap on the connection run on the server's pool."""
 
     def __init__(self, owner: FramedServer, sock: socket.socket, peer: str) -> None:
         self._owner = owner
@@ -564,6 +565,11 @@ class _ServerConnection:
         self._calls: dict[int, _CallContext] = {}
         self._streams: dict[int, queue.SimpleQueue[_ImportItem]] = {}
         self._lock = threading.Lock()
+        self._turn = threading.Semaphore(0)
+        """Released to let the thread that is not reading read."""
+        self._other_idle = True
+        """Whether the thread that is not reading waits for its turn (else it serves a call)."""
+        self._closing = False
 
     def send(self, kind: int, call_id: int, body: bytes) -> None:
         try:
@@ -579,21 +585,41 @@ class _ServerConnection:
             _shutdown(self.sock)
 
     def serve(self) -> None:
+        """The connection's first thread: the greeting, then turns at reading."""
         try:
-            if self._greet():
-                self._loop()
+            greeted = self._greet()
         except (OSError, _Closed):
-            pass
-        finally:
-            with self._lock:
-                calls, self._calls = dict(self._calls), {}
-                streams, self._streams = dict(self._streams), {}
-            for stream in streams.values():
-                stream.put(_BROKEN)
-            for context in calls.values():
-                context.end()
-            self.sock.close()
-            self._owner.forget(self)
+            greeted = False
+        if not greeted:
+            self._close_down()
+            return
+        threading.Thread(target=self._take_turns, daemon=True, name="framed-turn").start()
+        self._take_turns(leading=True)
+
+    def _take_turns(self, leading: bool = False) -> None:
+        while True:
+            if not leading:
+                self._turn.acquire()
+                if self._closing:
+                    return
+            leading = False
+            if not self._lead():
+                return
+
+    def _close_down(self) -> None:
+        """The connection ended: end its calls (which cancels their engine work), let the other
+        thread go, close."""
+        with self._lock:
+            self._closing = True
+            calls, self._calls = dict(self._calls), {}
+            streams, self._streams = dict(self._streams), {}
+        self._turn.release()
+        for stream in streams.values():
+            stream.put(_BROKEN)
+        for context in calls.values():
+            context.end()
+        self.sock.close()
+        self._owner.forget(self)
 
     def _greet(self) -> bool:
         counters = self._server.counters
@@ -620,7 +646,20 @@ class _ServerConnection:
         self._reader = reader
         return True
 
-    def _loop(self) -> None:
+    def _lead(self) -> bool:
+        """Read frames until a call arrives; then, when the other thread is idle, hand the
+        reading to it and serve the call here (True): the request reaches the engine and the
+        reply leaves without a thread handoff, which on a 2-core machine is a visible share of
+        a decode hop, while the other thread still sees the call's ABANDON and other calls.
+        A call arriving while both threads are busy goes to the pool. False when the
+        connection ended."""
+        try:
+            return self._read_frames()
+        except (OSError, _Closed):
+            self._close_down()
+            return False
+
+    def _read_frames(self) -> bool:
         reader = self._reader
         limit = self._server.max_message_bytes
         pool = self._owner.pool
@@ -668,8 +707,17 @@ class _ServerConnection:
             serve: Callable[[int, _CallContext, typing.Any], None] = (
                 self._call if kind == CALL else self._export if kind == EXPORT else self._import
             )
+            argument = stream if kind == IMPORT else body
+            with self._lock:
+                hand_over, self._other_idle = self._other_idle, False
+            if hand_over:
+                self._turn.release()
+                self._run(call_id, context, serve, argument)
+                with self._lock:
+                    self._other_idle = True
+                return True
             try:
-                pool.submit(self._run, call_id, context, serve, stream if kind == IMPORT else body)
+                pool.submit(self._run, call_id, context, serve, argument)
             except RuntimeError:  # the pool shut down: the server is stopping
                 self._owner.release()
                 self._draining_error(call_id)
@@ -747,9 +795,9 @@ class _ServerConnection:
 
 class FramedServer:
     """Serves an :class:`EngineServer`'s dispatch over the framed transport on a unix socket in
-    a private directory. Threads: one accepting, one reading each connection, and a pool of the
-    server's ``max_workers`` running calls (compute calls are bounded by the server's slots,
-    as over gRPC)."""
+    a private directory. Threads: one accepting; two per connection, taking turns at reading
+    and serving the call just read; and a pool of the server's ``max_workers`` for calls that
+    overlap on a connection (compute calls are bounded by the server's slots, as over gRPC)."""
 
     def __init__(self, server: EngineServer, *, max_connections: int = 64) -> None:
         self.server = server

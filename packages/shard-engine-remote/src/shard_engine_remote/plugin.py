@@ -68,7 +68,10 @@ def shard_engine_register() -> EngineDescription:
         factory=_new_engine,
         # Results carry the served engine's evidence class; the plugin itself claims nothing.
         evidence="fixture",
-        summary="Another engine in a supervised child process or on another machine (gRPC)",
+        summary=(
+            "Another engine in a supervised child process (framed codec on a private socket) "
+            "or on another machine (gRPC)"
+        ),
         model_fixture=_model_fixture,
         add_cli_commands=_add_cli_commands,
     )
