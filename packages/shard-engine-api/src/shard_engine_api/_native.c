@@ -49,7 +49,9 @@ enum { KIND_NONE = 0, KIND_F16 = 1, KIND_BF16 = 2, KIND_F32 = 3 };
 enum { SOUND = 0, CHECKSUM_MISMATCH = 1, NONFINITE = 2 };
 
 /* Blocks small enough to stay in L1 between hashing and testing them. */
-#define BLOCK_BYTES (16 * 1024)
+#ifndef BLOCK_BYTES
+#  define BLOCK_BYTES (16 * 1024)
+#endif
 /* Above this the GIL is released (as numpy and xxhash do for large buffers). */
 #define NOGIL_BYTES (256 * 1024)
 
@@ -111,29 +113,122 @@ nonfinite_sse2(const unsigned char *p, size_t n, const lane_test *test)
     return nonfinite_scalar(p + i, n - i, test);
 }
 
+/* With AVX2 the test takes two operations per vector instead of three: doubling a lane drops
+ * its sign bit, and a value is non-finite iff its doubled bits are >= the doubled exponent
+ * mask (unsigned), so one running unsigned maximum per lane width decides. */
 __attribute__((target("avx2"))) static int
 nonfinite_avx2(const unsigned char *p, size_t n, const lane_test *test)
 {
-    const __m256i mask = _mm256_set1_epi32((int)((uint32_t)test->mask[0] | ((uint32_t)test->mask[1] << 16)));
-    const __m256i value = _mm256_set1_epi32((int)((uint32_t)test->value[0] | ((uint32_t)test->value[1] << 16)));
-    __m256i found = _mm256_setzero_si256();
+    __m256i top = _mm256_setzero_si256();
     size_t i = 0;
-    for (; i + 128 <= n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(p + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(p + i + 96));
-        a = _mm256_cmpeq_epi16(_mm256_and_si256(a, mask), value);
-        b = _mm256_cmpeq_epi16(_mm256_and_si256(b, mask), value);
-        c = _mm256_cmpeq_epi16(_mm256_and_si256(c, mask), value);
-        d = _mm256_cmpeq_epi16(_mm256_and_si256(d, mask), value);
-        found = _mm256_or_si256(found, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, d)));
+    if (test->itemsize == 4) {
+        for (; i + 128 <= n; i += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(p + i + 64));
+            __m256i d = _mm256_loadu_si256((const __m256i *)(p + i + 96));
+            a = _mm256_max_epu32(_mm256_add_epi32(a, a), _mm256_add_epi32(b, b));
+            c = _mm256_max_epu32(_mm256_add_epi32(c, c), _mm256_add_epi32(d, d));
+            top = _mm256_max_epu32(top, _mm256_max_epu32(a, c));
+        }
+        const __m256i limit = _mm256_set1_epi32((int)0xff000000u);
+        /* top >= limit iff max(top, limit) == top */
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, limit), top))) {
+            return 1;
+        }
     }
-    if (!_mm256_testz_si256(found, found)) {
-        return 1;
+    else {
+        for (; i + 128 <= n; i += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(p + i + 64));
+            __m256i d = _mm256_loadu_si256((const __m256i *)(p + i + 96));
+            a = _mm256_max_epu16(_mm256_add_epi16(a, a), _mm256_add_epi16(b, b));
+            c = _mm256_max_epu16(_mm256_add_epi16(c, c), _mm256_add_epi16(d, d));
+            top = _mm256_max_epu16(top, _mm256_max_epu16(a, c));
+        }
+        const __m256i limit = _mm256_set1_epi16((short)(uint16_t)(test->mask[0] << 1));
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(top, limit), top))) {
+            return 1;
+        }
     }
     return nonfinite_sse2(p + i, n - i, test);
 }
+
+/* One pass with AVX2: xxHash's own long-input XXH3_64bits (XXH3_hashLong_64b_internal with the
+ * default secret: 1 KiB blocks of 16 stripes, a scramble after each block, the last stripe,
+ * then XXH3_mergeAccs), built from xxhash.h's AVX2 accumulate and scramble steps, with the
+ * finiteness maximum of each 64-byte stripe taken while it is in registers or L1. The stripes
+ * cover every byte (the last stripe ends at the end), at offsets that are multiples of every
+ * item size. Only for inputs longer than XXH3_MIDSIZE_MAX, as XXH3_64bits itself. */
+XXH_FORCE_INLINE __attribute__((target("avx2"))) __m256i
+stripe_top(__m256i top, const unsigned char *stripe, int wide)
+{
+    __m256i a = _mm256_loadu_si256((const __m256i *)stripe);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(stripe + 32));
+    if (wide) {
+        return _mm256_max_epu32(top, _mm256_max_epu32(_mm256_add_epi32(a, a), _mm256_add_epi32(b, b)));
+    }
+    return _mm256_max_epu16(top, _mm256_max_epu16(_mm256_add_epi16(a, a), _mm256_add_epi16(b, b)));
+}
+
+XXH_FORCE_INLINE __attribute__((target("avx2"))) XXH64_hash_t
+hash_long_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test, int wide,
+                        int *found)
+{
+    XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    const xxh_u8 *const secret = XXH3_kSecret;
+    const size_t secret_size = sizeof(XXH3_kSecret);
+    const size_t stripes_per_block = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
+    const size_t block_len = XXH_STRIPE_LEN * stripes_per_block;
+    const size_t nb_blocks = (len - 1) / block_len;
+    __m256i top = _mm256_setzero_si256();
+
+    for (size_t n = 0; n < nb_blocks; n++) {
+        const unsigned char *block = input + n * block_len;
+        for (size_t s = 0; s < stripes_per_block; s++) {
+            const unsigned char *stripe = block + s * XXH_STRIPE_LEN;
+            XXH_PREFETCH(stripe + XXH_PREFETCH_DIST);
+            XXH3_accumulate_512_avx2(acc, stripe, secret + s * XXH_SECRET_CONSUME_RATE);
+            top = stripe_top(top, stripe, wide);
+        }
+        XXH3_scrambleAcc_avx2(acc, secret + secret_size - XXH_STRIPE_LEN);
+    }
+    {   /* the last partial block, then the last stripe */
+        const unsigned char *block = input + nb_blocks * block_len;
+        size_t const stripes = ((len - 1) - block_len * nb_blocks) / XXH_STRIPE_LEN;
+        for (size_t s = 0; s < stripes; s++) {
+            const unsigned char *stripe = block + s * XXH_STRIPE_LEN;
+            XXH3_accumulate_512_avx2(acc, stripe, secret + s * XXH_SECRET_CONSUME_RATE);
+            top = stripe_top(top, stripe, wide);
+        }
+        const unsigned char *last = input + len - XXH_STRIPE_LEN;
+        XXH3_accumulate_512_avx2(acc, last,
+                                 secret + secret_size - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
+        top = stripe_top(top, last, wide);
+    }
+    if (wide) {
+        const __m256i limit = _mm256_set1_epi32((int)0xff000000u);
+        *found = _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, limit), top)) != 0;
+    }
+    else {
+        const __m256i limit = _mm256_set1_epi16((short)(uint16_t)(test->mask[0] << 1));
+        *found = _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(top, limit), top)) != 0;
+    }
+    return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START, (xxh_u64)len * XXH_PRIME64_1);
+}
+
+__attribute__((target("avx2"))) static XXH64_hash_t
+hash_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test, int *found)
+{
+    /* Specialised per lane width, so the stripe loop has no branch. */
+    if (test->itemsize == 4) {
+        return hash_long_and_test_avx2(input, len, test, 1, found);
+    }
+    return hash_long_and_test_avx2(input, len, test, 0, found);
+}
+
+static int use_avx2 = 0;
 
 typedef int (*nonfinite_function)(const unsigned char *, size_t, const lane_test *);
 static nonfinite_function nonfinite_scan = nonfinite_sse2;
@@ -153,6 +248,11 @@ static XXH64_hash_t
 hash_and_test(const unsigned char *p, size_t n, int kind, int *found)
 {
     *found = 0;
+#if SHARD_X86
+    if (use_avx2 && kind != KIND_NONE && n > XXH3_MIDSIZE_MAX) {
+        return hash_and_test_avx2(p, n, &LANE_TESTS[kind], found);
+    }
+#endif
     if (kind == KIND_NONE || n <= BLOCK_BYTES) {
         *found = nonfinite(p, n, kind);
         return shard_xxh3(p, n);
@@ -400,6 +500,7 @@ native_exec(PyObject *module)
     int level = XXH_featureTest();
     if (level >= XXH_AVX2) {
         nonfinite_scan = nonfinite_avx2;
+        use_avx2 = 1;
     }
     vector = level >= XXH_AVX512 ? "avx512" : level >= XXH_AVX2 ? "avx2" : "sse2";
 #endif
