@@ -41,6 +41,7 @@ decoder of these types ignores the unknown field, so it is not a wire change.
 
 from __future__ import annotations
 
+import functools
 from typing import Final, Literal, TypeAlias, TypeVar
 
 import msgspec
@@ -694,6 +695,19 @@ def _codec_for(
         and expected_layer is None
     ):
         return _DEFAULT_CODEC
+    return _cached_codec(max_payload_bytes, nonfinite, expected_fingerprint, expected_layer)
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _cached_codec(
+    max_payload_bytes: int,
+    nonfinite: NonFinitePolicy,
+    expected_fingerprint: str | None,
+    expected_layer: int | None,
+) -> Codec:
+    """A Codec per policy the module functions are called with (Codecs are immutable, so one
+    can serve every call; ``typed`` keeps ``True`` from standing for ``1``). A policy the
+    constructor refuses raises every time: exceptions are not cached."""
     return Codec(
         max_payload_bytes=max_payload_bytes,
         nonfinite=nonfinite,
