@@ -37,6 +37,7 @@ from shard_engine_api import (
     UnsupportedFeature,
     WrongRole,
 )
+from shard_engine_api._checksum import payload_checksum
 from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 
 HIDDEN = 4
@@ -393,3 +394,69 @@ def test_f16_boundary_overflow_is_refused_and_rolled_back() -> None:
     assert refused.value.details["resource"] == "boundary_dtype_range"
     assert head.health().kv_used_tokens == 0
     assert head.cache.get(0, []) == []
+
+
+class _KeepsRows(HistoryEngine):
+    """Remembers every array its forwards return (to test who owns them afterwards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned: list[npt.NDArray[np.float32]] = []
+
+    def _forward(
+        self, item: ForwardItem, output: OutputMode, token: CancelToken
+    ) -> npt.NDArray[np.float32]:
+        rows = np.ascontiguousarray(super()._forward(item, output, token), dtype=np.float32)
+        self.returned.append(rows)
+        return rows
+
+
+class _PrivateRows(_KeepsRows):
+    rows_private = True
+
+
+@pytest.mark.parametrize("end", [1, 2], ids=["head-bundle", "tail-logits"])
+def test_private_rows_become_the_payload_read_only(end: int) -> None:
+    engine = _PrivateRows()
+    engine.load(LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=end)))
+    result = engine.prefill(
+        PrefillRequest(request_id="p", session=S1, start_pos=0, inputs=TokenInput(token_ids=(3, 4)))
+    )
+    rows = engine.returned[-1]
+    payload = result.bundle.payload if isinstance(result, BoundaryResult) else result.payload
+    array = result.bundle.array() if isinstance(result, BoundaryResult) else result.array()
+    # No copy: the result's payload is the backend's array, which is now read-only.
+    assert np.shares_memory(np.frombuffer(payload, dtype=np.uint8), rows)
+    assert not rows.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        rows[0, 0] = 1.0
+    np.testing.assert_array_equal(array, rows)
+    carrier = result.bundle if isinstance(result, BoundaryResult) else result
+    assert carrier.checksum == payload_checksum(carrier.payload)
+
+
+def test_rows_not_declared_private_are_copied() -> None:
+    """Without the promise the core copies: a backend that overwrites the array it returned
+    (a reused buffer) changes no result already handed out."""
+    engine = _KeepsRows()
+    engine.load(LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=2)))
+    first = _prefill(engine, S1, [3, 4])
+    before = first.array().copy()
+    engine.returned[-1][...] = -7.0
+    np.testing.assert_array_equal(first.array(), before)
+    assert first.checksum == payload_checksum(first.payload)
+
+
+def test_private_rows_with_a_converting_boundary_dtype() -> None:
+    """f16 bundles are a conversion (a new array) whether or not the rows are private."""
+    engine = _PrivateRows()
+    engine.load(
+        LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=1), boundary_dtype="f16")
+    )
+    result = engine.prefill(
+        PrefillRequest(request_id="p", session=S1, start_pos=0, inputs=TokenInput(token_ids=(3,)))
+    )
+    assert isinstance(result, BoundaryResult)
+    assert result.bundle.dtype == "f16"
+    np.testing.assert_array_equal(result.bundle.array(), engine.returned[-1].astype(np.float16))
+    assert result.bundle.checksum == payload_checksum(result.bundle.payload)

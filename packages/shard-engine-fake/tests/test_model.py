@@ -23,6 +23,7 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_fake import DEFAULT_MODEL, FakeEngine, FakeModelSpec, parse_model_reference
+from shard_engine_fake._model import DENSE_PROJECTION_LIMIT, FakeModel
 from shard_engine_fake.pipeline import generate, step
 
 PROMPT = tuple(range(1, 9))
@@ -332,3 +333,111 @@ def _rebind(bundle: api.BoundaryBundle, ref: api.SessionRef) -> api.BoundaryBund
         model_fingerprint=bundle.model_fingerprint,
         dtype=bundle.dtype,
     )
+
+
+class _LaneFormulas:
+    """The per-lane formulas of ``_model``'s docstring with plain numpy arrays (no packed
+    integers): an independent statement of the arithmetic the packed code must reproduce."""
+
+    LIMIT = 2048
+
+    def __init__(self, spec: FakeModelSpec) -> None:
+        hidden, limit = spec.hidden_size, self.LIMIT
+
+        def generator(kind: int, index: int = 0) -> np.random.Generator:
+            return np.random.Generator(np.random.PCG64([spec.seed, kind, index]))
+
+        self.embedding = generator(0).integers(0, limit, (spec.vocab_size, hidden))
+        self.layers = []
+        for layer in range(spec.n_layers):
+            rng = generator(1, layer)
+            rotation = int(rng.integers(1, hidden)) if hidden > 1 else 0
+            key_mask = rng.integers(0, limit, hidden)
+            key_mult = 2 * int(rng.integers(1, 16)) + 1
+            value_mask = rng.integers(0, limit, hidden)
+            value_mult = 2 * int(rng.integers(1, 16)) + 1
+            self.layers.append((rotation, key_mask, key_mult, value_mask, value_mult))
+        rng = generator(2)
+        self.index = rng.integers(0, hidden, (4, spec.vocab_size))
+        self.weight = (rng.integers(-8, 9, (4, spec.vocab_size)) / 64.0).astype(np.float32)
+
+    def logits(self, lanes: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        signed = np.where(lanes >= self.LIMIT // 2, lanes - self.LIMIT, lanes).astype(np.float32)
+        terms = signed[self.index] * self.weight
+        # The sum starts from +0.0, so a zero logit is +0.0 even when every term is -0.0.
+        zero = np.zeros(terms.shape[1], np.float32)
+        result: npt.NDArray[np.float32] = (((zero + terms[0]) + terms[1]) + terms[2]) + terms[3]
+        return result
+
+    def run(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """The logits of every row of a prompt."""
+        limit = self.LIMIT
+        cum = [np.zeros(self.embedding.shape[1], np.int64) for _ in self.layers]
+        rows = []
+        for token in tokens:
+            state = self.embedding[token].astype(np.int64)
+            for layer, (rotation, key_mask, key_mult, value_mask, value_mult) in enumerate(
+                self.layers
+            ):
+                rotated = np.roll(state, rotation)  # lane i takes lane i - rotation
+                rotated ^= (rotated >> 5) & 0x3F
+                key = ((rotated ^ key_mask) * key_mult) % limit
+                cum[layer] = (3 * cum[layer] + key) % limit
+                state = ((state ^ value_mask) + cum[layer] * value_mult) % limit
+            rows.append(self.logits(state))
+        return np.stack(rows)
+
+
+LANE_MODELS = [
+    DEFAULT_MODEL,  # a dense tail projection (see DENSE_PROJECTION_LIMIT)
+    "fake:seed=11,hidden=5,vocab=300,layers=3",
+    WIDE_MODEL,  # a sparse one
+]
+
+
+@pytest.mark.parametrize("model", LANE_MODELS)
+def test_packed_arithmetic_equals_the_lane_formulas(make_engine: EngineFactory, model: str) -> None:
+    """The packed implementation (prefill rows and a decode batch) computes bitwise what the
+    module docstring's per-lane formulas say."""
+    spec = FakeModelSpec(**parse_model_reference(model))
+    tokens = [(7 * position + 3) % spec.vocab_size for position in range(12)]
+    expected = _LaneFormulas(spec).run(tokens)
+    engine = make_engine(model=model, n_layers=spec.n_layers)
+    got = logits_of(prefill(engine, session(), 0, tokens, logits="all")).array()
+    assert got.tobytes() == expected.tobytes()
+    refs = [session(f"b{index}") for index in range(3)]
+    for ref in refs:
+        prefill(engine, ref, 0, tokens[:-1], request_id=f"p{ref.session_id}")
+    batch = engine.decode_batch(
+        api.DecodeBatchRequest(
+            request_id="batch",
+            items=tuple(
+                decode_request(ref, len(tokens) - 1, tokens[-1], request_id=f"d{index}")
+                for index, ref in enumerate(refs)
+            ),
+        )
+    )
+    for outcome in batch.items:
+        assert logits_of(outcome).array().tobytes() == expected[-1:].tobytes()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model", LANE_MODELS)
+def test_logits_equal_the_lane_formulas_signed_zeros_included(model: str) -> None:
+    """The tail projection of arbitrary final states, one by one and as a batch, including
+    all-zero lanes (products of 0 and a negative weight are -0.0; every zero logit is +0.0)."""
+    spec = FakeModelSpec(**parse_model_reference(model))
+    formulas = _LaneFormulas(spec)
+    fake = FakeModel(spec, 0, spec.n_layers)
+    dense = (spec.hidden_size + 1) * spec.vocab_size <= DENSE_PROJECTION_LIMIT
+    assert dense == (model != WIDE_MODEL)
+    rng = np.random.default_rng(5)
+    lanes = rng.integers(0, 2048, (6, spec.hidden_size))
+    lanes[0] = 0
+    lanes[1, ::2] = 0
+    states = [int.from_bytes(row.astype("<u2").tobytes(), "little") for row in lanes]
+    expected = np.stack([formulas.logits(row) for row in lanes])
+    assert (expected == 0).any()
+    assert not np.signbit(expected[expected == 0]).any()
+    for state, want in zip(states, expected, strict=True):
+        assert fake.logits([state]).tobytes() == want.tobytes()
+    assert fake.logits(states).tobytes() == expected.tobytes()

@@ -122,11 +122,18 @@ class EngineCore(abc.ABC):
     or evicted sessions are kept, at 17 bytes each (see ``_fences``).
 
     ``max_snapshot_bytes``: the largest session state ``import_session`` accepts (larger ones
-    are ResourceExhausted before anything is hashed or installed)."""
+    are ResourceExhausted before anything is hashed or installed).
+
+    ``rows_private``: a backend sets it True when every array ``_forward`` and
+    ``_forward_batch`` return (or the arrays they are views of) is allocated for that call and
+    never written again. The core then makes the rows read-only and uses their memory as the
+    result's payload instead of copying it (one copy of a 262k-vocabulary logits row saved per
+    token). With False (the default) the core copies, so a backend may reuse its buffers."""
 
     engine_name: ClassVar[str] = "unnamed"
     fence_generation: ClassVar[int] = DEFAULT_GENERATION_SIZE
     max_snapshot_bytes: ClassVar[int] = 1 << 32
+    rows_private: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._lifecycle = Lifecycle(self.engine_name)
@@ -916,6 +923,7 @@ class EngineCore(abc.ABC):
             self.config.boundary_dtype,
             rows,
             output,
+            rows_private=self.rows_private,
             request_id=request_id,
             session=session,
             start_pos=start_pos,

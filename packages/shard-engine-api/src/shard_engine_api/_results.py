@@ -10,8 +10,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._backend import OutputMode
-from shard_engine_api._checksum import SCANNED, SCANNED_FINITE, mark_scanned, payload_checksum
-from shard_engine_api._dtypes import overflow_threshold, payload_finite
+from shard_engine_api._checksum import SCANNED, SCANNED_FINITE, mark_scanned
+from shard_engine_api._dtypes import checksum_and_finite, overflow_threshold, payload_finite
 from shard_engine_api._errors import EngineCrashed, ResourceExhausted
 from shard_engine_api._types import (
     BoundaryBundle,
@@ -87,25 +87,47 @@ def build_result(
     start_pos: int,
     n_tokens: int,
     timings: Timings,
+    rows_private: bool = False,
 ) -> BoundaryResult | LogitsResult:
     """A bundle of hidden rows (non-tail) or the logits of the last / all rows (tail).
 
-    An f32 payload is checked for finiteness here (the copy, not the backend's rows, which the
-    backend may still change) and a result that passes is marked so (see
+    An f32 payload is checked for finiteness here (the payload itself: a copy, or the private
+    rows made read-only, never rows the backend may still change) and a result that passes is
+    marked so (see
     shard_engine_api._checksum): a ValidatingEngine in front of the core then does not scan it
     again. A result with NaN or infinities carries no such mark, and whoever checks it finds
-    them."""
+    them.
+
+    ``rows_private``: the backend promises never to write ``rows`` (or what they view) again
+    (``EngineCore.rows_private``); a plain f32 payload is then the rows' own memory, made
+    read-only, instead of a copy."""
     if output == "hidden":
-        bundle = BoundaryBundle.from_array(
-            rows,
-            session=session,
-            first_pos=start_pos,
-            layer=caps.shard.end,
-            model_fingerprint=caps.model_fingerprint,
-            dtype=boundary_dtype,
-        )
-        if bundle.dtype == "f32" and _finite(bundle.payload, bundle.hidden_size):
-            mark_scanned(bundle, SCANNED_FINITE)
+        if rows_private and boundary_dtype == "f32" and _exact_f32(rows):
+            payload = _frozen_payload(rows)
+            checksum, finite = checksum_and_finite(payload, "f32")
+            bundle = BoundaryBundle(
+                session=session,
+                first_pos=start_pos,
+                n_tokens=int(rows.shape[0]),
+                hidden_size=int(rows.shape[1]),
+                dtype="f32",
+                layer=caps.shard.end,
+                model_fingerprint=caps.model_fingerprint,
+                payload=payload,
+                checksum=checksum,
+            )
+            mark_scanned(bundle, SCANNED_FINITE if finite else SCANNED)
+        else:
+            bundle = BoundaryBundle.from_array(
+                rows,
+                session=session,
+                first_pos=start_pos,
+                layer=caps.shard.end,
+                model_fingerprint=caps.model_fingerprint,
+                dtype=boundary_dtype,
+            )
+            if bundle.dtype == "f32" and _finite(bundle.payload, bundle.hidden_size):
+                mark_scanned(bundle, SCANNED_FINITE)
         return BoundaryResult(
             request_id=request_id,
             session=session,
@@ -126,9 +148,11 @@ def build_result(
             evidence=caps.evidence,
             timings=timings,
         )
-    # What from_array builds, minus its copies: one copy of the rows into immutable bytes.
+    # What from_array builds, minus its copies: the private rows themselves, or one copy of
+    # the rows into immutable bytes.
     n_rows, width = rows.shape
-    payload = memoryview(rows.tobytes())
+    payload = _frozen_payload(rows) if rows_private else memoryview(rows.tobytes())
+    checksum, finite = checksum_and_finite(payload, "f32")
     result = LogitsResult(
         request_id=request_id,
         session=session,
@@ -137,10 +161,10 @@ def build_result(
         vocab_size=width,
         evidence=caps.evidence,
         payload=payload,
-        checksum=payload_checksum(payload),
+        checksum=checksum,
         timings=timings,
     )
-    mark_scanned(result, SCANNED_FINITE if _finite(payload, width) else SCANNED)
+    mark_scanned(result, SCANNED_FINITE if finite else SCANNED)
     return result
 
 
@@ -150,11 +174,19 @@ _ZEROS: dict[int, npt.NDArray[np.float32]] = {}
 
 
 def _exact_f32(rows: object) -> bool:
-    """Whether ``rows`` is a non-empty 2-D little-endian f32 array (its bytes are a payload)."""
+    """Whether ``rows`` is a non-empty, C-contiguous 2-D little-endian f32 array (its bytes
+    are a payload)."""
     if type(rows) is not np.ndarray or rows.ndim != 2 or not rows.size:
         return False
     dtype = rows.dtype
-    return dtype is _F32 or dtype == _F32
+    return (dtype is _F32 or dtype == _F32) and rows.flags.c_contiguous
+
+
+def _frozen_payload(rows: npt.NDArray[np.float32]) -> memoryview:
+    """The bytes of private ``rows`` as a read-only payload: no copy. The array is marked
+    read-only too, so nothing holding it can change a result through it."""
+    rows.setflags(write=False)
+    return rows.data.cast("B")
 
 
 def _finite(payload: memoryview, width: int) -> bool:

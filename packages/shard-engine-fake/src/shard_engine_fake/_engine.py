@@ -102,17 +102,6 @@ class _CallFaults(threading.local):
     state_failure: str | None = None
 
 
-class _Undo:
-    """What the last uncommitted forward of a slot replaced: the cache entries from
-    ``start_pos`` on, per layer (None when it only appended, the decode case)."""
-
-    __slots__ = ("replaced", "start_pos")
-
-    def __init__(self, start_pos: int, replaced: list[list[int]] | None) -> None:
-        self.start_pos = start_pos
-        self.replaced = replaced
-
-
 class FakeEngine(EngineCore):
     """A deterministic shard engine with no model files, no GPU and injectable faults.
 
@@ -122,12 +111,16 @@ class FakeEngine(EngineCore):
     """
 
     engine_name: ClassVar[str] = "fake"
+    # Every array _forward and _forward_batch return is new and never written again.
+    rows_private: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()
         self._model: FakeModel | None = None
         self._caches: dict[int, list[list[int]]] = {}
-        self._undo: dict[int, _Undo] = {}
+        # Per slot, the cache entries its uncommitted forward replaced (from its start_pos on,
+        # per layer); none for a forward that only appended (every decode).
+        self._undo: dict[int, list[list[int]]] = {}
         self._injector = FaultInjector(FaultPlan(), "full")
         self._call_faults = _CallFaults()
 
@@ -189,23 +182,28 @@ class FakeEngine(EngineCore):
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
     ) -> list[npt.NDArray[np.float32]]:
         model = self._loaded_model()
-        states = [self._run(model, item, token)[0] for item in items]
+        token.check()
+        inputs = [self._inputs(model, item)[0] for item in items]
+        # One packed pass over the whole batch (each row bitwise its single decode).
+        states = model.run_rows(inputs, [self._prepare(model, item) for item in items])
         if self._injector.active:
             self._injected_delay(token)
         # One vectorised unpack/projection for the whole batch; integer-exact, so each row is
         # bitwise what a single decode gives.
         rows = model.unpack(states) if output == "hidden" else model.logits(states)
-        return [rows[index : index + 1] for index in range(len(items))]
+        # A copy per item, not a view: a result's payload is then memory it alone owns (which
+        # is what lets the core's finiteness mark stand, see rows_private).
+        return [rows[index : index + 1].copy() for index in range(len(items))]
 
     def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
-        undo = self._undo.pop(slot, None)
+        replaced = self._undo.pop(slot, None)
         caches = self._caches.get(slot)
         if caches is None:
             return
         for layer, cache in enumerate(caches):
             del cache[start_pos:]
-            if undo is not None and undo.replaced is not None:
-                cache.extend(undo.replaced[layer])
+            if replaced is not None:
+                cache.extend(replaced[layer])
             if len(cache) != committed_length:
                 raise EngineCrashed(
                     f"fake cache of slot {slot} holds {len(cache)} positions after rollback, "
@@ -362,23 +360,32 @@ class FakeEngine(EngineCore):
             raise EngineCrashed("fake engine has no model (not loaded or closed)")
         return model
 
-    def _run(self, model: FakeModel, item: ForwardItem, token: CancelToken) -> list[int]:
+    def _prepare(self, model: FakeModel, item: ForwardItem) -> list[list[int]]:
+        """The slot's layer caches, cut to ``item.start_pos``; what the cut removed is kept
+        for a rollback (nothing for a plain append, every decode)."""
         caches = self._caches.get(item.slot)
         if caches is None:
             caches = self._caches[item.slot] = [[] for _ in range(model.end - model.start)]
         start = item.start_pos
-        # Save only what the forward replaces (nothing for a plain append, the common case).
-        replaced = None
         if start < len(caches[0]):
-            replaced = [cache[start:] for cache in caches]
+            self._undo[item.slot] = [cache[start:] for cache in caches]
             for cache in caches:
                 del cache[start:]
-        self._undo[item.slot] = _Undo(start, replaced)
+        return caches
+
+    @staticmethod
+    def _inputs(model: FakeModel, item: ForwardItem) -> list[int]:
         if item.tokens is not None:
-            inputs = model.embed(item.tokens)
-        else:
-            assert item.hidden is not None
-            inputs = model.pack(item.hidden)
+            return model.embed(item.tokens)
+        assert item.hidden is not None
+        return model.pack(item.hidden)
+
+    def _run(self, model: FakeModel, item: ForwardItem, token: CancelToken) -> list[int]:
+        caches = self._prepare(model, item)
+        inputs = self._inputs(model, item)
+        if len(inputs) == 1:
+            token.check()
+            return [model.run_row(inputs[0], caches)]
         run_row = model.run_row
         states: list[int] = []
         for state in inputs:

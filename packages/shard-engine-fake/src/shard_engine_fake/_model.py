@@ -5,10 +5,11 @@ paths, so a float model cannot promise bitwise-identical logits across machines.
 arithmetic is exact, so any order, any split and any machine gives the same bits.
 
 Why packed lanes: a hidden state of ``hidden_size`` values is one Python integer holding one
-value per 16-bit lane (lane ``i`` = bits ``16i..16i+15``). A layer is sixteen big-integer
+value per 16-bit lane (lane ``i`` = bits ``16i..16i+15``). A layer is seventeen big-integer
 operations whatever the hidden size, several times cheaper than the same number of numpy calls on
 small arrays (``benchmarks/fake_bench.py`` measures the decode rate through the API, and
-``benchmarks/decode_profile.py`` where its instructions go).
+``benchmarks/decode_profile.py`` where its instructions go). A decode batch packs its rows side
+by side into one integer, so a layer costs those operations once per batch, not once per row.
 
 Every lane value lies in ``[0, 2048)``; on the wire it is read as an 11-bit two's-complement
 integer, in ``[-1024, 1024)``, which both f32 and f16 represent exactly. Boundaries therefore
@@ -28,7 +29,9 @@ state of the layer at the previous position, 0 at position 0)::
 ``cum`` is an order-sensitive causal mix of every cached key of the session at this layer, so a
 lost, stale or mixed-up cache changes every later output. The tail maps a final state to logits
 with a sparse signed projection whose terms are exact in f32 (the sum of ``LOGIT_TERMS`` products
-of an integer below 1024 and ``w / 64`` with ``|w| <= 8`` needs 16 significant bits).
+of an integer below 1024 and ``w / 64`` with ``|w| <= 8`` needs 16 significant bits), each sum
+starting from +0.0: a zero logit is +0.0, never -0.0. Exactness makes the summation order
+irrelevant, so a small tail computes the same bits as one dense matrix-vector product.
 """
 
 from __future__ import annotations
@@ -198,21 +201,40 @@ def _generator(seed: int, kind: int, index: int = 0) -> np.random.Generator:
 
 _LANES: Final = np.dtype("<u2")
 
-_Layer = tuple[int, int, int, int, int, int]
-"""shift, shift_back, key_mask, key_mult, value_mask, value_mult (a tuple: the hot loop unpacks
-it in one step, several times faster than attribute access)."""
+_Layer = tuple[int, int, int, int, int, int, int]
+"""shift, shift_back, low_lanes, key_mask, key_mult, value_mask, value_mult (a tuple: the hot
+loop unpacks it in one step, several times faster than attribute access). ``low_lanes`` masks
+the lanes the rotation moves up (the others wrap around to the bottom)."""
+_BatchLayer = tuple[int, int, int, int, int, int, int, int]
+"""shift, shift_back, high_lanes, low_lanes, key_mask, key_mult, value_mask, value_mult for a
+batch of rows packed side by side (the masks repeated per row; high_lanes/low_lanes select
+what each half of the rotation contributes to each row)."""
+_BATCH_SIZES_KEPT: Final = 8
+DENSE_PROJECTION_LIMIT: Final = 1 << 16
+"""A tail whose (hidden_size + 1) x vocab_size projection has at most this many entries also
+keeps it as a dense matrix: one matrix-vector product per decode row is about half the cost of
+the gather, multiply and sum of the sparse form. The limit keeps the matrix within a core's
+cache and the product below the size at which BLAS libraries split it across threads."""
 
 
 class FakeModel:
-    """The weights of layers ``[start, end)`` of a fake model and its forward arithmetic."""
+    """The weights of layers ``[start, end)`` of a fake model and its forward arithmetic.
+
+    Not thread-safe: single rows go through one preallocated lane buffer (the engine runs
+    every forward under its compute lock)."""
 
     __slots__ = (
+        "_batches",
         "_embedding",
         "_lane_values",
         "_layers",
         "_logit_index",
         "_logit_weight",
         "_low6",
+        "_projection",
+        "_row_bytes_in",
+        "_row_hidden",
+        "_row_lanes",
         "_value_mask",
         "end",
         "hidden_size",
@@ -256,6 +278,7 @@ class FakeModel:
                 (
                     rotation * LANE_BITS,
                     width - rotation * LANE_BITS,
+                    (1 << (width - rotation * LANE_BITS)) - 1,
                     key_mask,
                     key_mult,
                     value_mask,
@@ -263,6 +286,8 @@ class FakeModel:
                 )
             )
         self._layers = tuple(layers)
+        self._batches: dict[int, tuple[int, int, tuple[_BatchLayer, ...]]] = {}
+        self._projection: npt.NDArray[np.float32] | None = None
         self._logit_index: npt.NDArray[np.intp] = np.zeros((LOGIT_TERMS, 0), dtype=np.intp)
         self._logit_weight: npt.NDArray[np.float32] = np.zeros((LOGIT_TERMS, 0), np.float32)
         if end == spec.n_layers:
@@ -272,6 +297,22 @@ class FakeModel:
             )
             weights = rng.integers(-8, 9, (LOGIT_TERMS, spec.vocab_size))
             self._logit_weight = (weights * LOGIT_SCALE).astype(np.float32)
+            if (hidden + 1) * spec.vocab_size <= DENSE_PROJECTION_LIMIT:
+                # Row i holds the weights every logit gives lane i (repeated lanes summed,
+                # exactly); the last row, all +0.0, is the constant lane's (see logits).
+                projection = np.zeros((hidden + 1, spec.vocab_size), np.float32)
+                columns = np.arange(spec.vocab_size)
+                for term in range(LOGIT_TERMS):
+                    np.add.at(
+                        projection, (self._logit_index[term], columns), self._logit_weight[term]
+                    )
+                self._projection = projection
+        # One row's lanes are copied into this buffer (no array per call); its last lane is
+        # the constant 1 the dense projection multiplies by +0.0.
+        self._row_lanes: npt.NDArray[np.uint16] = np.zeros((1, hidden + 1), _LANES)
+        self._row_lanes[0, hidden] = 1
+        self._row_bytes_in = self._row_lanes.data.cast("B")[: self.row_bytes]
+        self._row_hidden = self._row_lanes[:, :hidden]
 
     # The methods below are the hot path of every forward; they trade a little readability
     # for fewer Python-level operations.
@@ -279,26 +320,112 @@ class FakeModel:
     def embed(self, token_ids: npt.NDArray[np.int32]) -> list[int]:
         """The packed layer-0 states of ``token_ids`` (head shards only)."""
         table = self._embedding
-        return [table[token] for token in token_ids.tolist()]
+        tokens = token_ids.tolist()
+        if len(tokens) == 1:
+            return [table[tokens[0]]]
+        return [table[token] for token in tokens]
 
     def run_row(self, state: int, caches: Sequence[list[int]]) -> int:
         """Run one row through every layer of the shard, appending its cache entry to each
         layer's cache (which must hold exactly the positions before this row)."""
         value_mask = self._value_mask
         low6 = self._low6
-        for (shift, shift_back, key_mask, key_mult, layer_mask, layer_mult), cache in zip(
-            self._layers, caches, strict=True
-        ):
-            # No mask after the rotation: the bits it leaves above the top lane only ever move
-            # further up (the shift right by 5 is masked to LOW6, products keep high parts
-            # high) and the final mask drops them.
-            rotated = (state << shift) | (state >> shift_back)
+        for (
+            shift,
+            shift_back,
+            low_lanes,
+            key_mask,
+            key_mult,
+            layer_mask,
+            layer_mult,
+        ), cache in zip(self._layers, caches, strict=True):
+            # Masking before the shift keeps every intermediate within the row's width: one
+            # operation more than carrying the rotated-out bits along, but each is cheaper.
+            rotated = ((state & low_lanes) << shift) | (state >> shift_back)
             rotated ^= (rotated >> 5) & low6
             key = ((rotated ^ key_mask) * key_mult) & value_mask
             mixed = ((cache[-1] * 3 if cache else 0) + key) & value_mask
             cache.append(mixed)
             state = ((state ^ layer_mask) + mixed * layer_mult) & value_mask
         return state
+
+    def run_rows(self, states: Sequence[int], caches: Sequence[Sequence[list[int]]]) -> list[int]:
+        """:meth:`run_row` for rows of distinct sessions (``caches[j]`` holds the layer caches
+        of row ``j``). The rows are packed side by side into one integer, so a layer costs a
+        handful of big-integer operations for the whole batch rather than per row. Each lane
+        computes what :meth:`run_row` computes (no operation carries into the next lane and
+        the rotation is masked per row), so every row is bitwise its single-row result."""
+        count = len(states)
+        if count == 1:
+            return [self.run_row(states[0], caches[0])]
+        size = self.row_bytes
+        total = size * count
+        value_mask, low6, layers = self._batch_constants(count)
+        packed = int.from_bytes(
+            b"".join([state.to_bytes(size, "little") for state in states]), "little"
+        )
+        offsets = range(0, total, size)
+        for layer, (
+            shift,
+            shift_back,
+            high,
+            low,
+            key_mask,
+            key_mult,
+            layer_mask,
+            layer_mult,
+        ) in enumerate(layers):
+            rotated = ((packed << shift) & high) | ((packed >> shift_back) & low)
+            rotated ^= (rotated >> 5) & low6
+            key = ((rotated ^ key_mask) * key_mult) & value_mask
+            # Every row of a decode batch has cached positions; an empty cache counts as 0,
+            # as in run_row.
+            previous = int.from_bytes(
+                b"".join(
+                    [
+                        row[layer][-1].to_bytes(size, "little") if row[layer] else bytes(size)
+                        for row in caches
+                    ]
+                ),
+                "little",
+            )
+            mixed = (previous * 3 + key) & value_mask
+            data = mixed.to_bytes(total, "little")
+            for offset, row in zip(offsets, caches, strict=True):
+                row[layer].append(int.from_bytes(data[offset : offset + size], "little"))
+            packed = ((packed ^ layer_mask) + mixed * layer_mult) & value_mask
+        data = packed.to_bytes(total, "little")
+        return [int.from_bytes(data[offset : offset + size], "little") for offset in offsets]
+
+    def _batch_constants(self, count: int) -> tuple[int, int, tuple[_BatchLayer, ...]]:
+        """The masks of :meth:`run_rows` for ``count`` rows (built once per batch size)."""
+        found = self._batches.get(count)
+        if found is not None:
+            return found
+        size = self.row_bytes
+
+        def repeat(value: int) -> int:
+            return int.from_bytes(value.to_bytes(size, "little") * count, "little")
+
+        row = (1 << (self.hidden_size * LANE_BITS)) - 1
+        layers = tuple(
+            (
+                shift,
+                shift_back,
+                repeat(row ^ ((1 << shift) - 1)),
+                repeat((1 << shift) - 1),
+                repeat(key_mask),
+                key_mult,
+                repeat(layer_mask),
+                layer_mult,
+            )
+            for shift, shift_back, _, key_mask, key_mult, layer_mask, layer_mult in self._layers
+        )
+        constants = (repeat(self._value_mask), repeat(self._low6), layers)
+        if len(self._batches) >= _BATCH_SIZES_KEPT:
+            self._batches.clear()
+        self._batches[count] = constants
+        return constants
 
     def _raw_lanes(self, states: Sequence[int]) -> npt.NDArray[np.uint16]:
         size = self.row_bytes
@@ -309,7 +436,11 @@ class FakeModel:
         return np.frombuffer(data, dtype=_LANES)
 
     def unpack(self, states: Sequence[int]) -> npt.NDArray[np.float32]:
-        """Packed states as wire hidden states: ``(n, hidden_size)`` f32 in ``[-1024, 1024)``."""
+        """Packed states as wire hidden states: ``(n, hidden_size)`` f32 in ``[-1024, 1024)``,
+        a new array that owns its memory."""
+        if len(states) == 1:
+            self._row_bytes_in[:] = states[0].to_bytes(self.row_bytes, "little")
+            return self._lane_values.take(self._row_hidden)
         values = self._lane_values.take(self._raw_lanes(states))
         return values.reshape(len(states), self.hidden_size)
 
@@ -334,20 +465,30 @@ class FakeModel:
         ]
 
     def logits(self, states: Sequence[int]) -> npt.NDArray[np.float32]:
-        """``(n, vocab_size)`` f32 logits of final states (tail shards only). Every product and
-        partial sum is exact in f32, so the reduction order cannot change a bit."""
+        """``(n, vocab_size)`` f32 logits of final states (tail shards only), a new array that
+        owns its memory. Every product and partial sum is exact in f32, so no summation order
+        can change a value; every sum includes a +0.0 term, so a zero logit is +0.0 (never
+        -0.0, whatever the order) and both forms below give the same bits."""
         if len(states) == 1:
-            # The decode path. The lanes come from the packed state's bytes through the lane
-            # table; the logit indices are all in range, so the gather skips bounds checks
+            # The decode path: the lanes go through the row buffer and the lane table.
+            self._row_bytes_in[:] = states[0].to_bytes(self.row_bytes, "little")
+            values = self._lane_values.take(self._row_lanes)
+            projection = self._projection
+            if projection is not None:
+                # The constant lane (1.0) times its +0.0 row is the +0.0 term.
+                dense: npt.NDArray[np.float32] = values.dot(projection)
+                return dense
+            # The logit indices are all in range, so the gather skips bounds checks
             # (mode="wrap" never wraps here, it only takes numpy's unchecked loop).
-            # (A dtype object, not the string: numpy parses a dtype string on every call.)
-            raw = np.frombuffer(states[0].to_bytes(self.row_bytes, "little"), dtype=_LANES)
-            terms = self._lane_values.take(raw).take(self._logit_index, mode="wrap")
+            terms = values.take(self._logit_index, mode="wrap")
             terms *= self._logit_weight
-            single: npt.NDArray[np.float32] = np.add.reduce(terms, axis=0, keepdims=True)
+            single: npt.NDArray[np.float32] = np.add.reduce(
+                terms, axis=0, keepdims=True, initial=0.0
+            )
             return single
+        # Several rows: the sparse form (a matrix product over rows could use BLAS threads).
         lanes = self._lane_values.take(self._raw_lanes(states))
         rows = lanes.reshape(len(states), self.hidden_size)[:, self._logit_index]
         rows *= self._logit_weight
-        many: npt.NDArray[np.float32] = np.add.reduce(rows, axis=1)
+        many: npt.NDArray[np.float32] = np.add.reduce(rows, axis=1, initial=0.0)
         return many

@@ -271,6 +271,8 @@ def _token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray
     array = np.asarray(tokens)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise InvalidInputError("token ids must be a 1-D sequence of integers")
+    if array.dtype == np.int32:
+        return array  # every value fits (the decode step's case: no reductions)
     if array.size and (int(array.min()) < -(2**31) or int(array.max()) >= 2**31):
         raise InvalidInputError("token id outside the int32 range")
     return array.astype(np.int32, copy=False)
@@ -477,6 +479,9 @@ class ShardRuntime:
         batch.n_tokens = 0
         _set_field(batch, "token", None)
         _set_field(batch, "embd", None)
+        # Which input the batch points at: token ids (``_batch_token_pointer``) or, for one
+        # call at a time, a staged embeddings array (reset to NULL after the call).
+        self._batch_has_tokens = False
         _set_field(
             batch,
             "pos",
@@ -542,7 +547,8 @@ class ShardRuntime:
         self._abort_flag.value = 1
 
     def clear_abort(self) -> None:
-        self._own_abort.clear()
+        if self._own_abort.is_set():  # (clear() takes the event's lock; twice per forward)
+            self._own_abort.clear()
         self._abort_flag.value = 0
 
     @property
@@ -585,10 +591,16 @@ class ShardRuntime:
             raise InvalidInputError("pass tokens or embeddings")
         if n == 0:
             raise InvalidInputError("no inputs")
-        seq_ids = np.full(n, seq_id, dtype=np.int64)
-        positions = np.arange(start_pos, start_pos + n, dtype=np.int64)
-        outputs = np.arange(n) if all_logits else np.array([n - 1])
-        return self._decode(seq_ids, positions, token_array, embeddings, outputs)
+        # One sequence at consecutive positions: checked and filled from the scalars (a
+        # decode step is one row; numpy arrays and reductions would cost more than the row).
+        self._check_rows(n, seq_id, seq_id, start_pos, start_pos + n - 1)
+        positions: int | npt.NDArray[np.int64] = (
+            start_pos if n == 1 else np.arange(start_pos, start_pos + n, dtype=np.int64)
+        )
+        outputs = range(n) if all_logits else (n - 1,)
+        return self._decode(
+            n, seq_id, positions, ((seq_id, start_pos),), token_array, embeddings, outputs
+        )
 
     def run_batch(self, items: Sequence[BatchItem]) -> npt.NDArray[np.float32]:
         """One decode step for several sequences in ONE llama_decode call; rows in item order.
@@ -629,8 +641,16 @@ class ShardRuntime:
                     )
             embeddings = np.stack([np.asarray(row, dtype=np.float32) for row in rows])
         destination = np.asarray(order)
+        self._check_rows(
+            n,
+            int(seq_ids.min()),
+            int(seq_ids.max()),
+            int(positions.min()),
+            int(positions.max()),
+        )
+        firsts = tuple(zip(seq_ids.tolist(), positions.tolist(), strict=True))
         result = self._decode(
-            seq_ids, positions, token_array, embeddings, np.arange(n), destination
+            n, seq_ids, positions, firsts, token_array, embeddings, range(n), destination
         )
         if self.is_tail:
             return result  # logits were read straight into item order
@@ -638,25 +658,27 @@ class ShardRuntime:
         in_order[destination] = result
         return in_order
 
-    def _check_inputs(
-        self,
-        seq_ids: npt.NDArray[np.int64],
-        positions: npt.NDArray[np.int64],
-        tokens: npt.NDArray[np.int32] | None,
-        embeddings: npt.NDArray[np.float32] | None,
-    ) -> npt.NDArray[np.float32] | None:
-        """Refuse inputs that do not fit the shard; the embeddings as contiguous float32."""
-        n = int(seq_ids.shape[0])
+    def _check_rows(self, n: int, seq_lo: int, seq_hi: int, pos_lo: int, pos_hi: int) -> None:
+        """Refuse a call of ``n`` rows whose sequences or positions do not fit the shard."""
         if n > self.settings.n_batch:
             raise InvalidInputError(
                 f"{n} inputs exceed n_batch={self.settings.n_batch}; split the call"
             )
-        if int(seq_ids.min()) < 0 or int(seq_ids.max()) >= self.settings.n_seq_max:
+        if seq_lo < 0 or seq_hi >= self.settings.n_seq_max:
             raise InvalidInputError(f"seq_id outside [0, {self.settings.n_seq_max})")
-        if int(positions.min()) < 0:
-            raise InvalidInputError(f"negative position {int(positions.min())}")
-        if int(positions.max()) >= 2**31:
-            raise InvalidInputError(f"position {int(positions.max())} beyond llama.cpp's range")
+        if pos_lo < 0:
+            raise InvalidInputError(f"negative position {pos_lo}")
+        if pos_hi >= 2**31:
+            raise InvalidInputError(f"position {pos_hi} beyond llama.cpp's range")
+
+    def _check_values(
+        self,
+        n: int,
+        tokens: npt.NDArray[np.int32] | None,
+        embeddings: npt.NDArray[np.float32] | None,
+    ) -> npt.NDArray[np.float32] | None:
+        """Refuse inputs that do not fit the shard's role and vocabulary or width; the
+        embeddings as contiguous float32."""
         if self.is_head and tokens is None:
             raise InvalidInputError("this shard takes token ids")
         if not self.is_head and embeddings is None:
@@ -664,7 +686,10 @@ class ShardRuntime:
         if tokens is not None:
             if not self.is_head:
                 raise InvalidInputError("this shard takes hidden states (embeddings)")
-            low, high = int(tokens.min()), int(tokens.max())
+            if n == 1:
+                low = high = int(tokens[0])
+            else:
+                low, high = int(tokens.min()), int(tokens.max())
             if low < 0 or high >= self.n_vocab:
                 bad = low if low < 0 else high
                 raise InvalidInputError(f"token {bad} outside the vocabulary of {self.n_vocab}")
@@ -680,20 +705,23 @@ class ShardRuntime:
 
     def _decode(
         self,
-        seq_ids: npt.NDArray[np.int64],
-        positions: npt.NDArray[np.int64],
+        n: int,
+        seq_ids: int | npt.NDArray[np.int64],
+        positions: int | npt.NDArray[np.int64],
+        firsts: Sequence[tuple[int, int]],
         tokens: npt.NDArray[np.int32] | None,
         embeddings: npt.NDArray[np.float32] | None,
-        outputs: npt.NDArray[np.int64],
+        outputs: Sequence[int],
         destination: npt.NDArray[np.intp] | None = None,
     ) -> npt.NDArray[np.float32]:
-        """One llama_decode. A tail returns the logits of batch rows ``outputs``, the j-th
-        in result row ``destination[j]`` (default j); other shards return every row's hidden
-        state in batch order."""
+        """One llama_decode of ``n`` rows (sequence ids and positions per row, or one value
+        for every row; already checked by ``_check_rows``). ``firsts``: each sequence's
+        first position in the call, which a failure removes again. A tail returns the logits
+        of batch rows ``outputs``, the j-th in result row ``destination[j]`` (default j);
+        other shards return every row's hidden state in batch order."""
         with self._lock:
             context = self._require_open()
-            staged = self._check_inputs(seq_ids, positions, tokens, embeddings)
-            n = int(seq_ids.shape[0])
+            staged = self._check_values(n, tokens, embeddings)
             batch = self._batch
             batch.n_tokens = n
             self._batch_seq_ids[:n] = seq_ids
@@ -701,14 +729,18 @@ class ShardRuntime:
             flags = self._batch_output_flags
             flags[:n] = 0
             if self.is_tail:
-                flags[outputs] = 1
+                for row in outputs:
+                    flags[row] = 1
             if tokens is not None:
                 self._batch_tokens[:n] = tokens
-                _set_field(batch, "token", self._batch_token_pointer)
-                _set_field(batch, "embd", None)
+                if not self._batch_has_tokens:
+                    _set_field(batch, "token", self._batch_token_pointer)
+                    self._batch_has_tokens = True
             else:
                 assert staged is not None
-                _set_field(batch, "token", None)
+                if self._batch_has_tokens:
+                    _set_field(batch, "token", None)
+                    self._batch_has_tokens = False
                 # llama.cpp copies the rows into its input tensor; ``staged`` outlives the call.
                 _set_field(batch, "embd", staged.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
             hidden: npt.NDArray[np.float32] | None = None
@@ -725,9 +757,10 @@ class ShardRuntime:
                     state.error = 0
                     state.calls = 0
             status = int(llama_cpp.llama_decode(context, batch))
-            _set_field(batch, "embd", None)
+            if staged is not None:
+                _set_field(batch, "embd", None)  # no pointer to a freed array stays behind
             if status != 0:
-                self._rollback(seq_ids, positions)
+                self._rollback(firsts)
                 if status == 2:
                     raise AbortedError(f"{self.path.name}: decode aborted")
                 if status == 1:
@@ -754,10 +787,10 @@ class ShardRuntime:
                 self._captured = []
                 captured_rows = int(hidden.shape[0])
             if capture_error is not None:
-                self._rollback(seq_ids, positions)
+                self._rollback(firsts)
                 raise RuntimeFailure(f"{self.path.name}: {capture_error}", -100)
             if captured_rows != n:
-                self._rollback(seq_ids, positions)
+                self._rollback(firsts)
                 raise RuntimeFailure(
                     f"{self.path.name}: captured {captured_rows} rows of "
                     f"{self._capture_name.decode()} "
@@ -774,7 +807,7 @@ class ShardRuntime:
     def _read_logits(
         self,
         context: int,
-        outputs: npt.NDArray[np.int64],
+        outputs: Sequence[int],
         destination: npt.NDArray[np.intp] | None = None,
     ) -> npt.NDArray[np.float32]:
         """Copy each wanted row of llama.cpp's logits once, into its result row."""
@@ -782,16 +815,16 @@ class ShardRuntime:
         targets = range(len(outputs)) if destination is None else destination.tolist()
         row_bytes = self.n_vocab * 4
         base = rows.ctypes.data
-        for target, index in zip(targets, outputs.tolist(), strict=True):
+        for target, index in zip(targets, outputs, strict=True):
             pointer = llama_cpp.llama_get_logits_ith(context, index)
             if not pointer:
                 raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
             ctypes.memmove(base + target * row_bytes, pointer, row_bytes)
         return rows
 
-    def _rollback(self, seq_ids: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> None:
-        for seq_id in np.unique(seq_ids).tolist():
-            first = int(positions[seq_ids == seq_id].min())
+    def _rollback(self, firsts: Sequence[tuple[int, int]]) -> None:
+        """Remove what a failed call added: each (sequence, first position) from there on."""
+        for seq_id, first in firsts:
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, first, -1)
 
     # -- sequences -------------------------------------------------------------------------------
