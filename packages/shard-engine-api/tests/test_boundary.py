@@ -40,7 +40,7 @@ from shard_engine_api import (
 from shard_engine_api import _boundary as boundary
 from shard_engine_api import _results as results
 from shard_engine_api._boundary import BundleExpectation, ViolationKind, check_bundle
-from shard_engine_api._dtypes import payload_finite
+from shard_engine_api._dtypes import checksum_and_finite, payload_finite
 from shard_engine_api.wire import Codec, encode
 
 N_LAYERS: Final = 4
@@ -213,6 +213,14 @@ class Scans:
             return built_finite(payload, width)
 
         monkeypatch.setattr(results, "_finite", counted_built_finite)
+        built_checksum_and_finite = checksum_and_finite
+
+        def counted_built_checksum_and_finite(payload: Any, dtype: Any) -> tuple[int, bool]:
+            # A logits row (or private f32 rows): checksum and finiteness in one pass.
+            self.built += 1
+            return built_checksum_and_finite(payload, dtype)
+
+        monkeypatch.setattr(results, "checksum_and_finite", counted_built_checksum_and_finite)
 
 
 def test_a_decoded_bundle_is_scanned_once_per_hop(
