@@ -13,11 +13,11 @@ Checks run cheapest first: contract version, reserved MTP/aux state, header rang
 hidden size, model fingerprint (which must be non-empty), layer index, the request's session,
 position and row count, the payload size limit (before any hashing), payload length against the
 header, then the checksum (xxh3-64) and finiteness (NaN/Inf, tested on the bits) together by
-:func:`verify_payload`: one pass in the optional C extension (each cache-sized block hashed,
-then tested while it is still in cache), else the xxhash package and two read-only numpy max
-reductions over integer views of the bits (see shard_engine_api._dtypes). A payload that fails
-both is reported as a checksum mismatch, whichever implementation ran; measured against the
-alternatives in benchmarks/codec_bench.py.
+:func:`verify_payload`: one pass in the optional C extension (with AVX2, each 64-byte stripe
+tested inside xxHash's own hashing loop; see _native.c), else the xxhash package and two
+read-only numpy max reductions over integer views of the bits (see shard_engine_api._dtypes).
+A payload that fails both is reported as a checksum mismatch, whichever implementation ran;
+measured against the alternatives in benchmarks/codec_bench.py.
 
 One scan per hop: the checksum and finiteness passes read the whole payload, so a bundle that
 passed them carries a private mark recording it, and a later check of the same object skips them

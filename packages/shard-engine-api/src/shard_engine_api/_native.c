@@ -2,23 +2,30 @@
  * back to the xxhash package and numpy bit tests, with the same results).
  *
  * Every bundle a worker receives is checked for its xxh3-64 checksum and, under the default
- * "reject" policy, for NaN and infinity. Done in Python that is two or three passes over the
- * payload (xxhash, then numpy reductions over integer views of the bits) and a dozen numpy calls
- * whose fixed cost dominates a decode step's one-row bundle. Here one call does both in one pass:
- * the payload is hashed block by block, and each block is tested for non-finite values while it
- * is still in the first-level cache.
+ * "reject" policy, for NaN and infinity. Done in Python that is three passes over the payload
+ * (xxhash, then two numpy max reductions over integer views of the bits) and numpy calls whose
+ * fixed cost dominates a decode step's one-row bundle. Here one call does both in one pass.
  *
  * The hash is xxHash's own XXH3_64bits (seed 0), from the vendored official release (vendor/
- * xxhash, BSD-2-Clause) and its x86 dispatcher, which picks SSE2, AVX2 or AVX-512 at run time;
- * the streaming API gives the same digest as the one-shot one (xxHash guarantees it, and the
- * tests compare every function here with the xxhash package on payloads of many sizes and
- * alignments).
+ * xxhash, BSD-2-Clause) and its x86 dispatcher, which picks SSE2, AVX2 or AVX-512 at run time.
+ * The tests compare every function here with the xxhash package on payloads of many sizes and
+ * alignments, for every finiteness kind.
+ *
+ * One pass, three shapes:
+ * - AVX2, inputs above XXH3_MIDSIZE_MAX (240 bytes): xxHash's long-input loop rebuilt from its
+ *   own AVX2 accumulate and scramble steps, with the finiteness maximum of each 64-byte stripe
+ *   taken while the stripe is in L1 (measured on 4 MiB: the test adds ~15% to the hash, where a
+ *   second pass added ~65%). See hash_long_and_test_avx2.
+ * - Otherwise, above BLOCK_BYTES: the streaming XXH3 API block by block, each block tested
+ *   right after it is hashed, while cache-resident.
+ * - Small inputs: the one-shot hash, then the test.
  *
  * Finiteness is tested on the bits: a value is NaN or infinite iff its exponent bits are all
  * ones. For 16-bit lanes that is (lane & M) == C with M = C = the exponent mask (f16 0x7c00,
  * bf16 0x7f80). An f32 is two lanes, low half first (little-endian): its high lane is tested
  * against 0x7f80 and its low lane gets M = 0, C = 0xffff, which never matches, so one 16-bit
- * lane loop serves every dtype.
+ * lane loop serves every dtype (the portable and SSE2 loops). The AVX2 loops use an equivalent
+ * test with fewer operations (see nonfinite_avx2).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,12 +50,12 @@
 #  define shard_xxh3_update XXH3_64bits_update
 #endif
 
-/* Finiteness kinds (shard_engine_api._checksum's FINITE_KINDS). */
+/* Finiteness kinds (shard_engine_api._dtypes.FINITE_KINDS). */
 enum { KIND_NONE = 0, KIND_F16 = 1, KIND_BF16 = 2, KIND_F32 = 3 };
-/* Results of verify() (shard_engine_api._checksum's SOUND, CHECKSUM_MISMATCH, NONFINITE). */
+/* Results of verify() (shard_engine_api._boundary's SOUND, CHECKSUM_MISMATCH, NONFINITE). */
 enum { SOUND = 0, CHECKSUM_MISMATCH = 1, NONFINITE = 2 };
 
-/* Blocks small enough to stay in L1 between hashing and testing them. */
+/* Blocks of the streaming shape: small enough to stay in L1 between hashing and testing. */
 #ifndef BLOCK_BYTES
 #  define BLOCK_BYTES (16 * 1024)
 #endif
