@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -43,6 +44,26 @@ SIZES = sorted(
     }
 )
 ALIGNED_SIZES = [0, 2, 4, 64, 126, 128, 130, 256, 8192, BLOCK - 4, BLOCK, BLOCK + 4, 3 * BLOCK + 8]
+
+
+@pytest.fixture(autouse=True, params=["avx2", "sse2", "portable"])
+def scan_loops(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """Every test runs with each set of the extension's loops this CPU has (the AVX2 one-pass
+    hash-and-test, the SSE2 and the portable block loops), so a machine without AVX2 runs no
+    untested code; without the extension, once."""
+    if NATIVE_MODULE is None:
+        if request.param != "portable":
+            pytest.skip("the C extension is not in use")
+        yield None
+        return
+    try:
+        previous = NATIVE_MODULE._select_scan(request.param)
+    except ValueError:
+        pytest.skip(f"no {request.param} loops on this CPU")
+    try:
+        yield request.param
+    finally:
+        NATIVE_MODULE._select_scan(previous)
 
 
 def random_bytes(size: int, seed: int) -> bytes:

@@ -84,6 +84,7 @@ class NativeScan(Protocol):
     def checksum_and_finite(
         self, buffer: Buffer | npt.NDArray[np.generic], kind: int, /
     ) -> tuple[int, bool]: ...
+    def _select_scan(self, name: str, /) -> str: ...
 
 
 def _load_native() -> NativeScan | None:

@@ -24,8 +24,8 @@
  * ones. For 16-bit lanes that is (lane & M) == C with M = C = the exponent mask (f16 0x7c00,
  * bf16 0x7f80). An f32 is two lanes, low half first (little-endian): its high lane is tested
  * against 0x7f80 and its low lane gets M = 0, C = 0xffff, which never matches, so one 16-bit
- * lane loop serves every dtype (the portable and SSE2 loops). The AVX2 loops use an equivalent
- * test with fewer operations (see nonfinite_avx2).
+ * lane loop serves every dtype (the SSE2 loop); the portable loop tests whole values, and the
+ * AVX2 loops an equivalent test with fewer operations (see nonfinite_avx2).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,7 +34,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
+/* SHARD_PORTABLE builds the non-x86 shape on x86 too (to check that it compiles). */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SHARD_PORTABLE)
 #  define SHARD_X86 1
 /* xxHash's dispatcher: compiled for baseline x86-64, it selects SSE2/AVX2/AVX-512 by cpuid. */
 #  include "xxh_x86dispatch.c"
@@ -76,22 +77,35 @@ static const lane_test LANE_TESTS[4] = {
     {{0x0000, 0x7f80}, {0xffff, 0x7f80}, 4},
 };
 
-/* Whether any lane of p[0..n) (n even) matches; the portable loop and every vector tail. */
+/* Whether any value of p[0..n) (n a multiple of the item size) is non-finite: the portable loop
+ * and every vector tail. Written so that compilers vectorise it with any instruction set
+ * (loads through memcpy, and, compare, or). Payloads are little-endian: a big-endian machine
+ * tests the byte-swapped mask instead of swapping every value. */
 static int
 nonfinite_scalar(const unsigned char *p, size_t n, const lane_test *test)
 {
-    unsigned found = 0;
-    for (size_t i = 0; i + 2 <= n; i += 2) {
-        uint16_t lane;
-        memcpy(&lane, p + i, 2);
-        if (PY_LITTLE_ENDIAN == 0) {
-            lane = (uint16_t)((lane >> 8) | (lane << 8));
+    if (test->itemsize == 4) {
+        uint32_t found = 0;
+        const uint32_t mask = PY_LITTLE_ENDIAN ? 0x7f800000u : 0x0000807fu;
+        for (size_t i = 0; i + 4 <= n; i += 4) {
+            uint32_t v;
+            memcpy(&v, p + i, 4);
+            found |= (v & mask) == mask;
         }
-        size_t odd = (i >> 1) & 1;
-        found |= (unsigned)((lane & test->mask[odd]) == test->value[odd]);
+        return found != 0;
     }
-    return found != 0;
+    const uint16_t mask = PY_LITTLE_ENDIAN ? test->mask[0]
+                                           : (uint16_t)((test->mask[0] >> 8) | (test->mask[0] << 8));
+    uint16_t found16 = 0; /* lane-sized, so the vectorised loop does not widen */
+    for (size_t i = 0; i + 2 <= n; i += 2) {
+        uint16_t v;
+        memcpy(&v, p + i, 2);
+        found16 |= (uint16_t)((v & mask) == mask);
+    }
+    return found16 != 0;
 }
+
+typedef int (*nonfinite_function)(const unsigned char *, size_t, const lane_test *);
 
 #if SHARD_X86
 /* n must be a multiple of the item size; p may be unaligned. */
@@ -237,11 +251,12 @@ hash_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test
 
 static int use_avx2 = 0;
 
-typedef int (*nonfinite_function)(const unsigned char *, size_t, const lane_test *);
 static nonfinite_function nonfinite_scan = nonfinite_sse2;
+static int cpu_avx2 = 0;
 #else
-#  define nonfinite_scan nonfinite_scalar
+static nonfinite_function nonfinite_scan = nonfinite_scalar;
 #endif
+static const char *scan_name = "portable";
 
 static int
 nonfinite(const unsigned char *p, size_t n, int kind)
@@ -490,7 +505,49 @@ native_checksum_and_finite(PyObject *module, PyObject *const *args, Py_ssize_t n
     return result;
 }
 
+PyDoc_STRVAR(select_scan_doc,
+"_select_scan(name) -> str\n--\n\n"
+"For the tests: run the loops of \"avx2\", \"sse2\" or \"portable\" from now on (the hash keeps\n"
+"xxHash's own choice) and return the previous name. ValueError if this CPU or build has none.");
+
+static PyObject *
+native_select_scan(PyObject *module, PyObject *name)
+{
+    (void)module;
+    const char *wanted = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (wanted == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "_select_scan() takes a str");
+        }
+        return NULL;
+    }
+    const char *previous = scan_name;
+    if (strcmp(wanted, "portable") == 0) {
+        nonfinite_scan = nonfinite_scalar;
+        scan_name = "portable";
+#if SHARD_X86
+        use_avx2 = 0;
+    }
+    else if (strcmp(wanted, "sse2") == 0) {
+        nonfinite_scan = nonfinite_sse2;
+        use_avx2 = 0;
+        scan_name = "sse2";
+    }
+    else if (strcmp(wanted, "avx2") == 0 && cpu_avx2) {
+        nonfinite_scan = nonfinite_avx2;
+        use_avx2 = 1;
+        scan_name = "avx2";
+#endif
+    }
+    else {
+        PyErr_Format(PyExc_ValueError, "no %s loops in this build or on this CPU", wanted);
+        return NULL;
+    }
+    return PyUnicode_FromString(previous);
+}
+
 static PyMethodDef native_methods[] = {
+    {"_select_scan", (PyCFunction)native_select_scan, METH_O, select_scan_doc},
     {"checksum_and_finite", (PyCFunction)(void (*)(void))native_checksum_and_finite, METH_FASTCALL,
      checksum_and_finite_doc},
     {"checksum", (PyCFunction)native_checksum, METH_O, checksum_doc},
@@ -505,9 +562,13 @@ native_exec(PyObject *module)
     const char *vector = "portable";
 #if SHARD_X86
     int level = XXH_featureTest();
+    nonfinite_scan = nonfinite_sse2;
+    scan_name = "sse2";
     if (level >= XXH_AVX2) {
         nonfinite_scan = nonfinite_avx2;
         use_avx2 = 1;
+        cpu_avx2 = 1;
+        scan_name = "avx2";
     }
     vector = level >= XXH_AVX512 ? "avx512" : level >= XXH_AVX2 ? "avx2" : "sse2";
 #endif
