@@ -5,9 +5,12 @@ For bundles of 1, 128 and 512 rows x 4096 in f16, bf16 and f32 it times, in one 
 - memcpy: ``np.copyto`` of the payload into a preallocated buffer (the floor: one copy).
 - codec: ``encode_bundle`` + ``decode_bundle()`` with its defaults (``nonfinite="reject"``, what
   every worker gets): encode (one copy into the message), zero-copy decode, header checks,
-  xxh3-64 checksum verification and the finiteness test (two read-only max reductions over
-  integer views of the bits).
-- codec-allow: the same with the non-default ``nonfinite="allow"`` (no finiteness pass).
+  xxh3-64 checksum verification and the finiteness test: one pass in the optional C extension
+  (``shard_engine_api._native``) where it was built, which the table's heading says.
+- codec-allow: the same with the non-default ``nonfinite="allow"`` (no finiteness test).
+- codec-fallback: the default codec with the pure-Python verification an install without a C
+  compiler gets (the xxhash package, then two numpy max reductions over integer views of the
+  bits); only measured when the extension is in use.
 - pickle+sum: ``pickle.dumps((header, payload_bytes, checksum))`` + ``loads`` + the same
   ``payload_checksum`` verification (payload bytes made outside the timing, favouring pickle;
   it checks no finiteness).
@@ -22,16 +25,20 @@ Usage: ``python benchmarks/codec_bench.py [--quick | --smoke] [--results PATH]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
+import math
 import pickle
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from _results import Results, add_results_option
 
-from shard_engine_api import CONTRACT_VERSION, BoundaryBundle, BoundaryDtype, SessionRef
+from shard_engine_api import CONTRACT_VERSION, BoundaryBundle, BoundaryDtype, SessionRef, _boundary
+from shard_engine_api._checksum import NATIVE_MODULE
+from shard_engine_api._dtypes import python_payload_finite
 from shard_engine_api._types import numpy_dtype
 from shard_engine_api.wire import (
     CHECKSUM_ALGORITHM,
@@ -41,6 +48,31 @@ from shard_engine_api.wire import (
 )
 
 SHAPES = [(1, 4096), (128, 4096), (512, 4096)]
+VERIFICATION = (
+    f"native (shard_engine_api._native, {NATIVE_MODULE.VECTOR})"
+    if NATIVE_MODULE is not None
+    else "fallback (xxhash package + numpy; the C extension is not built or is disabled)"
+)
+
+
+@contextlib.contextmanager
+def fallback_verification() -> Iterator[None]:
+    """The codec's checks with the pure-Python verification (what an install without a C
+    compiler runs), for the codec-fallback column."""
+    swaps = {
+        "verify_payload": _boundary.python_verify_payload,
+        "payload_finite": python_payload_finite,
+    }
+    bound = {name: getattr(_boundary, name) for name in swaps}
+    for name, fallback in swaps.items():
+        setattr(_boundary, name, fallback)
+    try:
+        yield
+    finally:
+        for name, function in bound.items():
+            setattr(_boundary, name, function)
+
+
 DTYPES: list[BoundaryDtype] = ["f16", "bf16", "f32"]
 
 
@@ -90,6 +122,10 @@ def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -
     def codec_allow() -> None:
         decode_bundle(encode_bundle(bundle), nonfinite="allow")
 
+    def codec_fallback() -> None:
+        with fallback_verification():
+            decode_bundle(encode_bundle(bundle))
+
     def pickled() -> None:
         loaded_header, loaded, checksum = pickle.loads(
             pickle.dumps((header, payload_bytes, bundle.checksum), protocol=5)
@@ -108,6 +144,9 @@ def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -
         "memcpy": median_us(lambda: np.copyto(target, source), budget_s, 20000),
         "codec": median_us(codec, budget_s, 20000),
         "codec-allow": median_us(codec_allow, budget_s, 20000),
+        "codec-fallback": (
+            median_us(codec_fallback, budget_s, 20000) if NATIVE_MODULE is not None else math.nan
+        ),
         "pickle+sum": median_us(pickled, budget_s, 20000),
         "gzip-1": median_us(gzipped, budget_s, 200),
     }
@@ -135,21 +174,29 @@ def main() -> None:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     budget_s = {"smoke": 0.0, "quick": 0.1, "full": 0.5}[mode]
     results = Results(
-        args.results, "codec", mode=mode, budget_s=budget_s, checksum=CHECKSUM_ALGORITHM
+        args.results,
+        "codec",
+        mode=mode,
+        budget_s=budget_s,
+        checksum=CHECKSUM_ALGORITHM,
+        verification=VERIFICATION,
     )
     slower_than_pickle: list[str] = []
-    columns = ["memcpy", "codec", "codec-allow", "pickle+sum", "gzip-1"]
-    ratios = f"{'codec/memcpy':>14}{'allow/memcpy':>14}{'codec/pickle':>14}"
+    columns = ["memcpy", "codec", "codec-allow", "codec-fallback", "pickle+sum", "gzip-1"]
+    ratios = f"{'codec/memcpy':>14}{'allow/memcpy':>14}{'codec/pickle':>14}{'fallbk/pickle':>14}"
+    print(f"payload verification: {VERIFICATION}")
     print("codec = encode_bundle + decode_bundle() with its defaults (nonfinite='reject');")
-    print("codec-allow = the same with the non-default nonfinite='allow'; checksum xxh3-64")
-    print(f"{'bundle':<14}{'MiB':>7}" + "".join(f"{c:>14}" for c in columns) + ratios)
+    print("codec-allow = the same with the non-default nonfinite='allow'; checksum xxh3-64;")
+    print("codec-fallback = codec with the pure-Python verification (no C extension)")
+    print(f"{'bundle':<14}{'MiB':>7}" + "".join(f"{c:>15}" for c in columns) + ratios)
     for n_tokens, hidden in SHAPES:
         for dtype in DTYPES:
             r = measure(n_tokens, hidden, dtype, budget_s)
             size_mib = n_tokens * hidden * (4 if dtype == "f32" else 2) / 2**20
             name = f"{n_tokens}x{hidden}_{dtype}"
             for column in columns:
-                results.record(f"{name}_{column}_us", round(r[column], 2), "us")
+                if not math.isnan(r[column]):
+                    results.record(f"{name}_{column}_us", round(r[column], 2), "us")
             over_memcpy = r["codec"] / r["memcpy"]
             results.record(f"{name}_codec_over_memcpy", round(over_memcpy, 2), "x")
             results.record(
@@ -160,14 +207,23 @@ def main() -> None:
             )
             over_pickle = r["codec"] / r["pickle+sum"]
             results.record(f"{name}_codec_over_pickle", round(over_pickle, 2), "x")
+            fallback_over_pickle = r["codec-fallback"] / r["pickle+sum"]
+            if not math.isnan(fallback_over_pickle):
+                results.record(
+                    f"{name}_codec_fallback_over_pickle",
+                    round(fallback_over_pickle, 2),
+                    "x",
+                    "without the C extension",
+                )
             if over_pickle >= 1.0:
                 slower_than_pickle.append(f"{n_tokens}x{hidden} {dtype}")
             print(
                 f"{f'{n_tokens}x{hidden} {dtype}':<14}{size_mib:>7.3f}"
-                + "".join(f"{r[c]:>14.1f}" for c in columns)
+                + "".join(f"{r[c]:>15.1f}" for c in columns)
                 + f"{over_memcpy:>14.2f}"
                 + f"{r['codec-allow'] / r['memcpy']:>14.2f}"
                 + f"{r['codec'] / r['pickle+sum']:>14.2f}"
+                + f"{fallback_over_pickle:>14.2f}"
             )
     print(
         f"times: median microseconds; targets: codec <= {TARGET_CODEC_OVER_MEMCPY}x memcpy at "

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -45,6 +46,26 @@ SIZES = sorted(
 ALIGNED_SIZES = [0, 2, 4, 64, 126, 128, 130, 256, 8192, BLOCK - 4, BLOCK, BLOCK + 4, 3 * BLOCK + 8]
 
 
+@pytest.fixture(autouse=True, params=["avx2", "sse2", "portable"])
+def scan_loops(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """Every test runs with each set of the extension's loops this CPU has (the AVX2 one-pass
+    hash-and-test, the SSE2 and the portable block loops), so a machine without AVX2 runs no
+    untested code; without the extension, once."""
+    if NATIVE_MODULE is None:
+        if request.param != "portable":
+            pytest.skip("the C extension is not in use")
+        yield None
+        return
+    try:
+        previous = NATIVE_MODULE._select_scan(request.param)
+    except ValueError:
+        pytest.skip(f"no {request.param} loops on this CPU")
+    try:
+        yield request.param
+    finally:
+        NATIVE_MODULE._select_scan(previous)
+
+
 def random_bytes(size: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
@@ -61,16 +82,48 @@ def test_the_extension_is_built() -> None:
 
 @native
 def test_checksums_equal_the_xxhash_package_at_every_size_and_alignment() -> None:
+    """checksum(), and verify() and checksum_and_finite() for every finiteness kind (each a
+    different one-pass loop: blocks, or the AVX2 stripes that hash and test together)."""
     assert NATIVE_MODULE is not None
-    buffer = random_bytes(max(SIZES) + 16, 1)
+    # Finite in every dtype: every byte 0x3c (f16 1.0-ish, bf16/f32 ~0.01).
+    buffer = b"\x3c" * (max(SIZES) + 16)
+    noise = random_bytes(max(SIZES) + 16, 1)
     for size in SIZES:
         for offset in (0, 1, 3, 7, 8):
-            view = memoryview(buffer)[offset : offset + size]
+            view = memoryview(noise)[offset : offset + size]
             want = xxhash.xxh3_64_intdigest(view)
             assert NATIVE_MODULE.checksum(view) == want, (size, offset)
-            # verify() hashes large payloads block by block (the streaming API).
             assert NATIVE_MODULE.verify(view, want, 0) == SOUND, (size, offset)
             assert NATIVE_MODULE.verify(view, want ^ 1, 0) == CHECKSUM_MISMATCH, (size, offset)
+            finite = memoryview(buffer)[offset : offset + size]
+            want = xxhash.xxh3_64_intdigest(finite)
+            for kind, itemsize in ((1, 2), (2, 2), (3, 4)):
+                if size % itemsize:
+                    continue
+                assert NATIVE_MODULE.verify(finite, want, kind) == SOUND, (size, offset, kind)
+                assert NATIVE_MODULE.verify(finite, want ^ 1, kind) == CHECKSUM_MISMATCH
+                assert NATIVE_MODULE.checksum_and_finite(finite, kind) == (want, True)
+
+
+@native
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_a_nonfinite_value_is_found_at_every_position(dtype: BoundaryDtype) -> None:
+    """In payloads just past the one-shot sizes (every position is in some stripe: full
+    blocks, the partial block, the overlapping last stripe) and at a block boundary."""
+    assert NATIVE_MODULE is not None
+    kind = FINITE_KINDS[dtype]
+    itemsize = ITEMSIZE[dtype]
+    storage = "<u4" if dtype == "f32" else "<u2"
+    bad = nonfinite_patterns(dtype)
+    for size in (244, 256, 300, 1024, 1028, 1088, 2100):
+        values = np.full(size // itemsize, 0x3C003C00 if dtype == "f32" else 0x3C00, dtype=storage)
+        for at in range(values.size):
+            values[at] = bad[at % len(bad)]
+            digest, finite = NATIVE_MODULE.checksum_and_finite(values, kind)
+            assert digest == xxhash.xxh3_64_intdigest(values.data), (size, at)
+            assert not finite, (size, at)
+            assert NATIVE_MODULE.verify(values.data, digest, kind) == NONFINITE, (size, at)
+            values[at] = values[at - 1] if at else values[1]
 
 
 @native

@@ -13,11 +13,11 @@ Checks run cheapest first: contract version, reserved MTP/aux state, header rang
 hidden size, model fingerprint (which must be non-empty), layer index, the request's session,
 position and row count, the payload size limit (before any hashing), payload length against the
 header, then the checksum (xxh3-64) and finiteness (NaN/Inf, tested on the bits) together by
-:func:`verify_payload`: one pass in the optional C extension (each cache-sized block hashed,
-then tested while it is still in cache), else the xxhash package and two read-only numpy max
-reductions over integer views of the bits (see shard_engine_api._dtypes). A payload that fails
-both is reported as a checksum mismatch, whichever implementation ran; measured against the
-alternatives in benchmarks/codec_bench.py.
+:func:`verify_payload`: one pass in the optional C extension (with AVX2, each 64-byte stripe
+tested inside xxHash's own hashing loop; see _native.c), else the xxhash package and two
+read-only numpy max reductions over integer views of the bits (see shard_engine_api._dtypes).
+A payload that fails both is reported as a checksum mismatch, whichever implementation ran;
+measured against the alternatives in benchmarks/codec_bench.py.
 
 One scan per hop: the checksum and finiteness passes read the whole payload, so a bundle that
 passed them carries a private mark recording it, and a later check of the same object skips them
@@ -45,7 +45,7 @@ from shard_engine_api._checksum import (
     SCANNED,
     SCANNED_FINITE,
     Buffer,
-    mark_scanned,
+    mark_payload_scanned,
     python_checksum,
     scanned,
 )
@@ -277,7 +277,7 @@ def check_bundle(
     if n_tokens is not None and rows != n_tokens:
         return Violation(ViolationKind.ROWS, f"bundle carries {rows} rows; expected {n_tokens}")
     payload = bundle.payload
-    size = memoryview(payload).nbytes
+    size = payload.nbytes if type(payload) is memoryview else memoryview(payload).nbytes
     if expect.max_payload_bytes is not None and size > expect.max_payload_bytes:
         return _size_violation("bundle", size, expect.max_payload_bytes)
     expected_size = rows * width * ITEMSIZE[dtype]
@@ -295,13 +295,13 @@ def check_bundle(
             return None
         if not payload_finite(payload, dtype):
             return _payload_violation("bundle hidden states", NONFINITE)
-        mark_scanned(bundle, SCANNED_FINITE)
+        mark_payload_scanned(bundle, payload, SCANNED_FINITE)
         return None
     status = verify_payload(payload, bundle.checksum, FINITE_KINDS[dtype] if check_finite else 0)
     if status:
         what = "bundle payload" if status == CHECKSUM_MISMATCH else "bundle hidden states"
         return _payload_violation(what, status)
-    mark_scanned(bundle, SCANNED_FINITE if check_finite else SCANNED)
+    mark_payload_scanned(bundle, payload, SCANNED_FINITE if check_finite else SCANNED)
     return None
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "NativeScan",
     "chunks_checksum",
     "mark_checksummed",
+    "mark_payload_scanned",
     "mark_scanned",
     "payload_checksum",
     "python_checksum",
@@ -83,6 +84,7 @@ class NativeScan(Protocol):
     def checksum_and_finite(
         self, buffer: Buffer | npt.NDArray[np.generic], kind: int, /
     ) -> tuple[int, bool]: ...
+    def _select_scan(self, name: str, /) -> str: ...
 
 
 def _load_native() -> NativeScan | None:
@@ -157,8 +159,15 @@ def scanned(carrier: object) -> int:
 def mark_scanned(carrier: object, level: int) -> None:
     """Record ``level`` on ``carrier`` (a BoundaryBundle or LogitsResult), if its payload is
     immutable. The mark is not a field: never encoded, never compared."""
-    payload = getattr(carrier, "payload", None)
-    if type(payload) is memoryview and _immutable(payload):
+    mark_payload_scanned(carrier, getattr(carrier, "payload", None), level)
+
+
+def mark_payload_scanned(carrier: object, payload: object, level: int) -> None:
+    """:func:`mark_scanned` for a caller that already holds ``carrier.payload``."""
+    if type(payload) is memoryview and (
+        # A decoded payload: a read-only view into the message bytes (tested first, inline).
+        (payload.readonly and type(payload.obj) is bytes) or _immutable(payload)
+    ):
         # dict=True on these Structs gives an instance a __dict__ for this.
         carrier.__dict__[_MARK] = level
 

@@ -41,6 +41,7 @@ decoder of these types ignores the unknown field, so it is not a wire change.
 
 from __future__ import annotations
 
+import functools
 from typing import Final, Literal, TypeAlias, TypeVar
 
 import msgspec
@@ -294,15 +295,19 @@ def _decode_failure(buf: Buffer, error: Exception) -> InvalidRequest:
     return InvalidRequest(f"undecodable message: {error}")
 
 
+def _message_too_large(size: int, max_bytes: int) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"message of {size} bytes exceeds the limit of {max_bytes}",
+        retryable=False,
+        details={"resource": "message_bytes", "message_bytes": size, "limit": max_bytes},
+    )
+
+
 def _decode(decoder: msgspec.msgpack.Decoder[_T], buf: Buffer, max_bytes: int) -> _T:
     """``decoder.decode(buf)`` within the size bound, every failure typed."""
-    size = memoryview(buf).nbytes
+    size = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
     if size > max_bytes:
-        raise ResourceExhausted(
-            f"message of {size} bytes exceeds the limit of {max_bytes}",
-            retryable=False,
-            details={"resource": "message_bytes", "message_bytes": size, "limit": max_bytes},
-        )
+        raise _message_too_large(size, max_bytes)
     try:
         return decoder.decode(buf)
     except (msgspec.MsgspecError, RecursionError) as error:
@@ -383,6 +388,11 @@ def _encode_aligned(message: WireMessage) -> bytes:
     """msgspec's encoding of ``message``, with its large payload (if any) moved to an aligned
     offset by an ignored ``"_pad"`` entry. Falls back to the plain encoding whenever the layout
     is not the expected one, so it can never produce a message that decodes differently."""
+    if type(message) is BoundaryBundle:
+        # The common case of a decode step's bundle, without the match below.
+        payload = message.payload
+        if type(payload) is memoryview and payload.nbytes < _ALIGN_FROM_BYTES:
+            return _ENCODER.encode(message)
     found = _large_payload(message)
     if found is None:
         return _ENCODER.encode(message)
@@ -516,8 +526,18 @@ class Codec:
         above the limits), ShardMismatch (fingerprint, layer or hidden size other than
         expected), ChecksumMismatch.
         """
-        bundle = _decode(_BUNDLE_DECODER, buf, self.max_message_bytes)
-        self.verify_bundle(bundle)
+        # _decode and verify_bundle inlined: a decode step's bundle is small, so the calls
+        # are a visible part of its cost.
+        size = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
+        if size > self.max_message_bytes:
+            raise _message_too_large(size, self.max_message_bytes)
+        try:
+            bundle = _BUNDLE_DECODER.decode(buf)
+        except (msgspec.MsgspecError, RecursionError) as error:
+            raise _decode_failure(buf, error) from None
+        violation = check_bundle(bundle, self._expectation)
+        if violation is not None:
+            raise violation_error(violation)
         return bundle
 
     def decode_message(self, buf: Buffer) -> WireMessage:
@@ -675,6 +695,19 @@ def _codec_for(
         and expected_layer is None
     ):
         return _DEFAULT_CODEC
+    return _cached_codec(max_payload_bytes, nonfinite, expected_fingerprint, expected_layer)
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _cached_codec(
+    max_payload_bytes: int,
+    nonfinite: NonFinitePolicy,
+    expected_fingerprint: str | None,
+    expected_layer: int | None,
+) -> Codec:
+    """A Codec per policy the module functions are called with (Codecs are immutable, so one
+    can serve every call; ``typed`` keeps ``True`` from standing for ``1``). A policy the
+    constructor refuses raises every time: exceptions are not cached."""
     return Codec(
         max_payload_bytes=max_payload_bytes,
         nonfinite=nonfinite,
@@ -691,7 +724,7 @@ def encode(message: WireMessage) -> bytes:
 def encode_bundle(bundle: BoundaryBundle) -> bytes:
     """Encode a bundle (its producer already computed the checksum). Raises InvalidRequest
     only for values the wire cannot carry."""
-    return Codec.encode_bundle(bundle)
+    return Codec.encode(bundle)
 
 
 def encode_error(error: ShardEngineError) -> bytes:
@@ -708,6 +741,13 @@ def decode_bundle(
     nonfinite: NonFinitePolicy = "reject",
 ) -> BoundaryBundle:
     """Decode and verify a bundle zero-copy; see :meth:`Codec.decode_bundle` for what it raises."""
+    if (
+        expected_fingerprint is None
+        and expected_layer is None
+        and nonfinite == "reject"
+        and max_payload_bytes == DEFAULT_MAX_PAYLOAD_BYTES
+    ):
+        return _DEFAULT_CODEC.decode_bundle(buf)
     codec = _codec_for(max_payload_bytes, nonfinite, expected_fingerprint, expected_layer)
     return codec.decode_bundle(buf)
 

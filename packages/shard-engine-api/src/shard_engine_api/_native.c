@@ -2,23 +2,30 @@
  * back to the xxhash package and numpy bit tests, with the same results).
  *
  * Every bundle a worker receives is checked for its xxh3-64 checksum and, under the default
- * "reject" policy, for NaN and infinity. Done in Python that is two or three passes over the
- * payload (xxhash, then numpy reductions over integer views of the bits) and a dozen numpy calls
- * whose fixed cost dominates a decode step's one-row bundle. Here one call does both in one pass:
- * the payload is hashed block by block, and each block is tested for non-finite values while it
- * is still in the first-level cache.
+ * "reject" policy, for NaN and infinity. Done in Python that is three passes over the payload
+ * (xxhash, then two numpy max reductions over integer views of the bits) and numpy calls whose
+ * fixed cost dominates a decode step's one-row bundle. Here one call does both in one pass.
  *
  * The hash is xxHash's own XXH3_64bits (seed 0), from the vendored official release (vendor/
- * xxhash, BSD-2-Clause) and its x86 dispatcher, which picks SSE2, AVX2 or AVX-512 at run time;
- * the streaming API gives the same digest as the one-shot one (xxHash guarantees it, and the
- * tests compare every function here with the xxhash package on payloads of many sizes and
- * alignments).
+ * xxhash, BSD-2-Clause) and its x86 dispatcher, which picks SSE2, AVX2 or AVX-512 at run time.
+ * The tests compare every function here with the xxhash package on payloads of many sizes and
+ * alignments, for every finiteness kind.
+ *
+ * One pass, three shapes:
+ * - AVX2, inputs above XXH3_MIDSIZE_MAX (240 bytes): xxHash's long-input loop rebuilt from its
+ *   own AVX2 accumulate and scramble steps, with the finiteness maximum of each 64-byte stripe
+ *   taken while the stripe is in L1 (measured on 4 MiB: the test adds ~15% to the hash, where a
+ *   second pass added ~65%). See hash_long_and_test_avx2.
+ * - Otherwise, above BLOCK_BYTES: the streaming XXH3 API block by block, each block tested
+ *   right after it is hashed, while cache-resident.
+ * - Small inputs: the one-shot hash, then the test.
  *
  * Finiteness is tested on the bits: a value is NaN or infinite iff its exponent bits are all
  * ones. For 16-bit lanes that is (lane & M) == C with M = C = the exponent mask (f16 0x7c00,
  * bf16 0x7f80). An f32 is two lanes, low half first (little-endian): its high lane is tested
  * against 0x7f80 and its low lane gets M = 0, C = 0xffff, which never matches, so one 16-bit
- * lane loop serves every dtype.
+ * lane loop serves every dtype (the SSE2 loop); the portable loop tests whole values, and the
+ * AVX2 loops an equivalent test with fewer operations (see nonfinite_avx2).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,7 +34,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
+/* SHARD_PORTABLE builds the non-x86 shape on x86 too (to check that it compiles). */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SHARD_PORTABLE)
 #  define SHARD_X86 1
 /* xxHash's dispatcher: compiled for baseline x86-64, it selects SSE2/AVX2/AVX-512 by cpuid. */
 #  include "xxh_x86dispatch.c"
@@ -43,13 +51,15 @@
 #  define shard_xxh3_update XXH3_64bits_update
 #endif
 
-/* Finiteness kinds (shard_engine_api._checksum's FINITE_KINDS). */
+/* Finiteness kinds (shard_engine_api._dtypes.FINITE_KINDS). */
 enum { KIND_NONE = 0, KIND_F16 = 1, KIND_BF16 = 2, KIND_F32 = 3 };
-/* Results of verify() (shard_engine_api._checksum's SOUND, CHECKSUM_MISMATCH, NONFINITE). */
+/* Results of verify() (shard_engine_api._boundary's SOUND, CHECKSUM_MISMATCH, NONFINITE). */
 enum { SOUND = 0, CHECKSUM_MISMATCH = 1, NONFINITE = 2 };
 
-/* Blocks small enough to stay in L1 between hashing and testing them. */
-#define BLOCK_BYTES (16 * 1024)
+/* Blocks of the streaming shape: small enough to stay in L1 between hashing and testing. */
+#ifndef BLOCK_BYTES
+#  define BLOCK_BYTES (16 * 1024)
+#endif
 /* Above this the GIL is released (as numpy and xxhash do for large buffers). */
 #define NOGIL_BYTES (256 * 1024)
 
@@ -67,22 +77,35 @@ static const lane_test LANE_TESTS[4] = {
     {{0x0000, 0x7f80}, {0xffff, 0x7f80}, 4},
 };
 
-/* Whether any lane of p[0..n) (n even) matches; the portable loop and every vector tail. */
+/* Whether any value of p[0..n) (n a multiple of the item size) is non-finite: the portable loop
+ * and every vector tail. Written so that compilers vectorise it with any instruction set
+ * (loads through memcpy, and, compare, or). Payloads are little-endian: a big-endian machine
+ * tests the byte-swapped mask instead of swapping every value. */
 static int
 nonfinite_scalar(const unsigned char *p, size_t n, const lane_test *test)
 {
-    unsigned found = 0;
-    for (size_t i = 0; i + 2 <= n; i += 2) {
-        uint16_t lane;
-        memcpy(&lane, p + i, 2);
-        if (PY_LITTLE_ENDIAN == 0) {
-            lane = (uint16_t)((lane >> 8) | (lane << 8));
+    if (test->itemsize == 4) {
+        uint32_t found = 0;
+        const uint32_t mask = PY_LITTLE_ENDIAN ? 0x7f800000u : 0x0000807fu;
+        for (size_t i = 0; i + 4 <= n; i += 4) {
+            uint32_t v;
+            memcpy(&v, p + i, 4);
+            found |= (v & mask) == mask;
         }
-        size_t odd = (i >> 1) & 1;
-        found |= (unsigned)((lane & test->mask[odd]) == test->value[odd]);
+        return found != 0;
     }
-    return found != 0;
+    const uint16_t mask = PY_LITTLE_ENDIAN ? test->mask[0]
+                                           : (uint16_t)((test->mask[0] >> 8) | (test->mask[0] << 8));
+    uint16_t found16 = 0; /* lane-sized, so the vectorised loop does not widen */
+    for (size_t i = 0; i + 2 <= n; i += 2) {
+        uint16_t v;
+        memcpy(&v, p + i, 2);
+        found16 |= (uint16_t)((v & mask) == mask);
+    }
+    return found16 != 0;
 }
+
+typedef int (*nonfinite_function)(const unsigned char *, size_t, const lane_test *);
 
 #if SHARD_X86
 /* n must be a multiple of the item size; p may be unaligned. */
@@ -111,35 +134,129 @@ nonfinite_sse2(const unsigned char *p, size_t n, const lane_test *test)
     return nonfinite_scalar(p + i, n - i, test);
 }
 
+/* With AVX2 the test takes two operations per vector instead of three: doubling a lane drops
+ * its sign bit, and a value is non-finite iff its doubled bits are >= the doubled exponent
+ * mask (unsigned), so one running unsigned maximum per lane width decides. */
 __attribute__((target("avx2"))) static int
 nonfinite_avx2(const unsigned char *p, size_t n, const lane_test *test)
 {
-    const __m256i mask = _mm256_set1_epi32((int)((uint32_t)test->mask[0] | ((uint32_t)test->mask[1] << 16)));
-    const __m256i value = _mm256_set1_epi32((int)((uint32_t)test->value[0] | ((uint32_t)test->value[1] << 16)));
-    __m256i found = _mm256_setzero_si256();
+    __m256i top = _mm256_setzero_si256();
     size_t i = 0;
-    for (; i + 128 <= n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(p + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(p + i + 96));
-        a = _mm256_cmpeq_epi16(_mm256_and_si256(a, mask), value);
-        b = _mm256_cmpeq_epi16(_mm256_and_si256(b, mask), value);
-        c = _mm256_cmpeq_epi16(_mm256_and_si256(c, mask), value);
-        d = _mm256_cmpeq_epi16(_mm256_and_si256(d, mask), value);
-        found = _mm256_or_si256(found, _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, d)));
+    if (test->itemsize == 4) {
+        for (; i + 128 <= n; i += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(p + i + 64));
+            __m256i d = _mm256_loadu_si256((const __m256i *)(p + i + 96));
+            a = _mm256_max_epu32(_mm256_add_epi32(a, a), _mm256_add_epi32(b, b));
+            c = _mm256_max_epu32(_mm256_add_epi32(c, c), _mm256_add_epi32(d, d));
+            top = _mm256_max_epu32(top, _mm256_max_epu32(a, c));
+        }
+        const __m256i limit = _mm256_set1_epi32((int)0xff000000u);
+        /* top >= limit iff max(top, limit) == top */
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, limit), top))) {
+            return 1;
+        }
     }
-    if (!_mm256_testz_si256(found, found)) {
-        return 1;
+    else {
+        for (; i + 128 <= n; i += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(p + i + 64));
+            __m256i d = _mm256_loadu_si256((const __m256i *)(p + i + 96));
+            a = _mm256_max_epu16(_mm256_add_epi16(a, a), _mm256_add_epi16(b, b));
+            c = _mm256_max_epu16(_mm256_add_epi16(c, c), _mm256_add_epi16(d, d));
+            top = _mm256_max_epu16(top, _mm256_max_epu16(a, c));
+        }
+        const __m256i limit = _mm256_set1_epi16((short)(uint16_t)(test->mask[0] << 1));
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(top, limit), top))) {
+            return 1;
+        }
     }
     return nonfinite_sse2(p + i, n - i, test);
 }
 
-typedef int (*nonfinite_function)(const unsigned char *, size_t, const lane_test *);
+/* One pass with AVX2: xxHash's own long-input XXH3_64bits (XXH3_hashLong_64b_internal with the
+ * default secret: 1 KiB blocks of 16 stripes, a scramble after each block, the last stripe,
+ * then XXH3_mergeAccs), built from xxhash.h's AVX2 accumulate and scramble steps, with the
+ * finiteness maximum of each 64-byte stripe taken while it is in registers or L1. The stripes
+ * cover every byte (the last stripe ends at the end), at offsets that are multiples of every
+ * item size. Only for inputs longer than XXH3_MIDSIZE_MAX, as XXH3_64bits itself. */
+XXH_FORCE_INLINE __attribute__((target("avx2"))) __m256i
+stripe_top(__m256i top, const unsigned char *stripe, int wide)
+{
+    __m256i a = _mm256_loadu_si256((const __m256i *)stripe);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(stripe + 32));
+    if (wide) {
+        return _mm256_max_epu32(top, _mm256_max_epu32(_mm256_add_epi32(a, a), _mm256_add_epi32(b, b)));
+    }
+    return _mm256_max_epu16(top, _mm256_max_epu16(_mm256_add_epi16(a, a), _mm256_add_epi16(b, b)));
+}
+
+XXH_FORCE_INLINE __attribute__((target("avx2"))) XXH64_hash_t
+hash_long_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test, int wide,
+                        int *found)
+{
+    XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    const xxh_u8 *const secret = XXH3_kSecret;
+    const size_t secret_size = sizeof(XXH3_kSecret);
+    const size_t stripes_per_block = (secret_size - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
+    const size_t block_len = XXH_STRIPE_LEN * stripes_per_block;
+    const size_t nb_blocks = (len - 1) / block_len;
+    __m256i top = _mm256_setzero_si256();
+
+    for (size_t n = 0; n < nb_blocks; n++) {
+        const unsigned char *block = input + n * block_len;
+        for (size_t s = 0; s < stripes_per_block; s++) {
+            const unsigned char *stripe = block + s * XXH_STRIPE_LEN;
+            XXH_PREFETCH(stripe + XXH_PREFETCH_DIST);
+            XXH3_accumulate_512_avx2(acc, stripe, secret + s * XXH_SECRET_CONSUME_RATE);
+            top = stripe_top(top, stripe, wide);
+        }
+        XXH3_scrambleAcc_avx2(acc, secret + secret_size - XXH_STRIPE_LEN);
+    }
+    {   /* the last partial block, then the last stripe */
+        const unsigned char *block = input + nb_blocks * block_len;
+        size_t const stripes = ((len - 1) - block_len * nb_blocks) / XXH_STRIPE_LEN;
+        for (size_t s = 0; s < stripes; s++) {
+            const unsigned char *stripe = block + s * XXH_STRIPE_LEN;
+            XXH3_accumulate_512_avx2(acc, stripe, secret + s * XXH_SECRET_CONSUME_RATE);
+            top = stripe_top(top, stripe, wide);
+        }
+        const unsigned char *last = input + len - XXH_STRIPE_LEN;
+        XXH3_accumulate_512_avx2(acc, last,
+                                 secret + secret_size - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
+        top = stripe_top(top, last, wide);
+    }
+    if (wide) {
+        const __m256i limit = _mm256_set1_epi32((int)0xff000000u);
+        *found = _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, limit), top)) != 0;
+    }
+    else {
+        const __m256i limit = _mm256_set1_epi16((short)(uint16_t)(test->mask[0] << 1));
+        *found = _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(top, limit), top)) != 0;
+    }
+    return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START, (xxh_u64)len * XXH_PRIME64_1);
+}
+
+__attribute__((target("avx2"))) static XXH64_hash_t
+hash_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test, int *found)
+{
+    /* Specialised per lane width, so the stripe loop has no branch. */
+    if (test->itemsize == 4) {
+        return hash_long_and_test_avx2(input, len, test, 1, found);
+    }
+    return hash_long_and_test_avx2(input, len, test, 0, found);
+}
+
+static int use_avx2 = 0;
+
 static nonfinite_function nonfinite_scan = nonfinite_sse2;
+static int cpu_avx2 = 0;
 #else
-#  define nonfinite_scan nonfinite_scalar
+static nonfinite_function nonfinite_scan = nonfinite_scalar;
 #endif
+static const char *scan_name = "portable";
 
 static int
 nonfinite(const unsigned char *p, size_t n, int kind)
@@ -153,6 +270,11 @@ static XXH64_hash_t
 hash_and_test(const unsigned char *p, size_t n, int kind, int *found)
 {
     *found = 0;
+#if SHARD_X86
+    if (use_avx2 && kind != KIND_NONE && n > XXH3_MIDSIZE_MAX) {
+        return hash_and_test_avx2(p, n, &LANE_TESTS[kind], found);
+    }
+#endif
     if (kind == KIND_NONE || n <= BLOCK_BYTES) {
         *found = nonfinite(p, n, kind);
         return shard_xxh3(p, n);
@@ -383,7 +505,49 @@ native_checksum_and_finite(PyObject *module, PyObject *const *args, Py_ssize_t n
     return result;
 }
 
+PyDoc_STRVAR(select_scan_doc,
+"_select_scan(name) -> str\n--\n\n"
+"For the tests: run the loops of \"avx2\", \"sse2\" or \"portable\" from now on (the hash keeps\n"
+"xxHash's own choice) and return the previous name. ValueError if this CPU or build has none.");
+
+static PyObject *
+native_select_scan(PyObject *module, PyObject *name)
+{
+    (void)module;
+    const char *wanted = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (wanted == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "_select_scan() takes a str");
+        }
+        return NULL;
+    }
+    const char *previous = scan_name;
+    if (strcmp(wanted, "portable") == 0) {
+        nonfinite_scan = nonfinite_scalar;
+        scan_name = "portable";
+#if SHARD_X86
+        use_avx2 = 0;
+    }
+    else if (strcmp(wanted, "sse2") == 0) {
+        nonfinite_scan = nonfinite_sse2;
+        use_avx2 = 0;
+        scan_name = "sse2";
+    }
+    else if (strcmp(wanted, "avx2") == 0 && cpu_avx2) {
+        nonfinite_scan = nonfinite_avx2;
+        use_avx2 = 1;
+        scan_name = "avx2";
+#endif
+    }
+    else {
+        PyErr_Format(PyExc_ValueError, "no %s loops in this build or on this CPU", wanted);
+        return NULL;
+    }
+    return PyUnicode_FromString(previous);
+}
+
 static PyMethodDef native_methods[] = {
+    {"_select_scan", (PyCFunction)native_select_scan, METH_O, select_scan_doc},
     {"checksum_and_finite", (PyCFunction)(void (*)(void))native_checksum_and_finite, METH_FASTCALL,
      checksum_and_finite_doc},
     {"checksum", (PyCFunction)native_checksum, METH_O, checksum_doc},
@@ -398,8 +562,13 @@ native_exec(PyObject *module)
     const char *vector = "portable";
 #if SHARD_X86
     int level = XXH_featureTest();
+    nonfinite_scan = nonfinite_sse2;
+    scan_name = "sse2";
     if (level >= XXH_AVX2) {
         nonfinite_scan = nonfinite_avx2;
+        use_avx2 = 1;
+        cpu_avx2 = 1;
+        scan_name = "avx2";
     }
     vector = level >= XXH_AVX512 ? "avx512" : level >= XXH_AVX2 ? "avx2" : "sse2";
 #endif
