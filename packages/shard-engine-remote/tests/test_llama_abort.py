@@ -1,14 +1,16 @@
-"""A GGUF that makes llama.cpp abort (GGML_ASSERT(eps >= 0) on a negative RMS-norm epsilon),
-loaded through ``spawn``: the child dies of SIGABRT, this process lives on and sees
-EngineCrashed naming the signal and quoting the assertion.
+"""llama.cpp aborting inside a spawned child: the child dies of SIGABRT, this process lives on
+and sees EngineCrashed naming the signal and quoting the assertion.
 
-The llama engine's GGUF validator refuses this model at load (InvalidRequest, typed across the
-process boundary) since it learned the family rules; the test then skips, saying where the abort
-path is covered instead."""
+The abort comes from llama.cpp's own ``ggml_abort`` (what every failed ``GGML_ASSERT`` calls),
+reached through the llama engine's ``inject_abort`` test option on the first forward. A GGUF
+file can no longer do it: the one that did (a negative RMS-norm epsilon, ``GGML_ASSERT(eps >=
+0.0f)`` in ggml-cpu on the first prefill) is refused by the engine's validator before llama.cpp
+opens it, and the second test here pins that, through the same process boundary."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import struct
 from pathlib import Path
 
@@ -25,47 +27,84 @@ pytestmark = pytest.mark.skipif(
 
 _EPSILON_KEY = b"llama.attention.layer_norm_rms_epsilon"
 _GGUF_FLOAT32 = 6
+_SESSION = api.SessionRef(session_id="s", epoch=1)
 
 
-def _aborting_model(directory: Path) -> tuple[Path, int]:
+def _tiny_model(directory: Path) -> tuple[Path, int]:
     from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
 
-    data = bytearray(tiny_model_path(directory).read_bytes())
+    return tiny_model_path(directory), TINY_MODEL_LAYERS
+
+
+def _negative_epsilon_model(directory: Path) -> tuple[Path, int]:
+    source, n_layers = _tiny_model(directory)
+    data = bytearray(source.read_bytes())
     # A GGUF key-value entry: key, then its uint32 value type, then the value.
     at = data.index(_EPSILON_KEY) + len(_EPSILON_KEY)
     assert struct.unpack_from("<I", data, at)[0] == _GGUF_FLOAT32
     struct.pack_into("<f", data, at + 4, -1.0)
     path = directory / "negative-rms-epsilon.gguf"
     path.write_bytes(bytes(data))
-    return path, TINY_MODEL_LAYERS
+    return path, n_layers
+
+
+def _prefill(engine: api.ShardEngine, request_id: str) -> api.ShardResult:
+    return engine.prefill(
+        api.PrefillRequest(
+            request_id=request_id,
+            session=_SESSION,
+            start_pos=0,
+            inputs=api.TokenInput(token_ids=(1, 2, 3)),
+        )
+    )
 
 
 def test_llama_abort_is_engine_crashed(
     remote: RemoteFactory, tmp_path: Path, transport: str
 ) -> None:
-    model, n_layers = _aborting_model(tmp_path)
+    model, n_layers = _tiny_model(tmp_path)
     shard = api.ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers)
-    try:
-        engine = remote(
-            api.LoadConfig(shard=shard, options={"spawn": "llama", "transport": transport})
+    engine = remote(
+        api.LoadConfig(
+            shard=shard,
+            options={
+                "spawn": "llama",
+                "transport": transport,
+                "inject_abort": True,
+                "self_test": False,
+            },
         )
-    except (api.InvalidRequest, api.UnsupportedFeature) as refused:
-        pytest.skip(
-            f"the llama engine now refuses this model at load ({refused.code}); the SIGABRT "
-            "path from inside an engine is covered by "
-            "test_faults.py::test_engine_abort_is_engine_crashed (the fake's abort() rule)"
-        )
+    )
+    assert engine.health().state == "ready"
     with pytest.raises(api.EngineCrashed, match="SIGABRT") as caught:
-        engine.prefill(
-            api.PrefillRequest(
-                request_id="abort",
-                session=api.SessionRef(session_id="s", epoch=1),
-                start_pos=0,
-                inputs=api.TokenInput(token_ids=(1, 2, 3)),
-            )
-        )
+        _prefill(engine, "abort")
     assert caught.value.details["signal"] == "SIGABRT"
-    assert "GGML_ASSERT" in caught.value.message
+    assert "GGML_ASSERT(inject_abort option) failed" in caught.value.message
     assert engine.health().state == "failed"
     with pytest.raises(api.EngineCrashed):
-        engine.release(api.ReleaseRequest(session=api.SessionRef(session_id="s", epoch=1)))
+        engine.release(api.ReleaseRequest(session=_SESSION))
+    # This process is alive and can load another child that works.
+    healthy = remote(
+        api.LoadConfig(
+            shard=shard, options={"spawn": "llama", "transport": transport, "self_test": False}
+        )
+    )
+    assert isinstance(_prefill(healthy, "after"), api.LogitsResult)
+    assert os.getpid() > 0
+
+
+def test_aborting_gguf_is_refused_before_llama_cpp_opens_it(
+    remote: RemoteFactory, tmp_path: Path, transport: str
+) -> None:
+    """The file that used to abort the first prefill is a typed InvalidRequest at load,
+    naming the field, and the child stays alive to say so (no signal)."""
+    model, n_layers = _negative_epsilon_model(tmp_path)
+    shard = api.ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers)
+    with pytest.raises(api.InvalidRequest) as refused:
+        remote(
+            api.LoadConfig(
+                shard=shard, options={"spawn": "llama", "transport": transport, "self_test": False}
+            )
+        )
+    assert "layer_norm_rms_epsilon" in refused.value.message
+    assert not isinstance(refused.value, api.EngineCrashed)

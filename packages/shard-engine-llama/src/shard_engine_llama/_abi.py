@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -143,6 +144,22 @@ def _load_ggml_base() -> ctypes.CDLL:
 
 
 _ggml = _load_ggml_base()
+
+
+def ggml_abort(reason: str) -> NoReturn:
+    """Abort the process the way a failed ``GGML_ASSERT`` inside llama.cpp does: ggml's own
+    ``ggml_abort`` prints ``GGML_ASSERT(<reason>) failed`` and a backtrace, then calls
+    ``abort()`` (SIGABRT). Only the llama engine's ``inject_abort`` test option calls it."""
+    function = _ggml.ggml_abort
+    function.restype = None
+    function(
+        b"shard_engine_llama/_abi.py",
+        ctypes.c_int(0),
+        b"GGML_ASSERT(%s) failed",
+        reason.encode("utf-8", "replace"),
+    )
+    raise AssertionError("ggml_abort returned")  # unreachable: it never returns
+
 
 _CAPTURE_NAME_BYTES = 64  # GGML_MAX_NAME of the pinned release
 _CAPTURE_ERRORS = {

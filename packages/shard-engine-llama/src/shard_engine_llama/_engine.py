@@ -88,6 +88,11 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       the first engine of the process reports ready.
     - ``inject_crash``: test only: the next forward fails as a backend crash would (the
       conformance suite checks EngineCrashed and health "failed" with it).
+    - ``inject_abort``: test only: the next forward calls llama.cpp's own ``ggml_abort`` (what a
+      failed ``GGML_ASSERT`` calls: message, backtrace, ``abort()``), so the process dies of
+      SIGABRT exactly as on an assertion inside llama.cpp. For tests of process isolation
+      (``shard-engine-remote``'s ``spawn``): the validator keeps the files known to trip such
+      assertions away, so no GGUF is left that does it on purpose.
     - ``native_callbacks``: use llama.cpp callbacks written in C when the optional extension
       is built (default); False runs them in Python (same results, slower per token: for
       comparisons).
@@ -100,6 +105,7 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tolerance: float | None = None
     self_test: bool = True
     inject_crash: bool = False
+    inject_abort: bool = False
     native_callbacks: bool = True
 
 
@@ -163,6 +169,7 @@ class LlamaEngine(EngineCore):
         self.result_settings: tuple[tuple[str, str], ...] = ()
         self._state_identity = b""
         self._inject_crash = False
+        self._inject_abort = False
         # The request whose forward is inside llama.cpp now, and whether close() has begun:
         # cancel() and close() turn them into the runtime's abort flag (see _start_forward).
         self._abort_lock = threading.Lock()
@@ -242,6 +249,7 @@ class LlamaEngine(EngineCore):
         )
         self.shard_path = choice.path
         self._inject_crash = options.inject_crash
+        self._inject_abort = options.inject_abort
         _log.info(
             "loaded %s layers [%d, %d) of %d (%d threads)",
             choice.path.name,
@@ -528,6 +536,8 @@ class LlamaEngine(EngineCore):
         super().close()
 
     def _injected_crash(self) -> None:
+        if self._inject_abort:
+            _abi.ggml_abort("inject_abort option")
         if self._inject_crash:
             raise EngineCrashed("injected crash (inject_crash option)")
 
