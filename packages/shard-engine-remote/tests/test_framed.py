@@ -5,6 +5,7 @@ and the server keeps serving a well-behaved client. It serves only in a private 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -215,12 +216,18 @@ def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) ->
     engine = api.load_engine("fake", config())
     server = FramedServer(EngineServer(engine), max_connections=2)
     address = server.start(private / "engine.sock")
+    raws: list[_Raw] = []
     try:
         first = _Raw(address, token="")
+        raws.append(first)
         assert first.greeting()[0] == HELLO
         worker = remote(config(target=address, transport="framed"))
         prefill(worker)
-        flood = _Raw(address, token="")
+        flood = _Raw(address, token=None)
+        raws.append(flood)
+        # The server may close it before its greeting arrives: refused all the same.
+        with contextlib.suppress(OSError):
+            flood.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": ""})))
         assert _closed(flood.sock)
         flood.close()
         assert server.server.stats().busy == 1
@@ -228,6 +235,8 @@ def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) ->
         first.close()
         wait_until(lambda: _greeted(address))
     finally:
+        for raw in raws:  # (a failed assertion leaves no socket for a later test's warnings)
+            raw.close()
         server.stop(grace=0.5)
         engine.close()
 
