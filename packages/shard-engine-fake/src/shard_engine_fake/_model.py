@@ -200,6 +200,12 @@ def _generator(seed: int, kind: int, index: int = 0) -> np.random.Generator:
 
 
 _LANES: Final = np.dtype("<u2")
+_INT32: Final = np.dtype(np.int32)
+_INT16: Final = np.dtype("<i2")
+# The bounds pack clips to, as 0-d f32 arrays: a Python int operand costs a ufunc call about
+# two thirds more (its dtype is resolved on every call).
+_PACK_LOW: Final = np.array(-(1 << 30), np.float32)
+_PACK_HIGH: Final = np.array(1 << 30, np.float32)
 
 _Layer = tuple[int, int, int, int, int, int, int]
 """shift, shift_back, low_lanes, key_mask, key_mult, value_mask, value_mult (a tuple: the hot
@@ -485,10 +491,10 @@ class FakeModel:
         # infinity behaviour). Narrowing int32 -> int16 keeps the low 16 bits (two's
         # complement), so each lane's low 11 bits are those of the rounded value; the
         # big-integer mask then drops the rest (one integer operation per row, not a numpy pass).
-        values = np.maximum(hidden, -(1 << 30))
-        np.minimum(values, 1 << 30, out=values)
+        values = np.maximum(hidden, _PACK_LOW)
+        np.minimum(values, _PACK_HIGH, out=values)
         np.rint(values, out=values)
-        data = values.astype(np.int32).astype("<i2").tobytes()
+        data = values.astype(_INT32).astype(_INT16).tobytes()
         size = self.row_bytes
         mask = self._value_mask
         if len(data) == size:
