@@ -184,18 +184,13 @@ class FakeEngine(EngineCore):
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
     ) -> list[npt.NDArray[np.float32]]:
         model = self._loaded_model()
-        token.check()
-        inputs = [self._inputs(model, item)[0] for item in items]
-        # One packed pass over the whole batch (each row bitwise its single decode).
-        states = model.run_rows(inputs, [self._prepare(model, item) for item in items])
+        states = [self._run(model, item, token)[0] for item in items]
         if self._faults_on:
             self._injected_delay(token)
-        # One vectorised unpack/projection for the whole batch; integer-exact, so each row is
-        # bitwise what a single decode gives.
-        rows = model.unpack(states) if output == "hidden" else model.logits(states)
-        # A copy per item, not a view: a result's payload is then memory it alone owns (which
+        # Integer-exact, so each row is bitwise what a single decode gives. Each item gets an
+        # array of its own, not a view: a result's payload is then memory it alone owns (which
         # is what lets the core's finiteness mark stand, see rows_private).
-        return [rows[index : index + 1].copy() for index in range(len(items))]
+        return model.unpack_each(states) if output == "hidden" else model.logits_each(states)
 
     def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
         replaced = self._undo.pop(slot, None)
@@ -375,16 +370,13 @@ class FakeEngine(EngineCore):
                 del cache[start:]
         return caches
 
-    @staticmethod
-    def _inputs(model: FakeModel, item: ForwardItem) -> list[int]:
-        if item.tokens is not None:
-            return model.embed(item.tokens)
-        assert item.hidden is not None
-        return model.pack(item.hidden)
-
     def _run(self, model: FakeModel, item: ForwardItem, token: CancelToken) -> list[int]:
         caches = self._prepare(model, item)
-        inputs = self._inputs(model, item)
+        if item.tokens is not None:
+            inputs = model.embed(item.tokens)
+        else:
+            assert item.hidden is not None
+            inputs = model.pack(item.hidden)
         if len(inputs) == 1:
             token.check()
             return [model.run_row(inputs[0], caches)]
