@@ -21,11 +21,29 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 RESULTS_ENV: Final = "SHARD_ENGINE_BENCH_RESULTS"
 
 Value = float | int | str | bool
+
+
+Mode = Literal["full", "quick", "smoke"]
+
+
+def add_size_options(parser: argparse.ArgumentParser, quick: str) -> None:
+    """``--quick`` (described by ``quick``) or ``--smoke`` (tiny sizes that prove the benchmark
+    runs and measure nothing: tools/readme_figures.py never renders a smoke run's figures)."""
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=quick)
+    size.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: proves it runs, measures nothing"
+    )
+
+
+def run_mode(args: argparse.Namespace) -> Mode:
+    """The mode ``add_size_options`` chose, as ``Results`` records it (``mode``)."""
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
 
 
 def add_results_option(parser: argparse.ArgumentParser) -> None:

@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +27,7 @@ from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
+from _callgrind import callgrind_dump_totals
 
 import shard_engine_api as api
 from shard_engine_api._results import build_result
@@ -200,42 +199,14 @@ def run_phases(steps: int, hidden: int, wall: bool) -> list[tuple[str, float]]:
     return results
 
 
-def _dump_totals(directory: Path) -> list[int]:
-    dumps = sorted(directory.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
-    totals: list[int] = []
-    for dump in dumps:
-        for line in dump.read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith(("summary:", "totals:")):
-                totals.append(int(line.split()[1]))
-                break
-    return totals
-
-
 def under_callgrind(steps: int, hidden: int) -> list[tuple[str, float]]:
     """Instructions per call of every phase, from one callgrind run of this script."""
     with tempfile.TemporaryDirectory(prefix="decode-profile-") as scratch:
         directory = Path(scratch)
         names_file = directory / "names.json"
-        subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--dump-before=getppid",
-                f"--callgrind-out-file={directory / 'callgrind.out'}",
-                sys.executable,
-                __file__,
-                "--child",
-                str(names_file),
-                "--steps",
-                str(steps),
-                "--hidden",
-                str(hidden),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        child = ["--child", str(names_file), "--steps", str(steps), "--hidden", str(hidden)]
+        totals = callgrind_dump_totals([__file__, *child], directory)
         names: list[str] = json.loads(names_file.read_text(encoding="utf-8"))
-        totals = _dump_totals(directory)
     # Dump 2k is the warm-up before phase k, dump 2k+1 the phase itself.
     return [(name, totals[2 * index + 1] / steps) for index, name in enumerate(names)]
 

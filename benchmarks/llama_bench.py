@@ -1,11 +1,14 @@
 """Benchmarks of the llama engine: split vs unsplit, batched decode, shard memory, cancellation.
 
     python benchmarks/llama_bench.py [--quick | --smoke] [--model GEMMA3.gguf] [--repeat N]
-        [--spin-counts 300000,passive] [--results PATH]
+        [--skip-gemma3] [--skip-moe] [--sections raw,split,...] [--spin-counts 300000,passive]
+        [--results PATH]
 
 Measured side by side in one process, on a generated model large enough for compute to dominate
-(n_embd 512, 8 layers, F16) and on gemma3-270m when it is present (SHARD_ENGINE_LLAMA_MODEL or the
-model store's ``models/gemma-3-270m-q4_k_m.gguf``):
+(n_embd 512, 8 layers, F16), on gemma3-270m when it is present (SHARD_ENGINE_LLAMA_MODEL or the
+model store's ``models/gemma-3-270m-q4_k_m.gguf``) and on a generated mixture-of-experts model
+(qwen3moe of the same width and depth, as much feed-forward work per token; measured against
+llama.cpp, split in one process and batched, under the ``moe`` keys). ``_models`` makes them:
 
 * the engine against llama.cpp itself: the same file decoded through llama-cpp-python's raw
   batch API (``llama_batch`` + ``llama_decode`` + a view of the logits, same threads, KV type,
@@ -25,7 +28,8 @@ model store's ``models/gemma-3-270m-q4_k_m.gguf``):
 * the CPU time a process burns in the 50 ms after a decode returns, per spin count (OpenMP
   threads that keep spinning take the cores from the next shard; see
   ``shard_engine_llama._threading``);
-* 8 sessions decoded with one ``decode_batch`` per step vs 8 single decodes per step;
+* 8 sessions decoded with one ``decode_batch`` per step vs 8 single decodes per step, every
+  configuration and mode interleaved; the batched rate of a split next to the unsplit one;
 * peak RSS of every shard vs the full model, each in a fresh subprocess, above the RSS of a
   process that imports everything but loads no model;
 * the latency from ``cancel()`` to the ``Cancelled`` exception during a long prefill.
@@ -54,8 +58,17 @@ from typing import Final
 
 import msgspec
 import numpy as np
+from _models import (
+    GENERATED_THREE_WAY,
+    MODEL_ENV,
+    GeneratedModel,
+    find_gemma3,
+    generated_model,
+    generated_moe_model,
+)
 from _process_shard import ProcessShard
-from _results import Results, add_results_option
+from _raw_llama import N_UBATCH, RawLlama
+from _results import Results, add_results_option, add_size_options, run_mode
 
 from shard_engine_api import (
     BoundaryBundle,
@@ -83,13 +96,9 @@ from shard_engine_llama import (
     inspect_gguf,
     split_model,
     threading_report,
-    write_tiny_model,
 )
 
-MODEL_ENV: Final = "SHARD_ENGINE_LLAMA_MODEL"
-GEMMA3_FILE: Final = "gemma-3-270m-q4_k_m.gguf"
 N_THREADS: Final = 2
-N_UBATCH: Final = 512
 
 TARGET_PREFILL_RATIO: Final = 0.97
 TARGET_DECODE_RATIO: Final = 0.93
@@ -314,81 +323,6 @@ def _slug(name: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-class RawLlama:
-    """The model decoded through llama-cpp-python's raw batch API, with the context settings
-    the engine uses for ``max_sessions`` sessions of ``max_context`` positions (one spare
-    sequence included): what llama.cpp itself costs, with nothing of the engine around it."""
-
-    def __init__(self, path: Path, *, max_sessions: int, max_context: int) -> None:
-        import ctypes
-
-        import llama_cpp
-
-        self._ctypes = ctypes
-        self._llama = llama_cpp
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        self._model = llama_cpp.llama_model_load_from_file(os.fsencode(path), model_params)
-        if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = max_context * (max_sessions + 1)
-        params.n_seq_max = max_sessions + 1
-        params.n_batch = N_UBATCH
-        params.n_ubatch = N_UBATCH
-        params.n_threads = N_THREADS
-        params.n_threads_batch = N_THREADS
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.type_k = 0  # F32, the engine's default kv_type
-        params.type_v = 0
-        params.swa_full = True
-        params.kv_unified = False
-        params.no_perf = True
-        params.n_outputs_max = max(N_UBATCH, max_sessions + 1)
-        self._context = llama_cpp.llama_init_from_model(self._model, params)
-        if not self._context:
-            raise RuntimeError(f"llama.cpp could not create a context for {path}")
-        vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        self._batch = llama_cpp.llama_batch_init(N_UBATCH, 0, 1)
-
-    def decode(self, rows: Sequence[tuple[int, int, int]]) -> list[int]:
-        """One llama_decode of (sequence, position, token) rows, logits for every row; the
-        greedy next token of each row (argmax over a view of llama.cpp's logits)."""
-        return self.prefill_rows(rows, outputs=range(len(rows)))
-
-    def prefill_rows(
-        self, rows: Sequence[tuple[int, int, int]], outputs: Sequence[int] | range
-    ) -> list[int]:
-        llama_cpp = self._llama
-        batch = self._batch
-        wanted = set(outputs)
-        batch.n_tokens = len(rows)
-        for i, (seq, pos, token) in enumerate(rows):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = 1 if i in wanted else 0
-        status = int(llama_cpp.llama_decode(self._context, batch))
-        if status != 0:
-            raise RuntimeError(f"llama_decode returned {status}")
-        tokens = []
-        for i in outputs:
-            pointer = llama_cpp.llama_get_logits_ith(self._context, i)
-            view = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
-            tokens.append(int(np.argmax(view)))
-        return tokens
-
-    def clear(self) -> None:
-        self._llama.llama_memory_clear(self._llama.llama_get_memory(self._context), True)
-
-    def close(self) -> None:
-        self._llama.llama_batch_free(self._batch)
-        self._llama.llama_free(self._context)
-        self._llama.llama_model_free(self._model)
-
-
 def _raw_sequential(
     raw: RawLlama, prompt: Sequence[int], n_decode: int
 ) -> tuple[float, tuple[int, ...]]:
@@ -487,9 +421,9 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
             model, model.splits["unsplit"], max_sessions=n, max_context=256
         )
         # After the engines: their first load silenced llama.cpp's log.
-        raw_single = RawLlama(model.path, max_sessions=1, max_context=512)
+        raw_single = RawLlama(model.path, max_sessions=1, max_context=512, n_threads=N_THREADS)
         raws.append(raw_single)
-        raw_batch = RawLlama(model.path, max_sessions=n, max_context=256)
+        raw_batch = RawLlama(model.path, max_sessions=n, max_context=256, n_threads=N_THREADS)
         raws.append(raw_batch)
         single: dict[str, list[float]] = {
             "raw": [],
@@ -619,13 +553,16 @@ def _generate(
 
 
 def _split_configs(
-    model: BenchModel, spin_counts: Sequence[str]
+    model: BenchModel, spin_counts: Sequence[str], processes: bool
 ) -> dict[str, tuple[Ranges, Mapping[str, str | None] | None]]:
-    """Configuration name -> (ranges, child environment or None for in-process)."""
+    """Configuration name -> (ranges, child environment or None for in-process); without
+    ``processes`` the in-process ones only."""
     three_way = model.splits["3-way"]
     configs: dict[str, tuple[Ranges, Mapping[str, str | None] | None]] = {
         name: (ranges, None) for name, ranges in model.splits.items()
     }
+    if not processes:
+        return configs
     # The children inherit this process's environment, where importing shard_engine_llama
     # put the default spin count (or the user's own).
     configs["unsplit/proc"] = (model.splits["unsplit"], {})
@@ -636,24 +573,30 @@ def _split_configs(
 
 
 def bench_split(
-    model: BenchModel, settings: Settings, results: Recorder, spin_counts: Sequence[str]
+    model: BenchModel,
+    settings: Settings,
+    results: Recorder,
+    spin_counts: Sequence[str],
+    *,
+    processes: bool = True,
 ) -> None:
     print(
         f"\n## {model.name}: unsplit vs split (through the API, {N_THREADS} threads, "
         f"n_ubatch {N_UBATCH}, prompt {settings.prompt_tokens} tokens, "
         f"{settings.decode_tokens} decode steps, {settings.repeat} interleaved repetitions)"
     )
-    print(
-        "'/proc' = one process per shard behind pipes and the wire codec (default checks); "
-        f"{SPIN_COUNT_ENV}={os.environ.get(SPIN_COUNT_ENV)} in this process and its children "
-        "unless the name says otherwise"
-    )
-    configs = _split_configs(model, spin_counts)
+    if processes:
+        print(
+            "'/proc' = one process per shard behind pipes and the wire codec (default checks); "
+            f"{SPIN_COUNT_ENV}={os.environ.get(SPIN_COUNT_ENV)} in this process and its "
+            "children unless the name says otherwise"
+        )
+    configs = _split_configs(model, spin_counts, processes)
     drivers: dict[str, Driver] = {}
     try:
-        for name, (ranges, processes) in configs.items():
+        for name, (ranges, child_env) in configs.items():
             drivers[name] = _load_driver(
-                model, ranges, max_sessions=1, max_context=512, processes=processes
+                model, ranges, max_sessions=1, max_context=512, processes=child_env
             )
         samples = {name: SplitSamples() for name in drivers}
         prompt = model.prompt_source(settings.prompt_tokens, 0)
@@ -842,35 +785,49 @@ def bench_spin(
 def bench_batched(
     model: BenchModel, settings: Settings, configs: Sequence[str], results: Recorder
 ) -> None:
+    """Per configuration, ``batch_sessions`` sessions decoded with one ``decode_batch`` per
+    step and with single decodes; every (configuration, mode) pair runs once per repetition,
+    in rotating order, so that machine noise hits them alike. The first configuration (the
+    unsplit model) is what the batched rate of the others is a ratio of."""
     n = settings.batch_sessions
     print(
         f"\n## {model.name}: {n} sessions, one decode_batch per step vs {n} single decodes "
         f"({settings.batch_steps} steps, {settings.batch_repeat} interleaved repetitions)"
     )
+    rounds = [(name, mode) for name in configs for mode in ("sequential", "batched")]
+    rates: dict[tuple[str, str], list[float]] = {key: [] for key in rounds}
+    drivers: dict[str, Driver] = {}
+    try:
+        for name in configs:
+            drivers[name] = _load_driver(model, model.splits[name], max_sessions=n, max_context=256)
+        for rep in range(settings.batch_repeat + 1):
+            shift = rep % len(rounds)
+            for name, mode in rounds[shift:] + rounds[:shift]:
+                rate = _batched_round(drivers[name], model, settings, mode, rep)
+                if rep > 0:  # repetition 0 is the warm-up
+                    rates[name, mode].append(rate)
+    finally:
+        for driver in drivers.values():
+            driver.close()
+    base = _median(rates[configs[0], "batched"])
     print(
-        f"{'config':<9} {'sequential tok/s':>16} {'batched tok/s':>14} {'speedup':>8}   "
-        f"target: >= {TARGET_BATCH_SPEEDUP}x"
+        f"{'config':<9} {'sequential tok/s':>16} {'batched tok/s':>14} {'speedup':>8} "
+        f"{'batched ratio':>13}   target: speedup >= {TARGET_BATCH_SPEEDUP}x"
     )
     for name in configs:
-        driver = _load_driver(model, model.splits[name], max_sessions=n, max_context=256)
-        rates: dict[str, list[float]] = {"sequential": [], "batched": []}
-        try:
-            for rep in range(settings.batch_repeat + 1):
-                modes = ["sequential", "batched"] if rep % 2 == 0 else ["batched", "sequential"]
-                for mode in modes:
-                    rate = _batched_round(driver, model, settings, mode, rep)
-                    if rep > 0:  # repetition 0 is the warm-up
-                        rates[mode].append(rate)
-        finally:
-            driver.close()
-        sequential = _median(rates["sequential"])
-        batched = _median(rates["batched"])
+        sequential = _median(rates[name, "sequential"])
+        batched = _median(rates[name, "batched"])
         speedup = batched / sequential
-        results.record(f"{_slug(name)}_batched_speedup", round(speedup, 2), "x")
+        key = _slug(name)
+        results.record(f"{key}_batched_speedup", round(speedup, 2), "x")
+        results.record(f"{key}_sequential_tok_s", round(sequential, 1), "tokens/s")
+        results.record(f"{key}_batched_tok_s", round(batched, 1), "tokens/s")
+        results.record(f"{key}_batched_ratio", round(batched / base, 3), "x")
         print(
-            f"{name:<9} {sequential:>16.1f} {batched:>14.1f} {speedup:>7.2f}x   "
-            f"{_ratio_mark(speedup, TARGET_BATCH_SPEEDUP)}"
+            f"{name:<9} {sequential:>16.1f} {batched:>14.1f} {speedup:>7.2f}x "
+            f"{batched / base:>13.3f}   {_ratio_mark(speedup, TARGET_BATCH_SPEEDUP)}"
         )
+    print(f"batched ratio = batched tok/s over {configs[0]}'s batched tok/s in the same run")
 
 
 def _batched_round(
@@ -1199,33 +1156,16 @@ def _splits(n_layers: int, three_way: Ranges) -> dict[str, Ranges]:
     }
 
 
-def generated_model(directory: Path) -> BenchModel:
-    path = directory / "bench-llama-512d-8l-f16.gguf"
-    config = write_tiny_model(
-        path,
-        n_layers=8,
-        n_embd=512,
-        n_head=8,
-        n_head_kv=4,
-        n_ff=1536,
-        vocab=4096,
-        dtype="f16",
-        seed=11,
-        context_length=4096,
-    )
-
-    def prompt(n: int, seed: int) -> list[int]:
-        rng = np.random.default_rng(seed)
-        return [int(t) for t in rng.integers(259, config.vocab, size=n)]
-
+def generated(model: GeneratedModel, directory: Path) -> BenchModel:
+    """A generated model (``_models``), split like every benchmark splits it."""
     return BenchModel(
-        name="generated llama (n_embd 512, 8 layers, F16, vocab 4096)",
-        path=path,
-        n_layers=8,
-        splits=_splits(8, [(0, 3), (3, 6), (6, 8)]),
-        shard_dir=directory / "shards",
-        vocab_size=config.vocab,
-        prompt_source=prompt,
+        name=model.name,
+        path=model.path,
+        n_layers=model.n_layers,
+        splits=_splits(model.n_layers, list(GENERATED_THREE_WAY)),
+        shard_dir=directory / "shards" / model.path.stem,
+        vocab_size=model.vocab,
+        prompt_source=model.prompt,
     )
 
 
@@ -1261,15 +1201,11 @@ def gemma3_model(path: Path) -> BenchModel:
     )
 
 
-def find_gemma3(explicit: str | None) -> Path | None:
-    candidate = explicit or os.environ.get(MODEL_ENV)
-    if candidate:
-        return Path(candidate) if Path(candidate).is_file() else None
-    path = model_store() / "models" / GEMMA3_FILE
-    return path if path.is_file() else None
-
-
 SECTIONS: Final = ("raw", "split", "spin", "batched", "memory", "cancel", "hops")
+MOE_SECTIONS: Final = frozenset({"raw", "split", "batched"})
+"""What the mixture-of-experts model is measured on: the engine against llama.cpp, the split
+overhead in one process and batched decode (spin-wait, memory and cancellation do not depend
+on the feed-forward, and the dense model measures them)."""
 
 
 def run_sections(
@@ -1281,11 +1217,12 @@ def run_sections(
     batched: Sequence[str],
     memory: Sequence[str] | None = None,
     spin_counts: Sequence[str] = (),
+    processes: bool = True,
 ) -> None:
     if "raw" in sections:
         bench_raw(model, settings, results)
     if "split" in sections:
-        bench_split(model, settings, results, spin_counts)
+        bench_split(model, settings, results, spin_counts, processes=processes)
     if "spin" in sections:
         bench_spin(model, settings, results, spin_counts)
     if "batched" in sections:
@@ -1298,14 +1235,11 @@ def run_sections(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="fewer repetitions, shorter runs")
-    size.add_argument(
-        "--smoke", action="store_true", help="tiny sizes: proves it runs, measures nothing"
-    )
+    add_size_options(parser, quick="fewer repetitions, shorter runs")
     parser.add_argument("--repeat", type=int, help="repetitions of the split comparison")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
     parser.add_argument("--skip-gemma3", action="store_true")
+    parser.add_argument("--skip-moe", action="store_true", help="no mixture-of-experts model")
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
@@ -1329,7 +1263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeat:
         settings = dataclasses.replace(settings, repeat=args.repeat)
     spin_counts = [spin for spin in args.spin_counts.split(",") if spin]
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = run_mode(args)
     report = threading_report()
     results = Results(
         args.results,
@@ -1347,9 +1281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"threading: {report}")
     sections = set(args.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="shard-engine-bench-") as scratch:
-        generated = generated_model(Path(scratch))
+        directory = Path(scratch)
         run_sections(
-            generated,
+            generated(generated_model(directory), directory),
             settings,
             sections,
             Recorder(results, "generated"),
@@ -1358,6 +1292,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if "hops" in sections:
             bench_hop_costs(512)
+        moe_sections = set() if args.skip_moe else sections & MOE_SECTIONS
+        results.record("moe_measured", bool(moe_sections))
+        if moe_sections:
+            run_sections(
+                generated(generated_moe_model(directory), directory),
+                settings,
+                moe_sections,
+                Recorder(results, "moe"),
+                batched=["unsplit", "2-way", "3-way"],
+                processes=False,
+            )
+        else:
+            print(
+                "\n## generated mixture-of-experts model: skipped (--skip-moe, or none of "
+                f"{','.join(sorted(MOE_SECTIONS))} in --sections)"
+            )
     gemma3 = None if args.skip_gemma3 else find_gemma3(args.model)
     results.record("gemma3_measured", gemma3 is not None)
     if gemma3 is None:

@@ -12,7 +12,8 @@ Runs, under ``valgrind --tool=callgrind`` with one thread, the same greedy decod
 
 Phases are separated by ``os.getppid()``, on which callgrind dumps its counters
 (``--dump-before=getppid``, as ``decode_profile.py`` does), so one run yields one count per
-phase. Without ``--model`` it generates the benchmark's F16 model (n_embd 512, 8 layers).
+phase (``_callgrind``). Without ``--model`` it generates the benchmarks' F16 model (n_embd 512,
+8 layers; ``_models``).
 Counts say where instructions go, not time: a ``rep movsb`` copy counts per chunk, and thread
 wake-ups cost time without instructions; timings come from ``llama_bench.py`` on a quiet
 machine.
@@ -24,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -32,9 +32,12 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+from _callgrind import callgrind_dump_totals
+from _models import GENERATED_THREE_WAY, generated_model
+from _raw_llama import N_UBATCH, RawLlama
 
 from shard_engine_api import LoadConfig, Pipeline, SessionRef, ShardSpec
-from shard_engine_llama import LlamaEngine, split_model, write_tiny_model
+from shard_engine_llama import LlamaEngine, split_model
 
 WARMUP = 2
 PROMPT_TOKENS = 16
@@ -42,7 +45,7 @@ PHASES = ("raw", "engine", "3-way", "3-way python callbacks")
 
 
 def _config(spec: ShardSpec, native: bool) -> LoadConfig:
-    options: dict[str, object] = {"n_ubatch": 512, "self_test": False}
+    options: dict[str, object] = {"n_ubatch": N_UBATCH, "self_test": False}
     if not native:
         options["native_callbacks"] = False
     return LoadConfig(
@@ -50,54 +53,21 @@ def _config(spec: ShardSpec, native: bool) -> LoadConfig:
         n_threads=1,
         max_sessions=1,
         max_context=512,
-        max_batch_tokens=512,
+        max_batch_tokens=N_UBATCH,
         kv_budget_tokens=512,
         options=options,
     )
 
 
-class _Raw:
-    """Greedy decode through llama-cpp-python's raw API, the engine's context settings."""
+def _raw_stepper(model: Path) -> Callable[[int, Sequence[int]], int]:
+    """Greedy steps through llama.cpp itself (the benchmark's raw baseline), one thread."""
+    raw = RawLlama(model, max_sessions=1, max_context=512, n_threads=1)
 
-    def __init__(self, path: Path) -> None:
-        import llama_cpp
+    def step(pos: int, tokens: Sequence[int]) -> int:
+        rows = [(0, pos + index, token) for index, token in enumerate(tokens)]
+        return raw.prefill_rows(rows, outputs=[len(tokens) - 1])[0]
 
-        self._llama = llama_cpp
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        self._model = llama_cpp.llama_model_load_from_file(os.fsencode(path), model_params)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = 1024
-        params.n_seq_max = 2
-        params.n_batch = 512
-        params.n_ubatch = 512
-        params.n_threads = 1
-        params.n_threads_batch = 1
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.type_k = 0
-        params.type_v = 0
-        params.swa_full = True
-        params.kv_unified = False
-        params.no_perf = True
-        params.n_outputs_max = 512
-        self._context = llama_cpp.llama_init_from_model(self._model, params)
-        vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        self._batch = llama_cpp.llama_batch_init(512, 0, 1)
-
-    def step(self, pos: int, tokens: Sequence[int]) -> int:
-        batch = self._batch
-        batch.n_tokens = len(tokens)
-        for i, token in enumerate(tokens):
-            batch.token[i] = token
-            batch.pos[i] = pos + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = i == len(tokens) - 1
-        if self._llama.llama_decode(self._context, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        pointer = self._llama.llama_get_logits_ith(self._context, -1)
-        return int(np.argmax(np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))))
+    return step
 
 
 def _engine_stepper(
@@ -133,7 +103,7 @@ def run_phases(model: Path, n_layers: int, ranges: list[tuple[int, int]], steps:
         "3-way": _engine_stepper(split, True),
         "3-way python callbacks": _engine_stepper(split, False),
     }
-    steppers = {"raw": _Raw(model).step, **steppers}
+    steppers = {"raw": _raw_stepper(model), **steppers}
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 250, size=PROMPT_TOKENS)]
     for name in PHASES:
         step = steppers[name]
@@ -149,17 +119,6 @@ def run_phases(model: Path, n_layers: int, ranges: list[tuple[int, int]], steps:
         os.getppid()
 
 
-def _totals(directory: Path) -> list[int]:
-    dumps = sorted(directory.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
-    totals: list[int] = []
-    for dump in dumps:
-        for line in dump.read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith(("summary:", "totals:")):
-                totals.append(int(line.split()[1]))
-                break
-    return totals
-
-
 def _ranges(text: str) -> list[tuple[int, int]]:
     pairs = [part.split(":") for part in text.split(",") if part]
     return [(int(a), int(b)) for a, b in pairs]
@@ -169,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", help="GGUF to profile (default: a generated F16 model)")
     parser.add_argument("--layers", type=int, help="its layer count (default: read from it)")
-    parser.add_argument("--ranges", default="0:3,3:6,6:8", help="the 3-way split")
+    parser.add_argument(
+        "--ranges",
+        default=",".join(f"{start}:{end}" for start, end in GENERATED_THREE_WAY),
+        help="the 3-way split",
+    )
     parser.add_argument("--steps", type=int, default=5, help="decode steps per phase")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -188,38 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             layers = args.layers or inspect_gguf(model).n_layers
         else:
-            model = directory / "profile-llama-512d-8l-f16.gguf"
-            write_tiny_model(
-                model,
-                n_layers=8,
-                n_embd=512,
-                n_head=8,
-                n_head_kv=4,
-                n_ff=1536,
-                vocab=4096,
-                dtype="f16",
-                seed=11,
-                context_length=4096,
-            )
-            layers = 8
+            generated = generated_model(directory)
+            model, layers = generated.path, generated.n_layers
         child = msgspec.json.encode(
             {"model": str(model), "layers": layers, "ranges": args.ranges, "steps": args.steps}
         ).decode()
-        subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--dump-before=getppid",
-                f"--callgrind-out-file={directory / 'callgrind.out'}",
-                sys.executable,
-                __file__,
-                "--child",
-                child,
-            ],
-            check=True,
-            capture_output=True,
-        )
-        totals = _totals(directory)
+        totals = callgrind_dump_totals([__file__, "--child", child], directory)
     # Dump 2k + 1 is phase k's warm-up and load, dump 2k + 2 the phase itself.
     per_token = {name: totals[2 * index + 1] / args.steps for index, name in enumerate(PHASES)}
     raw, unsplit = per_token["raw"], per_token["engine"]

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
-from _results import Results, add_results_option
+from _models import GENERATED_THREE_WAY, MODEL_ENV, find_gemma3, generated_model
+from _results import Results, add_results_option, add_size_options, run_mode
 
 from shard_engine_api import (
     ExportSessionRequest,
@@ -47,12 +48,9 @@ from shard_engine_api import (
     SessionSnapshot,
     ShardSpec,
 )
-from shard_engine_api.engine import model_store
 from shard_engine_api.wire import Codec
-from shard_engine_llama import LlamaEngine, inspect_gguf, write_tiny_model
+from shard_engine_llama import LlamaEngine, inspect_gguf
 
-MODEL_ENV: Final = "SHARD_ENGINE_LLAMA_MODEL"
-GEMMA3_FILE: Final = "gemma-3-270m-q4_k_m.gguf"
 N_THREADS: Final = 2
 TARGET_RATIO: Final = 0.2
 
@@ -79,27 +77,16 @@ class BenchModel:
     store: Path | None
 
 
-def generated_model(directory: Path) -> BenchModel:
-    path = directory / "bench-llama-512d-8l-f16.gguf"
-    config = write_tiny_model(
-        path,
-        n_layers=8,
-        n_embd=512,
-        n_head=8,
-        n_head_kv=4,
-        n_ff=1536,
-        vocab=4096,
-        dtype="f16",
-        seed=11,
-        context_length=4096,
-    )
+def generated(directory: Path) -> BenchModel:
+    """The generated model every llama benchmark measures (``_models``)."""
+    model = generated_model(directory)
     return BenchModel(
-        name="generated llama (n_embd 512, 8 layers, F16, vocab 4096)",
+        name=model.name,
         key="generated",
-        path=path,
-        n_layers=8,
-        ranges=[(0, 3), (3, 6), (6, 8)],
-        vocab=config.vocab,
+        path=model.path,
+        n_layers=model.n_layers,
+        ranges=list(GENERATED_THREE_WAY),
+        vocab=model.vocab,
         store=directory / "store",
     )
 
@@ -115,14 +102,6 @@ def gemma3_model(path: Path) -> BenchModel:
         vocab=info.vocab_size,
         store=None,
     )
-
-
-def find_gemma3(explicit: str | None) -> Path | None:
-    candidate = explicit or os.environ.get(MODEL_ENV)
-    if candidate:
-        return Path(candidate) if Path(candidate).is_file() else None
-    path = model_store() / "models" / GEMMA3_FILE
-    return path if path.is_file() else None
 
 
 def _load(model: BenchModel, start: int, end: int, max_context: int) -> LlamaEngine:
@@ -287,11 +266,7 @@ def _check_continuation(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="fewer repetitions")
-    size.add_argument(
-        "--smoke", action="store_true", help="tiny sizes: proves it runs, measures nothing"
-    )
+    add_size_options(parser, quick="fewer repetitions")
     parser.add_argument("--repeat", type=int, help="runs per length (median reported)")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
     add_results_option(parser)
@@ -299,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.repeat:
         settings = Settings(lengths=settings.lengths, repeat=args.repeat)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = run_mode(args)
     gemma3 = find_gemma3(args.model)
     results = Results(args.results, "migration", mode=mode, repeat=settings.repeat)
     print(f"# session migration vs replay ({mode} run, {os.cpu_count()} CPUs)")
@@ -309,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"gemma3-270m not found (set {MODEL_ENV} or run `nox -s certify`): "
                 "measuring the generated model"
             )
-            model = generated_model(Path(scratch))
+            model = generated(Path(scratch))
         else:
             model = gemma3_model(gemma3)
         results.run["model"] = model.key

@@ -6,8 +6,9 @@ Side by side in one run:
 
 * per-hop overhead of a remote engine against the same engine in this process, for one decode
   row and for a 512-row prefill bundle (a middle shard of the fake engine, hidden size 2048 by
-  default): median microseconds per call in-process, through a server in this process (gRPC on
-  a unix socket, codec both ways) and through a spawned child; the added microseconds and the
+  default): median microseconds per call in-process, through a server in this process and
+  through a spawned child, each over both transports (gRPC and the framed transport, on a unix
+  socket, codec both ways; spawn's default is framed); the added microseconds and the
   ratio; beside them the transport's floors on the same bytes, server in a child process: a
   bare gRPC unary echo and a framed echo on a plain unix socket. Target: a remote decode hop
   adds <= 0.3 ms on loopback;
@@ -81,17 +82,20 @@ def _fake_config(
     )
 
 
-ENGINE_KINDS: Final = ("in-process", "server", "child")
+ENGINE_KINDS: Final = ("in-process", "server grpc", "server framed", "child grpc", "child framed")
 
 
 def _middle(kind: str, hidden: int, child_env: dict[str, str | None]) -> api.ShardEngine:
-    """The measured shard, layers [2, 4): in this process, behind a server in this process, or
-    in a child process."""
+    """The measured shard, layers [2, 4): in this process, or behind a server in this process,
+    or in a child process, over either transport."""
     if kind == "in-process":
         return api.load_engine("fake", _fake_config(2, 4, hidden))
-    options: dict[str, object] = {"in_process": "fake"} if kind == "server" else {"spawn": "fake"}
-    if kind == "child":
-        options["env"] = child_env
+    where, transport = kind.split()
+    options: dict[str, object] = {"transport": transport}
+    if where == "server":
+        options["in_process"] = "fake"
+    else:
+        options.update(spawn="fake", env=child_env)
     engine = RemoteEngine()
     engine.load(_fake_config(2, 4, hidden, options))
     return engine
@@ -293,7 +297,7 @@ def bench_hops(settings: Settings, results: Results) -> None:
         "configuration taking each call in turn"
     )
     print(
-        f"{'where':<12} {'decode us':>10} {'+us':>8} {'ratio':>6}   "
+        f"{'where':<14} {'decode us':>10} {'+us':>8} {'ratio':>6}   "
         f"{'prefill-512 us':>14} {'+us':>9} {'ratio':>6}"
     )
     base_decode = statistics.median(decode_times["in-process"])
@@ -302,7 +306,7 @@ def bench_hops(settings: Settings, results: Results) -> None:
         decode_s = statistics.median(decode_samples)
         prefill_s = statistics.median(prefill_times[name])
         if name in floors:
-            print(f"{name:<12} {decode_s * 1e6:>10.1f} {'':>8} {'':>6}   {prefill_s * 1e6:>14.1f}")
+            print(f"{name:<14} {decode_s * 1e6:>10.1f} {'':>8} {'':>6}   {prefill_s * 1e6:>14.1f}")
             results.record(f"{name.replace(' ', '_')}_decode_us", round(decode_s * 1e6, 1), "us")
             results.record(
                 f"{name.replace(' ', '_')}_prefill_512_us", round(prefill_s * 1e6, 1), "us"
@@ -310,16 +314,22 @@ def bench_hops(settings: Settings, results: Results) -> None:
             continue
         added_decode, added_prefill = decode_s - base_decode, prefill_s - base_prefill
         print(
-            f"{name:<12} {decode_s * 1e6:>10.1f} {added_decode * 1e6:>8.1f} "
+            f"{name:<14} {decode_s * 1e6:>10.1f} {added_decode * 1e6:>8.1f} "
             f"{decode_s / base_decode:>6.2f}   {prefill_s * 1e6:>14.1f} "
             f"{added_prefill * 1e6:>9.1f} {prefill_s / base_prefill:>6.2f}"
         )
-        key = name.replace("-", "_")
+        key = name.replace("-", "_").replace(" ", "_")
         results.record(f"{key}_decode_us", round(decode_s * 1e6, 1), "us")
         results.record(f"{key}_prefill_512_us", round(prefill_s * 1e6, 1), "us")
         if name != "in-process":
             results.record(f"{key}_decode_added_us", round(added_decode * 1e6, 1), "us")
             results.record(f"{key}_prefill_512_ratio", round(prefill_s / base_prefill, 3), "x")
+    framed = statistics.median(decode_times["child framed"]) - base_decode
+    grpc_added = statistics.median(decode_times["child grpc"]) - base_decode
+    print(f"child decode hop: framed adds {framed * 1e6:.1f} us, gRPC {grpc_added * 1e6:.1f} us")
+    if grpc_added > 0:
+        print(f"framed / gRPC added time: {framed / grpc_added:.2f}")
+        results.record("child_framed_over_grpc_added_ratio", round(framed / grpc_added, 3), "x")
     print(
         "target: a remote decode hop adds <= 300 us on loopback. The echo rows are floors on "
         "the same bytes, server in a child process: bare gRPC (no project code) and a framed "

@@ -255,6 +255,85 @@ def _migration(f: Figures) -> str | None:
     )
 
 
+def _raw(f: Figures) -> str | None:
+    """The llama engine against llama-cpp-python's raw batch API in the same run."""
+    parts: list[str] = []
+    for model, name in (("gemma3", "gemma3-270m"), ("generated", "the generated model")):
+        if model == "gemma3" and not f.flag("llama", "gemma3_measured"):
+            continue
+        single = f.value("llama", f"{model}_raw_cmp_engine_of_raw")
+        batched = f.value("llama", f"{model}_raw_cmp_batched_of_raw")
+        if single is not None and batched is not None:
+            parts.append(f"{name} {single:.3f} (one session) and {batched:.3f} (batched)")
+    if not parts:
+        return None
+    sessions = f.run("llama").get("batch_sessions", "?")
+    same = [
+        f.flag("llama", f"{model}_raw_cmp_greedy_tokens_identical")
+        for model in ("gemma3", "generated")
+    ]
+    tokens = (
+        "same greedy tokens" if all(flag is not False for flag in same) else "greedy tokens DIFFER"
+    )
+    return (
+        "decode throughput of the engine over llama.cpp itself (llama-cpp-python's batch API, "
+        f"same threads, KV type and context shape, {sessions} sessions when batched): "
+        f"{'; '.join(parts)}; {tokens}."
+    )
+
+
+def _moe(f: Figures) -> str | None:
+    """The generated mixture-of-experts (qwen3moe) model, measured like the dense one."""
+    if not f.flag("llama", "moe_measured"):
+        return None
+    names = ("2_way_prefill", "3_way_prefill", "2_way_decode", "3_way_decode")
+    ratios = [f.value("llama", f"moe_{name}_ratio") for name in names]
+    speedup = f.value("llama", "moe_unsplit_batched_speedup")
+    raw = f.value("llama", "moe_raw_cmp_engine_of_raw")
+    if None in ratios or speedup is None:
+        return None
+    p2, p3, d2, d3 = (f"{value:.2f}" for value in ratios if value is not None)
+    text = (
+        f"generated qwen3moe model, split/unsplit throughput {p2} / {p3} (prefill) and "
+        f"{d2} / {d3} (decode) for 2- / 3-way splits in one process; batched decode "
+        f"{speedup:.1f}x sequential"
+    )
+    if raw is not None:
+        text += f"; the engine at {raw:.3f} of raw llama.cpp"
+    return text + "."
+
+
+def _remote(f: Figures) -> str | None:
+    """A remote decode hop over each transport, and the 3-process pipeline."""
+    framed = f.value("remote", "child_framed_decode_added_us")
+    grpc = f.value("remote", "child_grpc_decode_added_us")
+    server = f.value("remote", "server_grpc_decode_added_us")
+    if framed is None or grpc is None:
+        return None
+    text = (
+        f"a decode hop to a spawned child adds {framed:.0f} us over the framed unix socket "
+        f"(the spawn default) and {grpc:.0f} us over gRPC"
+    )
+    if server is not None:
+        text += f" ({server:.0f} us to a gRPC server in the same process)"
+    decode = f.value("remote", "pipeline_3_shards_3_processes_decode_x")
+    prefill = f.value("remote", "pipeline_3_shards_3_processes_prefill_x")
+    if decode is not None and prefill is not None:
+        gemma = f.flag("remote", "pipeline_gemma3")
+        model = (
+            "gemma3-270m"
+            if gemma
+            else "the generated model"
+            if gemma is False
+            else "gemma3-270m or the generated model"
+        )
+        text += (
+            f". {model} in 3 shards, each in its own spawned process: {decode:.2f} of unsplit "
+            f"decode throughput and {prefill:.2f} of unsplit prefill"
+        )
+    return text + "."
+
+
 def render(document: Results) -> str:
     """The README block (marker lines included) for a results document."""
     f = Figures(document)
@@ -264,7 +343,10 @@ def render(document: Results) -> str:
             _provenance(f),
             "",
             _bullet("Split overhead (llama engine)", _split(f)),
+            _bullet("Against raw llama.cpp", _raw(f)),
+            _bullet("Mixture of experts", _moe(f)),
             _bullet("One process per shard", _process(f)),
+            _bullet("Remote shards", _remote(f)),
             _bullet("Batched decode", _batched(f)),
             _bullet("Wire codec", _codec(f)),
             _bullet("Fake engine", _fake(f)),

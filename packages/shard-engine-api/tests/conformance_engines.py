@@ -169,9 +169,16 @@ class ReferenceEngine(EngineCore):
     ("fixture" by default)."""
 
     engine_name: ClassVar[str] = "reference"
+    ledger_type: ClassVar[type[SessionLedger]] = SessionLedger
+    """The session ledger (built with ``fence_generation``): a broken engine whose bug is in
+    its bookkeeping names its broken ledger here."""
+    counters_type: ClassVar[type[Counters]] = Counters
+    """The metrics counters, likewise."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._ledger = self.ledger_type(self.fence_generation)
+        self._counters = self.counters_type()
         self._model: _ToyModel | None = None
         self._sums: dict[int, Array] = {}
         self._undo: dict[int, tuple[int, Array]] = {}
@@ -337,8 +344,24 @@ class NoRollback(ReferenceEngine):
         self._undo.pop(slot, None)
 
 
-class WrongPositions(ReferenceEngine):
-    """Reports logits "last" at the first position of the run instead of the last."""
+_Result = BoundaryResult | LogitsResult
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """What the core built a result from."""
+
+    caps: Capabilities
+    session: SessionRef
+    start_pos: int
+    rows: Array
+    output: OutputMode
+    timings: Timings
+
+
+class _RewritesResults(ReferenceEngine):
+    """Changes the results the core built, as ``_rewrite`` says: the bugs of an engine that
+    post-processes its results."""
 
     def _make_result(
         self,
@@ -354,28 +377,25 @@ class WrongPositions(ReferenceEngine):
         result = super()._make_result(
             caps, request_id, session, start_pos, rows, output, timings, n_tokens
         )
-        if isinstance(result, LogitsResult) and output == "last":
-            return msgspec.structs.replace(result, first_pos=start_pos)
+        return self._rewrite(result, _Built(caps, session, start_pos, rows, output, timings))
+
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
+        raise NotImplementedError
+
+
+class WrongPositions(_RewritesResults):
+    """Reports logits "last" at the first position of the run instead of the last."""
+
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
+        if isinstance(result, LogitsResult) and built.output == "last":
+            return msgspec.structs.replace(result, first_pos=built.start_pos)
         return result
 
 
-class _MislabelsResults(ReferenceEngine):
+class _MislabelsResults(_RewritesResults):
     result_evidence: ClassVar[EvidenceClass] = "real"
 
-    def _make_result(
-        self,
-        caps: Capabilities,
-        request_id: str,
-        session: SessionRef,
-        start_pos: int,
-        rows: Array,
-        output: OutputMode,
-        timings: Timings,
-        n_tokens: int,
-    ) -> BoundaryResult | LogitsResult:
-        result = super()._make_result(
-            caps, request_id, session, start_pos, rows, output, timings, n_tokens
-        )
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
         return msgspec.structs.replace(result, evidence=self.result_evidence)
 
 
@@ -617,30 +637,17 @@ class RefusesF16Bundles(_RewritesBundles):
         return bundle
 
 
-class SendsF32WhenF16(ReferenceEngine):
+class SendsF32WhenF16(_RewritesResults):
     """Loaded with boundary_dtype f16, still sends f32 bundles."""
 
-    def _make_result(
-        self,
-        caps: Capabilities,
-        request_id: str,
-        session: SessionRef,
-        start_pos: int,
-        rows: Array,
-        output: OutputMode,
-        timings: Timings,
-        n_tokens: int,
-    ) -> BoundaryResult | LogitsResult:
-        result = super()._make_result(
-            caps, request_id, session, start_pos, rows, output, timings, n_tokens
-        )
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
         if isinstance(result, BoundaryResult) and result.bundle.dtype == "f16":
             bundle = BoundaryBundle.from_array(
-                rows,
-                session=session,
-                first_pos=start_pos,
-                layer=caps.shard.end,
-                model_fingerprint=caps.model_fingerprint,
+                built.rows,
+                session=built.session,
+                first_pos=built.start_pos,
+                layer=built.caps.shard.end,
+                model_fingerprint=built.caps.model_fingerprint,
                 dtype="f32",
             )
             return msgspec.structs.replace(result, bundle=bundle)
@@ -694,9 +701,7 @@ class _NewEpochKeepsLengthLedger(SessionLedger):
 class NewEpochKeepsLength(ReferenceEngine):
     """A newer epoch of a live session inherits the old committed length (and cache)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _NewEpochKeepsLengthLedger()
+    ledger_type = _NewEpochKeepsLengthLedger
 
 
 class _WrappingLedger(SessionLedger):
@@ -717,9 +722,7 @@ class _WrappingLedger(SessionLedger):
 class EpochsWrapAt32Bits(ReferenceEngine):
     """Stores epochs in 32 bits: 2**40 wraps to 0."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _WrappingLedger()
+    ledger_type = _WrappingLedger
 
 
 class _ForgettingFences(FenceTable):
@@ -738,8 +741,8 @@ class _ForgettingFences(FenceTable):
 class _SlotFencesLedger(SessionLedger):
     """Keeps the fence with the slot: a new session in the slot forgets the old fence."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, fence_generation: int) -> None:
+        super().__init__(fence_generation)
         self.fences = self.slot_fences = _ForgettingFences()
         self._released_in: dict[int, str] = {}
 
@@ -760,14 +763,12 @@ class _SlotFencesLedger(SessionLedger):
 class FenceDroppedOnSlotReuse(ReferenceEngine):
     """Keeps tombstones per slot: a new session in the slot drops the old session's fence."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _SlotFencesLedger()
+    ledger_type = _SlotFencesLedger
 
 
 class _DoubleFreeLedger(SessionLedger):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, fence_generation: int) -> None:
+        super().__init__(fence_generation)
         self._released_slots: dict[str, int] = {}
 
     def release(self, session_id: str, epoch: int) -> Release:
@@ -782,9 +783,7 @@ class _DoubleFreeLedger(SessionLedger):
 class DoubleReleaseFreesSlot(ReferenceEngine):
     """A second release of a released session returns its slot to the free list again."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _DoubleFreeLedger()
+    ledger_type = _DoubleFreeLedger
 
 
 class _LeakyLedger(SessionLedger):
@@ -797,9 +796,7 @@ class _LeakyLedger(SessionLedger):
 class ReleaseLeaksKv(ReferenceEngine):
     """Forgets to subtract a released session's positions from the KV count."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _LeakyLedger()
+    ledger_type = _LeakyLedger
 
 
 class _EagerLedger(SessionLedger):
@@ -820,9 +817,7 @@ class AdmitsBeforeForward(ReferenceEngine):
     """Enters a new session in the ledger when it is admitted, before its forward ran, and
     does not remove it when that first forward is cancelled."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _EagerLedger()
+    ledger_type = _EagerLedger
 
 
 class BadFirstPrefillCreatesSession(ReferenceEngine):
@@ -967,9 +962,7 @@ class _FifoLedger(SessionLedger):
 class EvictsByCreation(ReferenceEngine):
     """Evicts in creation order (FIFO): using a session does not refresh it."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _FifoLedger()
+    ledger_type = _FifoLedger
 
 
 class _VictimLedger(SessionLedger):
@@ -1039,23 +1032,11 @@ class EvictsEveryIdleSession(ReferenceEngine):
         self._ledger = _VictimLedger(lambda idle: idle, True)
 
 
-class NumpyScalarTimings(ReferenceEngine):
+class NumpyScalarTimings(_RewritesResults):
     """Puts numpy scalars into result timings (they do not survive the wire codec)."""
 
-    def _make_result(
-        self,
-        caps: Capabilities,
-        request_id: str,
-        session: SessionRef,
-        start_pos: int,
-        rows: Array,
-        output: OutputMode,
-        timings: Timings,
-        n_tokens: int,
-    ) -> BoundaryResult | LogitsResult:
-        result = super()._make_result(
-            caps, request_id, session, start_pos, rows, output, timings, n_tokens
-        )
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
+        timings = built.timings
         numpy_timings = Timings(
             queue_ms=np.float32(timings.queue_ms),  # type: ignore[arg-type]
             compute_ms=np.float32(timings.compute_ms),  # type: ignore[arg-type]
@@ -1097,9 +1078,7 @@ class _OwnMissLedger(SessionLedger):
 class OwnErrorSubclass(ReferenceEngine):
     """Raises its own CacheMiss subclass with its own code for decode misses."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _OwnMissLedger()
+    ledger_type = _OwnMissLedger
 
 
 class RetryableStaleEpoch(ReferenceEngine):
@@ -1151,9 +1130,7 @@ class _ShortIdLedger(SessionLedger):
 class TruncatesSessionIds(ReferenceEngine):
     """Keys sessions by the first 64 characters of their id."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _ShortIdLedger()
+    ledger_type = _ShortIdLedger
 
 
 class CrashRecovers(ReferenceEngine):
@@ -1182,9 +1159,7 @@ class _DoubleCounters(Counters):
 class ErrorsCountedTwice(ReferenceEngine):
     """Counts every error twice in metrics.errors."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._counters = _DoubleCounters()
+    counters_type = _DoubleCounters
 
 
 class ContextOffByOne(ReferenceEngine):
@@ -1421,9 +1396,7 @@ class BatchEvictsLaterMembers(ReferenceEngine):
     """A batch's first items may evict sessions its later items name (only the items
     admitted so far are protected)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _EarlierMembersLedger()
+    ledger_type = _EarlierMembersLedger
 
 
 class EmptyFingerprintInvalid(_RewritesBundles):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Final, NamedTuple
+from typing import Final
 
 import msgspec
-from conformance_engines import ReferenceEngine
+from conformance_engines import Broken, ReferenceEngine
 
 from shard_engine_api import (
     CancelRequest,
@@ -25,7 +25,7 @@ from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._ledger import ImportAdmission, LedgerLimits, SessionLedger
 from shard_engine_api._metrics import Counters
 
-__all__ = ["MIGRATION_BROKEN", "BrokenMigration"]
+__all__ = ["MIGRATION_BROKEN"]
 
 
 class ExportMutates(ReferenceEngine):
@@ -74,9 +74,7 @@ class ImportIgnoresFences(ReferenceEngine):
     """Import installs whatever epoch the snapshot carries: over a newer live epoch, over a
     released one."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _NoFenceLedger(self.fence_generation)
+    ledger_type = _NoFenceLedger
 
 
 class _EqualEpochLedger(SessionLedger):
@@ -97,9 +95,7 @@ class ImportReplacesEqualEpoch(ReferenceEngine):
     """An import at the live session's own epoch replaces it (two holders of one fencing
     token can then overwrite each other's state)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _EqualEpochLedger(self.fence_generation)
+    ledger_type = _EqualEpochLedger
 
 
 class _EagerLedger(SessionLedger):
@@ -126,9 +122,7 @@ class ImportCommitsFirst(ReferenceEngine):
     """The ledger takes the imported session (and its evictions) before the backend has
     installed the state: a failed or cancelled import leaves a session without state."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _EagerLedger(self.fence_generation)
+    ledger_type = _EagerLedger
 
 
 class ChecksumNotVerified(ReferenceEngine):
@@ -174,9 +168,7 @@ class ImportLengthOffByOne(ReferenceEngine):
     """An imported session is committed one position short (length taken as the index of
     the last position)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _ShortLedger(self.fence_generation)
+    ledger_type = _ShortLedger
 
 
 class _EvictingLedger(SessionLedger):
@@ -193,9 +185,7 @@ class EvictsBeforeCommit(ReferenceEngine):
     """Import evicts its LRU victims when it is admitted, so an import that then fails has
     evicted them for nothing."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _EvictingLedger(self.fence_generation)
+    ledger_type = _EvictingLedger
 
 
 class _UnboundedLedger(SessionLedger):
@@ -215,9 +205,7 @@ class _UnboundedLedger(SessionLedger):
 class ImportIgnoresBudget(ReferenceEngine):
     """Import does not count the snapshot's positions against the KV budget."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _UnboundedLedger(self.fence_generation)
+    ledger_type = _UnboundedLedger
 
 
 class _LongContextLedger(SessionLedger):
@@ -238,9 +226,7 @@ class ImportIgnoresContext(ReferenceEngine):
     """Import does not check the snapshot's length against max_context (the backend is then
     handed more positions than a slot holds)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _LongContextLedger(self.fence_generation)
+    ledger_type = _LongContextLedger
 
 
 class CancelClaimsImports(ReferenceEngine):
@@ -287,9 +273,7 @@ class _UncountedCounters(Counters):
 class MigrationNotCounted(ReferenceEngine):
     """Exports and imports never reach the metrics."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._counters = _UncountedCounters()
+    counters_type = _UncountedCounters
 
 
 class _LeakyReplaceLedger(SessionLedger):
@@ -305,36 +289,25 @@ class ReplacedEpochLeaksKv(ReferenceEngine):
     """Replacing an older live epoch frees its slot but keeps counting its positions against
     the KV budget."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ledger = _LeakyReplaceLedger(self.fence_generation)
-
-
-class BrokenMigration(NamedTuple):
-    """A broken engine and the migration tests it must fail (the others must pass), and those
-    it may fail (their outcome depends on thread timing)."""
-
-    engine: type[ReferenceEngine]
-    fails: tuple[str, ...]
-    may_fail: tuple[str, ...] = ()
+    ledger_type = _LeakyReplaceLedger
 
 
 _CANCEL: Final = "test_migration_cancelled_import_and_export"
 
-MIGRATION_BROKEN: Final[dict[str, BrokenMigration]] = {
-    "export_mutates": BrokenMigration(ExportMutates, ("test_migration_source_unchanged",)),
-    "export_counts_as_use": BrokenMigration(
-        ExportCountsAsUse, ("test_migration_source_unchanged",)
-    ),
-    "import_ignores_fences": BrokenMigration(
+MIGRATION_BROKEN: Final[dict[str, Broken]] = {
+    # Each entry: the migration tests the engine must fail (the others must pass), and those it
+    # may fail (their outcome depends on thread timing).
+    "export_mutates": Broken(ExportMutates, ("test_migration_source_unchanged",)),
+    "export_counts_as_use": Broken(ExportCountsAsUse, ("test_migration_source_unchanged",)),
+    "import_ignores_fences": Broken(
         ImportIgnoresFences,
         ("test_migration_epoch_fencing", "test_migration_metrics_and_health"),
     ),
-    "import_replaces_equal_epoch": BrokenMigration(
+    "import_replaces_equal_epoch": Broken(
         ImportReplacesEqualEpoch,
         ("test_migration_epoch_fencing", "test_migration_metrics_and_health"),
     ),
-    "import_commits_first": BrokenMigration(
+    "import_commits_first": Broken(
         ImportCommitsFirst,
         (
             "test_migration_atomic_under_budget_pressure",
@@ -342,17 +315,15 @@ MIGRATION_BROKEN: Final[dict[str, BrokenMigration]] = {
             "test_migration_failed_import_is_atomic",
         ),
     ),
-    "checksum_not_verified": BrokenMigration(
+    "checksum_not_verified": Broken(
         ChecksumNotVerified, ("test_migration_corrupted_or_truncated_snapshot",)
     ),
-    "settings_not_compared": BrokenMigration(
-        SettingsNotCompared, ("test_migration_mismatched_snapshot",)
-    ),
-    "ignores_requested_epoch": BrokenMigration(
+    "settings_not_compared": Broken(SettingsNotCompared, ("test_migration_mismatched_snapshot",)),
+    "ignores_requested_epoch": Broken(
         IgnoresRequestedEpoch,
         ("test_migration_continues_exactly_every_role", "test_migration_epoch_fencing"),
     ),
-    "import_length_off_by_one": BrokenMigration(
+    "import_length_off_by_one": Broken(
         ImportLengthOffByOne,
         (
             "test_migration_atomic_under_budget_pressure",
@@ -362,20 +333,16 @@ MIGRATION_BROKEN: Final[dict[str, BrokenMigration]] = {
         ),
         may_fail=(_CANCEL,),
     ),
-    "evicts_before_commit": BrokenMigration(
+    "evicts_before_commit": Broken(
         EvictsBeforeCommit, ("test_migration_atomic_under_budget_pressure",)
     ),
-    "import_ignores_budget": BrokenMigration(
+    "import_ignores_budget": Broken(
         ImportIgnoresBudget, ("test_migration_atomic_under_budget_pressure",)
     ),
-    "import_ignores_context": BrokenMigration(
+    "import_ignores_context": Broken(
         ImportIgnoresContext, ("test_migration_atomic_under_budget_pressure",)
     ),
-    "cancel_claims_imports": BrokenMigration(CancelClaimsImports, (_CANCEL,)),
-    "migration_not_counted": BrokenMigration(
-        MigrationNotCounted, ("test_migration_metrics_and_health",)
-    ),
-    "replaced_epoch_leaks_kv": BrokenMigration(
-        ReplacedEpochLeaksKv, ("test_migration_epoch_fencing",)
-    ),
+    "cancel_claims_imports": Broken(CancelClaimsImports, (_CANCEL,)),
+    "migration_not_counted": Broken(MigrationNotCounted, ("test_migration_metrics_and_health",)),
+    "replaced_epoch_leaks_kv": Broken(ReplacedEpochLeaksKv, ("test_migration_epoch_fencing",)),
 }

@@ -213,6 +213,14 @@ class Scans:
             return built_finite(payload, width)
 
         monkeypatch.setattr(results, "_finite", counted_built_finite)
+        built_both = results.checksum_and_finite
+
+        def counted_built_both(payload: Any, dtype: Any) -> tuple[int, bool]:
+            # The one-pass checksum + finiteness of a result built from private rows.
+            self.built += 1
+            return built_both(payload, dtype)
+
+        monkeypatch.setattr(results, "checksum_and_finite", counted_built_both)
 
 
 def test_a_decoded_bundle_is_scanned_once_per_hop(

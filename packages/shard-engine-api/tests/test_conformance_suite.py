@@ -17,6 +17,7 @@ import msgspec
 import pluggy
 import pytest
 from conformance_engines import BROKEN_ENGINES, CORRECT_ENGINES, ReferencePlugin
+from suite_runner import INNER_OPTIONS, assert_fails_exactly, outcomes_of, run_suite, write_suite
 
 from shard_engine_api import CONTRACT_VERSION, EvidenceClass
 from shard_engine_api.conformance import (
@@ -31,8 +32,6 @@ from shard_engine_api.conformance._report import certify, model_report
 from shard_engine_api.engine import get_plugin_manager
 
 pytest_plugins = ["pytester"]
-
-TESTS_DIR: Final = Path(__file__).parent
 
 PINNED_STANDARD_TESTS: Final = (
     "test_batched_decode_item_errors",
@@ -117,76 +116,6 @@ PINNED_STANDARD_TESTS: Final = (
     "test_wrong_role_tokens_to_bundle_shard",
 )
 
-SUITE_MODULE_TEMPLATE: Final = """
-from pathlib import Path
-
-from conformance_engines import CANCEL_OPTIONS, reference_fixture
-from conformance_engines import {engine} as Engine
-from shard_engine_api import ShardEngine
-from shard_engine_api.engine import ModelFixture
-from shard_engine_api.conformance import ShardEngineConformance, conformance_override
-
-
-class TestEngine(ShardEngineConformance):
-    engine_name = "reference"
-    cancel_load_options = CANCEL_OPTIONS
-
-    @classmethod
-    def make_engine(cls, name: str) -> ShardEngine:
-        return Engine()
-
-    @classmethod
-    def model_fixture(cls, name: str, workdir: Path) -> ModelFixture:
-        return reference_fixture(workdir, evidence="{evidence}")
-{body}
-"""
-
-INNER_OPTIONS: Final = (
-    "-W",
-    "error",
-    # Pass or fail is what these runs check; shrinking a failure to its shortest call
-    # sequence is checked once, on its own.
-    "--shard-engine-no-shrink",
-    # A fixed number of examples: by default the model-based test runs fewer on a slow (loaded)
-    # machine, and which bugs it finds must not depend on the machine's load.
-    "--shard-engine-examples",
-    "8",
-    # Third-party plugins cost ~0.5 s per in-process session (hypothesis) and play no part here.
-    "-p",
-    "no:cacheprovider",
-    "-p",
-    "no:hypothesispytest",
-    "-p",
-    "no:benchmark",
-)
-
-
-def _outcomes(recorder: pytest.HookRecorder) -> dict[str, str]:
-    """Test name -> passed / failed / skipped / error, folding setup, call and teardown."""
-    outcomes: dict[str, str] = {}
-    for report in recorder.getreports("pytest_runtest_logreport"):
-        name = report.nodeid.rsplit("::", 1)[-1]
-        if report.failed:
-            outcomes[name] = "failed" if report.when == "call" else "error"
-        elif report.skipped:
-            outcomes.setdefault(name, "skipped")
-        elif report.when == "call":
-            outcomes.setdefault(name, "passed")
-    return outcomes
-
-
-def _write_suite(
-    pytester: pytest.Pytester,
-    engine: str = "ReferenceEngine",
-    *,
-    evidence: EvidenceClass = "fixture",
-    body: str = "",
-) -> Path:
-    pytester.syspathinsert(TESTS_DIR)
-    return pytester.makepyfile(
-        test_engine_suite=SUITE_MODULE_TEMPLATE.format(engine=engine, evidence=evidence, body=body)
-    )
-
 
 def _read_report(path: Path) -> ConformanceReport:
     return msgspec.json.decode(path.read_bytes(), type=ConformanceReport)
@@ -260,9 +189,7 @@ def test_override_reason_is_required() -> None:
 
 
 def test_reference_engine_passes_every_standard_test(pytester: pytest.Pytester) -> None:
-    _write_suite(pytester)
-    outcomes = _outcomes(pytester.inline_run(*INNER_OPTIONS))
-    assert outcomes == dict.fromkeys(STANDARD_TESTS, "passed")
+    assert run_suite(pytester) == dict.fromkeys(STANDARD_TESTS, "passed")
 
 
 @pytest.mark.parametrize("broken", sorted(BROKEN_ENGINES))
@@ -270,14 +197,7 @@ def test_broken_engine_fails_the_expected_tests(pytester: pytest.Pytester, broke
     """Each broken engine fails exactly its tests: the ones that must fail do, and no test
     beyond those that may (timing-dependent) fails; nothing is skipped."""
     entry = BROKEN_ENGINES[broken]
-    _write_suite(pytester, entry.engine.__name__)
-    outcomes = _outcomes(pytester.inline_run(*INNER_OPTIONS))
-    assert set(outcomes) == set(STANDARD_TESTS), f"{entry.engine.__name__}: {outcomes}"
-    failed = {name for name, outcome in outcomes.items() if outcome != "passed"}
-    missed = set(entry.fails) - failed
-    extra = failed - set(entry.fails) - set(entry.may_fail)
-    assert not missed, f"{entry.engine.__name__} passed {sorted(missed)}"
-    assert not extra, f"{entry.engine.__name__} also failed {sorted(extra)}: {outcomes}"
+    assert_fails_exactly(entry, run_suite(pytester, entry.engine.__name__), STANDARD_TESTS)
 
 
 def test_there_are_broken_engines_of_every_kind() -> None:
@@ -290,15 +210,14 @@ def test_there_are_broken_engines_of_every_kind() -> None:
 def test_correct_engine_passes_every_standard_test(pytester: pytest.Pytester, correct: str) -> None:
     """The reference engine and an honest engine that declares a tolerance (split_exact and
     batch_invariant False) pass everything."""
-    _write_suite(pytester, CORRECT_ENGINES[correct].__name__)
-    outcomes = _outcomes(pytester.inline_run(*INNER_OPTIONS))
+    outcomes = run_suite(pytester, CORRECT_ENGINES[correct].__name__)
     assert outcomes == dict.fromkeys(STANDARD_TESTS, "passed")
 
 
 def test_state_machine_failure_reads_as_a_short_call_sequence(pytester: pytest.Pytester) -> None:
     """A model-based failure is shrunk to a few calls on a fresh engine and says how to fix
     it."""
-    _write_suite(pytester, "SharedCache")
+    write_suite(pytester, "SharedCache")
     recorder = pytester.inline_run(
         *(option for option in INNER_OPTIONS if option != "--shard-engine-no-shrink"),
         "-k",
@@ -318,7 +237,7 @@ def test_report_of_a_fixture_engine_is_fixture_only(pytester: pytest.Pytester) -
     def test_lru_eviction(self) -> None:
         pass
 """
-    _write_suite(pytester, body=body)
+    write_suite(pytester, body=body)
     report_path = pytester.path / "out" / "report.json"
     pytester.inline_run(*INNER_OPTIONS, f"--shard-engine-report={report_path}")
     report = _read_report(report_path)
@@ -350,7 +269,7 @@ def test_report_of_a_fixture_engine_is_fixture_only(pytester: pytest.Pytester) -
 
 
 def test_failing_run_is_reported_failed(pytester: pytest.Pytester) -> None:
-    _write_suite(pytester, "NoRollback")
+    write_suite(pytester, "NoRollback")
     report_path = pytester.path / "report.json"
     pytester.inline_run(*INNER_OPTIONS, f"--shard-engine-report={report_path}")
     report = _read_report(report_path)
@@ -363,9 +282,9 @@ def test_failing_run_is_reported_failed(pytester: pytest.Pytester) -> None:
 def test_unregistered_engine_claiming_real_is_not_certified(pytester: pytest.Pytester) -> None:
     """An engine supplied without an entry point has no registered evidence class: even a
     consistent "real" claim gives no real-model certification."""
-    _write_suite(pytester, evidence="real")
+    write_suite(pytester, evidence="real")
     report_path = pytester.path / "report.json"
-    outcomes = _outcomes(
+    outcomes = outcomes_of(
         pytester.inline_run(*INNER_OPTIONS, f"--shard-engine-report={report_path}")
     )
     assert set(outcomes.values()) == {"passed"}
@@ -376,7 +295,7 @@ def test_unregistered_engine_claiming_real_is_not_certified(pytester: pytest.Pyt
 
 
 def test_suite_is_skipped_without_an_engine(pytester: pytest.Pytester) -> None:
-    outcomes = _outcomes(
+    outcomes = outcomes_of(
         pytester.inline_run(*INNER_OPTIONS, "--pyargs", "shard_engine_api.conformance.suite")
     )
     assert outcomes == dict.fromkeys(STANDARD_TESTS, "skipped")
@@ -396,7 +315,7 @@ def _run_selected(
     recorder = pytester.inline_run(
         *INNER_OPTIONS, *pytest_arguments(plugin.name, str(report_path)), *arguments
     )
-    return _outcomes(recorder), _read_report(report_path)
+    return outcomes_of(recorder), _read_report(report_path)
 
 
 def test_shard_engine_option_runs_the_suite_with_no_paths(
@@ -708,7 +627,7 @@ def test_report_shows_declared_tolerances_next_to_what_was_measured(
 ) -> None:
     """A certification names the tolerance the engine declared and the differences the
     suite's comparisons measured within it (never more than the bound on a passing run)."""
-    _write_suite(pytester, "HonestRelativeTolerance")
+    write_suite(pytester, "HonestRelativeTolerance")
     report_path = pytester.path / "report.json"
     pytester.inline_run(
         *INNER_OPTIONS, f"--shard-engine-report={report_path}", "-k", "decode_consistency"

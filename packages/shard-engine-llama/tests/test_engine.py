@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -162,103 +162,44 @@ def test_truncate_failure_restores_the_sequence_exactly(
         _close([engine, reference])
 
 
-def test_cancelled_new_session_evicts_nothing_when_every_slot_is_taken(tmp_path: Path) -> None:
-    """With every slot in use and LRU eviction, a new session's prefill that is cancelled
-    mid-forward leaves the idle victim cached (the engine keeps one spare llama.cpp sequence,
-    so the eviction happens only at commit); a later successful prefill does evict it."""
-    model = tmp_path / "wide.gguf"
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 layers of n_embd 256: a prefill of LONG_PROMPT in 8-token ubatches is still inside
+    llama_decode when another thread cancels or closes."""
+    model = tmp_path_factory.mktemp("wide") / "wide.gguf"
     write_tiny_model(model, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
-    fields: dict[str, object] = {
+    return model
+
+
+LONG_PROMPT = tuple((index * 7) % 250 + 3 for index in range(512))
+
+
+def _load_wide(model: Path, **fields: object) -> LlamaEngine:
+    """The whole wide model, with room for LONG_PROMPT and 8-token ubatches."""
+    wide: dict[str, object] = {
         "max_batch_tokens": 512,
         "max_context": 1024,
-        "max_sessions": 1,
-        "eviction": "lru",
         "options": {"n_ubatch": 8},
     }
-    engine = _load(model, 0, 8, 8, **fields)
-    clean = _load(model, 0, 8, 8, **fields)
-    idle = SessionRef(session_id="idle", epoch=1)
-    newcomer = SessionRef(session_id="new", epoch=1)
-    long_prompt = tuple((index * 7) % 250 + 3 for index in range(512))
-    try:
-        _prefill(engine, idle, long_prompt[:4])
-        outcome: list[BaseException | None] = []
-
-        def work() -> None:
-            try:
-                _prefill(engine, newcomer, long_prompt)
-                outcome.append(None)
-            except Cancelled as error:
-                outcome.append(error)
-
-        thread = threading.Thread(target=work)
-        thread.start()
-        time.sleep(0.02)
-        engine.cancel(CancelRequest(session_id="new"))
-        thread.join(10)
-        assert outcome, "the prefill thread did not finish"
-        assert isinstance(outcome[0], Cancelled), "prefill finished before the cancel"
-        assert engine.health().sessions == 1
-        assert engine.health().kv_used_tokens == 4
-        assert engine.metrics().evictions == 0
-        _prefill(clean, idle, long_prompt[:4])
-        assert np.array_equal(_decode(engine, idle, 4, 9), _decode(clean, idle, 4, 9))
-        _prefill(engine, newcomer, long_prompt[:3])
-        assert engine.metrics().evictions == 1
-    finally:
-        engine.close()
-        clean.close()
+    return _load(model, 0, 8, 8, **(wide | fields))
 
 
-def test_cancel_mid_prefill_from_another_thread_rolls_back(tmp_path: Path) -> None:
-    """A cancel from another thread stops llama_decode at its next node; the session keeps its
-    committed length and a replay equals a clean run."""
-    model = tmp_path / "wide.gguf"
-    write_tiny_model(model, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
-    engine = _load(model, 0, 8, 8, max_batch_tokens=512, max_context=1024, options={"n_ubatch": 8})
-    clean = _load(model, 0, 8, 8, max_batch_tokens=512, max_context=1024, options={"n_ubatch": 8})
-    session = SessionRef(session_id="long", epoch=1)
-    long_prompt = tuple((index * 7) % 250 + 3 for index in range(512))
-    try:
-        _prefill(engine, session, long_prompt[:4])
-        outcome: list[BaseException | None] = []
-
-        def work() -> None:
-            try:
-                _prefill(engine, session, long_prompt[4:], start=4)
-                outcome.append(None)
-            except Cancelled as error:
-                outcome.append(error)
-
-        thread = threading.Thread(target=work)
-        thread.start()
-        time.sleep(0.02)
-        engine.cancel(CancelRequest(session_id="long"))
-        thread.join(10)
-        assert outcome, "the prefill thread did not finish"
-        assert isinstance(outcome[0], Cancelled), "prefill finished before the cancel"
-        assert engine.health().kv_used_tokens == 4
-        _prefill(clean, session, long_prompt[:4])
-        assert np.array_equal(_decode(engine, session, 4, 9), _decode(clean, session, 4, 9))
-    finally:
-        _close([engine, clean])
-
-
-def test_close_mid_prefill_stops_llama_cpp(tmp_path: Path) -> None:
-    """close() while another thread's prefill is inside llama_decode sets the abort flag: the
-    prefill ends with a contract error and close() returns, the engine closed."""
-    model = tmp_path / "wide.gguf"
-    write_tiny_model(model, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
-    engine = _load(model, 0, 8, 8, max_batch_tokens=512, max_context=1024, options={"n_ubatch": 8})
-    session = SessionRef(session_id="long", epoch=1)
-    long_prompt = tuple((index * 7) % 250 + 3 for index in range(512))
-    outcome: list[BaseException | None] = []
+def _interrupted_prefill(
+    engine: LlamaEngine,
+    session: SessionRef,
+    tokens: Sequence[int],
+    interrupt: Callable[[], object],
+    start: int = 0,
+) -> ShardEngineError:
+    """Prefill in another thread and ``interrupt`` it once it runs; the contract error the
+    prefill ended with (a prefill that finished first fails the test)."""
+    outcome: list[ShardEngineError | None] = []
     started = threading.Event()
 
     def work() -> None:
         started.set()
         try:
-            _prefill(engine, session, long_prompt)
+            _prefill(engine, session, tokens, start)
             outcome.append(None)
         except ShardEngineError as error:
             outcome.append(error)
@@ -267,10 +208,67 @@ def test_close_mid_prefill_stops_llama_cpp(tmp_path: Path) -> None:
     thread.start()
     started.wait(5)
     time.sleep(0.02)
-    engine.close()
+    interrupt()
     thread.join(10)
     assert outcome, "the prefill thread did not finish"
-    assert isinstance(outcome[0], ShardEngineError), "prefill finished before close()"
+    assert outcome[0] is not None, "prefill finished before the interruption"
+    return outcome[0]
+
+
+def test_cancelled_new_session_evicts_nothing_when_every_slot_is_taken(wide_model: Path) -> None:
+    """With every slot in use and LRU eviction, a new session's prefill that is cancelled
+    mid-forward leaves the idle victim cached (the engine keeps one spare llama.cpp sequence,
+    so the eviction happens only at commit); a later successful prefill does evict it."""
+    engine = _load_wide(wide_model, max_sessions=1, eviction="lru")
+    clean = _load_wide(wide_model, max_sessions=1, eviction="lru")
+    idle = SessionRef(session_id="idle", epoch=1)
+    newcomer = SessionRef(session_id="new", epoch=1)
+    try:
+        _prefill(engine, idle, LONG_PROMPT[:4])
+        error = _interrupted_prefill(
+            engine, newcomer, LONG_PROMPT, lambda: engine.cancel(CancelRequest(session_id="new"))
+        )
+        assert isinstance(error, Cancelled)
+        assert engine.health().sessions == 1
+        assert engine.health().kv_used_tokens == 4
+        assert engine.metrics().evictions == 0
+        _prefill(clean, idle, LONG_PROMPT[:4])
+        assert np.array_equal(_decode(engine, idle, 4, 9), _decode(clean, idle, 4, 9))
+        _prefill(engine, newcomer, LONG_PROMPT[:3])
+        assert engine.metrics().evictions == 1
+    finally:
+        _close([engine, clean])
+
+
+def test_cancel_mid_prefill_from_another_thread_rolls_back(wide_model: Path) -> None:
+    """A cancel from another thread stops llama_decode at its next node; the session keeps its
+    committed length and a replay equals a clean run."""
+    engine = _load_wide(wide_model)
+    clean = _load_wide(wide_model)
+    session = SessionRef(session_id="long", epoch=1)
+    try:
+        _prefill(engine, session, LONG_PROMPT[:4])
+        error = _interrupted_prefill(
+            engine,
+            session,
+            LONG_PROMPT[4:],
+            lambda: engine.cancel(CancelRequest(session_id="long")),
+            start=4,
+        )
+        assert isinstance(error, Cancelled)
+        assert engine.health().kv_used_tokens == 4
+        _prefill(clean, session, LONG_PROMPT[:4])
+        assert np.array_equal(_decode(engine, session, 4, 9), _decode(clean, session, 4, 9))
+    finally:
+        _close([engine, clean])
+
+
+def test_close_mid_prefill_stops_llama_cpp(wide_model: Path) -> None:
+    """close() while another thread's prefill is inside llama_decode sets the abort flag: the
+    prefill ends with a contract error and close() returns, the engine closed."""
+    engine = _load_wide(wide_model)
+    session = SessionRef(session_id="long", epoch=1)
+    _interrupted_prefill(engine, session, LONG_PROMPT, engine.close)
     assert engine.health().state == "closed"
 
 

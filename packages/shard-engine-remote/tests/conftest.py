@@ -3,15 +3,20 @@ request builders. Everything binds loopback or private unix sockets."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity
+from shard_engine_remote._framed import FramedServer
 
+TRANSPORTS = ("framed", "grpc")
 N_LAYERS = 6
 FAKE_MODEL = "fake"
 
@@ -95,32 +100,51 @@ class Background:
         return self._outcome[0]
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Each transport in turn: the framed one (spawn's default) and gRPC."""
+    return str(request.param)
+
+
 ServeFactory = Callable[..., EngineServer]
 
 
 @pytest.fixture
 def serve() -> Iterator[ServeFactory]:
-    """Start in-process servers of loaded fake engines on 127.0.0.1 (a free port); stopped and
-    closed after the test."""
-    servers: list[EngineServer] = []
+    """Start in-process servers of loaded fake engines on 127.0.0.1 (a free port), or with
+    ``transport="framed"`` on a unix socket in a fresh private directory; stopped and closed
+    after the test. The server's ``address`` is the one a remote engine's ``target`` takes."""
+    servers: list[tuple[EngineServer | FramedServer, EngineServer]] = []
+    directories: list[Path] = []
 
     def factory(
         load: api.LoadConfig | None = None,
         *,
         security: ServerSecurity | None = None,
         listen: str = "127.0.0.1:0",
+        transport: str = "grpc",
+        server_type: type[EngineServer] = EngineServer,
         **kwargs: object,
     ) -> EngineServer:
         engine = api.load_engine("fake", load or config())
-        server = EngineServer(engine, security=security, **kwargs)  # type: ignore[arg-type]
-        servers.append(server)
-        server.start(listen)
+        server = server_type(engine, security=security, **kwargs)  # type: ignore[arg-type]
+        if transport == "framed":
+            directory = Path(tempfile.mkdtemp(prefix="shard-engine-test-"))
+            directories.append(directory)
+            framed = FramedServer(server)
+            servers.append((framed, server))
+            server.address = framed.start(directory / "engine.sock")
+        else:
+            servers.append((server, server))
+            server.start(listen)
         return server
 
     yield factory
-    for server in servers:
-        server.stop(grace=0.5)
+    for serving, server in servers:
+        serving.stop(grace=0.5)
         server.engine.close()
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 RemoteFactory = Callable[..., RemoteEngine]

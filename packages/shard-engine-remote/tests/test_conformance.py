@@ -1,6 +1,7 @@
 """The standard conformance suite against remote engines: the fake served from this process
-and from a spawned child, and the llama engine (generated tiny model) from a spawned child when
-llama-cpp-python is installed."""
+(gRPC) and from a spawned child (the framed transport, spawn's default, and gRPC), and the
+llama engine (generated tiny model) from a spawned child (framed) when llama-cpp-python is
+installed."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ class _RemoteSuite(ShardEngineConformance):
     engine_name = "remote"
     served: ClassVar[str] = "fake"
     isolation: ClassVar[str] = "spawn"
+    transport: ClassVar[str] = "auto"
 
     @classmethod
     def model_fixture(cls, name: str, workdir: Path) -> ModelFixture:
         fixture = model_fixture(get_plugin_manager(), cls.served, workdir)
         return msgspec.structs.replace(
-            fixture, options={cls.isolation: cls.served, **fixture.options}
+            fixture,
+            options={cls.isolation: cls.served, "transport": cls.transport, **fixture.options},
         )
 
 
@@ -38,9 +41,16 @@ class TestFakeInProcessServer(_RemoteSuite):
 
 
 class TestFakeSpawnedChild(_RemoteSuite):
-    """Every engine of the suite runs in its own supervised child process."""
+    """Every engine of the suite runs in its own supervised child process (framed)."""
 
     isolation = "spawn"
+
+
+class TestFakeSpawnedChildGrpc(_RemoteSuite):
+    """As above, the child speaking gRPC (``"transport": "grpc"``)."""
+
+    isolation = "spawn"
+    transport = "grpc"
 
 
 @pytest.mark.skipif(

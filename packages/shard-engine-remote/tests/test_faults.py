@@ -40,10 +40,12 @@ def _child_pid(engine: RemoteEngine) -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
-def test_child_killed_mid_decode_is_engine_crashed(remote: RemoteFactory, sig: int) -> None:
+def test_child_killed_mid_decode_is_engine_crashed(
+    remote: RemoteFactory, sig: int, transport: str
+) -> None:
     """kill -9 (or an abort) of the child while a decode runs: the decode, every later call
     raise EngineCrashed naming the signal; health says failed; this process lives on."""
-    engine = remote(config(spawn="fake", faults=delay("decode", 5000)))
+    engine = remote(config(spawn="fake", transport=transport, faults=delay("decode", 5000)))
     prefill(engine)
     pid = _child_pid(engine)
     pending = Background(lambda: decode(engine, 3))
@@ -68,32 +70,32 @@ def test_child_killed_mid_decode_is_engine_crashed(remote: RemoteFactory, sig: i
     engine.metrics()  # never raises
 
 
-def test_child_exit_code_is_reported(remote: RemoteFactory) -> None:
+def test_child_exit_code_is_reported(remote: RemoteFactory, transport: str) -> None:
     """A child that exits on its own (an injected os._exit) is EngineCrashed with its code."""
     plan = {"rules": [{"action": {"kind": "crash", "exit_code": 7}, "operations": ["decode"]}]}
-    engine = remote(config(spawn="fake", faults=plan))
+    engine = remote(config(spawn="fake", transport=transport, faults=plan))
     prefill(engine)
     with pytest.raises(api.EngineCrashed, match="exited with code 7") as caught:
         decode(engine, 3)
     assert caught.value.details["exit_code"] == 7
 
 
-def test_engine_abort_is_engine_crashed(remote: RemoteFactory) -> None:
+def test_engine_abort_is_engine_crashed(remote: RemoteFactory, transport: str) -> None:
     """An engine that calls abort() mid-prefill (what a failed GGML_ASSERT does): the child
     dies of SIGABRT, this process sees EngineCrashed naming it."""
     plan = {"rules": [{"action": {"kind": "crash", "abort": True}, "operations": ["prefill"]}]}
-    engine = remote(config(spawn="fake", faults=plan))
+    engine = remote(config(spawn="fake", transport=transport, faults=plan))
     with pytest.raises(api.EngineCrashed, match="SIGABRT") as caught:
         prefill(engine)
     assert caught.value.details["signal"] == "SIGABRT"
     assert engine.health().state == "failed"
 
 
-def test_stopped_child_meets_client_deadlines(remote: RemoteFactory) -> None:
+def test_stopped_child_meets_client_deadlines(remote: RemoteFactory, transport: str) -> None:
     """A SIGSTOP'd child answers nothing: a decode fails at its deadline as OutcomeUnknown
     (it may have run), health and metrics answer at theirs, and after SIGCONT the session
     carries on from wherever the decode left it."""
-    engine = remote(config(spawn="fake", timeout_s=0.5, control_timeout_s=0.5))
+    engine = remote(config(spawn="fake", transport=transport, timeout_s=0.5, control_timeout_s=0.5))
     prefill(engine)
     pid = _child_pid(engine)
     os.kill(pid, signal.SIGSTOP)
@@ -122,11 +124,11 @@ def test_stopped_child_meets_client_deadlines(remote: RemoteFactory) -> None:
     assert engine.health().state == "ready"
 
 
-def test_restart_policy_replaces_a_dead_child(remote: RemoteFactory) -> None:
+def test_restart_policy_replaces_a_dead_child(remote: RemoteFactory, transport: str) -> None:
     """With restart on-crash the call in flight still fails (EngineCrashed), the next request
     runs on a fresh child, where the old sessions are unknown (CacheMiss: replay), and health
     is degraded because the dead child's release fences are gone."""
-    engine = remote(config(spawn="fake", restart="on-crash", max_restarts=1))
+    engine = remote(config(spawn="fake", transport=transport, restart="on-crash", max_restarts=1))
     prefill(engine)
     first = _child_pid(engine)
     os.kill(first, signal.SIGKILL)
@@ -152,10 +154,10 @@ def test_restart_policy_replaces_a_dead_child(remote: RemoteFactory) -> None:
     assert engine.health().state == "failed", "max_restarts=1 is used up"
 
 
-def test_sigterm_drains_in_flight_calls(remote: RemoteFactory) -> None:
+def test_sigterm_drains_in_flight_calls(remote: RemoteFactory, transport: str) -> None:
     """SIGTERM to a serving child: the prefill in flight completes, then the child exits 0
     and later calls raise EngineCrashed saying so."""
-    engine = remote(config(spawn="fake", faults=delay("prefill", 800)))
+    engine = remote(config(spawn="fake", transport=transport, faults=delay("prefill", 800)))
     pending = Background(lambda: prefill(engine))
     wait_until(lambda: _in_flight(engine))
     os.kill(_child_pid(engine), signal.SIGTERM)
@@ -166,24 +168,26 @@ def test_sigterm_drains_in_flight_calls(remote: RemoteFactory) -> None:
         prefill(engine, session="later")
 
 
-def test_failed_start_is_typed(remote: RemoteFactory) -> None:
+def test_failed_start_is_typed(remote: RemoteFactory, transport: str) -> None:
     """A child that cannot serve the named engine, or whose engine refuses the config, fails
     load with the typed error; nothing is left running."""
     with pytest.raises(api.UnknownEngine, match="no-such-engine"):
-        remote(config(spawn="no-such-engine"))
+        remote(config(spawn="no-such-engine", transport=transport))
     with pytest.raises(api.InvalidRequest, match="unknown fake engine options"):
-        remote(config(spawn="fake", not_an_option=1))
+        remote(config(spawn="fake", transport=transport, not_an_option=1))
     # An interpreter that exits at once (here: `false`, which ignores its arguments).
     with pytest.raises(api.EngineCrashed, match="exited with code 1"):
-        remote(config(spawn="fake", python="false"))
+        remote(config(spawn="fake", transport=transport, python="false"))
 
 
-def test_client_deadline_cancels_engine_work(serve: ServeFactory, remote: RemoteFactory) -> None:
+def test_client_deadline_cancels_engine_work(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
     """A client whose deadline passes mid-prefill: the server cancels the engine's work (it
     rolls back), the client sees OutcomeUnknown, and the session is as before."""
-    server = serve(config(faults=delay("prefill", 3000)))
+    server = serve(config(faults=delay("prefill", 3000)), transport=transport)
     assert server.address is not None
-    engine = remote(config(target=server.address, timeout_s=0.3))
+    engine = remote(config(target=server.address, transport=transport, timeout_s=0.3))
     with pytest.raises(OutcomeUnknown, match="may or may not"):
         prefill(engine)
     wait_until(lambda: server.engine.metrics().cancelled == 1)
@@ -191,9 +195,9 @@ def test_client_deadline_cancels_engine_work(serve: ServeFactory, remote: Remote
     assert server.engine.health().sessions == 0, "the cancelled prefill was rolled back"
 
 
-def test_cancel_travels_to_the_served_engine(remote: RemoteFactory) -> None:
+def test_cancel_travels_to_the_served_engine(remote: RemoteFactory, transport: str) -> None:
     """cancel() from another thread stops a remote prefill: the caller gets Cancelled."""
-    engine = remote(config(in_process="fake", faults=delay("prefill", 3000)))
+    engine = remote(config(in_process="fake", transport=transport, faults=delay("prefill", 3000)))
     pending = Background(lambda: prefill(engine, request_id="slow"))
     wait_until(lambda: _in_flight(engine))
     assert engine.cancel(api.CancelRequest(request_id="slow")).cancelled
@@ -202,7 +206,7 @@ def test_cancel_travels_to_the_served_engine(remote: RemoteFactory) -> None:
     assert engine.health().sessions == 0
 
 
-def test_server_killed_mid_decode(tmp_path: Path, remote: RemoteFactory) -> None:
+def test_server_killed_mid_decode(tmp_path: Path, remote: RemoteFactory, transport: str) -> None:
     """kill -9 of a `shard-engine serve` process while a decode is in flight: the decode is
     OutcomeUnknown (never a success), later calls are RemoteUnavailable (nothing ran)."""
     listen = f"unix:{tmp_path}/engine.sock"
@@ -223,6 +227,8 @@ def test_server_killed_mid_decode(tmp_path: Path, remote: RemoteFactory) -> None
             listen,
             "--option",
             f"faults={plan}",
+            "--transport",
+            transport,
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -230,7 +236,7 @@ def test_server_killed_mid_decode(tmp_path: Path, remote: RemoteFactory) -> None
     try:
         assert process.stdout is not None
         assert "serving" in process.stdout.readline()
-        engine = remote(config(target=listen, control_timeout_s=1.0))
+        engine = remote(config(target=listen, transport=transport, control_timeout_s=1.0))
         prefill(engine)
         pending = Background(lambda: decode(engine, 3))
         wait_until(lambda: _in_flight(engine))
@@ -248,9 +254,9 @@ def test_server_killed_mid_decode(tmp_path: Path, remote: RemoteFactory) -> None
             process.stdout.close()
 
 
-def test_every_call_in_flight_sees_the_crash(remote: RemoteFactory) -> None:
+def test_every_call_in_flight_sees_the_crash(remote: RemoteFactory, transport: str) -> None:
     """Several calls in flight when the child dies: each one raises EngineCrashed."""
-    engine = remote(config(spawn="fake", faults=delay("decode", 5000)))
+    engine = remote(config(spawn="fake", transport=transport, faults=delay("decode", 5000)))
     for session in ("a", "b", "c"):
         prefill(engine, session=session)
     pending = [
@@ -265,10 +271,10 @@ def test_every_call_in_flight_sees_the_crash(remote: RemoteFactory) -> None:
             call.result()
 
 
-def test_engine_errors_keep_class_code_and_retryable(remote: RemoteFactory) -> None:
+def test_engine_errors_keep_class_code_and_retryable(remote: RemoteFactory, transport: str) -> None:
     """Errors raised by the served engine arrive as the same class with the same code,
     retryable flag and details."""
-    engine = remote(config(in_process="fake"))
+    engine = remote(config(in_process="fake", transport=transport))
     prefill(engine)
     with pytest.raises(api.CacheMiss) as miss:
         decode(engine, 7)
@@ -290,13 +296,13 @@ def test_engine_errors_keep_class_code_and_retryable(remote: RemoteFactory) -> N
 
 
 def test_busy_server_refuses_compute_beyond_its_threads(
-    serve: ServeFactory, remote: RemoteFactory
+    serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
     """With every compute slot taken, another prefill gets a retryable ResourceExhausted at
     once, while health, metrics and cancel still answer."""
-    server = serve(config(faults=delay("prefill", 1500)), max_workers=5)
+    server = serve(config(faults=delay("prefill", 1500)), max_workers=5, transport=transport)
     assert server.address is not None
-    engine = remote(config(target=server.address))
+    engine = remote(config(target=server.address, transport=transport))
     pending = Background(lambda: prefill(engine, session="a", request_id="slow"))
     wait_until(lambda: _in_flight(engine))
     with pytest.raises(api.ResourceExhausted) as busy:

@@ -40,11 +40,15 @@ def _aborting_model(directory: Path) -> tuple[Path, int]:
     return path, TINY_MODEL_LAYERS
 
 
-def test_llama_abort_is_engine_crashed(remote: RemoteFactory, tmp_path: Path) -> None:
+def test_llama_abort_is_engine_crashed(
+    remote: RemoteFactory, tmp_path: Path, transport: str
+) -> None:
     model, n_layers = _aborting_model(tmp_path)
     shard = api.ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers)
     try:
-        engine = remote(api.LoadConfig(shard=shard, options={"spawn": "llama"}))
+        engine = remote(
+            api.LoadConfig(shard=shard, options={"spawn": "llama", "transport": transport})
+        )
     except (api.InvalidRequest, api.UnsupportedFeature) as refused:
         pytest.skip(
             f"the llama engine now refuses this model at load ({refused.code}); the SIGABRT "

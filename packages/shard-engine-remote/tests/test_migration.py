@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import msgspec
@@ -16,7 +17,9 @@ from conftest import Background, RemoteFactory, ServeFactory, ref, shard, wait_u
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_remote import EngineServer
+from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, RemoteUnavailable
+from shard_engine_remote._framed import FramedLink
+from shard_engine_remote._server import CallContext
 from shard_engine_remote._wire import (
     IMPORT_METHOD,
     ImportHeader,
@@ -76,12 +79,12 @@ def _unchanged_and_empty(engine: api.ShardEngine, session: str = "s") -> None:
         _step(engine, session, 3)
 
 
-def test_live_sessions_move_between_child_processes(remote: RemoteFactory) -> None:
+def test_live_sessions_move_between_child_processes(remote: RemoteFactory, transport: str) -> None:
     """A worker moves two live sessions (one spanning two chunks) from one spawned engine to
     another mid-decode; both continue exactly as they would have where they were, and the
     source is left as it was."""
-    source = remote(config(spawn="fake"))
-    target = remote(config(spawn="fake"))
+    source = remote(config(spawn="fake", transport=transport))
+    target = remote(config(spawn="fake", transport=transport))
     assert source.child_pid != target.child_pid
     prompts = {"short": (5, 6, 7), "long": LONG_PROMPT}
     for session, prompt in prompts.items():
@@ -102,11 +105,11 @@ def test_live_sessions_move_between_child_processes(remote: RemoteFactory) -> No
     assert source.metrics().exports == 2
 
 
-def test_corrupted_chunk_is_refused(remote: RemoteFactory) -> None:
+def test_corrupted_chunk_is_refused(remote: RemoteFactory, transport: str) -> None:
     """A chunk changed in transit fails the engine's checksum: ChecksumMismatch (retryable),
     nothing imported."""
-    source = remote(config(in_process="fake"))
-    target = remote(config(in_process="fake"))
+    source = remote(config(in_process="fake", transport=transport))
+    target = remote(config(in_process="fake", transport=transport))
     _prefill(source, "s", (1, 2, 3))
     snapshot = _export(source, "s")
     chunk = bytearray(snapshot.chunks[0])
@@ -123,9 +126,23 @@ def test_corrupted_chunk_is_refused(remote: RemoteFactory) -> None:
     assert _step(target, "s", 3) == _step(source, "s", 3)
 
 
-def _raw_import(server: EngineServer, messages: Iterator[bytes]) -> api.ShardEngineError:
+def _raw_import(
+    server: EngineServer, messages: Iterator[bytes], transport: str = "grpc"
+) -> api.ShardEngineError:
     """Send an import stream as a hostile or dying client would; the server's typed answer."""
     assert server.address is not None
+    if transport == "framed":
+        link = FramedLink(
+            Path(server.address.removeprefix("unix:")),
+            token=None,
+            max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+        )
+        try:
+            answer = link.import_(messages, 10)
+        finally:
+            link.close()
+        assert isinstance(answer, api.ErrorInfo), answer
+        return wire.error_from_info(answer)
     with grpc.insecure_channel(server.address) as channel:
         call: grpc.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(IMPORT_METHOD)
         reply = call(messages, timeout=10)
@@ -139,7 +156,9 @@ def _header(snapshot: api.SessionSnapshot, n_chunks: int) -> bytes:
     return encode_header(ImportHeader(request=request, n_chunks=n_chunks))
 
 
-def test_broken_import_streams_change_nothing(serve: ServeFactory, remote: RemoteFactory) -> None:
+def test_broken_import_streams_change_nothing(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
     """Streams that end early, carry more chunks than announced, oversized chunks, garbage
     headers, chunks inside the header, or a client that dies mid-stream: each is refused
     (typed, or the stream is cut) before the engine sees anything."""
@@ -147,7 +166,7 @@ def test_broken_import_streams_change_nothing(serve: ServeFactory, remote: Remot
     _prefill(source, "s", LONG_PROMPT)
     snapshot = _export(source, "s")
     first, second = snapshot.chunks
-    server = serve(config())
+    server = serve(config(), transport=transport)
     cases: dict[str, tuple[list[bytes], type[api.ShardEngineError], str]] = {
         "truncated": ([_header(snapshot, 2), first], api.InvalidRequest, "ended after 1 of 2"),
         "extended": (
@@ -169,11 +188,13 @@ def test_broken_import_streams_change_nothing(serve: ServeFactory, remote: Remot
         "empty": ([], api.InvalidRequest, "empty"),
     }
     for name, (messages, error_type, match) in cases.items():
-        error = _raw_import(server, iter(messages))
+        error = _raw_import(server, iter(messages), transport)
         assert type(error) is error_type, (name, error)
         assert match in error.message, (name, error.message)
     inline = api.ImportSessionRequest(request_id="raw", snapshot=snapshot)
-    error = _raw_import(server, iter([encode_header(ImportHeader(request=inline, n_chunks=0))]))
+    error = _raw_import(
+        server, iter([encode_header(ImportHeader(request=inline, n_chunks=0))]), transport
+    )
     assert "no chunks" in error.message
 
     def dying() -> Iterator[bytes]:
@@ -181,15 +202,15 @@ def test_broken_import_streams_change_nothing(serve: ServeFactory, remote: Remot
         yield first
         raise ConnectionError("the client died mid-stream")
 
-    with pytest.raises(grpc.RpcError):
-        _raw_import(server, dying())
+    with pytest.raises((grpc.RpcError, ConnectionError)):
+        _raw_import(server, dying(), transport)
     wait_until(lambda: server.stats().in_flight == 0)
     assert server.engine.health().sessions == 0
     assert server.engine.metrics().imports == 0
     assert server.stats().rejected_frames == 1
 
 
-def test_server_dying_mid_export_is_engine_crashed(remote: RemoteFactory) -> None:
+def test_server_dying_mid_export_is_engine_crashed(remote: RemoteFactory, transport: str) -> None:
     """kill -9 of the child while it exports: EngineCrashed naming the signal, never a
     snapshot."""
     plan = {
@@ -197,7 +218,7 @@ def test_server_dying_mid_export_is_engine_crashed(remote: RemoteFactory) -> Non
             {"action": {"kind": "delay", "milliseconds": 5000}, "operations": ["export_session"]}
         ]
     }
-    engine = remote(config(spawn="fake", faults=plan))
+    engine = remote(config(spawn="fake", transport=transport, faults=plan))
     _prefill(engine, "s", (1, 2, 3))
     pid = engine.child_pid
     assert pid is not None
@@ -213,9 +234,7 @@ class _HostileServer(EngineServer):
 
     mode = "truncate"
 
-    def _export(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
-    ) -> Iterator[bytes]:
+    def _export(self, request: RemoteRequest | Rejected, context: CallContext) -> Iterator[bytes]:
         messages = list(super()._export(request, context))
         if self.mode == "truncate":
             yield from messages[:-1]
@@ -239,21 +258,22 @@ class _HostileServer(EngineServer):
     ],
 )
 def test_damaged_export_streams_are_typed_errors(
-    remote: RemoteFactory, mode: str, error_type: type[api.ShardEngineError]
+    serve: ServeFactory,
+    remote: RemoteFactory,
+    mode: str,
+    error_type: type[api.ShardEngineError],
+    transport: str,
 ) -> None:
-    server = _HostileServer(api.load_engine("fake", config()))
+    server = serve(config(), transport=transport, server_type=_HostileServer)
+    assert isinstance(server, _HostileServer)
+    assert server.address is not None
     server.mode = mode
-    address = server.start("127.0.0.1:0")
-    try:
-        engine = remote(config(target=address))
-        _prefill(engine, "s", LONG_PROMPT)
-        with pytest.raises(error_type):
-            _export(engine, "s")
-        assert engine.health().sessions == 1
-        _step(engine, "s", len(LONG_PROMPT))
-    finally:
-        server.stop(grace=0.5)
-        server.engine.close()
+    engine = remote(config(target=server.address, transport=transport))
+    _prefill(engine, "s", LONG_PROMPT)
+    with pytest.raises(error_type):
+        _export(engine, "s")
+    assert engine.health().sessions == 1
+    _step(engine, "s", len(LONG_PROMPT))
 
 
 def test_snapshots_do_not_travel_through_call(serve: ServeFactory) -> None:
@@ -268,3 +288,25 @@ def test_snapshots_do_not_travel_through_call(serve: ServeFactory) -> None:
         error = wire.decode_error(call(wire.encode(request), timeout=5))
     assert isinstance(error, api.InvalidRequest)
     assert "streams" in error.message
+
+
+def test_export_past_its_deadline_cancels_the_engine_work(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """An export whose deadline passes while the engine works: the client gets
+    RemoteUnavailable (the source is unchanged, so retrying is safe), the server cancels the
+    export, and the session decodes on."""
+    plan = {
+        "rules": [
+            {"action": {"kind": "delay", "milliseconds": 3000}, "operations": ["export_session"]}
+        ]
+    }
+    server = serve(config(faults=plan), transport=transport)
+    assert server.address is not None
+    engine = remote(config(target=server.address, transport=transport, timeout_s=0.5))
+    _prefill(engine, "s", (1, 2, 3))
+    with pytest.raises(RemoteUnavailable):
+        _export(engine, "s")
+    wait_until(lambda: server.engine.metrics().cancelled == 1)
+    assert server.stats().transport_cancels == 1
+    _step(engine, "s", 3)

@@ -1,5 +1,6 @@
 """shard-engine-remote: run a ShardEngine in another process or on another machine, over gRPC
-with the project's msgpack codec, and survive its crashes."""
+with the project's msgpack codec (or, to the worker's own children, the same codec framed on a
+private unix socket), and survive its crashes."""
 
 from shard_engine_remote._client import ENGINE_VERSION, RemoteEngine, RemoteOptions
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated

@@ -13,12 +13,15 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import shard_engine_api as api
+from shard_engine_remote._framed import FramedServer
 from shard_engine_remote._security import ServerSecurity, read_token
 from shard_engine_remote._server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EngineServer,
+    Serving,
     serve_until_signalled,
 )
 
@@ -44,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--listen", required=True)
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     parser.add_argument("--drain-seconds", type=float, default=5.0)
+    parser.add_argument("--transport", choices=["grpc", "framed"], default="grpc")
     args = parser.parse_args(argv)
     try:
         engine = api.load_engine(args.engine)
@@ -53,14 +57,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_message_bytes=args.max_message_bytes,
             allow_load=True,
         )
-        address = server.start(args.listen)
+        serving: Serving = server
+        if args.transport == "framed":
+            serving = FramedServer(server)
+            address = serving.start(Path(args.listen.removeprefix("unix:")))
+        else:
+            address = server.start(args.listen)
     except api.ShardEngineError as error:
         print(f"error {error.code} {error.message}", flush=True)
         return 2
     stop = threading.Event()
     threading.Thread(target=_watch_stdin, args=(stop,), daemon=True, name="parent-watch").start()
     print(f"ready {address}", flush=True)
-    serve_until_signalled(server, drain_seconds=args.drain_seconds, stop=stop)
+    serve_until_signalled(serving, drain_seconds=args.drain_seconds, stop=stop)
     return 0
 
 

@@ -5,11 +5,16 @@
     shard-engine serve --engine llama --model m.gguf --layers 8:16 --listen 0.0.0.0:7450 \\
         --tls-cert server.pem --tls-key server.key --token-file token [--tls-client-ca ca.pem]
 
+    shard-engine serve --engine fake --layers 0:6 --transport framed \
+        --listen unix:/run/user/1000/shard/engine.sock   # a 0700 directory; framed transport
+
 Loopback and unix sockets need nothing more; any other address is refused without TLS and a
 bearer token. Each client (mTLS identity, else connection) may make ``--rate-limit`` calls/s
 (bursts of ``--rate-burst``); beyond, calls get a retryable ResourceExhausted with
 ``retry_after_s`` while other clients are served. SIGTERM (or Ctrl-C) drains in-flight calls,
-closes the engine and exits 0.
+closes the engine and exits 0. ``--transport framed`` serves length-prefixed codec frames
+instead of gRPC (a fraction of gRPC's per-call cost) on a unix socket whose directory only this
+user may enter; clients then set ``"transport": "framed"``.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def _command_serve(args: argparse.Namespace) -> int:
     from shard_engine_api._plugins import describe_model, get_plugin_manager, model_fixture
     from shard_engine_remote._ratelimit import RateLimit
     from shard_engine_remote._security import ServerSecurity, read_pem, read_token
-    from shard_engine_remote._server import EngineServer, serve_until_signalled
+    from shard_engine_remote._server import EngineServer, Serving, serve_until_signalled
 
     manager = get_plugin_manager()
     if args.model:
@@ -82,6 +87,14 @@ def _command_serve(args: argparse.Namespace) -> int:
     )
     # Refuse a bad address before spending minutes loading a model.
     security.check_listen(args.listen)
+    if args.transport == "framed":
+        from shard_engine_remote._framed import FramedServer, check_private_socket
+
+        if not args.listen.startswith("unix:") or security.tls_cert is not None:
+            raise api.InvalidRequest(
+                "--transport framed serves only a unix socket (unix:PATH), without TLS"
+            )
+        check_private_socket(Path(args.listen.removeprefix("unix:")))
     engine = api.load_engine(args.engine, config, manager=manager)
     server = EngineServer(
         engine,
@@ -90,8 +103,13 @@ def _command_serve(args: argparse.Namespace) -> int:
         max_workers=args.workers,
         rate_limit=rate_limit,
     )
+    serving: Serving = server
     try:
-        address = server.start(args.listen)
+        if args.transport == "framed":
+            serving = FramedServer(server)
+            address = serving.start(Path(args.listen.removeprefix("unix:")))
+        else:
+            address = server.start(args.listen)
     except BaseException:
         engine.close()
         raise
@@ -99,11 +117,12 @@ def _command_serve(args: argparse.Namespace) -> int:
     print(
         f"serving {caps.engine} [{start}:{end}) of {fixture.description or fixture.model} "
         f"({caps.role}, evidence {caps.evidence}) on {address}"
+        + ("" if args.transport == "grpc" else " (framed)")
         + ("" if security.tls_cert is None else " with TLS")
         + ("" if not security.token else ", bearer token required"),
         flush=True,
     )
-    serve_until_signalled(server, drain_seconds=args.drain_seconds)
+    serve_until_signalled(serving, drain_seconds=args.drain_seconds)
     print(f"stopped; server counters: {server.counters.snapshot()}", flush=True)
     return 0
 
@@ -162,4 +181,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--rate-burst", type=int, default=0, help="calls a client may make at once (default 2x)"
     )
     serve.add_argument("--drain-seconds", type=float, default=10.0)
+    serve.add_argument(
+        "--transport",
+        choices=["grpc", "framed"],
+        default="grpc",
+        help="grpc (default; the network transport) or framed (unix socket in a 0700 directory)",
+    )
     serve.set_defaults(func=_command_serve)

@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,8 +64,11 @@ from shard_engine_remote._wire import (
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
+    "CallContext",
     "EngineServer",
     "ServerCounters",
+    "Serving",
+    "StreamBroken",
     "channel_options",
     "client_key",
     "serve_until_signalled",
@@ -79,6 +82,31 @@ DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
 """The largest session state an import stream may announce (the engine core's own default)."""
 _Result = TypeVar("_Result")
 _LOG: Final = logging.getLogger("shard_engine.remote")
+
+
+class CallContext(typing.Protocol):
+    """What dispatch needs of a call: who makes it, and callbacks run when it ends (completed,
+    cancelled, past its deadline or its connection lost). gRPC's ServicerContext is one; the
+    framed transport has its own."""
+
+    def add_callback(self, callback: Callable[[], None]) -> bool: ...
+
+    def peer(self) -> str: ...
+
+    def peer_identities(self) -> Iterable[bytes] | None: ...
+
+
+class StreamBroken(Exception):
+    """A client's stream ended before its end: abandoned, or its connection lost."""
+
+
+class Serving(typing.Protocol):
+    """A server of one engine, whichever transport it speaks."""
+
+    @property
+    def engine(self) -> api.ShardEngine: ...
+
+    def stop(self, grace: float | None = 10.0) -> None: ...
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
@@ -141,7 +169,7 @@ class ServerCounters:
         return msgspec.structs.asdict(self.stats())
 
 
-def client_key(context: grpc.ServicerContext) -> str:
+def client_key(context: CallContext) -> str:
     """Who is calling, for the rate limiter: the mutual-TLS identity when the peer presented a
     certificate, else its connection (``ipv4:127.0.0.1:PORT``, ``unix:...``)."""
     identities = context.peer_identities()
@@ -175,6 +203,8 @@ class EngineServer:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
         self.engine = engine
+        self.max_workers = max_workers
+        self.max_message_bytes = max_message_bytes
         self.security = security or ServerSecurity()
         self.counters = ServerCounters()
         self.address: str | None = None
@@ -272,16 +302,14 @@ class EngineServer:
         limiter = self._limiter
         return self.counters.stats(0 if limiter is None else len(limiter))
 
-    def _call(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
-    ) -> RemoteReply:
+    def _call(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
         self.counters.call_started()
         try:
             return self._dispatch(request, context)
         finally:
             self.counters.call_ended()
 
-    def _rate_limited(self, context: grpc.ServicerContext) -> api.ErrorInfo | None:
+    def _rate_limited(self, context: CallContext) -> api.ErrorInfo | None:
         limiter = self._limiter
         if limiter is None:
             return None
@@ -318,18 +346,14 @@ class EngineServer:
                 details={"exception": type(error).__name__, "where": where},
             ).to_info()
 
-    def _dispatch(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
-    ) -> RemoteReply:
+    def _dispatch(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
         if not isinstance(request, api.CancelRequest):
             refused = self._rate_limited(context)
             if refused is not None:
                 return refused
         return self._guarded(functools.partial(self._operation, request, context))
 
-    def _operation(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
-    ) -> RemoteReply:
+    def _operation(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
         engine = self.engine
         match request:
             case Rejected(error=error):
@@ -380,9 +404,7 @@ class EngineServer:
 
     # ----------------------------------------------------------------- snapshot streams
 
-    def _export(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
-    ) -> Iterator[bytes]:
+    def _export(self, request: RemoteRequest | Rejected, context: CallContext) -> Iterator[bytes]:
         """The export stream: the header (or the ErrorInfo of a refusal), then each chunk."""
         self.counters.call_started()
         try:
@@ -404,7 +426,7 @@ class EngineServer:
             self.counters.call_ended()
 
     def _export_snapshot(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+        self, request: RemoteRequest | Rejected, context: CallContext
     ) -> api.SessionSnapshot:
         if isinstance(request, Rejected):
             raise api.InvalidRequest(self._refused_frame(request.error).message)
@@ -416,7 +438,7 @@ class EngineServer:
             request.request_id, context, functools.partial(self.engine.export_session, request)
         )
 
-    def _import(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> RemoteReply:
+    def _import(self, messages: Iterator[bytes], context: CallContext) -> RemoteReply:
         self.counters.call_started()
         try:
             refused = self._rate_limited(context)
@@ -429,7 +451,7 @@ class EngineServer:
     def _next_message(self, messages: Iterator[bytes], received: int) -> bytes | None:
         try:
             return next(messages, None)
-        except grpc.RpcError:
+        except (grpc.RpcError, StreamBroken):
             # The client cancelled, its deadline passed or its connection broke mid-stream.
             self.counters.add("transport_cancels")
             raise api.Cancelled(
@@ -438,7 +460,7 @@ class EngineServer:
             ) from None
 
     def _import_stream(
-        self, messages: Iterator[bytes], context: grpc.ServicerContext
+        self, messages: Iterator[bytes], context: CallContext
     ) -> api.ImportSessionResult:
         """Receive the header and every chunk, checking sizes as they come; only a complete,
         well-formed stream reaches ``engine.import_session`` (which verifies the checksum and
@@ -510,7 +532,7 @@ class EngineServer:
     def _compute(
         self,
         request_id: str,
-        context: grpc.ServicerContext,
+        context: CallContext,
         operation: Callable[[], _Result],
     ) -> _Result:
         if not self._compute_slots.acquire(blocking=False):
@@ -552,7 +574,7 @@ class EngineServer:
 
 
 def serve_until_signalled(
-    server: EngineServer,
+    server: Serving,
     *,
     drain_seconds: float = 10.0,
     stop: threading.Event | None = None,

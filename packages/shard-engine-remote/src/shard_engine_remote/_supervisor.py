@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import shard_engine_api as api
 from shard_engine_api import wire
@@ -82,6 +82,7 @@ class ChildProcess:
         python: str | None = None,
         startup_timeout_s: float = 120.0,
         max_message_bytes: int | None = None,
+        transport: Literal["grpc", "framed"] = "grpc",
     ) -> None:
         self.engine_name = engine_name
         self.token = secrets.token_urlsafe(32)
@@ -90,6 +91,7 @@ class ChildProcess:
         self._python = python or sys.executable
         self._startup_timeout_s = startup_timeout_s
         self._max_message_bytes = max_message_bytes
+        self.transport = transport
         self._directory = Path(tempfile.mkdtemp(prefix="shard-engine-"))  # mode 0700
         self.socket_path = self._directory / "engine.sock"
         self.address = f"unix:{self.socket_path}"
@@ -125,6 +127,7 @@ class ChildProcess:
         when it dies or says it cannot serve, NotReady when it is not serving in time."""
         command = [self._python, "-m", "shard_engine_remote._child"]
         command += ["--engine", self.engine_name, "--listen", self.address]
+        command += ["--transport", self.transport]
         if self._max_message_bytes is not None:
             command += ["--max-message-bytes", str(self._max_message_bytes)]
         with self._stderr_path.open("wb") as stderr:

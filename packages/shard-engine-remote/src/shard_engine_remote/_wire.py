@@ -45,6 +45,7 @@ __all__ = [
     "encode_header",
     "encode_reply",
     "encode_request",
+    "oversized_error",
 ]
 
 SERVICE_NAME: Final = "shard_engine.v1.Engine"
@@ -98,12 +99,14 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     rejected_frames: int = 0
     """Request bytes that did not decode (InvalidRequest)."""
     oversized: int = 0
-    """Requests over the message limit (ResourceExhausted, not retryable). Beyond twice the
-    limit gRPC refuses them before the server sees a byte, uncounted."""
+    """Requests over the message limit (ResourceExhausted, not retryable). Over gRPC, beyond
+    twice the limit gRPC refuses them before the server sees a byte, uncounted; the framed
+    transport skips and counts every one."""
     rate_limited: int = 0
     """Calls refused by the client's rate limit (ResourceExhausted with ``retry_after_s``)."""
     busy: int = 0
-    """Compute calls refused because every compute thread was busy (retryable)."""
+    """Compute calls refused because every compute thread was busy (retryable); on the framed
+    transport also calls and connections beyond what the server queues."""
     transport_cancels: int = 0
     """Compute calls whose RPC ended first (cancel, deadline, lost connection): engine.cancel."""
     rate_limited_clients: int = 0
@@ -177,17 +180,7 @@ def decode_request(buf: bytes, max_bytes: int | None = None) -> RemoteRequest | 
     over ``max_bytes`` are ResourceExhausted (not retryable), undecoded. Never raises: bytes
     nested too deeply to decode are InvalidRequest too."""
     if max_bytes is not None and len(buf) > max_bytes:
-        return Rejected(
-            api.ResourceExhausted(
-                f"the request is {len(buf)} bytes, over the server's message limit of {max_bytes}",
-                retryable=False,
-                details={
-                    "resource": "message_bytes",
-                    "message_bytes": len(buf),
-                    "limit": max_bytes,
-                },
-            )
-        )
+        return Rejected(oversized_error(len(buf), max_bytes))
     try:
         if _TAG_DECODER.decode(buf).type == _LOAD_TAG:
             return wire.decode_request(buf)
@@ -196,6 +189,15 @@ def decode_request(buf: bytes, max_bytes: int | None = None) -> RemoteRequest | 
         return Rejected(error)
     except (msgspec.MsgspecError, RecursionError) as error:
         return Rejected(_explain(buf, error))
+
+
+def oversized_error(size: int, limit: int) -> api.ResourceExhausted:
+    """What a request of ``size`` bytes over the server's message limit is answered with."""
+    return api.ResourceExhausted(
+        f"the request is {size} bytes, over the server's message limit of {limit}",
+        retryable=False,
+        details={"resource": "message_bytes", "message_bytes": size, "limit": limit},
+    )
 
 
 def encode_reply(message: RemoteReply) -> bytes:
