@@ -390,8 +390,8 @@ class _LaneFormulas:
 
 LANE_MODELS = [
     DEFAULT_MODEL,  # a dense tail projection (see DENSE_PROJECTION_LIMIT)
-    "fake:seed=11,hidden=5,vocab=300,layers=3",
-    WIDE_MODEL,  # a sparse one
+    "fake:seed=11,hidden=5,vocab=300,layers=3",  # a key_mult of 31 (the key needs its mask)
+    WIDE_MODEL,  # a sparse one, and a key_mult of 31 too
 ]
 
 

@@ -62,6 +62,11 @@ class CancelToken:
         return self._cancelled
 
     @property
+    def sealed(self) -> bool:
+        """Whether the operation passed its commit point (it commits; cancels answer False)."""
+        return self._sealed
+
+    @property
     def event(self) -> threading.Event:
         """An event set on cancellation, for backends whose abort callback polls it."""
         event = self._event

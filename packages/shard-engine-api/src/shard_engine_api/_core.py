@@ -13,7 +13,8 @@ included, exactly as it was.
 Threading: operations on one engine are serialised by a compute lock (a model context is not
 re-entrant); ``cancel``, ``health`` and ``metrics`` never wait for it. Every counter and the
 ledger change only under the state lock, which is also where ``cancel`` and the commit point
-decide, so ``cancel`` answers ``cancelled=True`` only for an operation that will not commit.
+decide, so ``cancel`` answers ``cancelled=True`` only for an operation that will not commit. The
+ledger changes under the compute lock too, so admission, which only reads it, takes just that.
 
 The edge: each public entry point first checks its request's types, ranges and literals
 (shard_engine_api._edge, one call, before any state or counter is touched), so a badly typed
@@ -301,11 +302,9 @@ class EngineCore(abc.ABC):
         """Process a run of tokens or boundary rows; see the contract's session semantics."""
         check_request(request, PrefillRequest)
         session = request.session
-        token = self._begin(request.request_id, (session.session_id,))
+        token = self._begin(request.request_id, (session.session_id,), "prefill")
         try:
             caps = self._require_serving()
-            with self._state_lock:
-                self._counters.prefill_requests += 1
             check_reserved(request.mtp, request.aux)
             rows = self._decode_inputs(
                 caps, request.inputs, session, request.start_pos, single_row=False
@@ -343,11 +342,9 @@ class EngineCore(abc.ABC):
         """Process one row at ``pos`` (which must equal the committed length)."""
         check_request(request, DecodeRequest)
         session = request.session
-        token = self._begin(request.request_id, (session.session_id,))
+        token = self._begin(request.request_id, (session.session_id,), "decode")
         try:
             caps = self._require_serving()
-            with self._state_lock:
-                self._counters.decode_requests += 1
             if request.mtp or request.aux:
                 check_reserved(request.mtp, request.aux)
             tokens, hidden = self._decode_inputs(
@@ -372,11 +369,9 @@ class EngineCore(abc.ABC):
         """One decode step for several distinct sessions; one result or error per item."""
         check_request(request, DecodeBatchRequest)
         sessions = tuple(item.session.session_id for item in request.items)
-        token = self._begin(request.request_id, frozenset(sessions))
+        token = self._begin(request.request_id, frozenset(sessions), "batch")
         try:
             caps = self._require_serving()
-            with self._state_lock:
-                self._counters.batch_requests += 1
             if not request.items:
                 raise InvalidRequest("decode batch has no items")
             if len(request.items) > caps.limits.max_batch_tokens:
@@ -491,7 +486,7 @@ class EngineCore(abc.ABC):
                     )
                 with self._state_lock:
                     token.check()
-                    token.seal()
+                    self._seal(token)
                     self._counters.exports += 1
             return build_snapshot(target, caps, session, length, bytes(state))
         except Exception as error:
@@ -543,7 +538,7 @@ class EngineCore(abc.ABC):
                         ) from error
                     with self._state_lock:
                         token.check()
-                        token.seal()  # the commit point: a cancel from now on answers False
+                        self._seal(token)  # the commit point: a cancel from now on answers False
                         dropped = self._ledger.commit_import(admission)
                         self._counters.imports += 1
                         self._counters.evictions += len(admission.evict)
@@ -646,8 +641,15 @@ class EngineCore(abc.ABC):
                 raise
             raise seen from error
 
-    def _begin(self, request_id: str, session_ids: Collection[str]) -> CancelToken:
-        """Register a request for cancel() while it runs (ended by :meth:`_end`)."""
+    def _begin(
+        self,
+        request_id: str,
+        session_ids: Collection[str],
+        operation: Literal["prefill", "decode", "batch"] | None = None,
+    ) -> CancelToken:
+        """Register a request for cancel() while it runs (ended by :meth:`_seal` or
+        :meth:`_end`) and count it; an ``operation`` is also counted by kind when the engine
+        is serving (the caller's next step refuses it otherwise)."""
         if not request_id:
             raise self._caller_sees(InvalidRequest("request_id must be non-empty"))
         token = CancelToken(request_id, session_ids)
@@ -655,14 +657,37 @@ class EngineCore(abc.ABC):
             duplicate = request_id in self._in_flight
             if not duplicate:
                 self._in_flight[request_id] = token
-                self._counters.requests += 1
+                counters = self._counters
+                counters.requests += 1
+                if (
+                    operation is not None
+                    and self._capabilities is not None
+                    and self._lifecycle.state in _SERVING
+                ):
+                    if operation == "decode":
+                        counters.decode_requests += 1
+                    elif operation == "prefill":
+                        counters.prefill_requests += 1
+                    else:
+                        counters.batch_requests += 1
         if duplicate:
             raise self._caller_sees(
                 InvalidRequest(f"request_id {request_id!r} is already in flight")
             )
         return token
 
+    def _seal(self, token: CancelToken) -> None:
+        """The commit point (under the state lock): raise Cancelled if the request was
+        cancelled, else refuse every later cancel and end its registration, so the request's
+        ``finally`` need not take the lock again."""
+        token.seal()
+        if self._in_flight.get(token.request_id) is token:
+            del self._in_flight[token.request_id]
+
     def _end(self, token: CancelToken) -> None:
+        """End a request's registration, unless its commit point already did."""
+        if token.sealed:
+            return
         with self._state_lock:
             if self._in_flight.get(token.request_id) is token:
                 del self._in_flight[token.request_id]
@@ -741,8 +766,7 @@ class EngineCore(abc.ABC):
             compute_started = time.perf_counter()
             token.check()
             self._require_serving()
-            with self._state_lock:
-                decisions = work.admit()
+            decisions = work.admit()  # reads the ledger only (see _admit_run_commit_one)
             admitted = [d for d in decisions if isinstance(d, Admission)]
             if len(admitted) == len(decisions):
                 outputs = self._run_and_commit(caps, token, work, admitted, work.rows)
@@ -798,7 +822,7 @@ class EngineCore(abc.ABC):
                 check_rows(caps, dtype, output_rows, work.output, rows_each)
             compute_ms = (time.perf_counter() - started) * 1000.0
             with self._state_lock:
-                token.seal()  # the commit point: a cancel from now on answers False
+                self._seal(token)  # the commit point: a cancel from now on answers False
                 dropped = self._ledger.commit(admitted)
                 counters = self._counters
                 if work.kind == "prefill":
@@ -849,12 +873,13 @@ class EngineCore(abc.ABC):
             compute_started = time.perf_counter()
             token.check()
             self._require_serving()
-            with self._state_lock:
-                admission = (
-                    self._plan_decode(caps, session, start_pos)
-                    if n_prefill is None
-                    else self._plan_prefill(caps, session, start_pos, n_prefill)
-                )
+            # Admission only reads the ledger, and every change to it holds the compute lock
+            # too: no state lock needed.
+            admission = (
+                self._plan_decode(caps, session, start_pos)
+                if n_prefill is None
+                else self._plan_prefill(caps, session, start_pos, n_prefill)
+            )
             if admission.evict_first is not None:
                 self._hand_over(admission, token)
             admitted = (admission,)
@@ -868,11 +893,11 @@ class EngineCore(abc.ABC):
             forward_started = time.perf_counter()
             try:
                 rows = self._forward(item, output, token)
-                n_rows = item.n_tokens
+                n_rows = 1 if n_prefill is None else n_prefill
                 check_rows(caps, self.config.boundary_dtype, rows, output, n_rows)
                 compute_ms = (time.perf_counter() - forward_started) * 1000.0
                 with self._state_lock:
-                    token.seal()  # the commit point: a cancel from now on answers False
+                    self._seal(token)  # the commit point: a cancel from now on answers False
                     dropped = self._ledger.commit(admitted)
                     counters = self._counters
                     if n_prefill is None:

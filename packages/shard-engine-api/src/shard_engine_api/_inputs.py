@@ -60,12 +60,16 @@ def decode_inputs(
         # Checked on the Python ints (before any int32 conversion could wrap them): for the
         # one-token decode hot path this is several numpy calls cheaper.
         token_ids = inputs.token_ids
-        if min(token_ids) < 0 or max(token_ids) >= caps.vocab_size:
-            raise InvalidRequest(f"token ids must lie in [0, {caps.vocab_size})")
+        vocab_size = caps.vocab_size
         if n_tokens == 1:
             # Every decode step: a shared read-only array per token id, not a new one.
-            row = _ONE_TOKEN.get(token_ids[0])
-            return (_one_token(token_ids[0]) if row is None else row), None
+            token_id = token_ids[0]
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequest(f"token ids must lie in [0, {vocab_size})")
+            row = _ONE_TOKEN.get(token_id)
+            return (_one_token(token_id) if row is None else row), None
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise InvalidRequest(f"token ids must lie in [0, {vocab_size})")
         return np.array(token_ids, dtype=np.int32), None
     if shard.takes_tokens:
         raise WrongRole(f"a {shard.role} shard takes token ids, not a boundary bundle")

@@ -230,14 +230,19 @@ class SessionLedger:
                 retryable=False,
                 details={"resource": "context"},
             )
-        evict = self._room_for(
-            session_id,
-            1 + batch_tokens,
-            is_new=False,
-            limits=limits,
-            protect=batch,
-            already=batch_evictions,
-        )
+        # The common case inline (the row fits the budget, no eviction chosen before it):
+        # exactly what _room_for answers then.
+        if not batch_evictions and self.kv_used + 1 + batch_tokens <= limits.kv_budget:
+            evict: tuple[str, ...] = ()
+        else:
+            evict = self._room_for(
+                session_id,
+                1 + batch_tokens,
+                is_new=False,
+                limits=limits,
+                protect=batch,
+                already=batch_evictions,
+            )
         # Positional (session_id, epoch, slot, start_pos, committed_length, new_length, is_new,
         # evict): built on every decode step, and keywords cost twice as much here.
         length = current.length

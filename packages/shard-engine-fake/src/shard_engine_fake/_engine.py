@@ -122,6 +122,7 @@ class FakeEngine(EngineCore):
         # per layer); none for a forward that only appended (every decode).
         self._undo: dict[int, list[list[int]]] = {}
         self._injector = FaultInjector(FaultPlan(), "full")
+        self._faults_on = False  # whether a rule can fire (the plan is fixed at load)
         self._call_faults = _CallFaults()
 
     # ----------------------------------------------------------------- introspection
@@ -152,6 +153,7 @@ class FakeEngine(EngineCore):
         plan = fault_plan_from_options(config.options)
         self._model = FakeModel(spec, config.shard.start, config.shard.end)
         self._injector = FaultInjector(plan, config.shard.role)
+        self._faults_on = self._injector.active
         return ModelInfo(
             engine_version=ENGINE_VERSION,
             evidence="fixture",
@@ -172,28 +174,23 @@ class FakeEngine(EngineCore):
     ) -> npt.NDArray[np.float32]:
         model = self._loaded_model()
         states = self._run(model, item, token)
-        if self._injector.active:
+        if self._faults_on:
             self._injected_delay(token)
         if output == "hidden":
             return model.unpack(states)
-        return model.logits(states[-1:] if output == "last" else states)
+        return model.logits(states if output == "all" or len(states) == 1 else states[-1:])
 
     def _forward_batch(
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
     ) -> list[npt.NDArray[np.float32]]:
         model = self._loaded_model()
-        token.check()
-        inputs = [self._inputs(model, item)[0] for item in items]
-        # One packed pass over the whole batch (each row bitwise its single decode).
-        states = model.run_rows(inputs, [self._prepare(model, item) for item in items])
-        if self._injector.active:
+        states = [self._run(model, item, token)[0] for item in items]
+        if self._faults_on:
             self._injected_delay(token)
-        # One vectorised unpack/projection for the whole batch; integer-exact, so each row is
-        # bitwise what a single decode gives.
-        rows = model.unpack(states) if output == "hidden" else model.logits(states)
-        # A copy per item, not a view: a result's payload is then memory it alone owns (which
+        # Integer-exact, so each row is bitwise what a single decode gives. Each item gets an
+        # array of its own, not a view: a result's payload is then memory it alone owns (which
         # is what lets the core's finiteness mark stand, see rows_private).
-        return [rows[index : index + 1].copy() for index in range(len(items))]
+        return model.unpack_each(states) if output == "hidden" else model.logits_each(states)
 
     def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
         replaced = self._undo.pop(slot, None)
@@ -227,7 +224,7 @@ class FakeEngine(EngineCore):
             raise EngineCrashed(f"fake cache of slot {slot} holds {held} positions, not {length}")
         size = model.row_bytes
         state = b"".join([entry.to_bytes(size, "little") for cache in caches for entry in cache])
-        if self._injector.active:
+        if self._faults_on:
             self._state_faults()
         return state
 
@@ -252,7 +249,7 @@ class FakeEngine(EngineCore):
         self._caches[slot] = [
             entries[layer * length : (layer + 1) * length] for layer in range(n_layers)
         ]
-        if self._injector.active:
+        if self._faults_on:
             self._state_faults()  # after the slot was written: the core must drop it
 
     def _close(self) -> None:
@@ -264,7 +261,7 @@ class FakeEngine(EngineCore):
 
     def prefill(self, request: PrefillRequest) -> ShardResult:
         """The core's prefill, with the fault plan applied (see :class:`FaultRule`)."""
-        if not self._injector.active:
+        if not self._faults_on:
             return super().prefill(request)
         session_id = request.session.session_id
         rules = self._before("prefill", (session_id,), request.request_id)
@@ -273,7 +270,7 @@ class FakeEngine(EngineCore):
 
     def decode(self, request: DecodeRequest) -> ShardResult:
         """The core's decode, with the fault plan applied (see :class:`FaultRule`)."""
-        if not self._injector.active:
+        if not self._faults_on:
             return super().decode(request)
         session_id = request.session.session_id
         rules = self._before("decode", (session_id,), request.request_id)
@@ -283,7 +280,7 @@ class FakeEngine(EngineCore):
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """The core's batched decode, with the fault plan applied; malformed-output rules
         corrupt the items of their session (every item when the rule names none)."""
-        if not self._injector.active:
+        if not self._faults_on:
             return super().decode_batch(request)
         sessions = tuple(item.session.session_id for item in request.items)
         rules = self._before("decode_batch", sessions, request.request_id)
@@ -297,7 +294,7 @@ class FakeEngine(EngineCore):
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """The core's release, with the fault plan applied (delays sleep uncancellably:
         release has no cancel handle)."""
-        if not self._injector.active:
+        if not self._faults_on:
             return super().release(request)
         rules = self._before("release", (request.session.session_id,), "release")
         delay = sum(rule.action.milliseconds for rule in rules if isinstance(rule.action, Delay))
@@ -308,7 +305,7 @@ class FakeEngine(EngineCore):
     def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
         """The core's export, with the fault plan applied (delays sleep uncancellably before
         the state is read; a cancel meanwhile still ends it with Cancelled)."""
-        if not self._injector.active:
+        if not self._faults_on:
             return super().export_session(request)
         rules = self._before("export_session", (request.session.session_id,), request.request_id)
         return self._with_state_faults(
@@ -317,7 +314,7 @@ class FakeEngine(EngineCore):
 
     def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
         """The core's import, with the fault plan applied (see :class:`StateFailure`)."""
-        if not self._injector.active:
+        if not self._faults_on:
             return super().import_session(request)
         rules = self._before(
             "import_session", (request.snapshot.session.session_id,), request.request_id
@@ -373,16 +370,13 @@ class FakeEngine(EngineCore):
                 del cache[start:]
         return caches
 
-    @staticmethod
-    def _inputs(model: FakeModel, item: ForwardItem) -> list[int]:
-        if item.tokens is not None:
-            return model.embed(item.tokens)
-        assert item.hidden is not None
-        return model.pack(item.hidden)
-
     def _run(self, model: FakeModel, item: ForwardItem, token: CancelToken) -> list[int]:
         caches = self._prepare(model, item)
-        inputs = self._inputs(model, item)
+        if item.tokens is not None:
+            inputs = model.embed(item.tokens)
+        else:
+            assert item.hidden is not None
+            inputs = model.pack(item.hidden)
         if len(inputs) == 1:
             token.check()
             return [model.run_row(inputs[0], caches)]

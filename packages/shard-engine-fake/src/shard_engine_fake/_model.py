@@ -8,8 +8,7 @@ Why packed lanes: a hidden state of ``hidden_size`` values is one Python integer
 value per 16-bit lane (lane ``i`` = bits ``16i..16i+15``). A layer is seventeen big-integer
 operations whatever the hidden size, several times cheaper than the same number of numpy calls on
 small arrays (``benchmarks/fake_bench.py`` measures the decode rate through the API, and
-``benchmarks/decode_profile.py`` where its instructions go). A decode batch packs its rows side
-by side into one integer, so a layer costs those operations once per batch, not once per row.
+``benchmarks/decode_profile.py`` where its instructions go).
 
 Every lane value lies in ``[0, 2048)``; on the wire it is read as an 11-bit two's-complement
 integer, in ``[-1024, 1024)``, which both f32 and f16 represent exactly. Boundaries therefore
@@ -37,7 +36,7 @@ irrelevant, so a small tail computes the same bits as one dense matrix-vector pr
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -200,16 +199,17 @@ def _generator(seed: int, kind: int, index: int = 0) -> np.random.Generator:
 
 
 _LANES: Final = np.dtype("<u2")
+_INT32: Final = np.dtype(np.int32)
+_INT16: Final = np.dtype("<i2")
+# The bounds pack clips to, as 0-d f32 arrays: a Python int operand costs a ufunc call about
+# two thirds more (its dtype is resolved on every call).
+_PACK_LOW: Final = np.array(-(1 << 30), np.float32)
+_PACK_HIGH: Final = np.array(1 << 30, np.float32)
 
 _Layer = tuple[int, int, int, int, int, int, int]
 """shift, shift_back, low_lanes, key_mask, key_mult, value_mask, value_mult (a tuple: the hot
 loop unpacks it in one step, several times faster than attribute access). ``low_lanes`` masks
 the lanes the rotation moves up (the others wrap around to the bottom)."""
-_BatchLayer = tuple[int, int, int, int, int, int, int, int]
-"""shift, shift_back, high_lanes, low_lanes, key_mask, key_mult, value_mask, value_mult for a
-batch of rows packed side by side (the masks repeated per row; high_lanes/low_lanes select
-what each half of the rotation contributes to each row)."""
-_BATCH_SIZES_KEPT: Final = 8
 DENSE_PROJECTION_LIMIT: Final = 1 << 16
 """A tail whose (hidden_size + 1) x vocab_size projection has at most this many entries also
 keeps it as a dense matrix: one matrix-vector product per decode row is about half the cost of
@@ -217,14 +217,65 @@ the gather, multiply and sum of the sparse form. The limit keeps the matrix with
 cache and the product below the size at which BLAS libraries split it across threads."""
 
 
+RunRow = Callable[[int, Sequence[list[int]]], int]
+"""``run_row(state, caches)``: run one packed row through every layer of a shard, appending its
+cache entry to each layer's cache (which must hold exactly the positions before this row), and
+return the shard's output state."""
+
+# Lanes hold values below 2048 and products of them and multipliers below 32, so without a
+# mask in between (key_mult + 3) * 2047 must stay below 2**16 (see _compiled_run_row).
+_LANE_LIMIT: Final = 1 << LANE_BITS
+_LANE_MAX: Final = (1 << VALUE_BITS) - 1
+
+
+def _compiled_run_row(layers: Sequence[_Layer], value_mask: int, low6: int) -> RunRow:
+    """A :data:`RunRow` for ``layers`` with the loop unrolled and every constant inlined (the
+    way ``dataclasses`` writes ``__init__``): per layer, exactly the operations of the module
+    docstring, about a tenth fewer instructions than a loop over the layer tuples. Where
+    ``key_mult`` is at most 29 the key needs no mask of its own: ``3 * cum + key`` still fits
+    every lane, and the mask after the sum gives the same value mod 2048. Only integers are
+    formatted into the source."""
+    constants: dict[str, object] = {"M": value_mask, "L6": low6}
+    lines = ["def run_row(state, caches):"]
+    lines.append("    " + "".join(f"c{index}, " for index in range(len(layers))) + "= caches")
+    for index, (
+        shift,
+        shift_back,
+        low_lanes,
+        key_mask,
+        key_mult,
+        layer_mask,
+        layer_mult,
+    ) in enumerate(layers):
+        constants.update({f"LOW{index}": low_lanes, f"K{index}": key_mask, f"V{index}": layer_mask})
+        key = f"(r ^ K{index}) * {int(key_mult)}"
+        if (key_mult + 3) * _LANE_MAX >= _LANE_LIMIT:
+            key = f"({key} & M)"
+        cache = f"c{index}"
+        lines += [
+            # Masking before the shift keeps every intermediate within the row's width: one
+            # operation more than carrying the rotated-out bits along, but each is cheaper.
+            f"    r = ((state & LOW{index}) << {int(shift)}) | (state >> {int(shift_back)})",
+            "    r ^= (r >> 5) & L6",
+            f"    m = (({cache}[-1] * 3 if {cache} else 0) + {key}) & M",
+            f"    {cache}.append(m)",
+            f"    state = ((state ^ V{index}) + m * {int(layer_mult)}) & M",
+        ]
+    lines.append("    return state")
+    exec(compile("\n".join(lines), f"<fake run_row, {len(layers)} layers>", "exec"), constants)
+    run_row = constants["run_row"]
+    assert callable(run_row)
+    return run_row
+
+
 class FakeModel:
     """The weights of layers ``[start, end)`` of a fake model and its forward arithmetic.
 
-    Not thread-safe: single rows go through one preallocated lane buffer (the engine runs
-    every forward under its compute lock)."""
+    ``run_row`` (a :data:`RunRow`) runs one row through the shard's layers. Not thread-safe:
+    single rows go through one preallocated lane buffer (the engine runs every forward under
+    its compute lock)."""
 
     __slots__ = (
-        "_batches",
         "_embedding",
         "_lane_values",
         "_layers",
@@ -239,6 +290,7 @@ class FakeModel:
         "end",
         "hidden_size",
         "row_bytes",
+        "run_row",
         "spec",
         "start",
     )
@@ -286,7 +338,7 @@ class FakeModel:
                 )
             )
         self._layers = tuple(layers)
-        self._batches: dict[int, tuple[int, int, tuple[_BatchLayer, ...]]] = {}
+        self.run_row: RunRow = _compiled_run_row(self._layers, self._value_mask, self._low6)
         self._projection: npt.NDArray[np.float32] | None = None
         self._logit_index: npt.NDArray[np.intp] = np.zeros((LOGIT_TERMS, 0), dtype=np.intp)
         self._logit_weight: npt.NDArray[np.float32] = np.zeros((LOGIT_TERMS, 0), np.float32)
@@ -325,108 +377,6 @@ class FakeModel:
             return [table[tokens[0]]]
         return [table[token] for token in tokens]
 
-    def run_row(self, state: int, caches: Sequence[list[int]]) -> int:
-        """Run one row through every layer of the shard, appending its cache entry to each
-        layer's cache (which must hold exactly the positions before this row)."""
-        value_mask = self._value_mask
-        low6 = self._low6
-        for (
-            shift,
-            shift_back,
-            low_lanes,
-            key_mask,
-            key_mult,
-            layer_mask,
-            layer_mult,
-        ), cache in zip(self._layers, caches, strict=True):
-            # Masking before the shift keeps every intermediate within the row's width: one
-            # operation more than carrying the rotated-out bits along, but each is cheaper.
-            rotated = ((state & low_lanes) << shift) | (state >> shift_back)
-            rotated ^= (rotated >> 5) & low6
-            key = ((rotated ^ key_mask) * key_mult) & value_mask
-            mixed = ((cache[-1] * 3 if cache else 0) + key) & value_mask
-            cache.append(mixed)
-            state = ((state ^ layer_mask) + mixed * layer_mult) & value_mask
-        return state
-
-    def run_rows(self, states: Sequence[int], caches: Sequence[Sequence[list[int]]]) -> list[int]:
-        """:meth:`run_row` for rows of distinct sessions (``caches[j]`` holds the layer caches
-        of row ``j``). The rows are packed side by side into one integer, so a layer costs a
-        handful of big-integer operations for the whole batch rather than per row. Each lane
-        computes what :meth:`run_row` computes (no operation carries into the next lane and
-        the rotation is masked per row), so every row is bitwise its single-row result."""
-        count = len(states)
-        if count == 1:
-            return [self.run_row(states[0], caches[0])]
-        size = self.row_bytes
-        total = size * count
-        value_mask, low6, layers = self._batch_constants(count)
-        packed = int.from_bytes(
-            b"".join([state.to_bytes(size, "little") for state in states]), "little"
-        )
-        offsets = range(0, total, size)
-        for layer, (
-            shift,
-            shift_back,
-            high,
-            low,
-            key_mask,
-            key_mult,
-            layer_mask,
-            layer_mult,
-        ) in enumerate(layers):
-            rotated = ((packed << shift) & high) | ((packed >> shift_back) & low)
-            rotated ^= (rotated >> 5) & low6
-            key = ((rotated ^ key_mask) * key_mult) & value_mask
-            # Every row of a decode batch has cached positions; an empty cache counts as 0,
-            # as in run_row.
-            previous = int.from_bytes(
-                b"".join(
-                    [
-                        row[layer][-1].to_bytes(size, "little") if row[layer] else bytes(size)
-                        for row in caches
-                    ]
-                ),
-                "little",
-            )
-            mixed = (previous * 3 + key) & value_mask
-            data = mixed.to_bytes(total, "little")
-            for offset, row in zip(offsets, caches, strict=True):
-                row[layer].append(int.from_bytes(data[offset : offset + size], "little"))
-            packed = ((packed ^ layer_mask) + mixed * layer_mult) & value_mask
-        data = packed.to_bytes(total, "little")
-        return [int.from_bytes(data[offset : offset + size], "little") for offset in offsets]
-
-    def _batch_constants(self, count: int) -> tuple[int, int, tuple[_BatchLayer, ...]]:
-        """The masks of :meth:`run_rows` for ``count`` rows (built once per batch size)."""
-        found = self._batches.get(count)
-        if found is not None:
-            return found
-        size = self.row_bytes
-
-        def repeat(value: int) -> int:
-            return int.from_bytes(value.to_bytes(size, "little") * count, "little")
-
-        row = (1 << (self.hidden_size * LANE_BITS)) - 1
-        layers = tuple(
-            (
-                shift,
-                shift_back,
-                repeat(row ^ ((1 << shift) - 1)),
-                repeat((1 << shift) - 1),
-                repeat(key_mask),
-                key_mult,
-                repeat(layer_mask),
-                layer_mult,
-            )
-            for shift, shift_back, _, key_mask, key_mult, layer_mask, layer_mult in self._layers
-        )
-        constants = (repeat(self._value_mask), repeat(self._low6), layers)
-        if len(self._batches) >= _BATCH_SIZES_KEPT:
-            self._batches.clear()
-        self._batches[count] = constants
-        return constants
-
     def _raw_lanes(self, states: Sequence[int]) -> npt.NDArray[np.uint16]:
         size = self.row_bytes
         if len(states) == 1:
@@ -444,6 +394,12 @@ class FakeModel:
         values = self._lane_values.take(self._raw_lanes(states))
         return values.reshape(len(states), self.hidden_size)
 
+    def unpack_each(self, states: Sequence[int]) -> list[npt.NDArray[np.float32]]:
+        """:meth:`unpack` of each state as its own ``(1, hidden_size)`` array (one that owns
+        its memory: a decode batch's results)."""
+        rows = self.unpack(states)
+        return [rows[index : index + 1].copy() for index in range(len(states))]
+
     def pack(self, hidden: npt.NDArray[np.float32]) -> list[int]:
         """Wire hidden states back to packed states. Exact for anything ``unpack`` produced;
         any other finite input maps deterministically (rounded, wrapped into range)."""
@@ -451,10 +407,10 @@ class FakeModel:
         # infinity behaviour). Narrowing int32 -> int16 keeps the low 16 bits (two's
         # complement), so each lane's low 11 bits are those of the rounded value; the
         # big-integer mask then drops the rest (one integer operation per row, not a numpy pass).
-        values = np.maximum(hidden, -(1 << 30))
-        np.minimum(values, 1 << 30, out=values)
+        values = np.maximum(hidden, _PACK_LOW)
+        np.minimum(values, _PACK_HIGH, out=values)
         np.rint(values, out=values)
-        data = values.astype(np.int32).astype("<i2").tobytes()
+        data = values.astype(_INT32).astype(_INT16).tobytes()
         size = self.row_bytes
         mask = self._value_mask
         if len(data) == size:
@@ -463,6 +419,16 @@ class FakeModel:
             int.from_bytes(data[offset : offset + size], "little") & mask
             for offset in range(0, len(data), size)
         ]
+
+    def logits_each(self, states: Sequence[int]) -> list[npt.NDArray[np.float32]]:
+        """:meth:`logits` of each state as its own ``(1, vocab_size)`` array (one that owns
+        its memory: a decode batch's results). With a dense projection, one product per row
+        costs less than the sparse form over all rows plus a copy per row."""
+        if self._projection is not None:
+            logits = self.logits
+            return [logits((state,)) for state in states]
+        rows = self.logits(states)
+        return [rows[index : index + 1].copy() for index in range(len(states))]
 
     def logits(self, states: Sequence[int]) -> npt.NDArray[np.float32]:
         """``(n, vocab_size)`` f32 logits of final states (tail shards only), a new array that
