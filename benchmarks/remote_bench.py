@@ -563,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.save()
         return 0
     model = None if args.quick else _gemma3(args.model)
+    results.record("pipeline_gemma3", model is not None)
     with tempfile.TemporaryDirectory(prefix="remote-bench-") as directory:
         bench_pipeline(settings, model or _generated_model(Path(directory), args.quick), results)
     results.save()
