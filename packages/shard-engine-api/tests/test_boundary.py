@@ -40,7 +40,7 @@ from shard_engine_api import (
 from shard_engine_api import _boundary as boundary
 from shard_engine_api import _results as results
 from shard_engine_api._boundary import BundleExpectation, ViolationKind, check_bundle
-from shard_engine_api._dtypes import payload_finite
+from shard_engine_api._dtypes import checksum_and_finite, payload_finite
 from shard_engine_api.wire import Codec, encode
 
 N_LAYERS: Final = 4
@@ -213,7 +213,7 @@ class Scans:
             return built_finite(payload, width)
 
         monkeypatch.setattr(results, "_finite", counted_built_finite)
-        built_both = results.checksum_and_finite
+        built_both = checksum_and_finite
 
         def counted_built_both(payload: Any, dtype: Any) -> tuple[int, bool]:
             # The one-pass checksum + finiteness of a result built from private rows.
