@@ -355,22 +355,13 @@ def _generated_model(directory: Path, quick: bool) -> PipelineModel:
         path = directory / "remote-bench-llama-64d-6l-f32.gguf"
         config = write_tiny_model(path, n_layers=6, seed=11)
         name = "generated llama (n_embd 64, 6 layers, F32; --quick)"
+        n = config.n_layers
     else:
-        path = directory / "remote-bench-llama-512d-8l-f16.gguf"
-        config = write_tiny_model(
-            path,
-            n_layers=8,
-            n_embd=512,
-            n_head=8,
-            n_head_kv=4,
-            n_ff=1536,
-            vocab=4096,
-            dtype="f16",
-            seed=11,
-            context_length=4096,
-        )
-        name = "generated llama (n_embd 512, 8 layers, F16, vocab 4096)"
-    n = config.n_layers
+        # The llama bench's dense model (imported here: shard-engine-llama may be absent).
+        from _models import generated_model
+
+        generated = generated_model(directory)
+        path, name, n = generated.path, generated.name, generated.n_layers
     third = n // 3
     return PipelineModel(
         name=name,
