@@ -352,6 +352,47 @@ native_checksum(PyObject *module, PyObject *buffer)
     return PyLong_FromUnsignedLongLong((unsigned long long)digest);
 }
 
+/* The shared part of finite(), verify() and checksum_and_finite(): read the kind and the
+ * buffer, refuse a length that is not whole values, and scan it (without the GIL when it is
+ * large): NaN/Inf into *found and, when digest is not NULL, the xxh3-64 digest in the same
+ * pass. 0, or -1 with a Python error set. */
+static int
+scan_buffer(PyObject *buffer, PyObject *kind_object, XXH64_hash_t *digest, int *found)
+{
+    int kind;
+    if (get_kind(kind_object, &kind) < 0) {
+        return -1;
+    }
+    Py_buffer view;
+    if (get_buffer(buffer, &view) < 0) {
+        return -1;
+    }
+    if (check_itemsize(&view, kind) < 0) {
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    const unsigned char *p = view.buf;
+    const size_t n = (size_t)view.len;
+    if (view.len >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        if (digest != NULL) {
+            *digest = hash_and_test(p, n, kind, found);
+        }
+        else {
+            *found = nonfinite(p, n, kind);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    else if (digest != NULL) {
+        *digest = hash_and_test(p, n, kind, found);
+    }
+    else {
+        *found = nonfinite(p, n, kind);
+    }
+    PyBuffer_Release(&view);
+    return 0;
+}
+
 PyDoc_STRVAR(finite_doc,
 "finite(buffer, kind) -> bool\n--\n\n"
 "Whether every value of buffer (f16, bf16 or f32 bits by kind 1, 2, 3) is finite.");
@@ -360,32 +401,14 @@ static PyObject *
 native_finite(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    int kind;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "finite() takes exactly 2 arguments");
         return NULL;
     }
-    if (get_kind(args[1], &kind) < 0) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (get_buffer(args[0], &view) < 0) {
-        return NULL;
-    }
-    if (check_itemsize(&view, kind) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
     int found;
-    if (view.len >= NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        found = nonfinite(view.buf, (size_t)view.len, kind);
-        Py_END_ALLOW_THREADS
+    if (scan_buffer(args[0], args[1], NULL, &found) < 0) {
+        return NULL;
     }
-    else {
-        found = nonfinite(view.buf, (size_t)view.len, kind);
-    }
-    PyBuffer_Release(&view);
     return PyBool_FromLong(!found);
 }
 
@@ -399,33 +422,15 @@ static PyObject *
 native_verify(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    int kind;
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "verify() takes exactly 3 arguments");
         return NULL;
     }
-    if (get_kind(args[2], &kind) < 0) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (get_buffer(args[0], &view) < 0) {
-        return NULL;
-    }
-    if (check_itemsize(&view, kind) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
     int found;
     XXH64_hash_t digest;
-    if (view.len >= NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        digest = hash_and_test(view.buf, (size_t)view.len, kind, &found);
-        Py_END_ALLOW_THREADS
+    if (scan_buffer(args[0], args[2], &digest, &found) < 0) {
+        return NULL;
     }
-    else {
-        digest = hash_and_test(view.buf, (size_t)view.len, kind, &found);
-    }
-    PyBuffer_Release(&view);
 
     int matches;
     PyObject *expected = args[1];
@@ -464,33 +469,15 @@ static PyObject *
 native_checksum_and_finite(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    int kind;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "checksum_and_finite() takes exactly 2 arguments");
         return NULL;
     }
-    if (get_kind(args[1], &kind) < 0) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (get_buffer(args[0], &view) < 0) {
-        return NULL;
-    }
-    if (check_itemsize(&view, kind) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
     int found;
     XXH64_hash_t digest;
-    if (view.len >= NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        digest = hash_and_test(view.buf, (size_t)view.len, kind, &found);
-        Py_END_ALLOW_THREADS
+    if (scan_buffer(args[0], args[1], &digest, &found) < 0) {
+        return NULL;
     }
-    else {
-        digest = hash_and_test(view.buf, (size_t)view.len, kind, &found);
-    }
-    PyBuffer_Release(&view);
     PyObject *checksum = PyLong_FromUnsignedLongLong((unsigned long long)digest);
     if (checksum == NULL) {
         return NULL;
