@@ -33,6 +33,7 @@ Numbers are printed, never asserted: a benchmark that fails on a noisy machine t
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import statistics
 import tempfile
@@ -204,6 +205,30 @@ class _EchoFloor:
         self._directory.cleanup()
 
 
+def _take_turns(
+    engines: dict[str, api.ShardEngine],
+    call: Callable[[api.ShardEngine], object],
+    floors: dict[str, Callable[[bytes], None]],
+    payload: bytes,
+    times: dict[str, list[float]],
+    *,
+    reverse: bool,
+) -> None:
+    """One call on every engine (in turn, reversed every other time so no configuration always
+    goes first) and the same bytes through every echo floor, each timed into ``times``."""
+    order = list(engines.items())
+    if reverse:
+        order.reverse()
+    for name, engine in order:
+        started = time.perf_counter()
+        call(engine)
+        times[name].append(time.perf_counter() - started)
+    for name, send in floors.items():
+        started = time.perf_counter()
+        send(payload)
+        times[name].append(time.perf_counter() - started)
+
+
 def bench_hops(settings: Settings, results: Results) -> None:
     """Every configuration takes each call in turn (alternating order), so load on the machine
     falls on all of them alike; medians over all calls of all repetitions."""
@@ -260,32 +285,26 @@ def bench_hops(settings: Settings, results: Results) -> None:
                 request = api.DecodeRequest(
                     request_id=f"d{index}", session=session, pos=PREFILL_ROWS + index, inputs=row
                 )
-                order = list(engines.items())
-                if (index + repetition) % 2:
-                    order.reverse()
-                for name, engine in order:
-                    started = time.perf_counter()
-                    engine.decode(request)
-                    decode_times[name].append(time.perf_counter() - started)
-                for name, send in floors.items():
-                    started = time.perf_counter()
-                    send(decode_bytes)
-                    decode_times[name].append(time.perf_counter() - started)
+                _take_turns(
+                    engines,
+                    operator.methodcaller("decode", request),
+                    floors,
+                    decode_bytes,
+                    decode_times,
+                    reverse=bool((index + repetition) % 2),
+                )
             for index in range(prefill_calls):
                 prefill = api.PrefillRequest(
                     request_id=f"p{index}", session=session, start_pos=0, inputs=first.bundle
                 )
-                order = list(engines.items())
-                if (index + repetition) % 2:
-                    order.reverse()
-                for name, engine in order:
-                    started = time.perf_counter()
-                    engine.prefill(prefill)
-                    prefill_times[name].append(time.perf_counter() - started)
-                for name, send in floors.items():
-                    started = time.perf_counter()
-                    send(prefill_bytes)
-                    prefill_times[name].append(time.perf_counter() - started)
+                _take_turns(
+                    engines,
+                    operator.methodcaller("prefill", prefill),
+                    floors,
+                    prefill_bytes,
+                    prefill_times,
+                    reverse=bool((index + repetition) % 2),
+                )
     finally:
         for engine in engines.values():
             engine.close()
