@@ -3,7 +3,6 @@ into the contract's results."""
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 import numpy as np
@@ -102,9 +101,8 @@ def build_result(
     (``EngineCore.rows_private``); a plain f32 payload is then the rows' own memory, made
     read-only, instead of a copy."""
     if output == "hidden":
-        if rows_private and boundary_dtype == "f32" and _exact_f32(rows):
-            payload = _frozen_payload(rows)
-            checksum, finite = checksum_and_finite(payload, "f32")
+        if boundary_dtype == "f32" and _exact_f32(rows):
+            payload, checksum, scanned = _f32_payload(rows, rows_private)
             bundle = BoundaryBundle(
                 session=session,
                 first_pos=start_pos,
@@ -116,8 +114,9 @@ def build_result(
                 payload=payload,
                 checksum=checksum,
             )
-            mark_scanned(bundle, SCANNED_FINITE if finite else SCANNED)
+            mark_scanned(bundle, scanned)
         else:
+            # A conversion (f16, bf16, another input dtype) or a refusal: from_array's.
             bundle = BoundaryBundle.from_array(
                 rows,
                 session=session,
@@ -126,7 +125,7 @@ def build_result(
                 model_fingerprint=caps.model_fingerprint,
                 dtype=boundary_dtype,
             )
-            if bundle.dtype == "f32" and _finite(bundle.payload, bundle.hidden_size):
+            if bundle.dtype == "f32" and payload_finite(bundle.payload, "f32"):
                 mark_scanned(bundle, SCANNED_FINITE)
         return BoundaryResult(
             request_id=request_id,
@@ -148,11 +147,9 @@ def build_result(
             evidence=caps.evidence,
             timings=timings,
         )
-    # What from_array builds, minus its copies: the private rows themselves, or one copy of
-    # the rows into immutable bytes.
+    # What from_array builds, minus its copies.
     n_rows, width = rows.shape
-    payload = _frozen_payload(rows) if rows_private else memoryview(rows.tobytes())
-    checksum, finite = checksum_and_finite(payload, "f32")
+    payload, checksum, scanned = _f32_payload(rows, rows_private)
     result = LogitsResult(
         request_id=request_id,
         session=session,
@@ -164,13 +161,11 @@ def build_result(
         checksum=checksum,
         timings=timings,
     )
-    mark_scanned(result, SCANNED_FINITE if finite else SCANNED)
+    mark_scanned(result, scanned)
     return result
 
 
 _F32: Final = np.dtype("<f4")
-_DOT_LIMIT: Final = 1 << 13
-_ZEROS: dict[int, npt.NDArray[np.float32]] = {}
 
 
 def _exact_f32(rows: object) -> bool:
@@ -182,28 +177,15 @@ def _exact_f32(rows: object) -> bool:
     return (dtype is _F32 or dtype == _F32) and rows.flags.c_contiguous
 
 
-def _frozen_payload(rows: npt.NDArray[np.float32]) -> memoryview:
-    """The bytes of private ``rows`` as a read-only payload: no copy. The array is marked
-    read-only too, so nothing holding it can change a result through it."""
-    rows.setflags(write=False)
-    return rows.data.cast("B")
-
-
-def _finite(payload: memoryview, width: int) -> bool:
-    """Whether every value of the f32 ``payload`` (rows of ``width``) is finite. One row
-    (every decode step) takes one dot product with zeros, about a third of the cost of
-    ``isfinite().all()``: ``0 * x`` is ``0`` for every finite ``x`` and NaN for NaN and the
-    infinities, and a NaN never leaves a sum, so the product is finite exactly when every value
-    is. Several rows, and rows long enough that BLAS might spread them over threads, take the
-    general scan."""
-    values = np.frombuffer(payload, dtype=_F32)
-    if values.size != width or width > _DOT_LIMIT:
-        return payload_finite(payload, "f32")
-    zeros = _ZEROS.get(width)
-    if zeros is None:
-        if len(_ZEROS) > 16:
-            _ZEROS.clear()
-        zeros = np.zeros(width, dtype=_F32)
-        zeros.setflags(write=False)
-        _ZEROS[width] = zeros
-    return math.isfinite(values.dot(zeros))
+def _f32_payload(rows: npt.NDArray[np.float32], private: bool) -> tuple[memoryview, int, int]:
+    """The payload of plain f32 ``rows`` with its checksum and its scan mark (SCANNED_FINITE
+    when every value is finite, else SCANNED), hashed and tested in one pass. Private rows are
+    the payload themselves, made read-only so nothing holding them can change a result through
+    them; others are copied once into immutable bytes."""
+    if private:
+        rows.setflags(write=False)
+        payload = rows.data.cast("B")
+    else:
+        payload = memoryview(rows.tobytes())
+    checksum, finite = checksum_and_finite(payload, "f32")
+    return payload, checksum, SCANNED_FINITE if finite else SCANNED
