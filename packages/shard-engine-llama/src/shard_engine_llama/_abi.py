@@ -494,11 +494,11 @@ class ShardRuntime:
         )
         batch = llama_cpp.llama_batch()
         batch.n_tokens = 0
-        _set_field(batch, "token", None)
+        # A head shard always takes token ids (``_check_values``): its batch points at the
+        # token array for good. Other shards point ``embd`` at one call's staged rows at a
+        # time (reset to NULL after the call).
+        _set_field(batch, "token", self._batch_token_pointer if self.is_head else None)
         _set_field(batch, "embd", None)
-        # Which input the batch points at: token ids (``_batch_token_pointer``) or, for one
-        # call at a time, a staged embeddings array (reset to NULL after the call).
-        self._batch_has_tokens = False
         _set_field(
             batch,
             "pos",
@@ -750,14 +750,8 @@ class ShardRuntime:
                     flags[row] = 1
             if tokens is not None:
                 self._batch_tokens[:n] = tokens
-                if not self._batch_has_tokens:
-                    _set_field(batch, "token", self._batch_token_pointer)
-                    self._batch_has_tokens = True
             else:
                 assert staged is not None
-                if self._batch_has_tokens:
-                    _set_field(batch, "token", None)
-                    self._batch_has_tokens = False
                 # llama.cpp copies the rows into its input tensor; ``staged`` outlives the call.
                 _set_field(batch, "embd", staged.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
             hidden: npt.NDArray[np.float32] | None = None
