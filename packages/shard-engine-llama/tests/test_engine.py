@@ -263,6 +263,34 @@ def test_cancel_mid_prefill_from_another_thread_rolls_back(wide_model: Path) -> 
         _close([engine, clean])
 
 
+def test_slow_forward_lets_a_cancel_land_on_the_tiny_model(tiny_model: Path) -> None:
+    """``slow_forward_us`` (the conformance fixture's cancellation option) stretches a tiny
+    model's prefill past a cancel from another thread, which still stops llama.cpp through its
+    abort callback: Cancelled, nothing committed. Out-of-range values are refused."""
+    options = {"n_ubatch": 16, "slow_forward_us": 200}
+    engine = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS, options=options)
+    session = SessionRef(session_id="slow", epoch=1)
+    try:
+        assert engine._runtime is not None
+        assert not engine._runtime.native_callbacks
+        error = _interrupted_prefill(
+            engine, session, [3] * 64, lambda: engine.cancel(CancelRequest(session_id="slow"))
+        )
+        assert isinstance(error, Cancelled)
+        assert engine.health().kv_used_tokens == 0
+    finally:
+        engine.close()
+    for bad in (-1, 100_001):
+        with pytest.raises(InvalidRequest, match="slow_forward_us"):
+            _load(
+                tiny_model,
+                0,
+                TINY_MODEL_LAYERS,
+                TINY_MODEL_LAYERS,
+                options={"slow_forward_us": bad},
+            )
+
+
 def test_close_mid_prefill_stops_llama_cpp(wide_model: Path) -> None:
     """close() while another thread's prefill is inside llama_decode sets the abort flag: the
     prefill ends with a contract error and close() returns, the engine closed."""

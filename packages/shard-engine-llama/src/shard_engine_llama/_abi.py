@@ -26,6 +26,7 @@ import ctypes
 import importlib.util
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -115,6 +116,8 @@ from shard_engine_llama import _state  # noqa: E402
 _GGML_TYPE_F32 = 0
 _GGML_TYPE_F16 = 1
 _KV_TYPES = {"f32": _GGML_TYPE_F32, "f16": _GGML_TYPE_F16}
+_MAX_ABORT_POLL_DELAY_S = 0.1
+"""The longest sleep ``abort_poll_delay_s`` may ask for before every graph node."""
 # struct ggml_tensor { enum ggml_type type; struct ggml_backend_buffer * buffer; int64_t ne[4]; ...}
 # (ggml.h of the pinned release): ne starts after a 4-byte enum padded to 8 and one pointer.
 _GGML_TENSOR_NE_OFFSET = 16
@@ -320,13 +323,16 @@ class ShardRuntime:
         is_tail: bool | None = None,
         last_layer_index: int | None = None,
         native_callbacks: bool = True,
+        abort_poll_delay_s: float = 0.0,
     ) -> None:
         """Load ``path``. Role and capture layer default to what the shard's ``shard.*`` keys say.
 
         ``settings``, when given, replaces the individual context arguments (use one settings object
         for every shard of a pipeline). ``last_layer_index`` is the shard-local index of the last
         real layer whose output a non-tail shard returns. ``native_callbacks=False`` uses the
-        Python callbacks even when the native ones are built (for comparisons). Raises
+        Python callbacks even when the native ones are built (for comparisons);
+        ``abort_poll_delay_s > 0`` makes the abort check (once per graph node) sleep that long
+        first, which implies the Python callbacks (tests of cancellation mid-forward). Raises
         ModelLoadError when llama.cpp cannot load the file and GGUFValidationError when it is
         not a sound GGUF file.
         """
@@ -366,7 +372,13 @@ class ShardRuntime:
         self._own_abort = threading.Event()
         # Polled by the native abort callback; request_abort sets it together with the event.
         self._abort_flag = ctypes.c_uint8(0)
-        native = _native if native_callbacks else None
+        if not 0.0 <= abort_poll_delay_s <= _MAX_ABORT_POLL_DELAY_S:
+            raise InvalidInputError(
+                f"abort poll delay must lie in [0, {_MAX_ABORT_POLL_DELAY_S}] s, "
+                f"got {abort_poll_delay_s}"
+            )
+        self._abort_poll_delay_s = abort_poll_delay_s
+        native = _native if native_callbacks and not abort_poll_delay_s else None
         self.native_callbacks = native is not None
         self._capture_state = _CaptureState()
         self._model: int | None = None
@@ -525,6 +537,8 @@ class ShardRuntime:
 
     def _on_abort_poll(self, user_data: int | None) -> bool:
         del user_data
+        if self._abort_poll_delay_s:
+            time.sleep(self._abort_poll_delay_s)
         return self._own_abort.is_set()
 
     def _on_eval(self, tensor: int | None, ask: bool, user_data: int | None) -> bool:

@@ -64,6 +64,7 @@ __all__ = ["ENGINE_VERSION", "LlamaEngine", "LlamaOptions"]
 
 ENGINE_VERSION: Final = "0.1.0"
 _MAX_SEQUENCES: Final = 256  # llama.cpp's LLAMA_MAX_SEQ
+_MAX_SLOW_FORWARD_US: Final = 100_000
 
 _self_test_lock = threading.Lock()
 _self_test_result: _self_test.SelfTestReport | None = None
@@ -93,6 +94,10 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       SIGABRT exactly as on an assertion inside llama.cpp. For tests of process isolation
       (``shard-engine-remote``'s ``spawn``): the validator keeps the files known to trip such
       assertions away, so no GGUF is left that does it on purpose.
+    - ``slow_forward_us``: test only: llama.cpp's abort check, once per graph node, first
+      sleeps this many microseconds (0 to 100,000; it implies the Python callbacks), so that
+      a forward on a tiny model lasts long enough to be cancelled mid-way: the conformance
+      suite's cancellation tests then always see a cancel land inside llama.cpp.
     - ``native_callbacks``: use llama.cpp callbacks written in C when the optional extension
       is built (default); False runs them in Python (same results, slower per token: for
       comparisons).
@@ -106,6 +111,7 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     self_test: bool = True
     inject_crash: bool = False
     inject_abort: bool = False
+    slow_forward_us: int = 0
     native_callbacks: bool = True
 
 
@@ -189,6 +195,11 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"kv_type must be f32 or f16, got {options.kv_type!r}")
         if options.n_ubatch < 1:
             raise InvalidRequest(f"n_ubatch must be positive, got {options.n_ubatch}")
+        if not 0 <= options.slow_forward_us <= _MAX_SLOW_FORWARD_US:
+            raise InvalidRequest(
+                f"slow_forward_us must lie in [0, {_MAX_SLOW_FORWARD_US}], "
+                f"got {options.slow_forward_us}"
+            )
         if config.max_sessions >= _MAX_SEQUENCES:
             raise InvalidRequest(
                 f"max_sessions may not exceed {_MAX_SEQUENCES - 1} (llama.cpp's sequence limit, "
@@ -221,6 +232,7 @@ class LlamaEngine(EngineCore):
                 is_tail=choice.layout.is_tail,
                 last_layer_index=choice.layout.last_layer_index,
                 native_callbacks=options.native_callbacks,
+                abort_poll_delay_s=options.slow_forward_us / 1e6,
             )
             if file_identity(choice.path) != choice.identity:
                 # Replaced or rewritten between verification and llama.cpp mapping it.

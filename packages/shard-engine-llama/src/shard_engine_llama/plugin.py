@@ -57,9 +57,16 @@ def _model_fixture(workdir: Path) -> ModelFixture:
         has_tokenizer=True,
         synthetic=True,
         crash_options=_CRASH_OPTIONS,
+        cancel_options=_CANCEL_OPTIONS,
         splits=_uneven_splits(TINY_MODEL_LAYERS),
     )
 
+
+_CANCEL_OPTIONS: dict[str, OptionValue] = {"n_ubatch": 16, "slow_forward_us": 200}
+"""The conformance suite's cancellation tests: a forward of the tiny model takes a few
+milliseconds, over before a cancel from another thread lands; sleeping before every graph
+node's abort check stretches it (4 micro-batches of 16 rows: about 0.14 s for 64 tokens) while
+the cancel still goes through llama.cpp's own abort callback."""
 
 _CRASH_OPTIONS: dict[str, OptionValue] = {"inject_crash": True}
 """The conformance suite's crash test: the next forward fails as a backend crash would."""
