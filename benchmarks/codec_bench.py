@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
-from _results import Results, add_results_option
+from _results import Results, add_results_option, add_size_options, run_mode
 
 from shard_engine_api import CONTRACT_VERSION, BoundaryBundle, BoundaryDtype, SessionRef, _boundary
 from shard_engine_api._checksum import NATIVE_MODULE
@@ -166,12 +166,10 @@ TARGET_CODEC_OVER_MEMCPY = 2.2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="shorter time budget per figure")
-    size.add_argument("--smoke", action="store_true", help="proves it runs, measures nothing")
+    add_size_options(parser, quick="shorter time budget per figure")
     add_results_option(parser)
     args = parser.parse_args()
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = run_mode(args)
     budget_s = {"smoke": 0.0, "quick": 0.1, "full": 0.5}[mode]
     results = Results(
         args.results,

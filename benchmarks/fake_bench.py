@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from _results import Results, add_results_option
+from _results import Results, add_results_option, add_size_options, run_mode
 
 import shard_engine_api as api
 from shard_engine_fake import FakeEngine
@@ -131,14 +131,12 @@ def batched_decode(hidden: int, steps: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="1,000 steps, 3 repeats")
-    size.add_argument("--smoke", action="store_true", help="proves it runs, measures nothing")
+    add_size_options(parser, quick="1,000 steps, 3 repeats")
     parser.add_argument("--steps", type=int, help="decode steps per repeat (default 5,000)")
     parser.add_argument("--repeats", type=int, help="repeats, median reported (default 5)")
     add_results_option(parser)
     args = parser.parse_args()
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = run_mode(args)
     steps = args.steps or {"smoke": 100, "quick": 1000, "full": 5000}[mode]
     repeats = args.repeats or {"smoke": 1, "quick": 3, "full": 5}[mode]
     results = Results(args.results, "fake", mode=mode, steps=steps, repeats=repeats)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
-from _results import Results, add_results_option
+from _results import Results, add_results_option, add_size_options
 
 import shard_engine_api as api
 from shard_engine_remote import RemoteEngine
@@ -527,10 +527,7 @@ def _environment_override(text: str) -> tuple[str, str | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
-    # `nox -s bench -- --smoke` hands --smoke to every benchmark: here it is --quick.
-    size.add_argument("--smoke", action="store_true", help="the same as --quick")
+    add_size_options(parser, quick="tiny sizes: checks that it runs")
     parser.add_argument("--repeat", type=int, help="repetitions (default 5, quick 1)")
     parser.add_argument("--hidden", type=int, help="fake hidden size (default 2048, quick 64)")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
@@ -549,6 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.echo_server:
         _serve_echo(args.echo_server)
         return 0
+    # This benchmark has one small size: --smoke (which `nox -s bench -- --smoke` hands to every
+    # benchmark) is --quick, and either run is recorded as a smoke run.
     args.quick = args.quick or args.smoke
     # No figure of this benchmark is in the README yet: its section records how it ran.
     results = Results(args.results, "remote", mode="smoke" if args.quick else "full")
