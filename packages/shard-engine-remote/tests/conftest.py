@@ -29,13 +29,11 @@ def config(start: int = 0, end: int = N_LAYERS, /, **options: object) -> api.Loa
     return api.LoadConfig(shard=shard(start, end), options=dict(options))
 
 
-def delay(operation: str, milliseconds: int) -> dict[str, object]:
-    """A fake-engine fault plan delaying every ``operation`` (cancellable)."""
-    return {
-        "rules": [
-            {"action": {"kind": "delay", "milliseconds": milliseconds}, "operations": [operation]}
-        ]
-    }
+def delay(operation: str, milliseconds: int, **rule: object) -> dict[str, object]:
+    """A fake-engine fault plan delaying every ``operation`` (cancellable); ``rule`` adds the
+    rule's other fields (``limit``, ``session_id``, ...)."""
+    action = {"kind": "delay", "milliseconds": milliseconds}
+    return {"rules": [{"action": action, "operations": [operation], **rule}]}
 
 
 def ref(session_id: str = "s", epoch: int = 1) -> api.SessionRef:

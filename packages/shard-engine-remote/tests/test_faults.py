@@ -21,6 +21,7 @@ from conftest import (
     decode,
     delay,
     prefill,
+    ref,
     wait_until,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -193,6 +194,53 @@ def test_client_deadline_cancels_engine_work(
     wait_until(lambda: server.engine.metrics().cancelled == 1)
     assert server.counters.snapshot()["transport_cancels"] == 1
     assert server.engine.health().sessions == 0, "the cancelled prefill was rolled back"
+
+
+@pytest.mark.parametrize("operation", ["decode", "decode_batch"])
+def test_client_deadline_cancels_a_running_decode(
+    serve: ServeFactory, remote: RemoteFactory, transport: str, operation: str
+) -> None:
+    """A client whose deadline passes mid-decode (single or batched): the server cancels the
+    engine's step, the client sees OutcomeUnknown, and the session decodes at the same
+    position again."""
+    server = serve(config(faults=delay(operation, 3000, limit=1)), transport=transport)
+    assert server.address is not None
+    engine = remote(config(target=server.address, transport=transport, timeout_s=0.3))
+    prefill(engine)
+    step = api.DecodeRequest(
+        request_id="d", session=ref(), pos=3, inputs=api.TokenInput(token_ids=(1,))
+    )
+    batch = api.DecodeBatchRequest(request_id="b", items=(step,))
+    run = (
+        (lambda: engine.decode(step))
+        if operation == "decode"
+        else lambda: engine.decode_batch(batch)
+    )
+    started = time.monotonic()
+    with pytest.raises(OutcomeUnknown, match="may or may not"):
+        run()
+    assert time.monotonic() - started < 2.0, "the deadline did not end the call"
+    wait_until(lambda: server.engine.metrics().cancelled == 1)
+    assert server.engine.health().in_flight == 0
+    assert decode(engine, 3).first_pos == 3, "the cancelled step committed"
+
+
+def test_calls_made_during_a_decode_are_answered_at_once(
+    remote: RemoteFactory, transport: str
+) -> None:
+    """While one thread's decode runs (held 3 s in the engine), other threads' health, metrics,
+    server stats and cancel are answered without waiting for it."""
+    engine = remote(config(spawn="fake", transport=transport, faults=delay("decode", 3000)))
+    prefill(engine, session="slow")
+    pending = Background(lambda: decode(engine, 3, session="slow", request_id="slow"))
+    wait_until(lambda: engine.health().in_flight > 0)
+    started = time.monotonic()
+    assert engine.metrics().requests >= 1
+    assert engine.server_stats().in_flight >= 2
+    assert engine.cancel(api.CancelRequest(request_id="slow")).cancelled
+    assert time.monotonic() - started < 1.0, "calls waited for the running decode"
+    with pytest.raises(api.Cancelled):
+        pending.result()
 
 
 def test_cancel_travels_to_the_served_engine(remote: RemoteFactory, transport: str) -> None:

@@ -65,10 +65,14 @@ class _Raw:
 
     def __init__(self, address: str, token: str | None = TOKEN) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(address.removeprefix("unix:"))
-        if token is not None:
-            self.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": token})))
+        try:
+            self.sock.settimeout(10)
+            self.sock.connect(address.removeprefix("unix:"))
+            if token is not None:
+                self.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": token})))
+        except OSError:  # (refused: closed here, not left to the garbage collector)
+            self.sock.close()
+            raise
 
     def greeting(self) -> tuple[int, int, bytes]:
         return _read_frame(self.sock)
