@@ -30,7 +30,9 @@ from shard_engine_api._dtypes import (
     FINITE_KINDS,
     ITEMSIZE,
     checksum_and_finite,
+    copy_checksum_and_finite,
     python_checksum_and_finite,
+    python_copy_checksum_and_finite,
     python_payload_finite,
 )
 
@@ -254,6 +256,64 @@ def test_checksum_and_finite_agrees_with_its_fallback(dtype: BoundaryDtype) -> N
             assert python_checksum_and_finite(values, dtype) == want, (size, poisoned)
             payload = memoryview(values.tobytes())
             assert checksum_and_finite(payload, dtype) == want, (size, poisoned)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_copy_checksum_and_finite_copies_and_agrees_with_checksum_and_finite(
+    dtype: BoundaryDtype,
+) -> None:
+    """copy_checksum_and_finite (native and fallback) leaves an exact copy and returns what
+    checksum_and_finite says of it, at every size class (one-shot, stripes, blocks, the last
+    overlapping stripe), at odd alignments of both ends, poisoned or not."""
+    itemsize = ITEMSIZE[dtype]
+    bad = nonfinite_patterns(dtype)
+    storage = "<u4" if dtype == "f32" else "<u2"
+    rng = np.random.default_rng(9)
+    for size in (0, 1, 3, 60, 61, 64, 120, 121, 4096, BLOCK + 1, 3 * BLOCK + 5, 262_144):
+        values = np.full(size, 0x3F800000 if dtype == "f32" else 0x3F80, dtype=storage)
+        values[::3] = rng.integers(0, 0x3F00, values[::3].size, dtype=storage)
+        for poisoned in (False, True):
+            if poisoned and size:
+                values[int(rng.integers(size))] = bad[int(rng.integers(len(bad)))]
+            source = values.tobytes()
+            want = checksum_and_finite(source, dtype)
+            assert want == python_checksum_and_finite(source, dtype)
+            for copy in (copy_checksum_and_finite, python_copy_checksum_and_finite):
+                for offset in (0, 1, 6):
+                    space = bytearray(len(source) + offset + 3)
+                    destination = memoryview(space)[offset : offset + len(source)]
+                    shifted = memoryview(b"\xff" * offset + source)[offset:]
+                    assert copy(destination, shifted, dtype) == want, (size, poisoned, offset)
+                    assert bytes(destination) == source, (size, offset)
+                    assert not any(space[:offset])
+                    assert not any(space[offset + len(source) :])
+    assert itemsize
+
+
+@pytest.mark.parametrize("copy", [copy_checksum_and_finite, python_copy_checksum_and_finite])
+def test_copy_checksum_and_finite_refuses_what_it_cannot_copy(copy: object) -> None:
+    """A destination of another length, a read-only destination (BufferError natively, as
+    the buffer protocol says; TypeError from memoryview), a partial value: errors, and nothing
+    is written."""
+    assert callable(copy)
+    destination = bytearray(8)
+    with pytest.raises(ValueError, match="destination has 8 bytes"):
+        copy(destination, b"\x01" * 12, "f32")
+    with pytest.raises(ValueError, match="multiple of element size"):
+        copy(bytearray(6), b"\x01" * 6, "f32")
+    with pytest.raises((TypeError, BufferError)):
+        copy(b"\x00" * 8, b"\x01" * 8, "f32")
+    assert destination == bytearray(8)
+
+
+@native
+def test_copy_checksum_and_finite_refuses_overlapping_regions() -> None:
+    assert NATIVE_MODULE is not None
+    space = bytearray(range(64)) * 4
+    view = memoryview(space)
+    with pytest.raises(ValueError, match="overlap"):
+        NATIVE_MODULE.copy_checksum_and_finite(view[8:72], view[0:64], 3)
+    assert space == bytearray(range(64)) * 4
 
 
 def test_the_bound_checksum_is_xxh3_64() -> None:

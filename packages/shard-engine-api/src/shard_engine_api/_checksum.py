@@ -84,6 +84,13 @@ class NativeScan(Protocol):
     def checksum_and_finite(
         self, buffer: Buffer | npt.NDArray[np.generic], kind: int, /
     ) -> tuple[int, bool]: ...
+    def copy_checksum_and_finite(
+        self,
+        destination: Buffer | npt.NDArray[np.generic],
+        source: Buffer | npt.NDArray[np.generic],
+        kind: int,
+        /,
+    ) -> tuple[int, bool]: ...
     def _select_scan(self, name: str, /) -> str: ...
 
 

@@ -44,12 +44,14 @@ __all__ = [
     "ITEMSIZE",
     "bf16_bits_to_f32",
     "checksum_and_finite",
+    "copy_checksum_and_finite",
     "encode_rows",
     "f32_to_bf16_bits",
     "overflow_threshold",
     "payload_finite",
     "payload_rows",
     "python_checksum_and_finite",
+    "python_copy_checksum_and_finite",
     "python_payload_finite",
     "storage_dtype",
 ]
@@ -155,6 +157,42 @@ else:
         result it builds. One pass in the C extension. ValueError when the length is not a
         whole number of values."""
         return _native_checksum_and_finite(payload, _KIND[dtype])
+
+
+def python_copy_checksum_and_finite(
+    destination: bytearray | memoryview | npt.NDArray[np.generic],
+    source: bytes | bytearray | memoryview | npt.NDArray[np.generic],
+    dtype: BoundaryDtype,
+) -> tuple[int, bool]:
+    """:func:`copy_checksum_and_finite` as a copy, then the fallback's checksum and test."""
+    target = (
+        destination.data if isinstance(destination, np.ndarray) else memoryview(destination)
+    ).cast("B")
+    data = (source.data if isinstance(source, np.ndarray) else memoryview(source)).cast("B")
+    if target.nbytes != data.nbytes:
+        raise ValueError(f"destination has {target.nbytes} bytes, source {data.nbytes}")
+    if data.nbytes % ITEMSIZE[dtype]:
+        raise ValueError("buffer size must be a multiple of element size")
+    target[:] = data
+    return python_checksum_and_finite(target, dtype)
+
+
+if NATIVE_MODULE is None:
+    copy_checksum_and_finite = python_copy_checksum_and_finite
+else:
+    _native_copy_checksum_and_finite: Final = NATIVE_MODULE.copy_checksum_and_finite
+
+    def copy_checksum_and_finite(
+        destination: bytearray | memoryview | npt.NDArray[np.generic],
+        source: bytes | bytearray | memoryview | npt.NDArray[np.generic],
+        dtype: BoundaryDtype,
+    ) -> tuple[int, bool]:
+        """Copy ``source`` into the writable ``destination`` (the same length, no overlap) and
+        return :func:`checksum_and_finite` of it, in one pass over the data (the C extension
+        hashes and tests each stripe while it is in registers on its way over): for a backend
+        that copies its output out of a buffer it reuses, the hash costs no second pass.
+        ValueError for a length mismatch, an overlap or a partial value."""
+        return _native_copy_checksum_and_finite(destination, source, _KIND[dtype])
 
 
 def bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:

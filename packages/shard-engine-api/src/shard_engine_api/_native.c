@@ -183,19 +183,25 @@ nonfinite_avx2(const unsigned char *p, size_t n, const lane_test *test)
  * cover every byte (the last stripe ends at the end), at offsets that are multiples of every
  * item size. Only for inputs longer than XXH3_MIDSIZE_MAX, as XXH3_64bits itself. */
 XXH_FORCE_INLINE __attribute__((target("avx2"))) __m256i
-stripe_top(__m256i top, const unsigned char *stripe, int wide)
+stripe_top(__m256i top, const unsigned char *stripe, unsigned char *copy, int wide)
 {
     __m256i a = _mm256_loadu_si256((const __m256i *)stripe);
     __m256i b = _mm256_loadu_si256((const __m256i *)(stripe + 32));
+    if (copy != NULL) {
+        _mm256_storeu_si256((__m256i *)copy, a);
+        _mm256_storeu_si256((__m256i *)(copy + 32), b);
+    }
     if (wide) {
         return _mm256_max_epu32(top, _mm256_max_epu32(_mm256_add_epi32(a, a), _mm256_add_epi32(b, b)));
     }
     return _mm256_max_epu16(top, _mm256_max_epu16(_mm256_add_epi16(a, a), _mm256_add_epi16(b, b)));
 }
 
+/* With ``copy`` (not NULL), every stripe is also stored there while in registers: the stripes
+ * cover every byte, so copy[0..len) ends up equal to input[0..len). */
 XXH_FORCE_INLINE __attribute__((target("avx2"))) XXH64_hash_t
-hash_long_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test, int wide,
-                        int *found)
+hash_long_and_test_avx2(const unsigned char *input, unsigned char *copy, size_t len,
+                        const lane_test *test, int wide, int *found)
 {
     XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
     const xxh_u8 *const secret = XXH3_kSecret;
@@ -211,7 +217,7 @@ hash_long_and_test_avx2(const unsigned char *input, size_t len, const lane_test 
             const unsigned char *stripe = block + s * XXH_STRIPE_LEN;
             XXH_PREFETCH(stripe + XXH_PREFETCH_DIST);
             XXH3_accumulate_512_avx2(acc, stripe, secret + s * XXH_SECRET_CONSUME_RATE);
-            top = stripe_top(top, stripe, wide);
+            top = stripe_top(top, stripe, copy ? copy + (stripe - input) : NULL, wide);
         }
         XXH3_scrambleAcc_avx2(acc, secret + secret_size - XXH_STRIPE_LEN);
     }
@@ -221,12 +227,12 @@ hash_long_and_test_avx2(const unsigned char *input, size_t len, const lane_test 
         for (size_t s = 0; s < stripes; s++) {
             const unsigned char *stripe = block + s * XXH_STRIPE_LEN;
             XXH3_accumulate_512_avx2(acc, stripe, secret + s * XXH_SECRET_CONSUME_RATE);
-            top = stripe_top(top, stripe, wide);
+            top = stripe_top(top, stripe, copy ? copy + (stripe - input) : NULL, wide);
         }
         const unsigned char *last = input + len - XXH_STRIPE_LEN;
         XXH3_accumulate_512_avx2(acc, last,
                                  secret + secret_size - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
-        top = stripe_top(top, last, wide);
+        top = stripe_top(top, last, copy ? copy + (last - input) : NULL, wide);
     }
     if (wide) {
         const __m256i limit = _mm256_set1_epi32((int)0xff000000u);
@@ -244,9 +250,19 @@ hash_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test
 {
     /* Specialised per lane width, so the stripe loop has no branch. */
     if (test->itemsize == 4) {
-        return hash_long_and_test_avx2(input, len, test, 1, found);
+        return hash_long_and_test_avx2(input, NULL, len, test, 1, found);
     }
-    return hash_long_and_test_avx2(input, len, test, 0, found);
+    return hash_long_and_test_avx2(input, NULL, len, test, 0, found);
+}
+
+__attribute__((target("avx2"))) static XXH64_hash_t
+copy_hash_and_test_avx2(unsigned char *copy, const unsigned char *input, size_t len,
+                        const lane_test *test, int *found)
+{
+    if (test->itemsize == 4) {
+        return hash_long_and_test_avx2(input, copy, len, test, 1, found);
+    }
+    return hash_long_and_test_avx2(input, copy, len, test, 0, found);
 }
 
 static int use_avx2 = 0;
@@ -287,6 +303,36 @@ hash_and_test(const unsigned char *p, size_t n, int kind, int *found)
         shard_xxh3_update(&state, p + at, size);
         if (!*found) {
             *found = nonfinite(p + at, size, kind);
+        }
+    }
+    return XXH3_64bits_digest(&state);
+}
+
+/* hash_and_test of src[0..n), which is copied to dst[0..n) in the same pass (the regions must
+ * not overlap): AVX2 stores each stripe from registers; otherwise each block is copied, then
+ * hashed and tested while it is cache-resident. */
+static XXH64_hash_t
+copy_hash_and_test(unsigned char *dst, const unsigned char *src, size_t n, int kind, int *found)
+{
+    *found = 0;
+#if SHARD_X86
+    if (use_avx2 && kind != KIND_NONE && n > XXH3_MIDSIZE_MAX) {
+        return copy_hash_and_test_avx2(dst, src, n, &LANE_TESTS[kind], found);
+    }
+#endif
+    if (kind == KIND_NONE || n <= BLOCK_BYTES) {
+        memcpy(dst, src, n);
+        return hash_and_test(dst, n, kind, found);
+    }
+    XXH3_state_t state;
+    XXH3_INITSTATE(&state);
+    XXH3_64bits_reset(&state);
+    for (size_t at = 0; at < n; at += BLOCK_BYTES) {
+        size_t size = n - at < BLOCK_BYTES ? n - at : BLOCK_BYTES;
+        memcpy(dst + at, src + at, size);
+        shard_xxh3_update(&state, dst + at, size);
+        if (!*found) {
+            *found = nonfinite(dst + at, size, kind);
         }
     }
     return XXH3_64bits_digest(&state);
@@ -492,6 +538,65 @@ native_checksum_and_finite(PyObject *module, PyObject *const *args, Py_ssize_t n
     return result;
 }
 
+PyDoc_STRVAR(copy_checksum_and_finite_doc,
+"copy_checksum_and_finite(destination, source, kind) -> (int, bool)\n--\n\n"
+"Copy source's bytes into the writable destination (of the same length; the two must not\n"
+"overlap) and return what checksum_and_finite(destination, kind) would, in one pass.");
+
+static PyObject *
+native_copy_checksum_and_finite(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_checksum_and_finite() takes exactly 3 arguments");
+        return NULL;
+    }
+    int kind;
+    if (get_kind(args[2], &kind) < 0) {
+        return NULL;
+    }
+    Py_buffer destination;
+    if (PyObject_GetBuffer(args[0], &destination, PyBUF_WRITABLE) < 0) {
+        return NULL;
+    }
+    Py_buffer source;
+    if (get_buffer(args[1], &source) < 0) {
+        PyBuffer_Release(&destination);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const unsigned char *from = source.buf;
+    unsigned char *to = destination.buf;
+    const size_t n = (size_t)source.len;
+    if (destination.len != source.len) {
+        PyErr_Format(PyExc_ValueError, "destination has %zd bytes, source %zd", destination.len,
+                     source.len);
+    }
+    else if (from < to + n && to < from + n && n) {
+        PyErr_SetString(PyExc_ValueError, "destination and source overlap");
+    }
+    else if (check_itemsize(&source, kind) == 0) {
+        int found;
+        XXH64_hash_t digest;
+        if (source.len >= NOGIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            digest = copy_hash_and_test(to, from, n, kind, &found);
+            Py_END_ALLOW_THREADS
+        }
+        else {
+            digest = copy_hash_and_test(to, from, n, kind, &found);
+        }
+        PyObject *checksum = PyLong_FromUnsignedLongLong((unsigned long long)digest);
+        if (checksum != NULL) {
+            result = PyTuple_Pack(2, checksum, found ? Py_False : Py_True);
+            Py_DECREF(checksum);
+        }
+    }
+    PyBuffer_Release(&source);
+    PyBuffer_Release(&destination);
+    return result;
+}
+
 PyDoc_STRVAR(select_scan_doc,
 "_select_scan(name) -> str\n--\n\n"
 "For the tests: run the loops of \"avx2\", \"sse2\" or \"portable\" from now on (the hash keeps\n"
@@ -538,6 +643,8 @@ static PyMethodDef native_methods[] = {
     {"checksum_and_finite", (PyCFunction)(void (*)(void))native_checksum_and_finite, METH_FASTCALL,
      checksum_and_finite_doc},
     {"checksum", (PyCFunction)native_checksum, METH_O, checksum_doc},
+    {"copy_checksum_and_finite", (PyCFunction)(void (*)(void))native_copy_checksum_and_finite,
+     METH_FASTCALL, copy_checksum_and_finite_doc},
     {"finite", (PyCFunction)(void (*)(void))native_finite, METH_FASTCALL, finite_doc},
     {"verify", (PyCFunction)(void (*)(void))native_verify, METH_FASTCALL, verify_doc},
     {NULL, NULL, 0, NULL},
