@@ -38,6 +38,7 @@ from shard_engine_api import (
     WrongRole,
 )
 from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
 from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 
 HIDDEN = 4
@@ -433,6 +434,80 @@ def test_private_rows_become_the_payload_read_only(end: int) -> None:
     np.testing.assert_array_equal(array, rows)
     carrier = result.bundle if isinstance(result, BoundaryResult) else result
     assert carrier.checksum == payload_checksum(carrier.payload)
+
+
+class _DigestingRows(_PrivateRows):
+    """Copies its rows out of a scratch buffer it reuses, hashing them on the way (what a
+    backend copying out of its library's output buffer does), and records the digests; with
+    ``lie`` it records a wrong checksum, to show which value the result carries."""
+
+    def __init__(self, *, private: bool = True, lie: bool = False) -> None:
+        super().__init__()
+        self.private = private
+        self.lie = lie
+
+    def _forward(
+        self, item: ForwardItem, output: OutputMode, token: CancelToken
+    ) -> npt.NDArray[np.float32]:
+        scratch = super()._forward(item, output, token)
+        rows = np.empty_like(scratch)
+        checksum, finite = copy_checksum_and_finite(rows, scratch, "f32")
+        self.returned[-1] = rows
+        self._record_digest(rows, checksum ^ 1 if self.lie else checksum, finite)
+        return rows
+
+
+@pytest.mark.parametrize("end", [1, 2], ids=["head-bundle", "tail-logits"])
+def test_a_recorded_digest_is_the_results_checksum_without_a_second_pass(
+    end: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A private backend's recorded digest becomes the payload's checksum and scan mark (the
+    payload is not hashed again); the entry is consumed, and one for rows that died is gone."""
+    from shard_engine_api import _results
+
+    hashed: list[int] = []
+    original = checksum_and_finite
+
+    def counting(payload: memoryview, dtype: str) -> tuple[int, bool]:
+        hashed.append(len(payload))
+        return original(payload, "f32")
+
+    monkeypatch.setattr(_results, "checksum_and_finite", counting)
+    engine = _DigestingRows()
+    engine.load(LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=end)))
+    result = engine.prefill(
+        PrefillRequest(request_id="p", session=S1, start_pos=0, inputs=TokenInput(token_ids=(3, 4)))
+    )
+    carrier = result.bundle if isinstance(result, BoundaryResult) else result
+    assert carrier.checksum == payload_checksum(carrier.payload)
+    assert hashed == []
+    assert engine._digests == {}
+    liar = _DigestingRows(lie=True)
+    liar.load(LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=end)))
+    lied = liar.prefill(
+        PrefillRequest(request_id="p", session=S1, start_pos=0, inputs=TokenInput(token_ids=(3, 4)))
+    )
+    carrier = lied.bundle if isinstance(lied, BoundaryResult) else lied
+    # The core trusts the backend's digest (it is the backend's own promise, like its rows).
+    assert carrier.checksum == payload_checksum(carrier.payload) ^ 1
+    rows = np.ones((1, 4), dtype=np.float32)
+    engine._record_digest(rows, 5, True)
+    assert len(engine._digests) == 1
+    del rows
+    assert engine._digests == {}, "an entry outlived its rows"
+
+
+def test_digests_of_rows_not_declared_private_are_ignored() -> None:
+    """Without rows_private the payload is a copy, hashed by the core whatever was recorded."""
+
+    class Shared(_DigestingRows):
+        rows_private = False
+
+    engine = Shared(lie=True)
+    engine.load(LoadConfig(shard=ShardSpec(model="m", n_layers=2, start=0, end=2)))
+    result = _prefill(engine, S1, [3, 4])
+    assert result.checksum == payload_checksum(result.payload)
+    assert engine._digests == {}
 
 
 def test_rows_not_declared_private_are_copied() -> None:

@@ -33,6 +33,7 @@ from shard_engine_api import (
     UnsupportedFeature,
     split_layers,
 )
+from shard_engine_api._checksum import payload_checksum
 from shard_engine_llama import LlamaEngine, _abi
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
 from shard_engine_llama._gguf import read_gguf_header, split_model
@@ -124,6 +125,57 @@ def _decode(engine: LlamaEngine, session: SessionRef, pos: int, token: int) -> n
     )
     assert isinstance(result, LogitsResult)
     return result.array()
+
+
+def test_logits_hashed_while_copied_out_carry_their_own_checksum(tiny_model: Path) -> None:
+    """A tail hashes each logits row as it copies it out of llama.cpp's buffer: every result
+    (decode, batched decode, a prefill's last row) carries exactly its payload's checksum, its
+    payload is the engine's private read-only row, and an all-rows prefill is hashed whole."""
+    engine = _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    try:
+        sessions = [SessionRef(session_id=f"h{i}", epoch=1) for i in range(3)]
+        results: list[LogitsResult] = []
+        for i, session in enumerate(sessions):
+            last = engine.prefill(
+                PrefillRequest(
+                    request_id=f"p{i}",
+                    session=session,
+                    start_pos=0,
+                    inputs=TokenInput(token_ids=(3, 4 + i)),
+                    logits="all" if i == 2 else "last",
+                )
+            )
+            assert isinstance(last, LogitsResult)
+            results.append(last)
+        step = engine.decode(
+            DecodeRequest(
+                request_id="d", session=sessions[0], pos=2, inputs=TokenInput(token_ids=(5,))
+            )
+        )
+        assert isinstance(step, LogitsResult)
+        results.append(step)
+        items = tuple(
+            DecodeRequest(
+                request_id=f"b{i}",
+                session=session,
+                pos=2 + (i == 0),
+                inputs=TokenInput(token_ids=(6,)),
+            )
+            for i, session in enumerate(sessions)
+        )
+        batch = engine.decode_batch(DecodeBatchRequest(request_id="b", items=items))
+        for item in batch.items:
+            assert isinstance(item, LogitsResult)
+            results.append(item)
+        assert results[2].n_rows == 2
+        for result in results:
+            assert result.checksum == payload_checksum(result.payload)
+            assert np.isfinite(result.array()).all()
+            with pytest.raises(ValueError, match="read-only"):
+                result.array()[0, 0] = 1.0
+        assert engine._digests == {}
+    finally:
+        engine.close()
 
 
 def test_truncate_failure_restores_the_sequence_exactly(

@@ -26,9 +26,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
 from typing import ClassVar, Final, Literal, Self
@@ -129,7 +131,10 @@ class EngineCore(abc.ABC):
     ``_forward_batch`` return (or the arrays they are views of) is allocated for that call and
     never written again. The core then makes the rows read-only and uses their memory as the
     result's payload instead of copying it (one copy of a 262k-vocabulary logits row saved per
-    token). With False (the default) the core copies, so a backend may reuse its buffers."""
+    token). With False (the default) the core copies, so a backend may reuse its buffers. A
+    private backend that copies its output out of its own buffers can hash it on the way
+    (``shard_engine_api._dtypes.copy_checksum_and_finite``) and say so with
+    :meth:`_record_digest`: the payload is then not read a second time."""
 
     engine_name: ClassVar[str] = "unnamed"
     fence_generation: ClassVar[int] = DEFAULT_GENERATION_SIZE
@@ -149,6 +154,7 @@ class EngineCore(abc.ABC):
         self._compute_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._in_flight: dict[str, CancelToken] = {}
+        self._digests: dict[int, tuple[weakref.ref[Rows], int, bool]] = {}
 
     # ----------------------------------------------------------------- backend steps
 
@@ -186,6 +192,17 @@ class EngineCore(abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None:
         """Free the backend. Called once."""
+
+    def _record_digest(self, rows: Rows, checksum: int, finite: bool) -> None:
+        """Say that ``rows``, an array ``_forward`` or ``_forward_batch`` returns, hash to
+        ``checksum`` (payload_checksum of its bytes) and are all finite or not, as computed when
+        the backend wrote them. Used only with ``rows_private`` (the rows cannot change after);
+        the entry lives as long as ``rows`` and is consumed by the result built from them."""
+        if self.rows_private:
+            key = id(rows)
+            digests = self._digests
+            forget = functools.partial(digests.pop, key, None)
+            digests[key] = (weakref.ref(rows, lambda _: forget()), checksum, finite)
 
     def _export_state(self, slot: int, length: int) -> bytes:
         """The opaque state of positions ``0..length-1`` of the session in ``slot`` (what
@@ -943,12 +960,18 @@ class EngineCore(abc.ABC):
         timings: Timings,
         n_tokens: int,
     ) -> BoundaryResult | LogitsResult:
+        digest: tuple[int, bool] | None = None
+        if self._digests:
+            entry = self._digests.pop(id(rows), None)
+            if entry is not None and entry[0]() is rows:
+                digest = entry[1], entry[2]
         return build_result(
             caps,
             self.config.boundary_dtype,
             rows,
             output,
             rows_private=self.rows_private,
+            digest=digest,
             request_id=request_id,
             session=session,
             start_pos=start_pos,

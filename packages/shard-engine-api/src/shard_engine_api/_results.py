@@ -87,6 +87,7 @@ def build_result(
     n_tokens: int,
     timings: Timings,
     rows_private: bool = False,
+    digest: tuple[int, bool] | None = None,
 ) -> BoundaryResult | LogitsResult:
     """A bundle of hidden rows (non-tail) or the logits of the last / all rows (tail).
 
@@ -99,10 +100,12 @@ def build_result(
 
     ``rows_private``: the backend promises never to write ``rows`` (or what they view) again
     (``EngineCore.rows_private``); a plain f32 payload is then the rows' own memory, made
-    read-only, instead of a copy."""
+    read-only, instead of a copy. ``digest``: the (checksum, finite) of exactly those rows'
+    bytes, computed as the backend wrote them; used for private f32 rows instead of hashing
+    them again (see ``EngineCore._record_digest``)."""
     if output == "hidden":
         if boundary_dtype == "f32" and _exact_f32(rows):
-            payload, checksum, scanned = _f32_payload(rows, rows_private)
+            payload, checksum, scanned = _f32_payload(rows, rows_private, digest)
             bundle = BoundaryBundle(
                 session=session,
                 first_pos=start_pos,
@@ -149,7 +152,7 @@ def build_result(
         )
     # What from_array builds, minus its copies.
     n_rows, width = rows.shape
-    payload, checksum, scanned = _f32_payload(rows, rows_private)
+    payload, checksum, scanned = _f32_payload(rows, rows_private, digest)
     result = LogitsResult(
         request_id=request_id,
         session=session,
@@ -177,14 +180,19 @@ def _exact_f32(rows: object) -> bool:
     return (dtype is _F32 or dtype == _F32) and rows.flags.c_contiguous
 
 
-def _f32_payload(rows: npt.NDArray[np.float32], private: bool) -> tuple[memoryview, int, int]:
+def _f32_payload(
+    rows: npt.NDArray[np.float32], private: bool, digest: tuple[int, bool] | None = None
+) -> tuple[memoryview, int, int]:
     """The payload of plain f32 ``rows`` with its checksum and its scan mark (SCANNED_FINITE
     when every value is finite, else SCANNED), hashed and tested in one pass. Private rows are
     the payload themselves, made read-only so nothing holding them can change a result through
-    them; others are copied once into immutable bytes."""
+    them (with a ``digest``, not hashed again); others are copied once into immutable bytes."""
     if private:
         rows.setflags(write=False)
         payload = rows.data.cast("B")
+        if digest is not None:
+            checksum, finite = digest
+            return payload, checksum, SCANNED_FINITE if finite else SCANNED
     else:
         payload = memoryview(rows.tobytes())
     checksum, finite = checksum_and_finite(payload, "f32")

@@ -36,6 +36,8 @@ from typing import NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from shard_engine_api._dtypes import copy_checksum_and_finite
+
 SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
 _SUPPORTED_MINIMUM = (0, 3, 36)
 _SUPPORTED_BELOW = (0, 3, 37)
@@ -385,6 +387,8 @@ class ShardRuntime:
         self._context: int | None = None
         self._closed = False
         self._captured: list[npt.NDArray[np.float32]] = []
+        self.row_digests: list[tuple[int, bool]] = []
+        """A tail's last logits rows' (checksum, finite), in row order (see _read_logits)."""
         self._capture_error: str | None = None
 
         model_params = llama_cpp.llama_model_default_params()
@@ -835,16 +839,21 @@ class ShardRuntime:
         outputs: Sequence[int],
         destination: npt.NDArray[np.intp] | None = None,
     ) -> npt.NDArray[np.float32]:
-        """Copy each wanted row of llama.cpp's logits once, into its result row."""
+        """Copy each wanted row of llama.cpp's logits once, into its result row, hashing and
+        testing it on the way (:attr:`row_digests`: each result row's checksum and finiteness,
+        in row order), so that the result built from a row need not read it again."""
         rows = np.empty((len(outputs), self.n_vocab), dtype=np.float32)
         targets = range(len(outputs)) if destination is None else destination.tolist()
-        row_bytes = self.n_vocab * 4
-        base = rows.ctypes.data
+        row_pointer = ctypes.POINTER(ctypes.c_char * (self.n_vocab * 4))
+        digests: list[tuple[int, bool]] = [(0, False)] * len(outputs)
         for target, index in zip(targets, outputs, strict=True):
             pointer = llama_cpp.llama_get_logits_ith(context, index)
             if not pointer:
                 raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
-            ctypes.memmove(base + target * row_bytes, pointer, row_bytes)
+            digests[target] = copy_checksum_and_finite(
+                rows[target], memoryview(ctypes.cast(pointer, row_pointer).contents), "f32"
+            )
+        self.row_digests = digests
         return rows
 
     def _rollback(self, firsts: Sequence[tuple[int, int]]) -> None:

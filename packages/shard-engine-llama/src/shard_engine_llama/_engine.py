@@ -377,7 +377,7 @@ class LlamaEngine(EngineCore):
             runtime.seq_rm(item.slot, item.start_pos, -1)
         self._start_forward(runtime, token)
         try:
-            return runtime.run(
+            rows = runtime.run(
                 item.slot,
                 item.start_pos,
                 tokens=item.tokens,
@@ -388,6 +388,10 @@ class LlamaEngine(EngineCore):
             raise _map_runtime_error(error) from error
         finally:
             self._end_forward(runtime)
+        if output == "last":
+            # The row was hashed as it was copied out of llama.cpp's buffer.
+            self._record_digest(rows, *runtime.row_digests[0])
+        return rows
 
     def _forward_batch(
         self, items: Sequence[ForwardItem], output: OutputMode, token: CancelToken
@@ -410,7 +414,11 @@ class LlamaEngine(EngineCore):
             raise _map_runtime_error(error) from error
         finally:
             self._end_forward(runtime)
-        return [rows[index : index + 1] for index in range(len(items))]
+        results = [rows[index : index + 1] for index in range(len(items))]
+        if output == "last":
+            for result, digest in zip(results, runtime.row_digests, strict=True):
+                self._record_digest(result, *digest)
+        return results
 
     def _rollback(self, slot: int, start_pos: int, committed_length: int) -> None:
         runtime = self._require_runtime()
