@@ -246,23 +246,18 @@ hash_long_and_test_avx2(const unsigned char *input, unsigned char *copy, size_t 
 }
 
 __attribute__((target("avx2"))) static XXH64_hash_t
-hash_and_test_avx2(const unsigned char *input, size_t len, const lane_test *test, int *found)
+hash_and_test_avx2(const unsigned char *input, unsigned char *copy, size_t len,
+                   const lane_test *test, int *found)
 {
-    /* Specialised per lane width, so the stripe loop has no branch. */
-    if (test->itemsize == 4) {
-        return hash_long_and_test_avx2(input, NULL, len, test, 1, found);
+    /* Specialised per lane width, and with or without the copy, so the stripe loop has no
+     * branch to take. */
+    const int wide = test->itemsize == 4;
+    if (copy == NULL) {
+        return wide ? hash_long_and_test_avx2(input, NULL, len, test, 1, found)
+                    : hash_long_and_test_avx2(input, NULL, len, test, 0, found);
     }
-    return hash_long_and_test_avx2(input, NULL, len, test, 0, found);
-}
-
-__attribute__((target("avx2"))) static XXH64_hash_t
-copy_hash_and_test_avx2(unsigned char *copy, const unsigned char *input, size_t len,
-                        const lane_test *test, int *found)
-{
-    if (test->itemsize == 4) {
-        return hash_long_and_test_avx2(input, copy, len, test, 1, found);
-    }
-    return hash_long_and_test_avx2(input, copy, len, test, 0, found);
+    return wide ? hash_long_and_test_avx2(input, copy, len, test, 1, found)
+                : hash_long_and_test_avx2(input, copy, len, test, 0, found);
 }
 
 static int use_avx2 = 0;
@@ -281,17 +276,23 @@ nonfinite(const unsigned char *p, size_t n, int kind)
 }
 
 /* The digest of p[0..n) and (when kind is not KIND_NONE) whether it holds a non-finite value,
- * in one pass: each block is hashed, then tested while cache-resident. */
+ * in one pass: each block is hashed, then tested while cache-resident. With ``copy`` (not
+ * NULL; it must not overlap p), p[0..n) is copied there in the same pass: AVX2 stores each
+ * stripe from registers; otherwise each block is copied, then hashed and tested in the copy. */
 static XXH64_hash_t
-hash_and_test(const unsigned char *p, size_t n, int kind, int *found)
+hash_and_test(unsigned char *copy, const unsigned char *p, size_t n, int kind, int *found)
 {
     *found = 0;
 #if SHARD_X86
     if (use_avx2 && kind != KIND_NONE && n > XXH3_MIDSIZE_MAX) {
-        return hash_and_test_avx2(p, n, &LANE_TESTS[kind], found);
+        return hash_and_test_avx2(p, copy, n, &LANE_TESTS[kind], found);
     }
 #endif
     if (kind == KIND_NONE || n <= BLOCK_BYTES) {
+        if (copy != NULL) {
+            memcpy(copy, p, n);
+            p = copy;
+        }
         *found = nonfinite(p, n, kind);
         return shard_xxh3(p, n);
     }
@@ -300,39 +301,14 @@ hash_and_test(const unsigned char *p, size_t n, int kind, int *found)
     XXH3_64bits_reset(&state);
     for (size_t at = 0; at < n; at += BLOCK_BYTES) {
         size_t size = n - at < BLOCK_BYTES ? n - at : BLOCK_BYTES;
-        shard_xxh3_update(&state, p + at, size);
-        if (!*found) {
-            *found = nonfinite(p + at, size, kind);
+        const unsigned char *block = p + at;
+        if (copy != NULL) {
+            memcpy(copy + at, block, size);
+            block = copy + at;
         }
-    }
-    return XXH3_64bits_digest(&state);
-}
-
-/* hash_and_test of src[0..n), which is copied to dst[0..n) in the same pass (the regions must
- * not overlap): AVX2 stores each stripe from registers; otherwise each block is copied, then
- * hashed and tested while it is cache-resident. */
-static XXH64_hash_t
-copy_hash_and_test(unsigned char *dst, const unsigned char *src, size_t n, int kind, int *found)
-{
-    *found = 0;
-#if SHARD_X86
-    if (use_avx2 && kind != KIND_NONE && n > XXH3_MIDSIZE_MAX) {
-        return copy_hash_and_test_avx2(dst, src, n, &LANE_TESTS[kind], found);
-    }
-#endif
-    if (kind == KIND_NONE || n <= BLOCK_BYTES) {
-        memcpy(dst, src, n);
-        return hash_and_test(dst, n, kind, found);
-    }
-    XXH3_state_t state;
-    XXH3_INITSTATE(&state);
-    XXH3_64bits_reset(&state);
-    for (size_t at = 0; at < n; at += BLOCK_BYTES) {
-        size_t size = n - at < BLOCK_BYTES ? n - at : BLOCK_BYTES;
-        memcpy(dst + at, src + at, size);
-        shard_xxh3_update(&state, dst + at, size);
+        shard_xxh3_update(&state, block, size);
         if (!*found) {
-            *found = nonfinite(dst + at, size, kind);
+            *found = nonfinite(block, size, kind);
         }
     }
     return XXH3_64bits_digest(&state);
@@ -422,7 +398,7 @@ scan_buffer(PyObject *buffer, PyObject *kind_object, XXH64_hash_t *digest, int *
     if (view.len >= NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         if (digest != NULL) {
-            *digest = hash_and_test(p, n, kind, found);
+            *digest = hash_and_test(NULL, p, n, kind, found);
         }
         else {
             *found = nonfinite(p, n, kind);
@@ -430,7 +406,7 @@ scan_buffer(PyObject *buffer, PyObject *kind_object, XXH64_hash_t *digest, int *
         Py_END_ALLOW_THREADS
     }
     else if (digest != NULL) {
-        *digest = hash_and_test(p, n, kind, found);
+        *digest = hash_and_test(NULL, p, n, kind, found);
     }
     else {
         *found = nonfinite(p, n, kind);
@@ -506,6 +482,19 @@ native_verify(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(!matches ? CHECKSUM_MISMATCH : found ? NONFINITE : SOUND);
 }
 
+/* The (checksum, finite) tuple of checksum_and_finite() and copy_checksum_and_finite(). */
+static PyObject *
+digest_and_finite(XXH64_hash_t digest, int found)
+{
+    PyObject *checksum = PyLong_FromUnsignedLongLong((unsigned long long)digest);
+    if (checksum == NULL) {
+        return NULL;
+    }
+    PyObject *result = PyTuple_Pack(2, checksum, found ? Py_False : Py_True);
+    Py_DECREF(checksum);
+    return result;
+}
+
 PyDoc_STRVAR(checksum_and_finite_doc,
 "checksum_and_finite(buffer, kind) -> (int, bool)\n--\n\n"
 "buffer's xxh3-64 digest and whether every value (kind 1, 2, 3: f16, bf16, f32) is finite,\n"
@@ -524,18 +513,7 @@ native_checksum_and_finite(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (scan_buffer(args[0], args[1], &digest, &found) < 0) {
         return NULL;
     }
-    PyObject *checksum = PyLong_FromUnsignedLongLong((unsigned long long)digest);
-    if (checksum == NULL) {
-        return NULL;
-    }
-    PyObject *result = PyTuple_New(2);
-    if (result == NULL) {
-        Py_DECREF(checksum);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(result, 0, checksum);
-    PyTuple_SET_ITEM(result, 1, PyBool_FromLong(!found));
-    return result;
+    return digest_and_finite(digest, found);
 }
 
 PyDoc_STRVAR(copy_checksum_and_finite_doc,
@@ -580,17 +558,13 @@ native_copy_checksum_and_finite(PyObject *module, PyObject *const *args, Py_ssiz
         XXH64_hash_t digest;
         if (source.len >= NOGIL_BYTES) {
             Py_BEGIN_ALLOW_THREADS
-            digest = copy_hash_and_test(to, from, n, kind, &found);
+            digest = hash_and_test(to, from, n, kind, &found);
             Py_END_ALLOW_THREADS
         }
         else {
-            digest = copy_hash_and_test(to, from, n, kind, &found);
+            digest = hash_and_test(to, from, n, kind, &found);
         }
-        PyObject *checksum = PyLong_FromUnsignedLongLong((unsigned long long)digest);
-        if (checksum != NULL) {
-            result = PyTuple_Pack(2, checksum, found ? Py_False : Py_True);
-            Py_DECREF(checksum);
-        }
+        result = digest_and_finite(digest, found);
     }
     PyBuffer_Release(&source);
     PyBuffer_Release(&destination);
