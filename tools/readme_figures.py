@@ -59,6 +59,14 @@ class Figures:
             return None
         return float(value)
 
+    def values(self, bench: str, *keys: str) -> tuple[float, ...] | None:
+        """The values of every one of ``keys``, or None when any is missing (a figure is
+        rendered whole or not at all)."""
+        values = [self.value(bench, key) for key in keys]
+        if any(value is None for value in values):
+            return None
+        return tuple(value for value in values if value is not None)
+
     def flag(self, bench: str, key: str) -> bool | None:
         if not self.measured(bench):
             return None
@@ -114,15 +122,19 @@ def _provenance(figures: Figures) -> str:
 
 def _split(f: Figures) -> str | None:
     names = ("2_way_prefill", "3_way_prefill", "2_way_decode", "3_way_decode")
-    generated = [f.value("llama", f"generated_{name}_ratio") for name in names]
-    hop = f.value("llama", "generated_3_way_decode_overhead_per_hop_ms")
-    if None in generated or hop is None:
+    generated = f.values(
+        "llama",
+        *(f"generated_{name}_ratio" for name in names),
+        "generated_3_way_decode_overhead_per_hop_ms",
+    )
+    if generated is None:
         return None
-    p2, p3, d2, d3 = (f"{value:.2f}" for value in generated if value is not None)
+    *ratios, hop = generated
+    p2, p3, d2, d3 = (f"{value:.2f}" for value in ratios)
     text = ""
-    gemma = [f.value("llama", f"gemma3_{name}_ratio") for name in names]
-    if f.flag("llama", "gemma3_measured") and None not in gemma:
-        g2, g3, e2, e3 = (f"{value:.2f}" for value in gemma if value is not None)
+    gemma = f.values("llama", *(f"gemma3_{name}_ratio" for name in names))
+    if f.flag("llama", "gemma3_measured") and gemma is not None:
+        g2, g3, e2, e3 = (f"{value:.2f}" for value in gemma)
         text = (
             f"gemma3-270m split/unsplit throughput {g2} / {g3} (prefill) and {e2} / {e3} "
             "(decode) for 2- / 3-way splits in one process. "
@@ -138,12 +150,16 @@ def _split(f: Figures) -> str | None:
 
 
 def _process(f: Figures) -> str | None:
-    process = f.value("llama", "generated_3_way_proc_decode_over_in_process")
-    alone = f.value("llama", "generated_unsplit_proc_decode_ratio")
-    spin_default = f.value("llama", "generated_spin_10000_idle_cpu_ms")
-    spin_gomp = f.value("llama", "generated_spin_300000_idle_cpu_ms")
-    if process is None or alone is None or spin_default is None or spin_gomp is None:
+    found = f.values(
+        "llama",
+        "generated_3_way_proc_decode_over_in_process",
+        "generated_unsplit_proc_decode_ratio",
+        "generated_spin_10000_idle_cpu_ms",
+        "generated_spin_300000_idle_cpu_ms",
+    )
+    if found is None:
         return None
+    process, alone, spin_default, spin_gomp = found
     return (
         f"pipes and the wire codec, generated model: 3-way decode at {process:.2f} of the "
         f"same split in one process; the unsplit model alone behind the same pipes at "
@@ -171,9 +187,11 @@ def _codec(f: Figures) -> str | None:
     setting. Each dtype's ratios come from the same run."""
     parts: list[str] = []
     for dtype in ("f16", "bf16", "f32"):
-        memcpy = f.value("codec", f"512x4096_{dtype}_codec_over_memcpy")
-        pickle = f.value("codec", f"512x4096_{dtype}_codec_over_pickle")
-        if memcpy is not None and pickle is not None:
+        pair = f.values(
+            "codec", f"512x4096_{dtype}_codec_over_memcpy", f"512x4096_{dtype}_codec_over_pickle"
+        )
+        if pair is not None:
+            memcpy, pickle = pair
             parts.append(f"{dtype} {memcpy:.2f}x one memcpy and {pickle:.2f}x checksummed pickle")
     if not parts:
         return None
@@ -188,26 +206,27 @@ def _codec(f: Figures) -> str | None:
         text += f' (f16 with the non-default `nonfinite="allow"`: {allow:.2f}x memcpy)'
     rows = []
     for size in ("1x4096", "128x4096"):
-        ratios = [
-            f.value("codec", f"{size}_{dtype}_codec_over_pickle")
-            for dtype in ("f16", "bf16", "f32")
-        ]
-        if all(ratio is not None for ratio in ratios):
-            rows.append(
-                f"{size}: " + " / ".join(f"{ratio:.2f}" for ratio in ratios if ratio is not None)
-            )
+        ratios = f.values(
+            "codec", *(f"{size}_{dtype}_codec_over_pickle" for dtype in ("f16", "bf16", "f32"))
+        )
+        if ratios is not None:
+            rows.append(f"{size}: " + " / ".join(f"{ratio:.2f}" for ratio in ratios))
     if rows:
         text += f". Codec over checksummed pickle (f16 / bf16 / f32) at {'; '.join(rows)}"
     return text + "."
 
 
 def _fake(f: Figures) -> str | None:
-    decode = f.value("fake", "decode_steps_per_s_hidden_64")
-    unwrapped = f.value("fake", "decode_unwrapped_steps_per_s_hidden_64")
-    tail = f.value("fake", "tail_bundle_decode_steps_per_s_hidden_64")
-    conformance = f.value("fake", "conformance_seconds")
-    if decode is None or unwrapped is None or tail is None or conformance is None:
+    found = f.values(
+        "fake",
+        "decode_steps_per_s_hidden_64",
+        "decode_unwrapped_steps_per_s_hidden_64",
+        "tail_bundle_decode_steps_per_s_hidden_64",
+        "conformance_seconds",
+    )
+    if found is None:
         return None
+    decode, unwrapped, tail, conformance = found
     return (
         f"{decode:,.0f} decode steps/s through the API with validation at hidden size 64 "
         f"({unwrapped:,.0f} without the wrapper; {tail:,.0f} for a tail shard decoding "
@@ -216,11 +235,13 @@ def _fake(f: Figures) -> str | None:
 
 
 def _cancel(f: Figures) -> str | None:
-    median = f.value("llama", "generated_cancel_latency_median_ms")
-    worst = f.value("llama", "generated_cancel_latency_max_ms")
+    latency = f.values(
+        "llama", "generated_cancel_latency_median_ms", "generated_cancel_latency_max_ms"
+    )
     rolled = f.flag("llama", "generated_cancel_rolled_back")
-    if median is None or worst is None or rolled is None:
+    if latency is None or rolled is None:
         return None
+    median, worst = latency
     return (
         f"cancel -> `Cancelled` in {median:.1f} ms (median; max {worst:.1f}) during a "
         f"llama.cpp prefill of the generated model; session "
@@ -233,19 +254,14 @@ def _migration(f: Figures) -> str | None:
     if model not in ("gemma3", "generated"):
         return None
     key = f"{model}_2048"
-    replay = f.value("migration", f"{key}_replay_ms")
-    tail = f.value("migration", f"{key}_tail_move_ms")
-    tail_ratio = f.value("migration", f"{key}_tail_ratio")
-    all_ratio = f.value("migration", f"{key}_all_ratio")
-    per_position = f.value("migration", f"{key}_tail_bytes_per_position")
-    if (
-        replay is None
-        or tail is None
-        or tail_ratio is None
-        or all_ratio is None
-        or per_position is None
-    ):
+    found = f.values(
+        "migration",
+        *(f"{key}_{name}" for name in ("replay_ms", "tail_move_ms", "tail_ratio", "all_ratio")),
+        f"{key}_tail_bytes_per_position",
+    )
+    if found is None:
         return None
+    replay, tail, tail_ratio, all_ratio, per_position = found
     name = "gemma3-270m" if model == "gemma3" else "the generated model (no gemma3-270m)"
     return (
         f"moving a 2,048-position session of {name} to a fresh engine (export, wire "
@@ -261,9 +277,11 @@ def _raw(f: Figures) -> str | None:
     for model, name in (("gemma3", "gemma3-270m"), ("generated", "the generated model")):
         if model == "gemma3" and not f.flag("llama", "gemma3_measured"):
             continue
-        single = f.value("llama", f"{model}_raw_cmp_engine_of_raw")
-        batched = f.value("llama", f"{model}_raw_cmp_batched_of_raw")
-        if single is not None and batched is not None:
+        pair = f.values(
+            "llama", f"{model}_raw_cmp_engine_of_raw", f"{model}_raw_cmp_batched_of_raw"
+        )
+        if pair is not None:
+            single, batched = pair
             parts.append(f"{name} {single:.3f} (one session) and {batched:.3f} (batched)")
     if not parts:
         return None
@@ -287,12 +305,14 @@ def _moe(f: Figures) -> str | None:
     if not f.flag("llama", "moe_measured"):
         return None
     names = ("2_way_prefill", "3_way_prefill", "2_way_decode", "3_way_decode")
-    ratios = [f.value("llama", f"moe_{name}_ratio") for name in names]
-    speedup = f.value("llama", "moe_unsplit_batched_speedup")
+    found = f.values(
+        "llama", *(f"moe_{name}_ratio" for name in names), "moe_unsplit_batched_speedup"
+    )
     raw = f.value("llama", "moe_raw_cmp_engine_of_raw")
-    if None in ratios or speedup is None:
+    if found is None:
         return None
-    p2, p3, d2, d3 = (f"{value:.2f}" for value in ratios if value is not None)
+    *ratios, speedup = found
+    p2, p3, d2, d3 = (f"{value:.2f}" for value in ratios)
     text = (
         f"generated qwen3moe model, split/unsplit throughput {p2} / {p3} (prefill) and "
         f"{d2} / {d3} (decode) for 2- / 3-way splits in one process; batched decode "
@@ -305,20 +325,24 @@ def _moe(f: Figures) -> str | None:
 
 def _remote(f: Figures) -> str | None:
     """A remote decode hop over each transport, and the 3-process pipeline."""
-    framed = f.value("remote", "child_framed_decode_added_us")
-    grpc = f.value("remote", "child_grpc_decode_added_us")
+    hops = f.values("remote", "child_framed_decode_added_us", "child_grpc_decode_added_us")
     server = f.value("remote", "server_grpc_decode_added_us")
-    if framed is None or grpc is None:
+    if hops is None:
         return None
+    framed, grpc = hops
     text = (
         f"a decode hop to a spawned child adds {framed:.0f} us over the framed unix socket "
         f"(the spawn default) and {grpc:.0f} us over gRPC"
     )
     if server is not None:
         text += f" ({server:.0f} us to a gRPC server in the same process)"
-    decode = f.value("remote", "pipeline_3_shards_3_processes_decode_x")
-    prefill = f.value("remote", "pipeline_3_shards_3_processes_prefill_x")
-    if decode is not None and prefill is not None:
+    pipeline = f.values(
+        "remote",
+        "pipeline_3_shards_3_processes_decode_x",
+        "pipeline_3_shards_3_processes_prefill_x",
+    )
+    if pipeline is not None:
+        decode, prefill = pipeline
         gemma = f.flag("remote", "pipeline_gemma3")
         model = (
             "gemma3-270m"
