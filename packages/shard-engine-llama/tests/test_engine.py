@@ -158,7 +158,7 @@ def test_logits_hashed_while_copied_out_carry_their_own_checksum(tiny_model: Pat
             DecodeRequest(
                 request_id=f"b{i}",
                 session=session,
-                pos=2 + (i == 0),
+                pos=3 if i == 0 else 2,
                 inputs=TokenInput(token_ids=(6,)),
             )
             for i, session in enumerate(sessions)

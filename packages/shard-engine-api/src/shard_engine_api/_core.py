@@ -26,7 +26,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -201,8 +200,7 @@ class EngineCore(abc.ABC):
         if self.rows_private:
             key = id(rows)
             digests = self._digests
-            forget = functools.partial(digests.pop, key, None)
-            digests[key] = (weakref.ref(rows, lambda _: forget()), checksum, finite)
+            digests[key] = (weakref.ref(rows, lambda _: digests.pop(key, None)), checksum, finite)
 
     def _export_state(self, slot: int, length: int) -> bytes:
         """The opaque state of positions ``0..length-1`` of the session in ``slot`` (what
