@@ -404,6 +404,8 @@ class ShardRuntime:
         self.n_embd_input = int(llama_cpp.llama_model_n_embd_inp(model))
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        # One logits row of llama.cpp's output buffer, as _read_logits reads it.
+        self._logits_row = ctypes.POINTER(ctypes.c_char * (self.n_vocab * 4))
 
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = settings.n_ctx
@@ -844,14 +846,13 @@ class ShardRuntime:
         in row order), so that the result built from a row need not read it again."""
         rows = np.empty((len(outputs), self.n_vocab), dtype=np.float32)
         targets = range(len(outputs)) if destination is None else destination.tolist()
-        row_pointer = ctypes.POINTER(ctypes.c_char * (self.n_vocab * 4))
         digests: list[tuple[int, bool]] = [(0, False)] * len(outputs)
         for target, index in zip(targets, outputs, strict=True):
             pointer = llama_cpp.llama_get_logits_ith(context, index)
             if not pointer:
                 raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
             digests[target] = copy_checksum_and_finite(
-                rows[target], memoryview(ctypes.cast(pointer, row_pointer).contents), "f32"
+                rows[target], memoryview(ctypes.cast(pointer, self._logits_row).contents), "f32"
             )
         self.row_digests = digests
         return rows
