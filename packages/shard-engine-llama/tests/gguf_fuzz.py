@@ -11,6 +11,7 @@ The child mode (``--load``) reads one file path per line from stdin and answers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -273,7 +274,11 @@ _PROTOCOL = "@@fuzz "
 
 
 def _load_in_children(paths: Sequence[Path]) -> dict[Path, str]:
-    """Load each file in a child process; a child that dies is restarted after the file."""
+    """Load each file in a child process; a child that dies is restarted after the file.
+
+    Paths are fed one at a time, each after the previous answer: a child that dies leaves no
+    unread backlog to break the pipe on, and neither side can block on a full pipe.
+    """
     results: dict[Path, str] = {}
     pending = list(paths)
     while pending:
@@ -288,27 +293,30 @@ def _load_in_children(paths: Sequence[Path]) -> dict[Path, str]:
         )
         assert child.stdin is not None
         assert child.stdout is not None
-        child.stdin.write("".join(f"{path}\n" for path in pending))
-        child.stdin.close()
-        current: Path | None = None
-        for line in child.stdout:
-            if not line.startswith(_PROTOCOL):
-                continue
-            kind, _, rest = line[len(_PROTOCOL) :].rstrip("\n").partition(" ")
-            if kind == "START":
-                current = Path(rest)
-            elif current is not None:
-                results[current] = f"{kind} {rest}".strip()
-                pending.remove(current)
-                current = None
+        while pending:
+            current = pending[0]
+            try:
+                child.stdin.write(f"{current}\n")
+                child.stdin.flush()
+            except BrokenPipeError:
+                break
+            answer = None
+            for line in child.stdout:
+                if line.startswith(_PROTOCOL):
+                    kind, _, rest = line[len(_PROTOCOL) :].rstrip("\n").partition(" ")
+                    if kind != "START":
+                        answer = f"{kind} {rest}".strip()
+                        break
+            if answer is None:
+                break
+            results[current] = answer
+            pending.pop(0)
+        with contextlib.suppress(BrokenPipeError):
+            child.stdin.close()
         child.stdout.close()
         code = child.wait()
-        if current is None and pending and code != 0:
-            # Died between files (or at start-up): blame the next file, so the run goes on.
-            current = pending[0]
-        if current is not None:
-            results[current] = f"ABORT signal/exit {code}"
-            pending.remove(current)
+        if pending and pending[0] not in results:
+            results[pending.pop(0)] = f"ABORT signal/exit {code}"
     return results
 
 

@@ -295,14 +295,22 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
         metadata[key] = cursor.metadata_value(key)
     alignment = _DEFAULT_ALIGNMENT
     if "general.alignment" in metadata:
-        raw_alignment = metadata["general.alignment"].value
+        entry = metadata["general.alignment"]
+        raw_alignment = entry.value
         if (
-            not isinstance(raw_alignment, int)
-            or raw_alignment <= 0
+            entry.value_type != gguf.GGUFValueType.UINT32
+            or not isinstance(raw_alignment, int)
+            or raw_alignment < _DEFAULT_ALIGNMENT
             or raw_alignment & (raw_alignment - 1)
         ):
+            # gguf.cpp reads a UINT32 power of two; ggml's CPU backend then asserts that every
+            # mapped tensor lies 32-byte aligned (GGML_ASSERT "buffer pointer must be aligned"),
+            # which a smaller alignment does not guarantee.
             raise GGUFValidationError(
-                f"{path}: general.alignment {raw_alignment!r} is not a power of two"
+                f"{path}: general.alignment {raw_alignment!r} ({entry.value_type.name}) is not "
+                f"a UINT32 power of two of at least {_DEFAULT_ALIGNMENT}",
+                rule="gguf-alignment",
+                field="general.alignment",
             )
         alignment = raw_alignment
     infos: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]] = []
@@ -327,14 +335,21 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
         infos.append((name, shape, ggml_type, relative_offset))
     data_start = -(-cursor.position // alignment) * alignment
     tensors: dict[str, TensorRecord] = {}
+    # gguf.cpp requires the tensors' data in table order, each at the previous one's end padded
+    # to the alignment ("tensor has offset X, expected Y"): no gaps, overlaps or reordering.
+    expected_offset = 0
     for name, shape, ggml_type, relative_offset in infos:
         if name in tensors:
-            raise GGUFValidationError(f"{path}: duplicate tensor {name!r}")
-        if relative_offset % alignment:
-            raise GGUFValidationError(
-                f"{path}: tensor {name!r} offset {relative_offset} is not aligned"
-            )
+            raise GGUFValidationError(f"{path}: duplicate tensor {name!r}", field=name)
         n_bytes = _tensor_n_bytes(path, name, shape, ggml_type)
+        if relative_offset != expected_offset:
+            raise GGUFValidationError(
+                f"{path}: tensor {name!r} has data offset {relative_offset}, but the tensors "
+                f"before it end at {expected_offset} (llama.cpp refuses the file)",
+                rule="tensor-offset",
+                field=name,
+            )
+        expected_offset += -(-n_bytes // alignment) * alignment
         offset = data_start + relative_offset
         if offset + n_bytes > file_size:
             raise GGUFValidationError(

@@ -8,6 +8,7 @@ llama.cpp trusts its input: some defects make it refuse the file, others abort t
 from __future__ import annotations
 
 import os
+import re
 
 import gguf
 
@@ -117,6 +118,8 @@ def _check_model_structure(header: GGUFHeader) -> None:
 
 
 _MAX_TOKEN_TYPE = 6  # llama_token_type: UNDEFINED=0 .. BYTE=6
+_BYTE_TOKEN_TYPE = 6
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _check_vocabulary(header: GGUFHeader) -> None:
@@ -133,7 +136,10 @@ def _check_vocabulary(header: GGUFHeader) -> None:
             rule="metadata-type",
             field="tokenizer.ggml.tokens",
         )
-    if len(set(tokens)) != len(tokens):
+    # llama-vocab.cpp renames an empty token to "[EMPTY_<id>]" before indexing the strings, so
+    # the duplicate check is on those names.
+    names = [token or f"[EMPTY_{index}]" for index, token in enumerate(tokens)]
+    if len(set(names)) != len(names):
         raise GGUFValidationError(
             f"{path}: tokenizer.ggml.tokens holds duplicate token strings",
             rule="vocabulary-duplicate-tokens",
@@ -151,12 +157,21 @@ def _check_vocabulary(header: GGUFHeader) -> None:
             )
     token_types = header.metadata.get("tokenizer.ggml.token_type")
     if token_types is not None and isinstance(token_types.value, list):
-        for value in token_types.value:
+        for index, value in enumerate(token_types.value):
             if not isinstance(value, int) or not 0 <= value <= _MAX_TOKEN_TYPE:
                 raise GGUFValidationError(
                     f"{path}: tokenizer.ggml.token_type holds {value!r}",
                     rule="vocabulary-token-type",
                     field="tokenizer.ggml.token_type",
+                )
+            if value == _BYTE_TOKEN_TYPE and not _BYTE_TOKEN.fullmatch(str(tokens[index])):
+                # token_to_byte reads the byte from the text's characters 3..4 (substr throws
+                # on a shorter one while llama.cpp builds its piece cache).
+                raise GGUFValidationError(
+                    f"{path}: token {index} ({tokens[index]!r}) is typed BYTE but is not of the "
+                    "form <0xHH>",
+                    rule="vocabulary-byte-token",
+                    field="tokenizer.ggml.tokens",
                 )
 
 

@@ -36,7 +36,7 @@ from shard_engine_llama._gguf.integrity import (
     seal_shard,
     verify_shard_file,
 )
-from shard_engine_llama._gguf.layout import hyperparameters
+from shard_engine_llama._gguf.layout import hyperparameters, swa_pattern, uses_sliding_window
 from shard_engine_llama._gguf.planning import (
     GEMMA3_27B_LAYER_COUNT,
     ShardingRefusedError,
@@ -206,26 +206,6 @@ def leading_identity_blocks(header: GGUFHeader, start: int) -> int:
     return start % step if step else 0
 
 
-def _full_swa_pattern(header: GGUFHeader, n_layers: int, default_period: int) -> list[bool]:
-    key = f"{header.architecture}.attention.sliding_window_pattern"
-    entry = header.metadata.get(key)
-    if entry is not None and isinstance(entry.value, list):
-        return [bool(item) for item in entry.value[:n_layers]]
-    period = default_period
-    if entry is not None and isinstance(entry.value, int):
-        period = entry.value
-    # Mirrors llama_hparams::set_swa_pattern(n_pattern, dense_first=false).
-    return [period == 0 or il % period < period - 1 for il in range(n_layers)]
-
-
-def _uses_sliding_window(header: GGUFHeader) -> bool:
-    family = FAMILIES.get(header.architecture)
-    if family is None or not family.swa_period:
-        return False
-    window = header.metadata.get(f"{header.architecture}.attention.sliding_window")
-    return window is not None and isinstance(window.value, int) and window.value > 0
-
-
 def _shard_metadata(
     header: GGUFHeader,
     start: int,
@@ -279,10 +259,10 @@ def _shard_metadata(
         result["tokenizer.ggml.model"] = MetadataValue("none", gguf.GGUFValueType.STRING)
         result[f"{arch}.vocab_size"] = MetadataValue(1 if role == "middle" else n_vocab, u32)
     family = FAMILIES[arch]
-    if _uses_sliding_window(header):
+    if uses_sliding_window(header):
         # Rule swa-pattern-explicit: without the explicit array a shard would apply the default
         # pattern to its own renumbered layers.
-        full_pattern = _full_swa_pattern(header, n_layers, family.swa_period)
+        full_pattern = swa_pattern(header, n_layers, family.swa_period)
         # llama.cpp asserts a sliding-window model has a local layer; identity blocks never run
         # attention that matters, so they can always be local.
         pattern = [True] * padding + full_pattern[start:end]
