@@ -3,6 +3,8 @@ cancellation, batched decode, untrusted files, shard files as models."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_edit import f32, rewrite
+from gguf_edit import f32, rewrite, tensor_offset_position
 
 from shard_engine_api import (
     BoundaryResult,
@@ -547,6 +549,72 @@ def test_a_tampered_shard_in_the_store_is_rewritten(tiny_model: Path, tmp_path: 
         assert expected.step_logits == actual.step_logits
     finally:
         _close([full, head, tail])
+
+
+def _shard_regions(path: Path) -> dict[str, int]:
+    """One byte offset in each region of a shard that parses as before when altered: the
+    padding after the tensor infos, the padding after a tensor, and every tensor's data."""
+    header = read_gguf_header(path)
+    records = sorted(header.tensors.values(), key=lambda record: record.offset)
+    infos_end = tensor_offset_position(path.read_bytes(), records[-1].name) + 8
+    regions: dict[str, int] = {}
+    if infos_end < header.data_start:
+        regions["padding after the tensor infos"] = infos_end
+    for record, following in itertools.pairwise(records):
+        if following.offset > record.offset + record.n_bytes:
+            regions[f"padding after {record.name}"] = record.offset + record.n_bytes
+    for record in records:
+        regions[f"data of {record.name}"] = record.offset + record.n_bytes // 2
+    return regions
+
+
+def test_a_shard_altered_anywhere_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    original = manifest.shard_path(1).read_bytes()
+    regions = _shard_regions(manifest.shard_path(1))
+    assert len(regions) > len(read_gguf_header(manifest.shard_path(1)).tensors)
+    for region, position in regions.items():
+        altered = bytearray(original)
+        altered[position] ^= 0x01
+        manifest.shard_path(1).write_bytes(bytes(altered))
+        with pytest.raises(InvalidRequest) as refused:
+            _load(manifest.shard_path(1), 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+        assert refused.value.details["rule"] == "shard-integrity", region
+
+
+def test_a_symlink_swapped_during_the_load_cannot_slip_another_file_in(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name is pointed at another file after the checks and back once llama.cpp has opened
+    it: the identity checks see the verified file both times, so only loading the file that was
+    verified (pinned by descriptor) keeps the other one out."""
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    good = manifest.shard_path(1)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(good.read_bytes())
+    _flip_tensor_byte(other)
+    link = tmp_path / "tail.gguf"
+    link.symlink_to(good)
+    real_runtime = _abi.ShardRuntime
+    opened: list[int] = []
+
+    def swapping(path: Path, **options: object) -> _abi.ShardRuntime:
+        link.unlink()
+        link.symlink_to(other)
+        try:
+            opened.append(os.stat(options.get("load_from") or path).st_ino)  # type: ignore[arg-type]
+            return real_runtime(path, **options)  # type: ignore[arg-type]
+        finally:
+            link.unlink()
+            link.symlink_to(good)
+
+    monkeypatch.setattr(_abi, "ShardRuntime", swapping)
+    engine = _load(link, 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    try:
+        assert opened == [good.stat().st_ino]
+        assert engine.shard_path == link
+    finally:
+        engine.close()
 
 
 def test_verification_is_cached_per_file_identity(
