@@ -137,7 +137,9 @@ class _PinnedFiles:
         self._names: dict[str, str] = {}
 
     def pin(self, path: Path) -> Path:
-        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a name swapped to a FIFO must not block the open (the reader then refuses
+        # anything but a regular file).
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         self._descriptors.append(descriptor)
         link = Path(f"/proc/self/fd/{descriptor}")
         if not link.exists():

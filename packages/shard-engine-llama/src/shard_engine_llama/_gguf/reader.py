@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,8 +260,16 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """
     file_path = Path(path)
     try:
-        file_size = file_path.stat().st_size
-        with open(file_path, "rb") as handle:
+        # O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; only a regular
+        # file is read, and its size comes from the descriptor that is read.
+        descriptor = os.open(file_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(descriptor, "rb") as handle:
+            status = os.fstat(handle.fileno())
+            if not stat.S_ISREG(status.st_mode):
+                raise GGUFValidationError(
+                    f"{file_path}: not a regular file", rule="file-not-regular"
+                )
+            file_size = status.st_size
             if file_size < 24:
                 raise GGUFValidationError(
                     f"{file_path}: {file_size} bytes is too small to be a GGUF file"
@@ -268,7 +277,9 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
                 return _parse_header(buffer, file_path, file_size)
     except OSError as error:
-        raise GGUFValidationError(f"{file_path}: cannot read file: {error}") from error
+        raise GGUFValidationError(
+            f"{file_path}: cannot read file: {error.strerror or error}", rule="file-unreadable"
+        ) from error
 
 
 def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
