@@ -658,3 +658,31 @@ def test_a_shard_file_has_no_tokenizer_and_says_so(tiny_model: Path, tmp_path: P
     assert full.encode("hi")
     assert describe.describe_model is not None
     assert not describe.describe_model(str(manifest.shard_path(1))).has_tokenizer
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"tolerance": float("nan")},
+        {"tolerance": float("inf")},
+        {"tolerance": -1.0},
+        {"n_ubatch": 0},
+        {"n_ubatch": True},
+        {"kv_type": "F32"},
+        {"slow_forward_us": -1},
+        {"unknown_option": 1},
+    ],
+    ids=repr,
+)
+def test_bad_options_are_refused_before_anything_loads(
+    tiny_model: Path, options: dict[str, object]
+) -> None:
+    with pytest.raises(InvalidRequest):
+        _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS, options=options)
+
+
+def test_an_unwritable_model_store_is_named_as_such(tiny_model: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "store-is-a-file"
+    blocker.write_text("")
+    with pytest.raises(InvalidRequest, match="cannot write the shard into the model store"):
+        _load(tiny_model, 0, 2, TINY_MODEL_LAYERS, options={"model_store": str(blocker)})

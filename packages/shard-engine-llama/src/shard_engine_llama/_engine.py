@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -234,6 +235,14 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"kv_type must be f32 or f16, got {options.kv_type!r}")
         if options.n_ubatch < 1:
             raise InvalidRequest(f"n_ubatch must be positive, got {options.n_ubatch}")
+        if options.tolerance is not None and not (
+            math.isfinite(options.tolerance) and options.tolerance >= 0
+        ):
+            # Declared as the engine's determinism: NaN would make every comparison fail (and
+            # a negative bound none succeed).
+            raise InvalidRequest(
+                f"tolerance must be a finite number >= 0, got {options.tolerance!r}"
+            )
         if not 0 <= options.slow_forward_us <= _MAX_SLOW_FORWARD_US:
             raise InvalidRequest(
                 f"slow_forward_us must lie in [0, {_MAX_SLOW_FORWARD_US}], "
@@ -393,14 +402,21 @@ class LlamaEngine(EngineCore):
             raise ShardingRefusedError(info.refusal or "not shardable")
         store = model_store(options.model_store)
         directory = store / "shards" / source.stem / f"{spec.start:03d}-{spec.end:03d}"
-        manifest = split_model(
-            named,
-            [(spec.start, spec.end)],
-            directory,
-            partial=True,
-            header=header,
-            hash_store=store,
-        )
+        try:
+            manifest = split_model(
+                named,
+                [(spec.start, spec.end)],
+                directory,
+                partial=True,
+                header=header,
+                hash_store=store,
+            )
+        except OSError as error:
+            raise InvalidRequest(
+                f"cannot write the shard into the model store {store}: "
+                f"{error.strerror or error} ({error.filename or directory})",
+                details={"path": str(store)},
+            ) from error
         if manifest.source_sha256 != hash_cache().digest(source, "file", file_sha256, store=store):
             # The name was pointed at another file while the shard was being written.
             raise ShardIntegrityError(f"{named} changed while its shard was being written")
