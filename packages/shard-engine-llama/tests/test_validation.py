@@ -578,3 +578,30 @@ def test_shard_keys_must_describe_the_file(
     with pytest.raises(GGUFValidationError) as raised:
         validate_gguf(broken)
     assert raised.value.rule == "shard-keys"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("shard.source_sha256", _string("x")),
+        ("shard.source_sha256", _string("Z" * 64)),
+        ("shard.source_vocab_size", _string("260")),
+        ("shard.source_vocab_size", u32(0)),
+        ("shard.source_vocab_size", MetadataValue(-5, gguf.GGUFValueType.INT32)),
+        ("shard.source_vocab_size", u32(261)),
+    ],
+    ids=repr,
+)
+def test_tail_shard_keys_the_engine_reports_must_be_sound(
+    llama: Path, tmp_path: Path, key: str, value: MetadataValue
+) -> None:
+    """A shard reports its source digest as the model fingerprint and its source vocabulary
+    size as the model's: a re-sealed shard carrying nonsense there ('x', -5, a size other
+    than the tail's logits width) used to load and report it."""
+    from shard_engine_llama._gguf import split_model
+
+    manifest = split_model(llama, [(0, 1), (1, 3)], tmp_path / "shards")
+    broken = rewrite(manifest.shard_path(1), tmp_path / "lying.gguf", metadata={key: value})
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert (raised.value.rule, raised.value.field) == ("shard-keys", key)
