@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -533,3 +534,24 @@ def test_header_byte_mutations_give_a_typed_error_or_a_sound_header(
             assert str(mutated) in message, "the error names the file"
         else:
             assert header.tensors, "an accepted header describes its tensors"
+
+
+def test_a_huge_metadata_array_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """Five million one-byte elements: read into a list they took ~40 MiB for a 5 MB file (8x;
+    float elements several times more), so a long array in a multi-gigabyte file could take the
+    machine's memory before the header failed."""
+    count = 5_000_000
+    key = b"general.huge"
+    raw = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IIQ", int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.UINT8), count)
+        + bytes(count)
+    )
+    path = tmp_path / "huge-array.gguf"
+    path.write_bytes(raw)
+    with pytest.raises(GGUFValidationError) as raised:
+        read_gguf_header(path)
+    assert (raised.value.rule, raised.value.field) == ("metadata-array-length", "general.huge")

@@ -31,6 +31,8 @@ SHARD_KEY_PREFIX = "shard."
 _GGUF_MAGIC = b"GGUF"
 _SUPPORTED_GGUF_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
+# 16x the largest vocabulary of a released model (262,144 tokens).
+MAX_ARRAY_ELEMENTS = 1 << 22
 
 
 class GGUFValidationError(ValueError):
@@ -224,6 +226,15 @@ class _Cursor:
         count = self.u64(f"length of {key!r}")
         if count > len(self.buffer):
             raise GGUFValidationError(f"{self.path}: array {key!r} claims {count} elements")
+        if count > MAX_ARRAY_ELEMENTS:
+            # Each element becomes a Python object many times its size in the file: a long
+            # array in a large file would take the process's memory before anything fails.
+            raise GGUFValidationError(
+                f"{self.path}: array {key!r} has {count} elements, more than the "
+                f"{MAX_ARRAY_ELEMENTS} any model needs (its largest are vocabularies)",
+                rule="metadata-array-length",
+                field=key,
+            )
         if element_type == gguf.GGUFValueType.ARRAY:
             raise GGUFValidationError(f"{self.path}: nested arrays ({key!r}) are not supported")
         if element_type == gguf.GGUFValueType.STRING:
