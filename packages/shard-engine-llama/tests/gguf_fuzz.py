@@ -52,7 +52,8 @@ _RETYPES = {
 # Every tensor type the gguf package knows a size for (Q8_1 / Q8_K are activation-only types a
 # weight must not have; the integer types and F64 have no matrix kernels).
 _TYPES = tuple(t for t in gguf.GGMLQuantizationType if t in gguf.GGML_QUANT_SIZES)
-# Keys llama.cpp reads that no supported family needs; several abort or fail the load.
+# Keys llama.cpp reads that no supported family needs (several abort or fail the load), and
+# keys it never reads for the family.
 _FOREIGN_ARCH_KEYS: tuple[tuple[str, MetadataValue], ...] = (
     ("nextn_predict_layers", MetadataValue(9, U32)),
     ("nextn_predict_layers", MetadataValue(1, U32)),
@@ -61,6 +62,11 @@ _FOREIGN_ARCH_KEYS: tuple[tuple[str, MetadataValue], ...] = (
     ("pooling_type", MetadataValue("mean", gguf.GGUFValueType.STRING)),
     ("embedding_length_out", MetadataValue(7, U32)),
     ("rope.scaling.alpha", MetadataValue(math.nan, F32)),
+    # Keys llama.cpp never reads for a supported family: accepted, and they must load.
+    ("tensor_data_layout", MetadataValue("Meta AI original pth", gguf.GGUFValueType.STRING)),
+    ("expert_gating_func", MetadataValue(7, U32)),
+    ("attention.q_lora_rank", MetadataValue(math.nan, F32)),
+    ("converter.note", MetadataValue([1, 2], gguf.GGUFValueType.ARRAY, U32)),
 )
 _GENERAL_EDITS: tuple[tuple[str, MetadataValue], ...] = (
     ("general.alignment", MetadataValue(8, U32)),

@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
-from gguf_edit import f32, rewrite, tensor_offset_position
+from gguf_edit import f32, rewrite, tensor_offset_position, u32
 
 from shard_engine_api import (
     BoundaryResult,
@@ -38,7 +39,7 @@ from shard_engine_api import (
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_llama import LlamaEngine, _abi
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
-from shard_engine_llama._gguf import read_gguf_header, split_model
+from shard_engine_llama._gguf import MetadataValue, read_gguf_header, split_model
 from shard_engine_llama._gguf import store as store_module
 from shard_engine_llama._tiny_model import write_tiny_model
 
@@ -492,6 +493,32 @@ def test_negative_epsilon_is_refused_before_llama_cpp_sees_it(
         "rule": "hparam-positive-finite",
         "field": "llama.attention.layer_norm_rms_epsilon",
     }
+
+
+def test_keys_llama_cpp_never_reads_change_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    """A file with keys llama.cpp never reads for its family (an older conversion's
+    ``tensor_data_layout``, another architecture's key) loads and gives bitwise the logits of
+    the file without them."""
+    extended = rewrite(
+        tiny_model,
+        tmp_path / "extended.gguf",
+        metadata={
+            "llama.tensor_data_layout": MetadataValue(
+                "Meta AI original pth", gguf.GGUFValueType.STRING
+            ),
+            "llama.expert_gating_func": u32(7),
+        },
+    )
+    logits = []
+    for model in (tiny_model, extended):
+        engine = _load(model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+        try:
+            logits.append(
+                _prefill(engine, SessionRef(session_id="s", epoch=1), [1, 2, 3, 4]).tobytes()
+            )
+        finally:
+            engine.close()
+    assert logits[0] == logits[1]
 
 
 def test_prebuilt_shard_file_as_model(tiny_model: Path, tmp_path: Path) -> None:

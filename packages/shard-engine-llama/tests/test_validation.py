@@ -343,6 +343,22 @@ FAMILY_CASES: list[
         "qwen3.pooling_type",
     ),
     (
+        "SWA rope dimension (read for every family)",
+        "qwen3",
+        {"qwen3.rope.dimension_count_swa": u32(6)},
+        {},
+        "metadata-unknown-key",
+        "qwen3.rope.dimension_count_swa",
+    ),
+    (
+        "deepstack mapping (read by granite only)",
+        "granite",
+        {"granite.deepstack_mapping": array([1, 0, 1], gguf.GGUFValueType.UINT32)},
+        {},
+        "metadata-unknown-key",
+        "granite.deepstack_mapping",
+    ),
+    (
         "model name as an integer",
         "qwen3",
         {"general.name": u32(3)},
@@ -605,3 +621,25 @@ def test_tail_shard_keys_the_engine_reports_must_be_sound(
     with pytest.raises(GGUFValidationError) as raised:
         validate_gguf(broken)
     assert (raised.value.rule, raised.value.field) == ("shard-keys", key)
+
+
+@pytest.mark.parametrize(
+    ("arch", "suffix", "value"),
+    [
+        ("llama", "tensor_data_layout", _string("Meta AI original pth")),
+        ("qwen3moe", "expert_gating_func", u32(7)),
+        ("qwen2", "attention.q_lora_rank", f32(float("nan"))),
+        ("gemma3", "converter.note", array([1, 2], gguf.GGUFValueType.UINT32)),
+        ("llama", "deepstack_mapping", array([1, 0, 1], gguf.GGUFValueType.UINT32)),
+    ],
+)
+def test_keys_llama_cpp_never_reads_for_the_family_are_ignored(
+    tmp_path: Path, arch: str, suffix: str, value: MetadataValue
+) -> None:
+    """Older llama conversions carry ``llama.tensor_data_layout``; converters add notes and keys
+    of other architectures. llama.cpp never reads them for the family, so refusing them would
+    refuse sound files; ``test_engine`` loads such a file and gets the same logits."""
+    source = tmp_path / f"{arch}.gguf"
+    write_tiny_model(source, arch=arch, n_layers=3)
+    extended = rewrite(source, tmp_path / "extra.gguf", metadata={f"{arch}.{suffix}": value})
+    assert validate_gguf(extended).architecture == arch

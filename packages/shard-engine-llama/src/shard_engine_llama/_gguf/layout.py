@@ -14,9 +14,10 @@ Each check mirrors something llama.cpp does with the file, and says which:
   ``done_getting_tensors`` refuses a file with tensors nobody asked for; 1-D tensors (norms,
   biases) must be F32 and matrices a float or block-quantized weight type, which every CPU
   kernel takes.
-* ``metadata-unknown-key``: llama.cpp reads far more ``<arch>.*`` keys than any one family
+* ``metadata-unknown-key``: llama.cpp reads more ``<arch>.*`` keys than any one family
   needs (multi-token prediction layer counts it asserts on, SWA head sizes, pooling, ...); a
-  key outside the checked table is refused rather than handed on unchecked.
+  key it reads for the family that the checked table does not cover is refused rather than
+  handed on unchecked. A key it never reads for the family is ignored, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -151,6 +152,36 @@ _GENERAL_KEYS: dict[str, gguf.GGUFValueType] = {
 _UNSUPPORTED_GENERAL_PREFIX = "general.tensor_extra."
 # Keys under "<arch>." other than _ARCH_KEYS that the validator checks itself.
 _CHECKED_ARCH_KEYS = frozenset({"attention.sliding_window_pattern"})
+# Keys under "<arch>." that llama.cpp (of llama-cpp-python 0.3.36) reads for a supported family
+# but this validator does not check: refused (``metadata-unknown-key``), because llama.cpp
+# asserts on some (``nextn_predict_layers`` beyond the block count) and refuses the tensors or
+# the graph on others. The list is every ``LLM_KV_*`` that ``llama_model::load_hparams`` in
+# src/llama-model.cpp reads for every architecture, plus those src/models/<family>.cpp reads,
+# minus _ARCH_KEYS and _CHECKED_ARCH_KEYS. Any other ``<arch>.*`` key is never read by
+# llama.cpp for the family (``llama.tensor_data_layout`` of older llama conversions, keys of
+# other architectures, a converter's own notes), so it is accepted and ignored, as llama.cpp
+# ignores it. Re-derive the list when the llama.cpp pin moves.
+_READ_UNCHECKED_ARCH_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(
+        {
+            "attention.key_length_swa",
+            "attention.value_length_swa",
+            "classifier.output_labels",
+            "classifier.pooling_type",
+            "convnext.block_count",
+            "convnext.embedding_length",
+            "embedding_length_out",
+            "features_length",
+            "nextn_predict_layers",
+            "pooling_type",
+            "posnet.block_count",
+            "posnet.embedding_length",
+            "rope.dimension_count_swa",
+            "rope.scaling.alpha",
+        }
+    ),
+    "granite": frozenset({"deepstack_mapping"}),
+}
 # The pre-tokenizer names llama-vocab.cpp knows for a BPE (gpt2) vocabulary; any other throws
 # "unknown pre-tokenizer type" (llama.cpp of llama-cpp-python 0.3.36).
 _BPE_PRE_TOKENIZERS = frozenset(
@@ -272,19 +303,21 @@ def _fail(header: GGUFHeader, rule: str, field: str, message: str) -> GGUFValida
 
 def _check_key_types(header: GGUFHeader, arch: str) -> None:
     prefix = f"{arch}."
+    read_unchecked = _READ_UNCHECKED_ARCH_KEYS[""] | _READ_UNCHECKED_ARCH_KEYS.get(
+        arch, frozenset()
+    )
     for key in header.metadata:
         if key.startswith(prefix):
             suffix = key[len(prefix) :]
-            if suffix not in _ARCH_KEYS and suffix not in _CHECKED_ARCH_KEYS:
-                # llama.cpp reads many more <arch>.* keys (multi-token prediction layers, SWA
-                # head sizes, pooling, ...), some of which it asserts on; a key this validator
-                # does not check is refused rather than handed on unchecked.
+            if suffix in read_unchecked:
+                # llama.cpp reads it for this family (multi-token prediction layers, SWA head
+                # sizes, pooling, ...) and may assert on its value: refused, not handed on.
                 raise _fail(
                     header,
                     "metadata-unknown-key",
                     key,
-                    f"is not a key this package checks for {arch} (llama.cpp may read it and "
-                    "refuse or abort on its value)",
+                    f"is a key llama.cpp reads for {arch} that this package does not check "
+                    "(llama.cpp may refuse or abort on its value)",
                 )
         elif key.startswith(_UNSUPPORTED_GENERAL_PREFIX):
             raise _fail(
