@@ -1,0 +1,119 @@
+"""Load settings at and beyond llama.cpp's limits and the machine's: typed refusals before
+llama.cpp allocates anything, and an engine that loads normally afterwards."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import pytest
+
+from shard_engine_api import (
+    InvalidRequest,
+    LoadConfig,
+    PrefillRequest,
+    ResourceExhausted,
+    SessionRef,
+    ShardSpec,
+    TokenInput,
+)
+from shard_engine_llama import LlamaEngine, _engine
+from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
+
+MiB = 1 << 20
+
+
+def _config(
+    model: Path, start: int = 0, end: int = TINY_MODEL_LAYERS, **fields: object
+) -> LoadConfig:
+    options = {"n_ubatch": 4, "model_store": str(model.parent / "store")}
+    return LoadConfig(
+        shard=ShardSpec(model=str(model), n_layers=TINY_MODEL_LAYERS, start=start, end=end),
+        options=options,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def _serves_after_refusal(engine: LlamaEngine, model: Path) -> None:
+    """The refused load left nothing behind: the same engine loads and computes."""
+    engine.load(_config(model, max_sessions=2, max_context=64))
+    session = SessionRef(session_id="after", epoch=1)
+    engine.prefill(
+        PrefillRequest(
+            request_id="after", session=session, start_pos=0, inputs=TokenInput(token_ids=(1, 2))
+        )
+    )
+    engine.close()
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def test_context_cells_beyond_32_bits_are_refused(tiny_model: Path) -> None:
+    """llama.cpp's n_ctx is 32-bit: max_context 2**24 for 255 sessions and the spare one is
+    2**32 cells, which used to wrap to 0 and load with llama.cpp's default context (256
+    positions per session reported for the 16,777,216 asked for)."""
+    engine = LlamaEngine()
+    with pytest.raises(InvalidRequest, match="32-bit") as raised:
+        engine.load(_config(tiny_model, max_context=1 << 24, max_sessions=255))
+    assert raised.value.details["cells"] == 1 << 32
+    _serves_after_refusal(engine, tiny_model)
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "message"),
+    [
+        (None, {"model_store": "a\x00b"}, "NUL"),
+        ("/", {}, "not a regular file"),
+        ("/dev/null", {}, "not a regular file"),
+        ("/nonexistent/model.gguf", {}, "does not exist"),
+    ],
+)
+def test_bad_paths_are_named(
+    tiny_model: Path, model: str | None, options: dict[str, str], message: str
+) -> None:
+    config = _config(tiny_model)
+    config = LoadConfig(
+        shard=ShardSpec(model=model or str(tiny_model), n_layers=TINY_MODEL_LAYERS, start=0, end=6),
+        options={**config.options, **options},
+    )
+    engine = LlamaEngine()
+    with pytest.raises(InvalidRequest, match=message):
+        engine.load(config)
+    _serves_after_refusal(engine, tiny_model)
+
+
+def test_context_beyond_memory_is_refused_before_allocation(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp allocates and clears every sequence's KV stream at load: 1.7 GB for this
+    1 MB model at a 65,536 context with 16 sessions, and a context larger than the memory got
+    the process killed. The estimate is refused before llama.cpp sees the config."""
+    monkeypatch.setattr(_engine, "_available_memory", lambda: 256 * MiB)
+    engine = LlamaEngine()
+    before = _peak_rss()
+    with pytest.raises(ResourceExhausted, match="KV cache") as raised:
+        engine.load(_config(tiny_model, max_context=1 << 16, max_sessions=16))
+    assert raised.value.retryable is False
+    assert raised.value.details["resource"] == "memory"
+    # 17 sequences x 65,536 cells x 6 layers x 2 KV heads x (16 + 16) x 4 bytes.
+    assert int(raised.value.details["bytes"]) >= 17 * (1 << 16) * 6 * 2 * 32 * 4  # type: ignore[arg-type]
+    assert _peak_rss() - before < 256 * MiB
+    _serves_after_refusal(engine, tiny_model)
+
+
+def test_tail_logits_buffer_counts_against_memory(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tail reserves logits for a whole batch (max_batch_tokens rows of the vocabulary); a
+    middle shard with the same settings computes no logits and fits."""
+    monkeypatch.setattr(_engine, "_available_memory", lambda: 512 * MiB)
+    fields = {"max_context": 16, "max_sessions": 1, "max_batch_tokens": 1 << 20}
+    engine = LlamaEngine()
+    with pytest.raises(ResourceExhausted, match="logits"):
+        engine.load(_config(tiny_model, 3, TINY_MODEL_LAYERS, **fields))
+    middle = LlamaEngine()
+    middle.load(_config(tiny_model, 2, 4, **fields))
+    middle.close()
+    _serves_after_refusal(engine, tiny_model)
