@@ -61,6 +61,15 @@ def test_context_cells_beyond_32_bits_are_refused(tiny_model: Path) -> None:
     _serves_after_refusal(engine, tiny_model)
 
 
+@pytest.mark.parametrize("n_threads", [513, 4096])
+def test_threads_beyond_ggml_limit_are_refused(tiny_model: Path, n_threads: int) -> None:
+    """OpenMP started every thread asked for (4,097 of them, 6.8 s per token on 2 cores)."""
+    engine = LlamaEngine()
+    with pytest.raises(InvalidRequest, match="GGML_MAX_N_THREADS"):
+        engine.load(_config(tiny_model, n_threads=n_threads))
+    _serves_after_refusal(engine, tiny_model)
+
+
 @pytest.mark.parametrize(
     ("model", "options", "message"),
     [

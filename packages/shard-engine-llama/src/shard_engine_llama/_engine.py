@@ -67,6 +67,7 @@ __all__ = ["ENGINE_VERSION", "LlamaEngine", "LlamaOptions"]
 ENGINE_VERSION: Final = "0.1.0"
 _MAX_SEQUENCES: Final = 256  # llama.cpp's LLAMA_MAX_SEQ
 _MAX_SLOW_FORWARD_US: Final = 100_000
+_MAX_THREADS: Final = 512  # ggml's GGML_MAX_N_THREADS
 _MAX_CONTEXT_CELLS: Final = 2**32 - 1  # llama_context_params.n_ctx is a uint32_t
 _KV_CELL_PAD: Final = 256  # llama.cpp pads each sequence's KV stream to this many cells
 
@@ -253,6 +254,14 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(
                 f"slow_forward_us must lie in [0, {_MAX_SLOW_FORWARD_US}], "
                 f"got {options.slow_forward_us}"
+            )
+        if config.n_threads > _MAX_THREADS:
+            # ggml sizes its thread pools for at most this many; OpenMP starts as many as
+            # asked (4,096 threads: 6.8 s per token of a 1 MB model on 2 cores).
+            raise InvalidRequest(
+                f"n_threads may not exceed {_MAX_THREADS} (ggml's GGML_MAX_N_THREADS), got "
+                f"{config.n_threads}; more threads than cores only slows llama.cpp down",
+                details={"field": "n_threads", "limit": _MAX_THREADS},
             )
         if config.max_sessions >= _MAX_SEQUENCES:
             raise InvalidRequest(
