@@ -449,7 +449,8 @@ def test_mutated_states_never_take_the_process_down(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     """Mutated states (flipped bytes, boundary values in 32-bit fields, truncations,
-    extensions, another length's state) of a dense, an MoE and a sliding-window model, full
+    extensions, another length's state, states of other settings or ranges behind this
+    engine's identity prefix) of a dense, an MoE and a sliding-window model, full
     and middle shards, imported in a child process: it exits normally, every refusal is
     InvalidRequest, and the engines serve on (state_fuzz.py; SHARD_ENGINE_FUZZ_EXAMPLES sets
     the cases per shard). Fix: a check in _state.parse for the field that got through."""
