@@ -4,7 +4,10 @@ llama.cpp allocates anything, and an engine that loads normally afterwards."""
 from __future__ import annotations
 
 import resource
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +22,7 @@ from shard_engine_api import (
 )
 from shard_engine_llama import LlamaEngine, _engine
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
+from shard_engine_llama._gguf import split_model
 
 MiB = 1 << 20
 
@@ -126,3 +130,63 @@ def test_tail_logits_buffer_counts_against_memory(
     middle.load(_config(tiny_model, 2, 4, **fields))
     middle.close()
     _serves_after_refusal(engine, tiny_model)
+
+
+def test_engines_loading_one_range_at_once_take_turns(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engines of several processes (or threads) loading the same range into one store used
+    to write the same ``.partial`` file over each other: measured with 3 processes on a fresh
+    store, 2 of 3 loads failed ("carries no shard.content_sha256", "No such file or
+    directory"). The write is now under a per-range lock: one writes, the others reuse the
+    verified file. (Slowed writes make the overlap certain without the lock.) The shard
+    directory is named after the model and its digest, not the descriptor it was read by."""
+    active = 0
+    overlap = 0
+    guard = threading.Lock()
+
+    def slow_split(*args: Any, **kwargs: Any) -> Any:
+        nonlocal active, overlap
+        with guard:
+            active += 1
+            overlap = max(overlap, active)
+        try:
+            time.sleep(0.2)
+            return split_model(*args, **kwargs)
+        finally:
+            with guard:
+                active -= 1
+
+    monkeypatch.setattr(_engine, "split_model", slow_split)
+    store = tmp_path / "store"
+    config = LoadConfig(
+        shard=ShardSpec(model=str(tiny_model), n_layers=TINY_MODEL_LAYERS, start=2, end=4),
+        max_sessions=1,
+        max_context=16,
+        options={"n_ubatch": 4, "model_store": str(store)},
+    )
+    engines = [LlamaEngine() for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def load(engine: LlamaEngine) -> None:
+        try:
+            engine.load(config)
+        except BaseException as error:  # noqa: BLE001 - collected for the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=load, args=(engine,)) for engine in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    try:
+        assert not errors, errors
+        assert overlap == 1
+        paths = {engine.shard_path for engine in engines}
+        assert len(paths) == 1
+        (path,) = paths
+        assert path is not None
+        assert path.parent.parent.name.startswith(tiny_model.stem + "-")
+    finally:
+        for engine in engines:
+            engine.close()

@@ -6,12 +6,14 @@ backend steps onto :class:`ShardRuntime` and maps runtime failures onto the cont
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
@@ -182,6 +184,28 @@ class _ShardChoice:
 
     def verified(self) -> _ShardChoice:
         return replace(self, identity=file_identity(self.path))
+
+
+@contextlib.contextmanager
+def _store_lock(store: Path, directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<directory>.lock`` (per open file, so threads of one
+    process exclude each other too) for as long as the block runs."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(
+            directory.with_name(directory.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        )
+    except OSError as error:
+        raise InvalidRequest(
+            f"cannot write the shard into the model store {store}: "
+            f"{error.strerror or error} ({error.filename or directory})",
+            details={"path": str(store)},
+        ) from error
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
 
 
 def _usable_store(explicit: str | None) -> Path | None:
@@ -418,25 +442,35 @@ class LlamaEngine(EngineCore):
         if not info.shardable:
             raise ShardingRefusedError(info.refusal or "not shardable")
         store = model_store(options.model_store)
-        directory = store / "shards" / source.stem / f"{spec.start:03d}-{spec.end:03d}"
-        try:
-            manifest = split_model(
-                named,
-                [(spec.start, spec.end)],
-                directory,
-                partial=True,
-                header=header,
-                hash_store=store,
-            )
-        except OSError as error:
-            raise InvalidRequest(
-                f"cannot write the shard into the model store {store}: "
-                f"{error.strerror or error} ({error.filename or directory})",
-                details={"path": str(store)},
-            ) from error
-        if manifest.source_sha256 != hash_cache().digest(source, "file", file_sha256, store=store):
-            # The name was pointed at another file while the shard was being written.
-            raise ShardIntegrityError(f"{named} changed while its shard was being written")
+        digest = hash_cache().digest(source, "file", file_sha256, store=store)
+        # Named by the model and its digest (two models of one name do not share a directory)
+        # and written under a lock: engines of several processes or threads that load the same
+        # range at once take turns, and all but the first reuse the verified file instead of
+        # writing the same ".partial" file over each other. The lock is held until the shard
+        # is pinned, so no one rewrites it between the write and the pin.
+        directory = (
+            store / "shards" / f"{named.stem}-{digest[:16]}" / f"{spec.start:03d}-{spec.end:03d}"
+        )
+        with _store_lock(store, directory):
+            try:
+                manifest = split_model(
+                    named,
+                    [(spec.start, spec.end)],
+                    directory,
+                    partial=True,
+                    header=header,
+                    hash_store=store,
+                )
+            except OSError as error:
+                raise InvalidRequest(
+                    f"cannot write the shard into the model store {store}: "
+                    f"{error.strerror or error} ({error.filename or directory})",
+                    details={"path": str(store)},
+                ) from error
+            if manifest.source_sha256 != digest:
+                # The name was pointed at another file while the shard was being written.
+                raise ShardIntegrityError(f"{named} changed while its shard was being written")
+            shard = pins.pin(manifest.shard_path(0))
         layout = planned_layout(header, spec.start, spec.end)
         _log.info(
             "shard [%d, %d) of %s: %s %s",
@@ -446,9 +480,8 @@ class LlamaEngine(EngineCore):
             "reused" if manifest.reused and manifest.reused[0] else "wrote",
             manifest.shard_path(0).name,
         )
-        # The store's shard file is pinned and checked again: what llama.cpp opens must be the
-        # shard of this source and range, with the bytes its digest records.
-        shard = pins.pin(manifest.shard_path(0))
+        # The store's shard file (pinned above) is checked again: what llama.cpp opens must be
+        # the shard of this source and range, with the bytes its digest records.
         shard_header = validate_gguf(shard)
         verify_shard(shard_header, store=store)
         if (
