@@ -17,14 +17,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 from test_core import HistoryEngine
 
 from shard_engine_api import (
     AsyncShardEngine,
+    CacheMiss,
     Cancelled,
     CancelRequest,
     DecodeRequest,
+    EngineCrashed,
     LoadConfig,
+    MalformedOutput,
+    OutcomeUnknown,
     PrefillRequest,
     ReleaseRequest,
     SessionRef,
@@ -269,3 +274,73 @@ def test_async_with_closes_the_engine() -> None:
 
     asyncio.run(scenario())
     assert engine.health().state == "closed"
+
+
+class CommitsThenFails(SlowHistory):
+    """A decode that commits, then fails with ``error`` once ``proceed`` is set: what a
+    transport that lost the reply (OutcomeUnknown), a validating wrapper refusing a committed
+    step's result (MalformedOutput) or a crash after the commit look like to the caller."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+        self.committed = threading.Event()
+        self.proceed = threading.Event()
+
+    def decode(self, request: DecodeRequest) -> ShardResult:
+        super().decode(request)
+        self.committed.set()
+        self.proceed.wait(10)
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "reported"),
+    [
+        (OutcomeUnknown("the link broke"), OutcomeUnknown),
+        (MalformedOutput("bad result"), MalformedOutput),
+        (EngineCrashed("gone"), EngineCrashed),
+        (RuntimeError("not in the taxonomy"), RuntimeError),
+        (Cancelled("rolled back"), asyncio.CancelledError),
+        (CacheMiss("refused", committed_length=0, reason="r"), asyncio.CancelledError),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else value.__name__,
+)
+def test_cancellation_never_hides_an_error_that_may_have_changed_state(
+    error: Exception, reported: type[BaseException]
+) -> None:
+    """A task cancelled while its call ends in an error: CancelledError ("nothing changed")
+    only for an error that says the call rolled back or was refused; one that says it may have
+    run, or may have committed, reaches the caller as it is."""
+    engine = CommitsThenFails(error)
+    _loaded(engine)
+    session = SessionRef(session_id="s", epoch=1)
+    engine.prefill(
+        PrefillRequest(
+            request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=(1,))
+        )
+    )
+
+    async def scenario() -> BaseException | None:
+        adapter = AsyncShardEngine(engine)
+        task = asyncio.ensure_future(
+            adapter.decode(
+                DecodeRequest(
+                    request_id="d", session=session, pos=1, inputs=TokenInput(token_ids=(2,))
+                )
+            )
+        )
+        while not engine.committed.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        engine.proceed.set()
+        try:
+            await task
+        except BaseException as raised:  # noqa: BLE001 (the outcome is what is tested)
+            return raised
+        return None
+
+    raised = asyncio.run(scenario())
+    assert type(raised) is reported
+    assert _committed(engine, "s") == 2  # the decode did commit

@@ -7,9 +7,13 @@ Cancelling a task that awaits one of the adapter's calls:
   happened;
 - a running prefill, decode, batch, export or import is cancelled in the engine (by request id),
   and the task waits until the call has ended, so the caller never races a half-finished operation.
-  If it rolled back (or failed), the task ends with ``CancelledError``; if it committed before the
-  cancel reached it, **the result stands and is returned**: the cancellation is absorbed rather
-  than reported as a rollback that did not happen;
+  If it rolled back (or failed with a contract error, which rolls back), the task ends with
+  ``CancelledError``; if it committed before the cancel reached it, **the result stands and is
+  returned**: the cancellation is absorbed rather than reported as a rollback that did not
+  happen. An error that does not say "nothing changed" is raised as it is, never turned into
+  ``CancelledError``: OutcomeUnknown (a transport lost the request, which may have committed),
+  MalformedOutput (a validating wrapper refused the result of a step that committed),
+  EngineCrashed, and any exception outside the taxonomy;
 - a running call that has no request id (``release``, ``load``, ``close``) cannot be stopped:
   the task waits for it and returns its result (a release that ran says so), or ends with
   ``CancelledError`` if it failed.
@@ -24,9 +28,14 @@ import concurrent.futures
 import contextlib
 from collections.abc import Callable
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Final, Self, TypeVar
 
-from shard_engine_api._errors import ShardEngineError
+from shard_engine_api._errors import (
+    EngineCrashed,
+    MalformedOutput,
+    OutcomeUnknown,
+    ShardEngineError,
+)
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
     CancelRequest,
@@ -51,6 +60,8 @@ from shard_engine_api._types import (
 __all__ = ["AsyncShardEngine"]
 
 _T = TypeVar("_T")
+_MAY_HAVE_CHANGED: Final = (OutcomeUnknown, MalformedOutput, EngineCrashed)
+"""The contract errors that do not mean "the call changed nothing" (see the module docstring)."""
 
 
 class AsyncShardEngine:
@@ -93,10 +104,16 @@ class AsyncShardEngine:
                 with contextlib.suppress(ShardEngineError):
                     self.engine.cancel(CancelRequest(request_id=request_id))
             await _settled(future)
-            if future.cancelled() or future.exception() is not None:
-                raise  # rolled back, or failed: nothing changed
-            # It committed before the cancel could stop it: the result stands.
-            return future.result()
+            if future.cancelled():
+                raise
+            error = future.exception()
+            if error is None:
+                # It committed before the cancel could stop it: the result stands.
+                return future.result()
+            if isinstance(error, ShardEngineError) and not isinstance(error, _MAY_HAVE_CHANGED):
+                raise  # rolled back, or refused: nothing changed
+            # It may have changed something: CancelledError would say it did not.
+            raise error from None
 
     async def load(self, config: LoadConfig) -> Capabilities:
         """Await ShardEngine.load on the executor."""
