@@ -3,6 +3,7 @@ inner engine becomes MalformedOutput naming the check; good results pass through
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ from shard_engine_api import (
     ShardEngine,
     ShardResult,
     ShardSpec,
+    Timings,
     TokenInput,
     ValidatingEngine,
 )
@@ -373,6 +375,8 @@ NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("non-finite", rebuild_bundle(with_nan), "finite"),
     ("payload not a buffer", replace_bundle(payload="text"), "result_fields"),
     ("bundle not a bundle", lambda r: msgspec.structs.replace(r, bundle=None), "result_fields"),
+    ("negative timing", lambda r: msgspec.structs.replace(r, timings=Timings(total_ms=-2.0)),
+     "timings"),
 ]  # fmt: skip
 
 
@@ -435,6 +439,10 @@ TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
      "payload_length"),
     ("checksum", lambda r: msgspec.structs.replace(r, checksum=r.checksum ^ 1), "checksum"),
     ("non-finite", logits_from(lambda v: v * np.inf), "finite"),
+    ("NaN timing", lambda r: msgspec.structs.replace(r, timings=Timings(queue_ms=math.nan)),
+     "timings"),
+    ("infinite timing", lambda r: msgspec.structs.replace(r, timings=Timings(compute_ms=math.inf)),
+     "timings"),
 ]  # fmt: skip
 
 

@@ -23,6 +23,7 @@ match it).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Final, NoReturn
 
 import msgspec
@@ -69,6 +70,7 @@ __all__ = ["ValidatingEngine"]
 _MAX_SNAPSHOT_BYTES: Final = 1 << 36
 """The largest snapshot state this wrapper hashes (the engine's own limit is usually lower)."""
 _KNOWN_DTYPES: Final[frozenset[str]] = BOUNDARY_DTYPES
+_INFINITY: Final = math.inf
 _EVIDENCE_CLASSES: Final[frozenset[str]] = frozenset({"fixture", "real"})
 
 
@@ -203,7 +205,8 @@ class ValidatingEngine:
     last-row logits are one row at ``start_pos + n - 1``); hidden size and vocabulary size; the
     bundle's dtype is the loaded one (or an advertised one if the load was not seen); layer is
     the shard's end; model fingerprint and contract version; reserved MTP/aux fields empty;
-    payload length, checksum and, under ``nonfinite="reject"``, finiteness. A batch result must
+    payload length, checksum and, under ``nonfinite="reject"``, finiteness; timings finite and
+    >= 0. A batch result must
     echo the batch's request id and hold one entry per item, in item order.
 
     Every violation raises :class:`~shard_engine_api.MalformedOutput`; so does any exception
@@ -622,6 +625,17 @@ class ValidatingEngine:
             _violation(
                 "evidence",
                 f"result says {result.evidence!r}, capabilities say {contract.evidence!r}",
+            )
+        timings = result.timings
+        # Comparisons false for NaN: wall-clock milliseconds are finite and >= 0.
+        if not (
+            0.0 <= timings.queue_ms < _INFINITY
+            and 0.0 <= timings.compute_ms < _INFINITY
+            and 0.0 <= timings.total_ms < _INFINITY
+        ):
+            _violation(
+                "timings",
+                f"result timings {timings} are not finite, non-negative milliseconds",
             )
 
 
