@@ -29,6 +29,7 @@ from shard_engine_api import (
     EngineCrashed,
     LoadConfig,
     MalformedOutput,
+    NotReady,
     OutcomeUnknown,
     PrefillRequest,
     ReleaseRequest,
@@ -344,3 +345,57 @@ def test_cancellation_never_hides_an_error_that_may_have_changed_state(
     raised = asyncio.run(scenario())
     assert type(raised) is reported
     assert _committed(engine, "s") == 2  # the decode did commit
+
+
+def test_after_close_calls_are_not_ready_and_a_second_close_does_nothing() -> None:
+    """A closed adapter answers like a closed engine (NotReady, not retryable), not with the
+    executor's RuntimeError; closing twice is allowed."""
+    engine = _loaded(SlowHistory())
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine)
+        await adapter.close()
+        with pytest.raises(NotReady) as caught:
+            await adapter.prefill(
+                PrefillRequest(
+                    request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=(1,))
+                )
+            )
+        assert caught.value.retryable is False
+        await adapter.close()
+        assert (await adapter.health()).state == "closed"
+
+    asyncio.run(scenario())
+
+
+def test_a_withdrawn_close_leaves_the_engine_and_the_adapter_usable() -> None:
+    """A close cancelled while queued behind busy workers (of the adapter's own executor)
+    never ran: CancelledError, the engine is still ready, and the adapter still serves it."""
+    engine = _loaded(SlowHistory())
+    busy = threading.Event()
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine)
+        for _ in range(8):  # every worker of the private pool
+            adapter._executor.submit(busy.wait, 10)
+        closing = asyncio.ensure_future(adapter.close())
+        await asyncio.sleep(0.01)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        busy.set()
+        assert engine.health().state == "ready"
+        await adapter.prefill(
+            PrefillRequest(
+                request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=(1,))
+            )
+        )
+        await adapter.close()
+        assert engine.health().state == "closed"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        busy.set()

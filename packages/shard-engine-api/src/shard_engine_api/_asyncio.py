@@ -33,6 +33,7 @@ from typing import Final, Self, TypeVar
 from shard_engine_api._errors import (
     EngineCrashed,
     MalformedOutput,
+    NotReady,
     OutcomeUnknown,
     ShardEngineError,
 )
@@ -75,6 +76,7 @@ class AsyncShardEngine:
         self, engine: ShardEngine, *, executor: concurrent.futures.Executor | None = None
     ) -> None:
         self.engine = engine
+        self._closed = False
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix=f"shard-engine-{engine.name}"
@@ -92,7 +94,13 @@ class AsyncShardEngine:
         await self.close()
 
     async def _run(self, call: Callable[[], _T], request_id: str | None = None) -> _T:
-        submitted = self._executor.submit(call)
+        try:
+            submitted = self._executor.submit(call)
+        except RuntimeError:  # the executor was shut down (by close(), or by its owner)
+            raise NotReady(
+                "the engine is closed: AsyncShardEngine.close() shut its executor down",
+                retryable=False,
+            ) from None
         future = asyncio.wrap_future(submitted)
         try:
             return await asyncio.shield(future)
@@ -164,12 +172,26 @@ class AsyncShardEngine:
         return self.engine.metrics()
 
     async def close(self) -> None:
-        """Close the engine, then the private executor."""
+        """Close the engine, then the private executor; a second close does nothing. Once
+        closed, every awaited operation raises NotReady (``retryable=False``), as the engine's
+        own do. A close withdrawn before it ran (its task cancelled while it was queued) leaves
+        the engine and the executor open: ``CancelledError``, nothing changed."""
+        if self._closed:
+            return
+        ran = False
+
+        def close_engine() -> None:
+            nonlocal ran
+            ran = True
+            self.engine.close()
+
         try:
-            await self._run(self.engine.close)
+            await self._run(close_engine)
         finally:
-            if self._owns_executor:
-                self._executor.shutdown(wait=False)
+            if ran:
+                self._closed = True
+                if self._owns_executor:
+                    self._executor.shutdown(wait=False)
 
 
 async def _settled(future: asyncio.Future[_T]) -> None:
