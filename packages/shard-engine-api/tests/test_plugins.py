@@ -16,6 +16,7 @@ from shard_engine_api import _plugins as plugins_module
 from shard_engine_api.engine import (
     BrokenPlugin,
     EngineDescription,
+    ModelFixture,
     check_pending,
     engine_description,
     get_plugin_manager,
@@ -272,3 +273,19 @@ def test_hostile_plugins_are_named_and_leave_the_others_working(
         load_engine("factory_raises", manager=manager)
     load_engine("reference", manager=manager).close()
     load_engine("fake").close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [({"n_threads": 99999}, "n_threads"), ({"max_sessions": "four"}, "max_sessions"),
+     ({"eviction": "bogus"}, "eviction")],
+)  # fmt: skip
+def test_a_fixture_config_with_a_bad_field_is_invalid_request(
+    overrides: dict[str, object], field: str
+) -> None:
+    """ModelFixture.config (what the CLI and the suite build configs with) raises the
+    contract's InvalidRequest naming the field, not msgspec's ValidationError."""
+    fixture = ModelFixture(model="m", n_layers=2)
+    with pytest.raises(InvalidRequest, match=field) as caught:
+        fixture.config(0, 2, **overrides)
+    assert type(caught.value) is InvalidRequest

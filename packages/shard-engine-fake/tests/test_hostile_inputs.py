@@ -15,7 +15,7 @@ import pytest
 
 import shard_engine_api as api
 from shard_engine_api.engine import CancelToken, ForwardItem, OutputMode
-from shard_engine_fake import DEFAULT_MODEL, FakeEngine
+from shard_engine_fake import DEFAULT_MODEL, FakeEngine, resolve_model
 
 SESSION = api.SessionRef(session_id="s", epoch=1)
 Front = Callable[[FakeEngine], Callable[[api.PrefillRequest], api.ShardResult]]
@@ -118,3 +118,15 @@ def test_a_released_payload_is_invalid_and_changes_nothing(
     assert tail.metrics().sessions_active == 0
     # The engine still serves the sound bundle.
     assert isinstance(front(tail)(_prefill(sound)), api.LogitsResult)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"hidden_size": 0}, {"vocab_size": 1 << 21}, {"seed": -1}],
+    ids=["hidden 0", "vocab too large", "negative seed"],
+)
+def test_resolving_an_out_of_range_model_is_invalid_request(options: dict[str, int]) -> None:
+    """The public resolver raises the contract's error, not msgspec's ValidationError."""
+    shard = api.ShardSpec(model="fake", n_layers=6, start=0, end=6)
+    with pytest.raises(api.InvalidRequest, match="must lie in"):
+        resolve_model(shard, options)
