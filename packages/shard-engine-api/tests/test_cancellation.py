@@ -25,6 +25,7 @@ from shard_engine_api import (
     CacheMiss,
     Cancelled,
     CancelRequest,
+    CancelResult,
     DecodeRequest,
     EngineCrashed,
     LoadConfig,
@@ -399,3 +400,40 @@ def test_a_withdrawn_close_leaves_the_engine_and_the_adapter_usable() -> None:
         asyncio.run(scenario())
     finally:
         busy.set()
+
+
+class CancelExplodes(SlowHistory):
+    """An engine whose cancel() raises an exception outside the taxonomy (a bug)."""
+
+    def cancel(self, request: CancelRequest) -> CancelResult:
+        raise RuntimeError("cancel is broken")
+
+
+def test_a_cancel_that_raises_does_not_end_the_wait_for_the_running_call() -> None:
+    """The task still waits for the running prefill to end (its result stands: the cancel
+    never reached it), so the caller never races a half-finished operation."""
+    engine = CancelExplodes()
+    _loaded(engine)
+    engine.row_delay = 0.01
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> ShardResult:
+        adapter = AsyncShardEngine(engine)
+        task = asyncio.ensure_future(
+            adapter.prefill(
+                PrefillRequest(
+                    request_id="p",
+                    session=session,
+                    start_pos=0,
+                    inputs=TokenInput(token_ids=tuple(range(1, 9))),
+                )
+            )
+        )
+        await asyncio.sleep(0.02)
+        task.cancel()
+        return await task
+
+    result = asyncio.run(scenario())
+    assert result.session == session
+    assert engine.health().in_flight == 0
+    assert _committed(engine, "s") == 8

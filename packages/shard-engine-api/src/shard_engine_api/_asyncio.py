@@ -108,8 +108,10 @@ class AsyncShardEngine:
             if submitted.cancel():
                 raise  # still queued: withdrawn before it ran
             if request_id is not None:
-                # A failed engine ends the call by itself.
-                with contextlib.suppress(ShardEngineError):
+                # A failed engine ends the call by itself; a cancel that fails in any other way
+                # (a third-party engine's bug) must not end the wait either: the call is still
+                # running, and the caller must not race it.
+                with contextlib.suppress(Exception):
                     self.engine.cancel(CancelRequest(request_id=request_id))
             await _settled(future)
             if future.cancelled():
