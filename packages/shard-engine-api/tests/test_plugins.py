@@ -3,6 +3,7 @@ the others, misspelt hooks named, one entry-point scan per process."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import sys
 from collections.abc import Iterator
@@ -112,28 +113,46 @@ def test_description_fields_are_checked() -> None:
         )
 
 
+def _distribution(root: Path, name: str, entry_points: dict[str, str]) -> None:
+    info = root / f"{name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    lines = "".join(f"{key} = {value}\n" for key, value in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[shard_engine]\n{lines}")
+
+
+@contextlib.contextmanager
+def _installed(root: Path, modules: dict[str, str]) -> Iterator[Path]:
+    """``root`` (holding the distributions) on sys.path with ``modules`` written into it, the
+    entry points rescanned; all undone on exit."""
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(root))
+    plugins_module._entry_points.cache_clear()
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(root))
+        for module in modules:
+            sys.modules.pop(module, None)
+        plugins_module._entry_points.cache_clear()
+
+
 @pytest.fixture
 def broken_distribution(tmp_path: Path) -> Iterator[Path]:
     """An installed distribution whose ``shard_engine`` entry point cannot be imported, and one
     whose entry-point name is not the engine name it registers."""
-    info = tmp_path / "broken_engine-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-engine\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[shard_engine]\nbroken = no_such_module_for_shard_engine\nrenamed = renamed_plugin\n"
+    _distribution(
+        tmp_path,
+        "broken-engine",
+        {"broken": "no_such_module_for_shard_engine", "renamed": "renamed_plugin"},
     )
-    (tmp_path / "renamed_plugin.py").write_text(
+    renamed = (
         "from conformance_engines import ReferencePlugin\n"
         "shard_engine_register = ReferencePlugin('other').shard_engine_register\n"
     )
-    sys.path.insert(0, str(tmp_path))
-    plugins_module._entry_points.cache_clear()
-    try:
-        yield tmp_path
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("renamed_plugin", None)
-        plugins_module._entry_points.cache_clear()
+    with _installed(tmp_path, {"renamed_plugin": renamed}) as root:
+        yield root
 
 
 def test_an_entry_point_that_fails_to_import_is_reported(broken_distribution: Path) -> None:
@@ -163,14 +182,6 @@ def test_entry_points_are_scanned_once_per_process(monkeypatch: pytest.MonkeyPat
     finally:
         plugins_module._entry_points.cache_clear()
     assert scans == ["shard_engine"]
-
-
-def _distribution(root: Path, name: str, entry_points: dict[str, str]) -> None:
-    info = root / f"{name.replace('-', '_')}-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-    lines = "".join(f"{key} = {value}\n" for key, value in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[shard_engine]\n{lines}")
 
 
 _HOSTILE_MODULES: dict[str, str] = {
@@ -232,17 +243,8 @@ def hostile_distributions(tmp_path: Path) -> Iterator[Path]:
         },
     )
     _distribution(tmp_path, "other-twin", {"twin": "twin_b"})
-    for module, source in _HOSTILE_MODULES.items():
-        (tmp_path / f"{module}.py").write_text(source)
-    sys.path.insert(0, str(tmp_path))
-    plugins_module._entry_points.cache_clear()
-    try:
-        yield tmp_path
-    finally:
-        sys.path.remove(str(tmp_path))
-        for module in _HOSTILE_MODULES:
-            sys.modules.pop(module, None)
-        plugins_module._entry_points.cache_clear()
+    with _installed(tmp_path, _HOSTILE_MODULES) as root:
+        yield root
 
 
 def test_hostile_plugins_are_named_and_leave_the_others_working(

@@ -1653,20 +1653,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         for what, timed in results:
             assert_timings(timed.timings, what)
         if caps.features.batched_decode:
-            batch = engine.decode_batch(
-                DecodeBatchRequest(
-                    request_id=h.request_id(),
-                    items=(
-                        DecodeRequest(
-                            request_id=h.request_id(),
-                            session=session,
-                            pos=8,
-                            inputs=TokenInput(token_ids=(4,)),
-                        ),
-                    ),
-                )
-            )
-            for item in batch.items:
+            for item in self._batch(engine, [self._item(session, 8, (4,))]).items:
                 assert not isinstance(item, ErrorInfo), f"a batched decode failed: {item}"
                 assert_timings(item.timings, "a batch item")
 
