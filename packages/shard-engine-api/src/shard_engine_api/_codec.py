@@ -42,7 +42,7 @@ decoder of these types ignores the unknown field, so it is not a wire change.
 from __future__ import annotations
 
 import functools
-from typing import Final, Literal, TypeAlias, TypeVar
+from typing import Annotated, Final, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -66,6 +66,7 @@ from shard_engine_api._errors import (
 from shard_engine_api._snapshot import verify_snapshot_integrity
 from shard_engine_api._types import (
     CONTRACT_VERSION,
+    MAX_BATCH_ITEMS,
     BoundaryBundle,
     BoundaryResult,
     CancelRequest,
@@ -255,7 +256,10 @@ class _VersionProbe(msgspec.Struct):
     inputs: _VersionProbe | None = None
     bundle: _VersionProbe | None = None
     snapshot: _VersionProbe | None = None
-    items: tuple[_VersionProbe, ...] = ()
+    # Bounded like the batches it reads: it runs on bytes the real decoder refused, and an
+    # unbounded array of empty maps would build one probe per byte (a 10 MB message took
+    # 889 MB and 20 s before this bound).
+    items: Annotated[tuple[_VersionProbe, ...], msgspec.Meta(max_length=MAX_BATCH_ITEMS)] = ()
 
 
 _PROBE_DECODER: Final = msgspec.msgpack.Decoder(_VersionProbe)
