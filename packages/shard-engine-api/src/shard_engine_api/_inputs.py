@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._boundary import BundleExpectation, check_bundle, violation_error
-from shard_engine_api._checksum import payload_immutable
+from shard_engine_api._checksum import payload_immutable, scanned
 from shard_engine_api._dtypes import payload_rows
 from shard_engine_api._errors import InvalidRequest, ShardEngineError, UnsupportedFeature, WrongRole
 from shard_engine_api._types import (
@@ -76,7 +76,8 @@ def decode_inputs(
         return np.array(token_ids, dtype=np.int32), None
     if shard.takes_tokens:
         raise WrongRole(f"a {shard.role} shard takes token ids, not a boundary bundle")
-    bundle = inputs if payload_immutable(inputs.payload) else _private_copy(inputs)
+    stable = payload_immutable(inputs.payload) or scanned(inputs)
+    bundle = inputs if stable else _private_copy(inputs)
     violation = check_bundle(
         bundle,
         _expectation(caps),
@@ -96,8 +97,9 @@ def _private_copy(bundle: BoundaryBundle) -> BoundaryBundle:
     """``bundle`` with its payload copied into immutable bytes. A payload its owner can still
     write (a bytearray, a view of a writable array) could change between the checksum test and
     the forward, from another thread, so the backend would compute on bytes nobody verified;
-    the copy is what is verified and what the backend reads. Bundles from the codec and from
-    ``from_array`` are immutable and never copied."""
+    the copy is what is verified and what the backend reads. Bundles the library made or
+    verified (the codec's, ``from_array``'s, an engine core's results: they carry the scan
+    mark, see shard_engine_api._checksum) and immutable payloads are never copied."""
     try:
         data = bytes(bundle.payload)
     except ValueError:  # the view was released since the edge checks
