@@ -26,6 +26,7 @@ from shard_engine_api import (
     Determinism,
     ErrorInfo,
     ExportSessionRequest,
+    Features,
     Health,
     ImportSessionRequest,
     ImportSessionResult,
@@ -595,7 +596,15 @@ CAPABILITY_BREAKAGES: list[tuple[str, Callable[[Capabilities], Capabilities], st
     ("hidden", _caps_change(hidden_size=0), "shape"),
     ("dtypes", _caps_change(boundary_dtypes=("f16",)), "dtype"),
     ("dtype names", _caps_change(boundary_dtypes=("f32", "f8")), "dtype"),
-]
+    ("no sessions", lambda caps: msgspec.structs.replace(
+        caps, limits=msgspec.structs.replace(caps.limits, max_sessions=0)), "limits"),
+    ("NaN cancel latency", lambda caps: msgspec.structs.replace(
+        caps, features=Features(cancel_latency_ms=math.nan)), "cancel_latency"),
+    ("negative cancel latency", lambda caps: msgspec.structs.replace(
+        caps, features=Features(cancel_latency_ms=-5.0)), "cancel_latency"),
+    ("infinite cancel latency", lambda caps: msgspec.structs.replace(
+        caps, features=Features(cancel_latency_ms=math.inf)), "cancel_latency"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

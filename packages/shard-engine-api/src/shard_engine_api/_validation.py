@@ -164,6 +164,16 @@ def _check_capability_values(capabilities: Capabilities, config: LoadConfig | No
             f"hidden_size {capabilities.hidden_size} and vocab_size {capabilities.vocab_size} "
             "must be >= 1",
         )
+    limits = capabilities.limits
+    low = min(
+        limits.max_sessions, limits.max_context, limits.max_batch_tokens, limits.kv_budget_tokens
+    )
+    if low < 1:
+        _violation("limits", f"limits {limits} must all be >= 1 (nothing could be admitted)")
+    latency = capabilities.features.cancel_latency_ms
+    # Comparisons false for NaN: a worker sets deadlines from this bound.
+    if not 0.0 <= latency < _INFINITY:
+        _violation("cancel_latency", f"cancel_latency_ms {latency!r} is not finite and >= 0")
     if not capabilities.boundary_dtypes or not set(capabilities.boundary_dtypes) <= _KNOWN_DTYPES:
         _violation(
             "dtype",
