@@ -4,10 +4,12 @@ llama.cpp allocates anything, and an engine that loads normally afterwards."""
 from __future__ import annotations
 
 import resource
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -190,3 +192,39 @@ def test_engines_loading_one_range_at_once_take_turns(
     finally:
         for engine in engines:
             engine.close()
+
+
+_UNDER_ADDRESS_LIMIT: Final = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+from shard_engine_api import LoadConfig, ResourceExhausted, ShardSpec
+from shard_engine_llama import LlamaEngine
+config = LoadConfig(
+    shard=ShardSpec(model=sys.argv[1], n_layers=6, start=0, end=6),
+    max_context=1 << 17,
+    options={"n_ubatch": 4, "model_store": sys.argv[2], "self_test": False},
+)
+try:
+    LlamaEngine().load(config)
+except ResourceExhausted as error:
+    print("refused", error.details["resource"])
+else:
+    print("loaded")
+"""
+
+
+def test_context_beyond_the_address_space_limit_is_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Under ``ulimit -v`` (RLIMIT_AS) llama.cpp's allocation failed and the load said only
+    "llama.cpp could not create a context"; the limit left now bounds the estimate (here 3 GiB
+    against the 4.2 GiB a 131,072 context with 16 sessions needs)."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _UNDER_ADDRESS_LIMIT, str(tiny_model), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.split() == ["refused", "memory"], completed.stdout

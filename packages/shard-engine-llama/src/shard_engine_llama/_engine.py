@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+import resource
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -712,9 +713,20 @@ def _available_cores() -> int:
 
 
 def _available_memory() -> int | None:
-    """Bytes this process can still allocate without swapping or its cgroup's OOM killer:
-    ``MemAvailable``, bounded by the cgroup v2 limit left; None when neither is readable."""
+    """Bytes this process can still allocate without swapping, its cgroup's OOM killer or its
+    address-space limit: ``MemAvailable``, bounded by the cgroup v2 limit left and by
+    ``RLIMIT_AS`` less the address space in use; None when none is known."""
     bounds: list[int] = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status", encoding="ascii") as status:
+                in_use = next(
+                    int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:")
+                )
+            bounds.append(max(0, soft - in_use))
+        except (OSError, ValueError, IndexError, StopIteration):
+            bounds.append(soft)
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
