@@ -266,6 +266,7 @@ class RemoteEngine:
         local engine's failed state."""
         self._restarts = 0
         self._last_metrics = api.Metrics()
+        self._checked: api.ValidatingEngine = api.ValidatingEngine(_Served(self))
 
     # ----------------------------------------------------------------- identity
 
@@ -313,6 +314,15 @@ class RemoteEngine:
                 raise
             self._served_config = served_config
             self._served = served
+            try:
+                # The served capabilities are checked once, like a local engine's; every
+                # result is then checked against them.
+                self._checked.capabilities()
+            except BaseException:
+                self._served = None
+                self._release_resources()
+                self._options = None
+                raise
             self._capabilities = msgspec.structs.replace(
                 served,
                 engine=self.engine_name,
@@ -451,18 +461,32 @@ class RemoteEngine:
         return self._capabilities
 
     def prefill(self, request: api.PrefillRequest) -> api.ShardResult:
-        return self._result(self._invoke(request, mutating=True))
+        """The served engine's result, checked here (see :class:`_Served`)."""
+        return self._checked.prefill(request)
 
     def decode(self, request: api.DecodeRequest) -> api.ShardResult:
-        return self._result(self._invoke(request, mutating=True))
+        """The served engine's result, checked here (see :class:`_Served`)."""
+        return self._checked.decode(request)
 
     def decode_batch(self, request: api.DecodeBatchRequest) -> api.DecodeBatchResult:
-        return self._expect(self._invoke(request, mutating=True), api.DecodeBatchResult)
+        """The served engine's batch result, checked here: an item that breaks the contract
+        becomes that item's MalformedOutput (see :class:`_Served`)."""
+        return self._checked.decode_batch(request)
 
     def release(self, request: api.ReleaseRequest) -> api.ReleaseResult:
-        return self._expect(self._invoke(request, mutating=True), api.ReleaseResult)
+        return self._checked.release(request)
 
     def export_session(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
+        """The served engine's snapshot, checked here like a local engine's (see
+        :class:`_Served` and :meth:`_export_unchecked`)."""
+        return self._checked.export_session(request)
+
+    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+        """The snapshot checked (types, integrity) before it leaves, and the served engine's
+        answer checked when it comes back (see :meth:`_import_unchecked`)."""
+        return self._checked.import_session(request)
+
+    def _export_unchecked(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
         """The served engine's snapshot, streamed chunk by chunk and verified here (sizes, the
         chunk count its header announced, the checksum). The source is unchanged whatever
         happens, so a broken stream is RemoteUnavailable (retry), not OutcomeUnknown; a stream
@@ -500,7 +524,7 @@ class RemoteEngine:
         check_snapshot_integrity(snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
         return snapshot
 
-    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+    def _import_unchecked(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
         """Stream the snapshot to the served engine, chunk by chunk; it imports once every
         chunk arrived (atomically, checking the checksum). A link that breaks before the last
         chunk left is RemoteUnavailable (nothing was imported); after it, OutcomeUnknown."""
@@ -549,7 +573,7 @@ class RemoteEngine:
             return api.CancelResult(cancelled=False)
         try:
             return self._expect(self._invoke(request, mutating=False), api.CancelResult)
-        except (api.InvalidRequest, api.EngineCrashed):
+        except (api.InvalidRequest, api.EngineCrashed, api.MalformedOutput):
             raise
         except api.ShardEngineError:
             return api.CancelResult(cancelled=False)
@@ -777,3 +801,60 @@ class RemoteEngine:
                 f"the server answered {type(reply).__name__} where a shard result was expected"
             )
         return reply
+
+
+class _Served:
+    """The served engine as the link delivers it, before any check: what the remote engine's
+    :class:`~shard_engine_api.ValidatingEngine` wraps. A server is a peer, not this process's
+    own code: a broken or hostile one may answer a result for another request or session, with
+    a wrong checksum, shape, position, evidence class or type. The wrapper turns each such
+    reply into MalformedOutput (the request may have run: the session's committed length, which
+    a retry learns from CacheMiss, says whether), so unverified data is never returned as a
+    success."""
+
+    def __init__(self, remote: RemoteEngine) -> None:
+        self._remote = remote
+
+    @property
+    def name(self) -> str:
+        return self._remote.name
+
+    def load(self, config: api.LoadConfig) -> api.Capabilities:
+        raise api.InvalidRequest("the remote engine loads itself")
+
+    def capabilities(self) -> api.Capabilities:
+        return self._remote.served_capabilities()
+
+    def prefill(self, request: api.PrefillRequest) -> api.ShardResult:
+        remote = self._remote
+        return remote._result(remote._invoke(request, mutating=True))
+
+    def decode(self, request: api.DecodeRequest) -> api.ShardResult:
+        remote = self._remote
+        return remote._result(remote._invoke(request, mutating=True))
+
+    def decode_batch(self, request: api.DecodeBatchRequest) -> api.DecodeBatchResult:
+        remote = self._remote
+        return remote._expect(remote._invoke(request, mutating=True), api.DecodeBatchResult)
+
+    def cancel(self, request: api.CancelRequest) -> api.CancelResult:
+        return self._remote.cancel(request)
+
+    def release(self, request: api.ReleaseRequest) -> api.ReleaseResult:
+        remote = self._remote
+        return remote._expect(remote._invoke(request, mutating=True), api.ReleaseResult)
+
+    def export_session(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
+        return self._remote._export_unchecked(request)
+
+    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+        return self._remote._import_unchecked(request)
+
+    def health(self) -> api.Health:
+        return self._remote.health()
+
+    def metrics(self) -> api.Metrics:
+        return self._remote.metrics()
+
+    def close(self) -> None:
+        """Nothing: the remote engine owns the link."""

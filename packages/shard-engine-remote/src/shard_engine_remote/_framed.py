@@ -298,10 +298,12 @@ class _Connection:
             while True:
                 length, kind, call_id = reader.header()
                 if length > self._max_reply_bytes:
+                    # Not RESOURCE_EXHAUSTED: that says the server refused the request (it did
+                    # not run); an oversized reply is a broken server whose call may have run.
                     raise FramedLinkError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the server sent a {length}-byte message, larger than max "
-                        f"{self._max_reply_bytes}",
+                        grpc.StatusCode.DATA_LOSS,
+                        f"the server announced a {length}-byte reply, larger than max "
+                        f"{self._max_reply_bytes}; the connection was dropped",
                     )
                 body = reader.body(length)
                 arrivals = self._waiting.get(call_id)
@@ -412,6 +414,11 @@ class FramedLink:
             refusal, self._refusal = self._refusal, None
             if refusal is not None:
                 raise refusal
+            if connection is not None:
+                # Broken: its reader has ended and it is shut down, so closing it wakes no
+                # one; a late sender gets EBADF (the socket object forgets its descriptor).
+                connection.close()
+                self._connection = None
             self._connection = self._connect(deadline)
             return self._connection
 
