@@ -64,6 +64,7 @@ from shard_engine_remote._wire import (
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
+    "DEFAULT_STREAM_IDLE_S",
     "CallContext",
     "EngineServer",
     "ServerCounters",
@@ -80,6 +81,8 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 _SERVING_STATES: Final = ("ready", "degraded")
 DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
 """The largest session state an import stream may announce (the engine core's own default)."""
+DEFAULT_STREAM_IDLE_S: Final = 30.0
+"""How long an import stream may wait for its next message before it is cut off."""
 _Result = TypeVar("_Result")
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
@@ -183,7 +186,11 @@ class EngineServer:
     private socket of a spawned child); a server started on a loaded engine refuses loads.
 
     ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
-    cancel, release, health and metrics are never starved. ``rate_limit`` bounds each client's
+    cancel, release, health and metrics are never starved. A snapshot stream holds one of
+    those compute slots from its first message to its last (a client that stops sending or
+    reading would otherwise hold a thread no slot accounts for), at most half of them are
+    streams, and an import stream whose next message does not arrive within
+    ``stream_idle_s`` is cut off (Cancelled; nothing imported). ``rate_limit`` bounds each client's
     calls (cancel is never limited: a client must always be able to stop its own work);
     ``clock`` is the rate limiter's (tests).
     """
@@ -199,9 +206,13 @@ class EngineServer:
         rate_limit: RateLimit | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES,
+        stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
     ) -> None:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
+        if not stream_idle_s > 0:
+            raise api.InvalidRequest(f"stream_idle_s must be > 0, got {stream_idle_s}")
+        self.stream_idle_s = stream_idle_s
         self.engine = engine
         self.max_workers = max_workers
         self.max_message_bytes = max_message_bytes
@@ -212,6 +223,7 @@ class EngineServer:
         self.max_snapshot_bytes = max_snapshot_bytes
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
+        self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
         self._health = health.HealthServicer()
         self._health_status: int | None = None
         self._health_lock = threading.Lock()
@@ -250,7 +262,7 @@ class EngineServer:
         )
         import_: grpc.RpcMethodHandler[bytes, RemoteReply]
         import_ = grpc.stream_unary_rpc_method_handler(
-            self._import, response_serializer=encode_reply
+            self._grpc_import, response_serializer=encode_reply
         )
         methods: dict[str, grpc.RpcMethodHandler[typing.Any, typing.Any]] = {
             "Call": handler,
@@ -407,8 +419,10 @@ class EngineServer:
     def _export(self, request: RemoteRequest | Rejected, context: CallContext) -> Iterator[bytes]:
         """The export stream: the header (or the ErrorInfo of a refusal), then each chunk."""
         self.counters.call_started()
+        held = False
         try:
-            refused = self._rate_limited(context)
+            refused = self._rate_limited(context) or self._take_stream_slots()
+            held = refused is None
             reply: api.SessionSnapshot | api.ErrorInfo = (
                 refused
                 if refused is not None
@@ -423,6 +437,8 @@ class EngineServer:
             yield encode_header(header)
             yield from reply.chunks
         finally:
+            if held:
+                self._release_stream_slots()
             self.counters.call_ended()
 
     def _export_snapshot(
@@ -435,18 +451,72 @@ class EngineServer:
                 f"ExportSession takes an ExportSessionRequest, not {type(request).__name__}"
             )
         return self._compute(
-            request.request_id, context, functools.partial(self.engine.export_session, request)
+            request.request_id,
+            context,
+            functools.partial(self.engine.export_session, request),
+            slot_held=True,
         )
 
+    def _grpc_import(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> RemoteReply:
+        return self._import(self._watched(messages, context), context)
+
+    def _watched(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """gRPC's request iterator waits without a timeout: a timer cancels the RPC when the
+        next message does not arrive within ``stream_idle_s``, which ends the wait."""
+        idle = threading.Event()
+
+        def cut_off() -> None:
+            idle.set()
+            context.cancel()
+
+        while True:
+            timer = threading.Timer(self.stream_idle_s, cut_off)
+            timer.daemon = True
+            timer.start()
+            try:
+                message = next(messages, None)
+            finally:
+                timer.cancel()
+            if idle.is_set():
+                raise StreamBroken(f"no message arrived within {self.stream_idle_s} s")
+            if message is None:
+                return
+            yield message
+
     def _import(self, messages: Iterator[bytes], context: CallContext) -> RemoteReply:
+        """An import stream (``messages`` must end, or raise StreamBroken, within
+        ``stream_idle_s`` of the previous message: the transport sees to it)."""
         self.counters.call_started()
+        held = False
         try:
-            refused = self._rate_limited(context)
+            refused = self._rate_limited(context) or self._take_stream_slots()
             if refused is not None:
                 return refused
+            held = True
             return self._guarded(functools.partial(self._import_stream, messages, context))
         finally:
+            if held:
+                self._release_stream_slots()
             self.counters.call_ended()
+
+    def _take_stream_slots(self) -> api.ErrorInfo | None:
+        """Take a stream's slot and the compute slot it holds throughout; else the busy
+        refusal (retryable)."""
+        if self._stream_slots.acquire(blocking=False):
+            if self._compute_slots.acquire(blocking=False):
+                return None
+            self._stream_slots.release()
+        return self._busy(
+            "the server serves as many snapshot streams as it has threads for"
+        ).to_info()
+
+    def _release_stream_slots(self) -> None:
+        self._compute_slots.release()
+        self._stream_slots.release()
+
+    def _busy(self, message: str) -> api.ResourceExhausted:
+        self.counters.add("busy")
+        return api.ResourceExhausted(f"{message}; retry", details={"resource": "server_threads"})
 
     def _next_message(self, messages: Iterator[bytes], received: int) -> bytes | None:
         try:
@@ -526,7 +596,10 @@ class EngineServer:
             request, snapshot=msgspec.structs.replace(snapshot, chunks=tuple(chunks))
         )
         return self._compute(
-            request.request_id, context, functools.partial(self.engine.import_session, complete)
+            request.request_id,
+            context,
+            functools.partial(self.engine.import_session, complete),
+            slot_held=True,
         )
 
     def _compute(
@@ -534,13 +607,11 @@ class EngineServer:
         request_id: str,
         context: CallContext,
         operation: Callable[[], _Result],
+        *,
+        slot_held: bool = False,
     ) -> _Result:
-        if not self._compute_slots.acquire(blocking=False):
-            self.counters.add("busy")
-            raise api.ResourceExhausted(
-                "the server is computing as many requests as it has threads for; retry",
-                details={"resource": "server_threads"},
-            )
+        if not slot_held and not self._compute_slots.acquire(blocking=False):
+            raise self._busy("the server is computing as many requests as it has threads for")
         finished = threading.Event()
 
         def on_rpc_end() -> None:
@@ -556,7 +627,8 @@ class EngineServer:
             return operation()
         finally:
             finished.set()
-            self._compute_slots.release()
+            if not slot_held:
+                self._compute_slots.release()
 
     def _refresh_health(self) -> None:
         state = self.engine.health().state
