@@ -128,6 +128,7 @@ class ChildProcess:
         command = [self._python, "-m", "shard_engine_remote._child"]
         command += ["--engine", self.engine_name, "--listen", self.address]
         command += ["--transport", self.transport]
+        command += ["--private-directory", str(self._directory)]
         if self._max_message_bytes is not None:
             command += ["--max-message-bytes", str(self._max_message_bytes)]
         with self._stderr_path.open("wb") as stderr:
