@@ -5,8 +5,10 @@ answers throughout."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,16 @@ from typing import cast
 import grpc
 import msgspec
 import pytest
-from conftest import Background, RemoteFactory, ServeFactory, config, decode, prefill, wait_until
+from conftest import (
+    Background,
+    RemoteFactory,
+    ServeFactory,
+    config,
+    decode,
+    delay,
+    prefill,
+    wait_until,
+)
 
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, ServerSecurity
@@ -189,3 +200,33 @@ def test_credentials_anywhere_else_are_refused(
         answer = call(query, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
         assert isinstance(answer, bytes)
         assert server.stats().unauthenticated <= 1
+
+
+def test_a_client_cannot_cancel_another_clients_work(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """A second client naming the first one's request id or session in a cancel stops
+    nothing and learns nothing (``cancelled=False``, as for a request not in flight); the
+    first client's own cancel still stops its work (Cancelled, rolled back). gRPC is served
+    on a unix socket here, where every client has the same peer address."""
+    directory = Path(tempfile.mkdtemp(prefix="shard-engine-test-"))
+    server = serve(
+        config(faults=delay("prefill", 3000)),
+        transport=transport,
+        listen=f"unix:{directory / 'engine.sock'}",
+    )
+    assert server.address is not None
+    owner = remote(config(target=server.address, transport=transport))
+    stranger = remote(config(target=server.address, transport=transport))
+    pending = Background(lambda: prefill(owner, session="mine", request_id="slow"))
+    wait_until(lambda: server.engine.health().in_flight == 1)
+    assert not stranger.cancel(api.CancelRequest(request_id="slow")).cancelled
+    assert not stranger.cancel(api.CancelRequest(session_id="mine")).cancelled
+    assert server.engine.health().in_flight == 1
+    assert owner.cancel(api.CancelRequest(session_id="mine")).cancelled
+    with pytest.raises(api.Cancelled):
+        pending.result()
+    assert server.engine.health().sessions == 0
+    if transport == "grpc":
+        server.stop(grace=0.5)
+    shutil.rmtree(directory, ignore_errors=True)

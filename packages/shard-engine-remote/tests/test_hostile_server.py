@@ -15,8 +15,10 @@ import struct
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import msgspec
 import pytest
 from conftest import RemoteFactory, ServeFactory, config, prefill, ref
@@ -25,6 +27,7 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, OutcomeUnknown, RemoteEngine, RemoteUnavailable
 from shard_engine_remote._framed import CALL, END, ERROR, HELLO, ITEM, REPLY
+from shard_engine_remote._wire import SERVICE_NAME
 
 _HEADER = struct.Struct("<IBQ")
 _Mutation = Callable[[api.ShardResult], api.ShardResult]
@@ -362,3 +365,29 @@ def test_replies_that_never_arrive_whole_are_outcome_unknown(
     with pytest.raises(RemoteUnavailable) as unavailable:
         engine.server_stats()
     assert unavailable.value.retryable
+
+
+def test_an_oversized_grpc_reply_is_outcome_unknown(remote: RemoteFactory) -> None:
+    """A gRPC server answering a prefill with more bytes than this side accepts: the prefill
+    may have run, so OutcomeUnknown (retryable), not ResourceExhausted (which would say the
+    request was refused and tell the worker not to retry)."""
+    calls = iter(range(1 << 30))
+
+    def answer(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return CAPABILITIES if next(calls) == 0 else bytes(4096)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(answer)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Call": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        engine = remote(config(target=f"127.0.0.1:{port}", max_message_bytes=2048))
+        with pytest.raises(OutcomeUnknown) as raised:
+            prefill(engine)
+        assert raised.value.retryable
+        assert raised.value.details["reason"] == "transport_error"
+    finally:
+        server.stop(None)

@@ -30,6 +30,7 @@ health reports as degraded).
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -42,10 +43,12 @@ import msgspec
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._snapshot import check_snapshot_integrity
+from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._framed import NOT_SENT, FramedLink, FramedServer
 from shard_engine_remote._security import ClientSecurity, read_pem, read_token
 from shard_engine_remote._server import (
+    CALLER_METADATA_KEY,
     DEFAULT_MAX_MESSAGE_BYTES,
     EngineServer,
     Serving,
@@ -208,7 +211,7 @@ class _Link:
         # the server's per-client limits and a crash's blast radius are per remote engine.
         options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
         self.channel = security.channel(target, options)
-        self._metadata = security.metadata()
+        self._metadata = (*security.metadata(), (CALLER_METADATA_KEY, secrets.token_hex(16)))
         self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
             self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
         )
@@ -242,6 +245,8 @@ class _Link:
 _AnyLink = _Link | FramedLink
 _State = Literal["loading", "ready", "crashed", "closed"]
 
+_REPLY_TOO_LARGE: Final = "CLIENT: Received message larger than max"
+"""How grpcio words a reply this side refused for its size."""
 _NOT_SENT_MARKERS: Final = ("failed to connect to all addresses", "Connection refused", NOT_SENT)
 
 
@@ -503,13 +508,30 @@ class RemoteEngine:
                 raise header.error
             if isinstance(header, api.ErrorInfo):
                 raise self._raised(header, link)
+            state_bytes = header.snapshot.state_bytes
+            if state_bytes > _MAX_SNAPSHOT_BYTES:
+                raise api.MalformedOutput(
+                    f"the export stream announces {state_bytes} bytes of state, over "
+                    f"{_MAX_SNAPSHOT_BYTES}"
+                )
             chunks: list[bytes] = []
+            total = 0
             for received in range(1, header.n_chunks + 1):
                 chunk = next(messages, None)
                 if chunk is None:
                     raise api.MalformedOutput(
                         f"the export stream ended after {received - 1} of {header.n_chunks} chunks",
                         details={"received_chunks": received - 1, "n_chunks": header.n_chunks},
+                    )
+                total += len(chunk)
+                # Said as each chunk arrives, not once all are held: a server's stream must
+                # not make this process buffer more than the header announced.
+                if len(chunk) > SNAPSHOT_CHUNK_BYTES or total > state_bytes:
+                    raise api.MalformedOutput(
+                        f"export chunk {received - 1} holds {len(chunk)} bytes, past the chunk "
+                        f"size of {SNAPSHOT_CHUNK_BYTES} or the {state_bytes} bytes of state "
+                        "the header announced",
+                        details={"received_bytes": total, "state_bytes": state_bytes},
                     )
                 chunks.append(chunk)
             if next(messages, None) is not None:
@@ -749,6 +771,10 @@ class RemoteEngine:
                         self._state = "crashed"
                         self._crash = crashed
                 return self._crash_copy()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _REPLY_TOO_LARGE in details:
+            # This side refused the server's reply, not the server this request: it may have
+            # run, like a reply lost with the connection (the framed link says the same).
+            code = grpc.StatusCode.DATA_LOSS
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return Unauthenticated(f"{link.target} refused the call: {details}", details=facts)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -565,6 +565,9 @@ class _CallContext:
     def peer_identities(self) -> None:
         return None
 
+    def invocation_metadata(self) -> None:
+        return None  # the connection is the caller
+
 
 _BROKEN: Final = object()
 _ImportItem = bytes | None | object

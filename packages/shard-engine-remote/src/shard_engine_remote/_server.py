@@ -32,7 +32,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Final, TypeVar
+from typing import Final, TypeAlias, TypeVar
 
 import grpc
 import msgspec
@@ -62,6 +62,7 @@ from shard_engine_remote._wire import (
 )
 
 __all__ = [
+    "CALLER_METADATA_KEY",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
     "DEFAULT_STREAM_IDLE_S",
@@ -70,6 +71,7 @@ __all__ = [
     "ServerCounters",
     "Serving",
     "StreamBroken",
+    "caller_key",
     "channel_options",
     "client_key",
     "serve_until_signalled",
@@ -97,6 +99,8 @@ class CallContext(typing.Protocol):
     def peer(self) -> str: ...
 
     def peer_identities(self) -> Iterable[bytes] | None: ...
+
+    def invocation_metadata(self) -> Iterable[tuple[str, str | bytes]] | None: ...
 
 
 class StreamBroken(Exception):
@@ -181,6 +185,22 @@ def client_key(context: CallContext) -> str:
     return context.peer()
 
 
+CALLER_METADATA_KEY: Final = "shard-engine-caller"
+"""Metadata naming the remote engine a gRPC call comes from (a random id it draws once):
+every gRPC client on a unix socket has the same peer, ``unix:``."""
+
+
+def caller_key(context: CallContext) -> str:
+    """Whose work a call is, for cancels: :func:`client_key` and, over gRPC, the caller's
+    random id (unguessable, so naming it proves nothing to anyone else; never used for rate
+    limits, which a client could dodge by drawing new ids)."""
+    key = client_key(context)
+    for name, value in context.invocation_metadata() or ():
+        if name == CALLER_METADATA_KEY:
+            return f"{key}/{value if isinstance(value, str) else value.hex()}"
+    return key
+
+
 class EngineServer:
     """Serves ``engine`` on one address. ``allow_load`` lets the first client load it (the
     private socket of a spawned child); a server started on a loaded engine refuses loads.
@@ -224,6 +244,7 @@ class EngineServer:
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
         self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
+        self._in_flight = _InFlight()
         self._health = health.HealthServicer()
         self._health_status: int | None = None
         self._health_lock = threading.Lock()
@@ -379,6 +400,8 @@ class EngineServer:
             case MetricsQuery():
                 return engine.metrics()
             case api.CancelRequest():
+                if not self._in_flight.may_cancel(caller_key(context), request):
+                    return api.CancelResult(cancelled=False)
                 return engine.cancel(request)
             case api.ReleaseRequest():
                 return engine.release(request)
@@ -393,18 +416,12 @@ class EngineServer:
                 self._refresh_health()
                 return capabilities
             case api.PrefillRequest():
-                return self._compute(
-                    request.request_id, context, functools.partial(engine.prefill, request)
-                )
+                return self._compute(request, context, functools.partial(engine.prefill, request))
             case api.DecodeRequest():
-                return self._compute(
-                    request.request_id, context, functools.partial(engine.decode, request)
-                )
+                return self._compute(request, context, functools.partial(engine.decode, request))
             case api.DecodeBatchRequest():
                 return self._compute(
-                    request.request_id,
-                    context,
-                    functools.partial(engine.decode_batch, request),
+                    request, context, functools.partial(engine.decode_batch, request)
                 )
             case api.ExportSessionRequest() | api.ImportSessionRequest():
                 raise api.InvalidRequest(
@@ -451,10 +468,7 @@ class EngineServer:
                 f"ExportSession takes an ExportSessionRequest, not {type(request).__name__}"
             )
         return self._compute(
-            request.request_id,
-            context,
-            functools.partial(self.engine.export_session, request),
-            slot_held=True,
+            request, context, functools.partial(self.engine.export_session, request), slot_held=True
         )
 
     def _grpc_import(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> RemoteReply:
@@ -596,7 +610,7 @@ class EngineServer:
             request, snapshot=msgspec.structs.replace(snapshot, chunks=tuple(chunks))
         )
         return self._compute(
-            request.request_id,
+            complete,
             context,
             functools.partial(self.engine.import_session, complete),
             slot_held=True,
@@ -604,7 +618,7 @@ class EngineServer:
 
     def _compute(
         self,
-        request_id: str,
+        request: _Compute,
         context: CallContext,
         operation: Callable[[], _Result],
         *,
@@ -612,6 +626,10 @@ class EngineServer:
     ) -> _Result:
         if not slot_held and not self._compute_slots.acquire(blocking=False):
             raise self._busy("the server is computing as many requests as it has threads for")
+        request_id = request.request_id
+        client = caller_key(context)
+        keys = _cancel_keys(request)
+        self._in_flight.add(client, keys)
         finished = threading.Event()
 
         def on_rpc_end() -> None:
@@ -627,6 +645,7 @@ class EngineServer:
             return operation()
         finally:
             finished.set()
+            self._in_flight.remove(client, keys)
             if not slot_held:
                 self._compute_slots.release()
 
@@ -643,6 +662,79 @@ class EngineServer:
             self._health_status = status
             self._health.set("", status)
             self._health.set(SERVICE_NAME, status)
+
+
+_Compute: TypeAlias = (
+    api.PrefillRequest
+    | api.DecodeRequest
+    | api.DecodeBatchRequest
+    | api.ExportSessionRequest
+    | api.ImportSessionRequest
+)
+_CancelKey: TypeAlias = tuple[str, str]
+
+
+def _cancel_keys(request: _Compute) -> tuple[_CancelKey, ...]:
+    """What a cancel may name to reach ``request``: its id (a batch's items' too) and its
+    session(s)."""
+    match request:
+        case api.DecodeBatchRequest():
+            keys: list[_CancelKey] = [("request", request.request_id)]
+            for item in request.items:
+                keys += (("request", item.request_id), ("session", item.session.session_id))
+            return tuple(keys)
+        case api.ImportSessionRequest():
+            return (
+                ("request", request.request_id),
+                ("session", request.snapshot.session.session_id),
+            )
+        case _:
+            return (("request", request.request_id), ("session", request.session.session_id))
+
+
+class _InFlight:
+    """Which caller (see :func:`caller_key`) has which requests and sessions in flight.
+
+    A cancel reaches only the caller's own work, as a local engine's cancel reaches only
+    requests made through that engine: one client guessing (or sharing) another's request id
+    or session id cannot stop the other's work, and learns nothing (the answer is the one for
+    a request that is not in flight: ``cancelled=False``). Sessions themselves are the served
+    engine's, shared by every client holding the server's token (see the package README)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, _CancelKey], int] = {}
+
+    def add(self, client: str, keys: tuple[_CancelKey, ...]) -> None:
+        held = self._held
+        with self._lock:
+            for key in keys:
+                entry = (client, key)
+                held[entry] = held.get(entry, 0) + 1
+
+    def remove(self, client: str, keys: tuple[_CancelKey, ...]) -> None:
+        held = self._held
+        with self._lock:
+            for key in keys:
+                entry = (client, key)
+                left = held[entry] - 1
+                if left:
+                    held[entry] = left
+                else:
+                    del held[entry]
+
+    def may_cancel(self, client: str, request: api.CancelRequest) -> bool:
+        """Whether ``client`` has what ``request`` names in flight (a request naming neither
+        or both ids is the engine's to refuse)."""
+        if (request.request_id is None) == (request.session_id is None):
+            return True
+        key: _CancelKey = (
+            ("request", request.request_id)
+            if request.request_id is not None
+            else ("session", str(request.session_id))
+        )
+        with self._lock:
+            return (client, key) in self._held
 
 
 def serve_until_signalled(
