@@ -5,6 +5,7 @@ answers throughout."""
 
 from __future__ import annotations
 
+import errno
 import shutil
 import socket
 import struct
@@ -30,7 +31,7 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._framed import HELLO, IMPORT
+from shard_engine_remote._framed import HELLO, IMPORT, FramedServer
 from shard_engine_remote._wire import CALL_METHOD, IMPORT_METHOD
 
 _HEADER = struct.Struct("<IBQ")
@@ -230,3 +231,37 @@ def test_a_client_cannot_cancel_another_clients_work(
     if transport == "grpc":
         server.stop(grace=0.5)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+class _ExhaustedListener(socket.socket):
+    """A listening socket whose first two accepts fail as a process out of descriptors does."""
+
+    failures = 2
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if _ExhaustedListener.failures:
+            _ExhaustedListener.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+def test_running_out_of_descriptors_does_not_stop_accepting(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, remote: RemoteFactory
+) -> None:
+    """accept() failing with EMFILE (a connection flood used up the process's descriptors)
+    is counted (busy) and retried: the framed server goes on accepting once descriptors are
+    free, instead of never again."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(socket, "socket", _ExhaustedListener)
+    engine = api.load_engine("fake", config())
+    server = FramedServer(EngineServer(engine))
+    try:
+        address = server.start(private / "engine.sock")
+        monkeypatch.undo()
+        worker = remote(config(target=address, transport="framed"))
+        prefill(worker)
+        assert server.server.stats().busy == 2
+    finally:
+        server.stop(grace=0.5)
+        engine.close()

@@ -83,6 +83,7 @@ _HELLO_TIMEOUT_S: Final = 10.0
 _SERVER_SEND_TIMEOUT_S: Final = 30.0
 """A client that stops reading its replies for this long loses its connection, not a thread."""
 _ABANDON_TIMEOUT_S: Final = 1.0
+_ACCEPT_RETRY_S: Final = 0.05
 NOT_SENT: Final = "the request was not sent"
 """Words in a link error's details meaning the request never reached the server (the remote
 engine then reports RemoteUnavailable, never OutcomeUnknown)."""
@@ -902,7 +903,13 @@ class FramedServer:
             try:
                 sock, _ = listener.accept()
             except OSError:
-                return
+                if self._listener is None:
+                    return  # stop() closed it
+                # Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the connection waits
+                # in the backlog. Accept again shortly instead of never again.
+                self.server.counters.add("busy")
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
             with self._lock:
                 greeted = len(self._connections) - self._greeting
                 refused = (

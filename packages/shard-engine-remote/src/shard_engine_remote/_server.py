@@ -400,7 +400,12 @@ class EngineServer:
             case MetricsQuery():
                 return engine.metrics()
             case api.CancelRequest():
-                if not self._in_flight.may_cancel(caller_key(context), request):
+                if (
+                    not self._in_flight.may_cancel(caller_key(context), request)
+                    and engine.health().state in _SERVING_STATES
+                ):
+                    # Not this caller's work. (An engine that is not serving has nothing in
+                    # flight to protect, and answers as it must: a failed one EngineCrashed.)
                     return api.CancelResult(cancelled=False)
                 return engine.cancel(request)
             case api.ReleaseRequest():
