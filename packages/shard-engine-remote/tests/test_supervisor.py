@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,20 @@ def test_close_crashes_and_restarts_leave_nothing(remote: RemoteFactory, transpo
         os.waitpid(-1, os.WNOHANG)  # no child of this process is left, zombie or not
     assert not any(directory.exists() for directory in directories)
     wait_until(lambda: _descriptors() <= before)
+
+
+def test_closing_a_stopped_child_does_not_wait_out_the_grace(transport: str) -> None:
+    """close() of a SIGSTOP'd child resumes it with its SIGTERM, so it drains and exits at
+    once instead of being killed when the 5 s grace runs out; nothing is left behind."""
+    engine = RemoteEngine()
+    engine.load(config(spawn="fake", transport=transport, timeout_s=0.5, control_timeout_s=0.5))
+    prefill(engine)
+    pid = engine.child_pid
+    assert pid is not None
+    directory = _directory(engine)
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 4.0, "the child was killed at the end of its grace"
+    assert _gone(pid)
+    assert not directory.exists()

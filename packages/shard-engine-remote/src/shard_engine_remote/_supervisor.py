@@ -221,8 +221,8 @@ class ChildProcess:
             return ""
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM (the child drains), SIGKILL after ``grace`` seconds; removes the private
-        directory. Idempotent."""
+        """SIGTERM (the child drains; SIGCONT too, should it be stopped), SIGKILL after
+        ``grace`` seconds; removes the private directory. Idempotent."""
         process = self._process
         if process is not None and process.returncode is None and not self._stopping:
             self._stopping = True
@@ -230,6 +230,9 @@ class ChildProcess:
                 process.stdin.close()
             try:
                 process.send_signal(signal.SIGTERM)
+                # A stopped child (SIGSTOP, a debugger let go) would hold SIGTERM until
+                # resumed and be killed at the end of the grace; resumed, it drains and exits.
+                process.send_signal(signal.SIGCONT)
                 process.wait(grace)
             except subprocess.TimeoutExpired:
                 process.kill()
