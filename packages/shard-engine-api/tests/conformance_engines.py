@@ -27,12 +27,14 @@ from shard_engine_api import (
     BoundaryBundle,
     BoundaryResult,
     CacheMiss,
+    Cancelled,
     CancelRequest,
     CancelResult,
     Capabilities,
     DecodeBatchRequest,
     DecodeBatchResult,
     Determinism,
+    EngineCrashed,
     ErrorInfo,
     EvidenceClass,
     Features,
@@ -1474,6 +1476,76 @@ class ClosedEngineRetryable(ReferenceEngine):
             raise
 
 
+class ReusesOutputBuffer(_RewritesResults):
+    """Returns every payload as a view of one scratch buffer that the next call overwrites
+    (saving an allocation per step): a result's checksum goes stale as soon as another
+    request runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scratch = bytearray(1 << 22)
+
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
+        if isinstance(result, LogitsResult):
+            size = result.payload.nbytes
+            self._scratch[:size] = result.payload
+            return msgspec.structs.replace(result, payload=memoryview(self._scratch)[:size])
+        bundle = result.bundle
+        size = bundle.payload.nbytes
+        self._scratch[:size] = bundle.payload
+        reused = msgspec.structs.replace(bundle, payload=memoryview(self._scratch)[:size])
+        return msgspec.structs.replace(result, bundle=reused)
+
+
+class CrashRetryable(ReferenceEngine):
+    """Says EngineCrashed is retryable once failed (no retry revives a failed engine)."""
+
+    def _require_serving(self) -> Capabilities:
+        try:
+            return super()._require_serving()
+        except EngineCrashed as error:
+            raise EngineCrashed(error.message, retryable=True) from error
+
+
+class CancelledNotRetryable(ReferenceEngine):
+    """Its forward answers a cancel with its own Cancelled(retryable=False) ("the request is
+    dead"), although a cancelled call changed nothing and may be re-issued."""
+
+    def _forward(self, item: ForwardItem, output: OutputMode, token: CancelToken) -> Array:
+        try:
+            return super()._forward(item, output, token)
+        except Cancelled as error:
+            raise Cancelled(error.message, retryable=False) from None
+
+
+class SwappedClockTimings(_RewritesResults):
+    """Computes total_ms as start minus end (the operands swapped): always negative."""
+
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
+        timings = result.timings
+        swapped = msgspec.structs.replace(timings, total_ms=-max(timings.total_ms, 0.001))
+        return msgspec.structs.replace(result, timings=swapped)
+
+
+class MemoizesPrefills(ReferenceEngine):
+    """Remembers prefill results by start position, tokens and logits mode, across sessions: a
+    session whose history differs gets another session's outputs for the same chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._memo: dict[tuple[int, tuple[int, ...], str], ShardResult] = {}
+
+    def prefill(self, request: PrefillRequest) -> ShardResult:
+        result = super().prefill(request)
+        if not isinstance(request.inputs, TokenInput):
+            return result
+        key = (request.start_pos, request.inputs.token_ids, request.logits)
+        remembered = self._memo.setdefault(key, result)
+        return msgspec.structs.replace(
+            remembered, request_id=request.request_id, session=request.session
+        )
+
+
 def _perturbation(rows: Array, scale: float, item: ForwardItem, shard_start: int) -> Array:
     """A deterministic, shape-dependent change of ``scale`` order: what other kernels for
     other batch shapes or layer ranges do to real engines' numbers."""
@@ -1944,6 +2016,36 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "closed_engine_retryable": Broken(
         ClosedEngineRetryable,
         ("test_error_codes_match_taxonomy",),
+    ),
+    "reuses_output_buffer": Broken(
+        ReusesOutputBuffer,
+        (
+            "test_batched_decode_matches_single",
+            "test_batched_decode_order_with_interleaved_errors",
+            "test_boundary_checks_on_every_path",
+            "test_evidence_class",
+            "test_result_fields",
+            "test_state_machine_full_shard",
+            "test_wire_round_trip_of_every_returned_object",
+        ),
+        may_fail=("test_state_machine_every_role",),
+    ),
+    "crash_retryable": Broken(
+        CrashRetryable,
+        ("test_crash_is_permanent",),
+    ),
+    "cancelled_not_retryable": Broken(
+        CancelledNotRetryable,
+        ("test_cancel_rolls_back", "test_cancel_running_batch"),
+        may_fail=("test_failed_first_prefill_leaves_nothing",),
+    ),
+    "swapped_clock_timings": Broken(
+        SwappedClockTimings,
+        ("test_result_fields",),
+    ),
+    "memoizes_prefills": Broken(
+        MemoizesPrefills,
+        ("test_session_isolation",),
     ),
 }
 """Each broken engine and the standard tests that must fail on it (and no others)."""

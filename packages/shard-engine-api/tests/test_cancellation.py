@@ -17,14 +17,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 from test_core import HistoryEngine
 
 from shard_engine_api import (
     AsyncShardEngine,
+    CacheMiss,
     Cancelled,
     CancelRequest,
+    CancelResult,
     DecodeRequest,
+    EngineCrashed,
     LoadConfig,
+    MalformedOutput,
+    NotReady,
+    OutcomeUnknown,
     PrefillRequest,
     ReleaseRequest,
     SessionRef,
@@ -269,3 +276,164 @@ def test_async_with_closes_the_engine() -> None:
 
     asyncio.run(scenario())
     assert engine.health().state == "closed"
+
+
+class CommitsThenFails(SlowHistory):
+    """A decode that commits, then fails with ``error`` once ``proceed`` is set: what a
+    transport that lost the reply (OutcomeUnknown), a validating wrapper refusing a committed
+    step's result (MalformedOutput) or a crash after the commit look like to the caller."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+        self.committed = threading.Event()
+        self.proceed = threading.Event()
+
+    def decode(self, request: DecodeRequest) -> ShardResult:
+        super().decode(request)
+        self.committed.set()
+        self.proceed.wait(10)
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "reported"),
+    [
+        (OutcomeUnknown("the link broke"), OutcomeUnknown),
+        (MalformedOutput("bad result"), MalformedOutput),
+        (EngineCrashed("gone"), EngineCrashed),
+        (RuntimeError("not in the taxonomy"), RuntimeError),
+        (Cancelled("rolled back"), asyncio.CancelledError),
+        (CacheMiss("refused", committed_length=0, reason="r"), asyncio.CancelledError),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else value.__name__,
+)
+def test_cancellation_never_hides_an_error_that_may_have_changed_state(
+    error: Exception, reported: type[BaseException]
+) -> None:
+    """A task cancelled while its call ends in an error: CancelledError ("nothing changed")
+    only for an error that says the call rolled back or was refused; one that says it may have
+    run, or may have committed, reaches the caller as it is."""
+    engine = CommitsThenFails(error)
+    _loaded(engine)
+    session = SessionRef(session_id="s", epoch=1)
+    engine.prefill(
+        PrefillRequest(
+            request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=(1,))
+        )
+    )
+
+    async def scenario() -> BaseException | None:
+        adapter = AsyncShardEngine(engine)
+        task = asyncio.ensure_future(
+            adapter.decode(
+                DecodeRequest(
+                    request_id="d", session=session, pos=1, inputs=TokenInput(token_ids=(2,))
+                )
+            )
+        )
+        while not engine.committed.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        engine.proceed.set()
+        try:
+            await task
+        except BaseException as raised:  # noqa: BLE001 (the outcome is what is tested)
+            return raised
+        return None
+
+    raised = asyncio.run(scenario())
+    assert type(raised) is reported
+    assert _committed(engine, "s") == 2  # the decode did commit
+
+
+def test_after_close_calls_are_not_ready_and_a_second_close_does_nothing() -> None:
+    """A closed adapter answers like a closed engine (NotReady, not retryable), not with the
+    executor's RuntimeError; closing twice is allowed."""
+    engine = _loaded(SlowHistory())
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine)
+        await adapter.close()
+        with pytest.raises(NotReady) as caught:
+            await adapter.prefill(
+                PrefillRequest(
+                    request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=(1,))
+                )
+            )
+        assert caught.value.retryable is False
+        await adapter.close()
+        assert (await adapter.health()).state == "closed"
+
+    asyncio.run(scenario())
+
+
+def test_a_withdrawn_close_leaves_the_engine_and_the_adapter_usable() -> None:
+    """A close cancelled while queued behind busy workers (of the adapter's own executor)
+    never ran: CancelledError, the engine is still ready, and the adapter still serves it."""
+    engine = _loaded(SlowHistory())
+    busy = threading.Event()
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine)
+        for _ in range(8):  # every worker of the private pool
+            adapter._executor.submit(busy.wait, 10)
+        closing = asyncio.ensure_future(adapter.close())
+        await asyncio.sleep(0.01)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        busy.set()
+        assert engine.health().state == "ready"
+        await adapter.prefill(
+            PrefillRequest(
+                request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=(1,))
+            )
+        )
+        await adapter.close()
+        assert engine.health().state == "closed"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        busy.set()
+
+
+class CancelExplodes(SlowHistory):
+    """An engine whose cancel() raises an exception outside the taxonomy (a bug)."""
+
+    def cancel(self, request: CancelRequest) -> CancelResult:
+        raise RuntimeError("cancel is broken")
+
+
+def test_a_cancel_that_raises_does_not_end_the_wait_for_the_running_call() -> None:
+    """The task still waits for the running prefill to end (its result stands: the cancel
+    never reached it), so the caller never races a half-finished operation."""
+    engine = CancelExplodes()
+    _loaded(engine)
+    engine.row_delay = 0.01
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> ShardResult:
+        adapter = AsyncShardEngine(engine)
+        task = asyncio.ensure_future(
+            adapter.prefill(
+                PrefillRequest(
+                    request_id="p",
+                    session=session,
+                    start_pos=0,
+                    inputs=TokenInput(token_ids=tuple(range(1, 9))),
+                )
+            )
+        )
+        await asyncio.sleep(0.02)
+        task.cancel()
+        return await task
+
+    result = asyncio.run(scenario())
+    assert result.session == session
+    assert engine.health().in_flight == 0
+    assert _committed(engine, "s") == 8

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import tracemalloc
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -53,7 +54,7 @@ from shard_engine_api import (
     Timings,
     TokenInput,
 )
-from shard_engine_api._codec import MAX_OPTIONS_BYTES
+from shard_engine_api._codec import MAX_OPTIONS_BYTES, MAX_STRUCTURE_BYTES
 from shard_engine_api._edge import check_request
 from shard_engine_api.wire import (
     Codec,
@@ -347,11 +348,12 @@ def test_options_beyond_their_bounds_are_refused(options: object) -> None:
 
 
 def test_a_mebibyte_of_options_never_becomes_many_objects() -> None:
-    # 1 MiB of empty maps once decoded into ~69 MiB of dicts.
+    # 1 MiB of empty maps once decoded into ~69 MiB of dicts. A whole message above
+    # MAX_STRUCTURE_BYTES is refused from its size; below it, the options' own byte limit.
     mapping = _raw(LoadConfig(shard=SPEC))
-    mapping["options"] = {"x": [{}] * (1 << 20)}
+    mapping["options"] = {"x": [{}] * (MAX_STRUCTURE_BYTES - 1024)}
     buf = msgspec.msgpack.encode(mapping)
-    assert len(buf) > 1 << 20
+    assert MAX_OPTIONS_BYTES < len(buf) <= MAX_STRUCTURE_BYTES
     tracemalloc.start()
     try:
         with pytest.raises(InvalidRequest, match="exceed the limit"):
@@ -390,6 +392,34 @@ def test_huge_batch_is_refused_by_its_length() -> None:
         decode_request(msgspec.msgpack.encode(batch))
 
 
+@pytest.mark.parametrize("decoder", [decode_message, decode_request, decode_reply, decode_bundle])
+def test_a_refused_batch_is_not_rebuilt_while_its_error_is_worded(
+    decoder: Callable[[bytes], object],
+) -> None:
+    """A batch of a million empty maps is refused from its length header, and the look for a
+    foreign contract version (on every refused message) stops there too: it used to build one
+    object per byte (a 10 MB message took 889 MB)."""
+    batch = _raw(MESSAGES[5])
+    head = msgspec.msgpack.encode({key: value for key, value in batch.items() if key != "items"})
+    count = 1 << 20
+    bomb = (
+        bytes((head[0] + 1,))
+        + head[1:]
+        + msgspec.msgpack.encode("items")
+        + b"\xdd"
+        + count.to_bytes(4, "big")
+        + b"\x80" * count
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidRequest):
+            decoder(bomb)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+
+
 @pytest.mark.parametrize("header", [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff"])
 def test_length_header_claiming_billions_costs_nothing(header: bytes) -> None:
     # A short message whose container header promises 4G items is refused without building
@@ -409,6 +439,50 @@ def test_length_header_claiming_billions_costs_nothing(header: bytes) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
+
+
+def _bulky(tag: str) -> bytes:
+    """A message of ``tag`` carrying ~2 MiB of structure (short distinct map keys)."""
+    fields: dict[str, object] = {"type": tag}
+    entries = {format(index, "x"): 1 for index in range(300_000)}
+    fields["errors" if tag == "metrics" else "details"] = entries
+    if tag == "error":
+        fields.update(code="cache_miss", message="m", retryable=True)
+    return msgspec.msgpack.encode(fields)
+
+
+@pytest.mark.parametrize("tag", ["metrics", "error"])
+def test_a_bulky_message_without_a_payload_is_refused_before_it_is_built(tag: str) -> None:
+    """Metrics or an error of 2 MiB is ResourceExhausted from its size and tag: decoded, its
+    map would have been ~15 times that in Python objects."""
+    buf = _bulky(tag)
+    assert len(buf) > MAX_STRUCTURE_BYTES
+    for decoder in (decode_message, decode_reply):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ResourceExhausted) as caught:
+                decoder(buf)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert caught.value.details["limit"] == MAX_STRUCTURE_BYTES
+        assert peak < 1 << 20
+
+
+def test_a_large_message_with_a_payload_still_decodes() -> None:
+    """The structure limit is for payload-less types only: a 2 MiB bundle decodes."""
+    large = BoundaryBundle.from_array(
+        np.ones((512, 1024), dtype=np.float32),
+        session=SESSION,
+        first_pos=0,
+        layer=2,
+        model_fingerprint="fp",
+    )
+    buf = encode(large)
+    assert len(buf) > MAX_STRUCTURE_BYTES
+    decoded = decode_message(buf)
+    assert isinstance(decoded, BoundaryBundle)
+    assert bytes(decoded.payload) == bytes(large.payload)
 
 
 def test_message_above_the_size_limit_is_refused_before_decoding() -> None:

@@ -88,9 +88,28 @@ def unchecked_session(session_id: object = "s", epoch: object = 1) -> SessionRef
     return made
 
 
+class _Id(str):
+    """A str subclass that makes every id equal to every other: never an id."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def released_view() -> memoryview:
+    """A memoryview whose buffer was released: every use of it raises ValueError."""
+    view = memoryview(bytearray(16))
+    view.release()
+    return view
+
+
 # fmt: off
 WRONG_INTS: Final[list[object]] = ["0", None, 1.5, 5.0, True, 2**63, 2**64, -1, np.int64(1), b"1"]
-WRONG_IDS: Final[list[object]] = [5, None, b"s", "", "x" * 257, ("s",)]
+WRONG_IDS: Final[list[object]] = [5, None, b"s", "", "x" * 257, ("s",), _Id("s")]
 
 CASES: list[tuple[str, Callable[[], object], type, str]] = []
 
@@ -157,6 +176,7 @@ case("release session None", partial(ReleaseRequest, session=None),  # type: ign
 BUNDLE_BAD: list[tuple[str, object]] = [
     ("payload", "text"), ("payload", None), ("payload", [1, 2]),
     ("payload", memoryview(np.ones((4, 4), np.float32)[:, :1])),  # type: ignore[arg-type]
+    ("payload", released_view()), ("model_fingerprint", _Id("fp")),
     ("dtype", "f8"), ("dtype", None), ("checksum", -1), ("checksum", 2**64), ("checksum", 1.0),
     ("layer", "2"), ("model_fingerprint", None), ("model_fingerprint", "f" * 300),
     ("session", None), ("first_pos", 1.5), ("n_tokens", True), ("hidden_size", None),

@@ -144,6 +144,20 @@ def test_cache_miss_with_damaged_details_still_rebuilds() -> None:
     assert (back.committed_length, back.reason) == (0, "unknown")
 
 
+@pytest.mark.parametrize("length", [-1, -(2**63), True, 2.5, "7", None])
+def test_cache_miss_with_a_length_that_is_no_position_rebuilds_with_zero(length: object) -> None:
+    details: dict[str, object] = {"committed_length": length, "reason": "evicted"}
+    info = msgspec.convert({"code": "cache_miss", "message": "m", "retryable": True}, ErrorInfo)
+    # Bytes a peer could send: the details map as decoded, whatever the length's type.
+    raw = msgspec.msgpack.decode(encode(info))
+    raw["details"] = details
+    back = decode_error(msgspec.msgpack.encode(raw))
+    assert isinstance(back, CacheMiss)
+    assert type(back.committed_length) is int
+    assert back.committed_length == 0
+    assert back.details["committed_length"] == 0
+
+
 def test_unknown_code_becomes_the_root_class_and_keeps_the_code() -> None:
     info = ErrorInfo(code="from_the_future", message="m", retryable=True)
     back = decode_error(encode(info))

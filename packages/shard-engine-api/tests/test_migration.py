@@ -415,6 +415,21 @@ def test_corrupted_truncated_and_oversized_snapshots(snapshot: SessionSnapshot) 
     assert target.health().state == "ready"
 
 
+def test_chunks_are_measured_in_bytes_whatever_their_buffer_format(
+    snapshot: SessionSnapshot,
+) -> None:
+    """A chunk may be any contiguous buffer: one viewed as float32 (or 2-D) holds as many
+    bytes as it says, not as many items, and is installed like its bytes."""
+    state = b"".join(snapshot.chunks)
+    whole = len(state) - len(state) % 4
+    as_floats = np.frombuffer(state[:whole], dtype=np.float32).reshape(-1, 1).data
+    chunks = (as_floats, state[whole:]) if whole < len(state) else (as_floats,)
+    moved = replaced(snapshot, chunks=chunks)
+    Codec().verify_snapshot(moved)
+    target = _engine()
+    assert import_(target, moved).length == snapshot.length
+
+
 def test_migration_needs_the_capability() -> None:
     engine = _engine(migration=False)
     prefill(engine, ref(), [1, 2])

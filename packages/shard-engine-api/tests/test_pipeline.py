@@ -151,6 +151,34 @@ def test_sampler_cuts() -> None:
         Sampler(Sampling(temperature=1.0))(np.array([np.nan, 1.0]))
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-45])
+def test_a_tiny_temperature_samples_the_top_logits(temperature: float) -> None:
+    """A subnormal or tiny temperature is the greedy limit (ties drawn between), not an
+    overflow to inf whose inf - inf made every weight NaN (RuntimeWarning, arbitrary draws)."""
+    row = np.array([0.0, 5.0, 4.0, 5.0, -3e38], dtype=np.float32)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        drawn = {Sampler(Sampling(temperature=temperature, seed=seed))(row) for seed in range(40)}
+    assert drawn == {1, 3}
+
+
+@pytest.mark.parametrize("stop", ["x", None, 1.7, True, -1, 2**31, np.int64(3)])
+def test_stop_tokens_that_are_not_token_ids_are_invalid(pipeline: Pipeline, stop: object) -> None:
+    stops = (stop,)
+    with pytest.raises(InvalidRequest, match="stop tokens"):
+        pipeline.stream((4, 5), max_new_tokens=2, stop_tokens=stops)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="stop tokens"):
+        pipeline.generate((4, 5), 2, stop_tokens=stops)  # type: ignore[arg-type]
+    assert all(engine.metrics().requests == 0 for engine in pipeline.engines)
+
+
+def test_generation_settings_of_the_wrong_type_are_invalid(pipeline: Pipeline) -> None:
+    with pytest.raises(InvalidRequest, match="sampling must be a Sampling"):
+        pipeline.stream((4, 5), max_new_tokens=2, sampling={"temperature": 1.0})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match=r"PrefillRequest\.inputs\.token_ids"):
+        list(pipeline.stream(np.array([4, 5]), max_new_tokens=2))  # type: ignore[arg-type]
+    assert all(engine.health().sessions == 0 for engine in pipeline.engines)
+
+
 @pytest.mark.parametrize(
     "settings",
     [

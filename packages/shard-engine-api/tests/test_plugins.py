@@ -3,6 +3,7 @@ the others, misspelt hooks named, one entry-point scan per process."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import sys
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from shard_engine_api import _plugins as plugins_module
 from shard_engine_api.engine import (
     BrokenPlugin,
     EngineDescription,
+    ModelFixture,
     check_pending,
     engine_description,
     get_plugin_manager,
@@ -111,28 +113,46 @@ def test_description_fields_are_checked() -> None:
         )
 
 
+def _distribution(root: Path, name: str, entry_points: dict[str, str]) -> None:
+    info = root / f"{name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    lines = "".join(f"{key} = {value}\n" for key, value in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[shard_engine]\n{lines}")
+
+
+@contextlib.contextmanager
+def _installed(root: Path, modules: dict[str, str]) -> Iterator[Path]:
+    """``root`` (holding the distributions) on sys.path with ``modules`` written into it, the
+    entry points rescanned; all undone on exit."""
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(root))
+    plugins_module._entry_points.cache_clear()
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(root))
+        for module in modules:
+            sys.modules.pop(module, None)
+        plugins_module._entry_points.cache_clear()
+
+
 @pytest.fixture
 def broken_distribution(tmp_path: Path) -> Iterator[Path]:
     """An installed distribution whose ``shard_engine`` entry point cannot be imported, and one
     whose entry-point name is not the engine name it registers."""
-    info = tmp_path / "broken_engine-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-engine\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[shard_engine]\nbroken = no_such_module_for_shard_engine\nrenamed = renamed_plugin\n"
+    _distribution(
+        tmp_path,
+        "broken-engine",
+        {"broken": "no_such_module_for_shard_engine", "renamed": "renamed_plugin"},
     )
-    (tmp_path / "renamed_plugin.py").write_text(
+    renamed = (
         "from conformance_engines import ReferencePlugin\n"
         "shard_engine_register = ReferencePlugin('other').shard_engine_register\n"
     )
-    sys.path.insert(0, str(tmp_path))
-    plugins_module._entry_points.cache_clear()
-    try:
-        yield tmp_path
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("renamed_plugin", None)
-        plugins_module._entry_points.cache_clear()
+    with _installed(tmp_path, {"renamed_plugin": renamed}) as root:
+        yield root
 
 
 def test_an_entry_point_that_fails_to_import_is_reported(broken_distribution: Path) -> None:
@@ -162,3 +182,112 @@ def test_entry_points_are_scanned_once_per_process(monkeypatch: pytest.MonkeyPat
     finally:
         plugins_module._entry_points.cache_clear()
     assert scans == ["shard_engine"]
+
+
+_HOSTILE_MODULES: dict[str, str] = {
+    "exits_on_import": "raise SystemExit('needs a GPU')\n",
+    "exits_in_hook": (
+        "from shard_engine_api.engine import hookimpl\n"
+        "@hookimpl\n"
+        "def shard_engine_register():\n"
+        "    raise SystemExit(3)\n"
+    ),
+    "undecorated": (
+        "from conformance_engines import ReferencePlugin\n"
+        "def shard_engine_register():\n"
+        "    return ReferencePlugin('undecorated').shard_engine_register()\n"
+    ),
+    "lazy_attributes": (
+        "def __getattr__(name):\n    raise RuntimeError('lazy import failed: ' + name)\n"
+    ),
+    "makes_none": (
+        "from shard_engine_api.engine import EngineDescription, hookimpl\n"
+        "@hookimpl\n"
+        "def shard_engine_register():\n"
+        "    return EngineDescription(\n"
+        "        name='makes_none', factory=lambda: None, evidence='fixture'\n"
+        "    )\n"
+    ),
+    "factory_raises": (
+        "from shard_engine_api.engine import EngineDescription, hookimpl\n"
+        "def _factory():\n"
+        "    raise ImportError('libcuda.so.1: cannot open shared object file')\n"
+        "@hookimpl\n"
+        "def shard_engine_register():\n"
+        "    return EngineDescription(\n"
+        "        name='factory_raises', factory=_factory, evidence='fixture'\n"
+        "    )\n"
+    ),
+    "twin_a": "from conformance_engines import ReferencePlugin\n"
+    "shard_engine_register = ReferencePlugin('twin').shard_engine_register\n",
+    "twin_b": "from conformance_engines import ReferencePlugin\n"
+    "shard_engine_register = ReferencePlugin('twin').shard_engine_register\n",
+}
+
+
+@pytest.fixture
+def hostile_distributions(tmp_path: Path) -> Iterator[Path]:
+    """Installed distributions whose plugins fail in every way a third party's can, one of
+    them declaring the same engine name as another distribution."""
+    _distribution(
+        tmp_path,
+        "hostile-engines",
+        {
+            "exits_on_import": "exits_on_import",
+            "exits_in_hook": "exits_in_hook",
+            "undecorated": "undecorated",
+            "lazy_attributes": "lazy_attributes",
+            "makes_none": "makes_none",
+            "factory_raises": "factory_raises",
+            "twin": "twin_a",
+        },
+    )
+    _distribution(tmp_path, "other-twin", {"twin": "twin_b"})
+    with _installed(tmp_path, _HOSTILE_MODULES) as root:
+        yield root
+
+
+def test_hostile_plugins_are_named_and_leave_the_others_working(
+    hostile_distributions: Path,
+) -> None:
+    """Each failing plugin is a PluginProblem under its entry-point name and BrokenPlugin from
+    load_engine (never SystemExit, AttributeError or "not installed"); every other engine
+    still loads."""
+    manager = get_plugin_manager(plugins=[("reference", ReferencePlugin())])
+    assert "reference" in [engine.name for engine in installed_engines(manager)]
+    problems = {problem.plugin: problem.problem for problem in plugin_problems(manager)}
+    expected = {
+        "exits_on_import": "SystemExit: needs a GPU",
+        "exits_in_hook": "shard_engine_register raised SystemExit: 3",
+        "undecorated": "implements no shard_engine_register hook",
+        "lazy_attributes": "implements no shard_engine_register hook",
+        "twin": "declared more than once: ",
+    }
+    for name, text in expected.items():
+        assert text in problems[name], (name, problems.get(name))
+        with pytest.raises(BrokenPlugin, match=name):
+            load_engine(name, manager=manager)
+    assert "hostile-engines 1.0 (twin_a)" in problems["twin"]
+    assert "other-twin 1.0 (twin_b)" in problems["twin"]
+    with pytest.raises(BrokenPlugin, match="returned NoneType, which is not a ShardEngine"):
+        load_engine("makes_none", manager=manager)
+    with pytest.raises(BrokenPlugin, match="factory raised ImportError: libcuda"):
+        load_engine("factory_raises", manager=manager)
+    load_engine("reference", manager=manager).close()
+    load_engine("fake").close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [({"n_threads": 99999}, "n_threads"), ({"max_sessions": "four"}, "max_sessions"),
+     ({"eviction": "bogus"}, "eviction")],
+)  # fmt: skip
+def test_a_fixture_config_with_a_bad_field_is_invalid_request(
+    overrides: dict[str, object], field: str
+) -> None:
+    """ModelFixture.config (what the CLI and the suite build configs with) raises the
+    contract's InvalidRequest naming the field, not msgspec's ValidationError."""
+    fixture = ModelFixture(model="m", n_layers=2)
+    with pytest.raises(InvalidRequest, match=field) as caught:
+        fixture.config(0, 2, **overrides)
+    assert type(caught.value) is InvalidRequest

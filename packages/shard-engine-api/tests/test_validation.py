@@ -3,6 +3,7 @@ inner engine becomes MalformedOutput naming the check; good results pass through
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from shard_engine_api import (
     Determinism,
     ErrorInfo,
     ExportSessionRequest,
+    Features,
     Health,
     ImportSessionRequest,
     ImportSessionResult,
@@ -43,6 +45,7 @@ from shard_engine_api import (
     ShardEngine,
     ShardResult,
     ShardSpec,
+    Timings,
     TokenInput,
     ValidatingEngine,
 )
@@ -373,6 +376,8 @@ NON_TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
     ("non-finite", rebuild_bundle(with_nan), "finite"),
     ("payload not a buffer", replace_bundle(payload="text"), "result_fields"),
     ("bundle not a bundle", lambda r: msgspec.structs.replace(r, bundle=None), "result_fields"),
+    ("negative timing", lambda r: msgspec.structs.replace(r, timings=Timings(total_ms=-2.0)),
+     "timings"),
 ]  # fmt: skip
 
 
@@ -435,6 +440,10 @@ TAIL_BREAKAGES: list[tuple[str, Mutation, str]] = [
      "payload_length"),
     ("checksum", lambda r: msgspec.structs.replace(r, checksum=r.checksum ^ 1), "checksum"),
     ("non-finite", logits_from(lambda v: v * np.inf), "finite"),
+    ("NaN timing", lambda r: msgspec.structs.replace(r, timings=Timings(queue_ms=math.nan)),
+     "timings"),
+    ("infinite timing", lambda r: msgspec.structs.replace(r, timings=Timings(compute_ms=math.inf)),
+     "timings"),
 ]  # fmt: skip
 
 
@@ -587,7 +596,15 @@ CAPABILITY_BREAKAGES: list[tuple[str, Callable[[Capabilities], Capabilities], st
     ("hidden", _caps_change(hidden_size=0), "shape"),
     ("dtypes", _caps_change(boundary_dtypes=("f16",)), "dtype"),
     ("dtype names", _caps_change(boundary_dtypes=("f32", "f8")), "dtype"),
-]
+    ("no sessions", lambda caps: msgspec.structs.replace(
+        caps, limits=msgspec.structs.replace(caps.limits, max_sessions=0)), "limits"),
+    ("NaN cancel latency", lambda caps: msgspec.structs.replace(
+        caps, features=Features(cancel_latency_ms=math.nan)), "cancel_latency"),
+    ("negative cancel latency", lambda caps: msgspec.structs.replace(
+        caps, features=Features(cancel_latency_ms=-5.0)), "cancel_latency"),
+    ("infinite cancel latency", lambda caps: msgspec.structs.replace(
+        caps, features=Features(cancel_latency_ms=math.inf)), "cancel_latency"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

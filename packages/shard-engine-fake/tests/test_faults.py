@@ -4,6 +4,7 @@ effects (errors, health, metrics, events)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from shard_engine_fake import (
     MemoryRelief,
     load_fault_plan,
 )
+from shard_engine_fake._faults import MAX_PLAN_FILE_BYTES
 
 EXAMPLE_PLAN = {
     "seed": 7,
@@ -103,6 +105,28 @@ def test_plan_from_environment_file(
     monkeypatch.setenv(FAULTS_ENV_VAR, str(path))
     with pytest.raises(api.InvalidRequest):
         make_engine()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "huge"])
+def test_a_plan_file_that_is_no_plan_file_is_refused_at_once(
+    make_engine: EngineFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A FIFO without a writer (which would block the load forever), /dev/zero (read until
+    memory runs out), a directory or an oversized file: InvalidRequest, the engine unloaded."""
+    path = tmp_path / "faults.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_text(json.dumps(EXAMPLE_PLAN) + " " * MAX_PLAN_FILE_BYTES)  # valid JSON
+    monkeypatch.setenv(FAULTS_ENV_VAR, str(path))
+    started = time.monotonic()
+    with pytest.raises(api.InvalidRequest, match=FAULTS_ENV_VAR):
+        make_engine()
+    assert time.monotonic() - started < 5
 
 
 def test_nth_every_limit_session_and_role_triggers(make_engine: EngineFactory) -> None:

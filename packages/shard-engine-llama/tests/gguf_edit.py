@@ -4,6 +4,7 @@ dropped or added. Tensor data of a changed tensor is zeros (the tests are about 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,3 +110,24 @@ def u32(value: int) -> MetadataValue:
 
 def f32(value: float) -> MetadataValue:
     return MetadataValue(value, gguf.GGUFValueType.FLOAT32)
+
+
+def array(values: Sequence[object], element_type: gguf.GGUFValueType) -> MetadataValue:
+    return MetadataValue(list(values), gguf.GGUFValueType.ARRAY, element_type)  # type: ignore[arg-type]
+
+
+def tensor_offset_position(raw: bytes | bytearray, name: str) -> int:
+    """Where in a GGUF file's bytes the 8-byte data offset of tensor ``name``'s info lies."""
+    needle = struct.pack("<Q", len(name)) + name.encode()
+    position = raw.index(needle) + len(needle)
+    n_dims = int(struct.unpack_from("<I", raw, position)[0])
+    return position + 4 + 8 * n_dims + 4
+
+
+def swap_tensor_offsets(path: Path, first: str, second: str) -> Path:
+    """Exchange two tensors' data offsets in place (both stay inside the file)."""
+    raw = bytearray(path.read_bytes())
+    a, b = tensor_offset_position(raw, first), tensor_offset_position(raw, second)
+    raw[a : a + 8], raw[b : b + 8] = raw[b : b + 8], raw[a : a + 8]
+    path.write_bytes(bytes(raw))
+    return path

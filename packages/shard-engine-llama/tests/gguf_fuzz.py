@@ -11,6 +11,7 @@ The child mode (``--load``) reads one file path per line from stdin and answers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import gguf
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gguf_edit import TensorEdit, tensors_of, write_gguf
+from gguf_edit import TensorEdit, tensor_offset_position, tensors_of, write_gguf
 
 from shard_engine_llama._gguf import (
     GGUFValidationError,
@@ -48,14 +49,44 @@ _RETYPES = {
     gguf.GGUFValueType.BOOL: (U32,),
     gguf.GGUFValueType.STRING: (U32,),
 }
-_TYPES = (
-    gguf.GGMLQuantizationType.F32,
-    gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16,
-    gguf.GGMLQuantizationType.Q8_0,
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.I32,
-    gguf.GGMLQuantizationType.F64,
+# Every tensor type the gguf package knows a size for (Q8_1 / Q8_K are activation-only types a
+# weight must not have; the integer types and F64 have no matrix kernels).
+_TYPES = tuple(t for t in gguf.GGMLQuantizationType if t in gguf.GGML_QUANT_SIZES)
+# Keys llama.cpp reads that no supported family needs (several abort or fail the load), and
+# keys it never reads for the family.
+_FOREIGN_ARCH_KEYS: tuple[tuple[str, MetadataValue], ...] = (
+    ("nextn_predict_layers", MetadataValue(9, U32)),
+    ("nextn_predict_layers", MetadataValue(1, U32)),
+    ("attention.key_length_swa", MetadataValue(8, U32)),
+    ("rope.dimension_count_swa", MetadataValue(6, U32)),
+    ("pooling_type", MetadataValue("mean", gguf.GGUFValueType.STRING)),
+    ("embedding_length_out", MetadataValue(7, U32)),
+    ("rope.scaling.alpha", MetadataValue(math.nan, F32)),
+    # Keys llama.cpp never reads for a supported family: accepted, and they must load.
+    ("tensor_data_layout", MetadataValue("Meta AI original pth", gguf.GGUFValueType.STRING)),
+    ("expert_gating_func", MetadataValue(7, U32)),
+    ("attention.q_lora_rank", MetadataValue(math.nan, F32)),
+    ("converter.note", MetadataValue([1, 2], gguf.GGUFValueType.ARRAY, U32)),
+)
+_GENERAL_EDITS: tuple[tuple[str, MetadataValue], ...] = (
+    ("general.alignment", MetadataValue(8, U32)),
+    ("general.alignment", MetadataValue(1, U32)),
+    ("general.alignment", MetadataValue(64, U32)),
+    ("general.alignment", MetadataValue(True, gguf.GGUFValueType.BOOL)),
+    ("general.name", MetadataValue(3, U32)),
+    ("general.file_type", MetadataValue("f32", gguf.GGUFValueType.STRING)),
+    ("tokenizer.ggml.add_space_prefix", MetadataValue(1, U32)),
+    ("tokenizer.ggml.token_type_count", MetadataValue("x", gguf.GGUFValueType.STRING)),
+    ("tokenizer.ggml.mask_token_id", MetadataValue(2**32 - 1, U32)),
+    ("tokenizer.ggml.pre", MetadataValue("bogus", gguf.GGUFValueType.STRING)),
+)
+_ELEMENT_TYPES = (
+    gguf.GGUFValueType.UINT8,
+    gguf.GGUFValueType.INT32,
+    gguf.GGUFValueType.UINT32,
+    gguf.GGUFValueType.FLOAT32,
+    gguf.GGUFValueType.FLOAT64,
+    gguf.GGUFValueType.BOOL,
 )
 
 
@@ -85,7 +116,50 @@ def _mutate_metadata(
         for k in metadata
         if k.startswith((f"{arch}.", "tokenizer.ggml.")) and k != "tokenizer.ggml.tokens"
     ]
-    kind = rng.choice(("value", "value", "value", "retype", "drop", "add", "array"))
+    kind = rng.choice(
+        ("value", "value", "value", "retype", "drop", "add", "array", "foreign", "element")
+    )
+    if kind == "foreign":
+        if rng.random() < 0.5:
+            suffix, foreign = rng.choice(_FOREIGN_ARCH_KEYS)
+            metadata[f"{arch}.{suffix}"] = foreign
+            log.append(f"foreign {arch}.{suffix}={foreign.value!r}")
+        else:
+            key, foreign = rng.choice(_GENERAL_EDITS)
+            metadata[key] = foreign
+            log.append(f"edit {key}={foreign.value!r} ({foreign.value_type.name})")
+        return
+    if kind == "element":
+        # The same array with another element type (llama.cpp takes only some per key).
+        arrays = [k for k, v in metadata.items() if isinstance(v.value, list)]
+        key = rng.choice(arrays)
+        entry = metadata[key]
+        assert isinstance(entry.value, list)
+        if entry.element_type == gguf.GGUFValueType.STRING:
+            items = list(entry.value)
+            if items:
+                index = rng.randrange(len(items))
+                # An empty token, the name llama.cpp gives an empty one, or a short byte token.
+                items[index] = rng.choice(("", f"[EMPTY_{max(index - 1, 0)}]", "<x"))
+            metadata[key] = MetadataValue(items, entry.value_type, entry.element_type)
+            log.append(f"string element of {key}")
+            return
+        element = rng.choice(_ELEMENT_TYPES)
+        converted_items: list[object] = [
+            (
+                bool(v)
+                if element == gguf.GGUFValueType.BOOL
+                else float(v)
+                if element in (F32, gguf.GGUFValueType.FLOAT64)
+                else int(v) % 256
+                if element == gguf.GGUFValueType.UINT8
+                else int(v) % 2**31
+            )
+            for v in entry.value
+        ]
+        metadata[key] = MetadataValue(converted_items, entry.value_type, element)  # type: ignore[arg-type]
+        log.append(f"element {key} {entry.element_type} -> {element.name}")
+        return
     if kind == "add":
         suffix = rng.choice(sorted(_ARCH_KEYS))
         key = f"{arch}.{suffix}"
@@ -244,13 +318,47 @@ def generate(directory: Path, per_family: int, seed: int) -> Iterator[Mutant]:
                 # The gguf writer itself refuses some values (e.g. negative uint32).
                 log.append(f"unwritable: {error}")
                 continue
+            if rng.random() < 0.25:
+                _mutate_bytes(rng, target, log)
             yield Mutant(arch, target, log)
+
+
+def _mutate_bytes(rng: random.Random, path: Path, log: list[str]) -> None:
+    """Damage the written header itself: flipped bits, a poked byte or 8-byte word anywhere
+    before the tensor data (lengths, counts, types, offsets), or two tensors' offsets swapped."""
+    raw = bytearray(path.read_bytes())
+    try:
+        header = read_gguf_header(path)
+    except GGUFValidationError:
+        return
+    end = header.data_start
+    kind = rng.choice(("flip", "byte", "word", "offsets"))
+    if kind == "flip":
+        position = rng.randrange(end)
+        raw[position] ^= 1 << rng.randrange(8)
+    elif kind == "byte":
+        position = rng.randrange(end)
+        raw[position] = rng.choice((0, 1, 0x7F, 0x80, 0xFF))
+    elif kind == "word":
+        position = rng.randrange(end - 8)
+        raw[position : position + 8] = struct.pack("<Q", rng.choice((0, 1, 32, 2**32, 2**63)))
+    else:
+        if len(header.tensors) < 2:
+            return
+        first, second = rng.sample(sorted(header.tensors), 2)
+        a, b = tensor_offset_position(raw, first), tensor_offset_position(raw, second)
+        raw[a : a + 8], raw[b : b + 8] = raw[b : b + 8], raw[a : a + 8]
+        position = a
+    path.write_bytes(bytes(raw))
+    log.append(f"bytes {kind} at {position}")
 
 
 @dataclass
 class FuzzReport:
     generated: int = 0
     accepted: int = 0
+    generated_by_family: Counter[str] = field(default_factory=Counter)
+    accepted_by_family: Counter[str] = field(default_factory=Counter)
     loaded: int = 0
     shards_loaded: int = 0
     aborts: list[str] = field(default_factory=list)
@@ -261,6 +369,8 @@ class FuzzReport:
         return {
             "generated": self.generated,
             "accepted": self.accepted,
+            "generated_by_family": dict(sorted(self.generated_by_family.items())),
+            "accepted_by_family": dict(sorted(self.accepted_by_family.items())),
             "loaded": self.loaded,
             "shards_loaded": self.shards_loaded,
             "aborts": len(self.aborts),
@@ -273,7 +383,11 @@ _PROTOCOL = "@@fuzz "
 
 
 def _load_in_children(paths: Sequence[Path]) -> dict[Path, str]:
-    """Load each file in a child process; a child that dies is restarted after the file."""
+    """Load each file in a child process; a child that dies is restarted after the file.
+
+    Paths are fed one at a time, each after the previous answer: a child that dies leaves no
+    unread backlog to break the pipe on, and neither side can block on a full pipe.
+    """
     results: dict[Path, str] = {}
     pending = list(paths)
     while pending:
@@ -288,27 +402,30 @@ def _load_in_children(paths: Sequence[Path]) -> dict[Path, str]:
         )
         assert child.stdin is not None
         assert child.stdout is not None
-        child.stdin.write("".join(f"{path}\n" for path in pending))
-        child.stdin.close()
-        current: Path | None = None
-        for line in child.stdout:
-            if not line.startswith(_PROTOCOL):
-                continue
-            kind, _, rest = line[len(_PROTOCOL) :].rstrip("\n").partition(" ")
-            if kind == "START":
-                current = Path(rest)
-            elif current is not None:
-                results[current] = f"{kind} {rest}".strip()
-                pending.remove(current)
-                current = None
+        while pending:
+            current = pending[0]
+            try:
+                child.stdin.write(f"{current}\n")
+                child.stdin.flush()
+            except BrokenPipeError:
+                break
+            answer = None
+            for line in child.stdout:
+                if line.startswith(_PROTOCOL):
+                    kind, _, rest = line[len(_PROTOCOL) :].rstrip("\n").partition(" ")
+                    if kind != "START":
+                        answer = f"{kind} {rest}".strip()
+                        break
+            if answer is None:
+                break
+            results[current] = answer
+            pending.pop(0)
+        with contextlib.suppress(BrokenPipeError):
+            child.stdin.close()
         child.stdout.close()
         code = child.wait()
-        if current is None and pending and code != 0:
-            # Died between files (or at start-up): blame the next file, so the run goes on.
-            current = pending[0]
-        if current is not None:
-            results[current] = f"ABORT signal/exit {code}"
-            pending.remove(current)
+        if pending and pending[0] not in results:
+            results[pending.pop(0)] = f"ABORT signal/exit {code}"
     return results
 
 
@@ -317,12 +434,15 @@ def run(directory: Path, per_family: int, seed: int) -> FuzzReport:
     accepted: list[Mutant] = []
     for mutant in generate(directory, per_family, seed):
         report.generated += 1
+        report.generated_by_family[mutant.family] += 1
         try:
             header = validate_header(read_gguf_header(mutant.path))
         except GGUFValidationError as error:
             report.refused_by_rule[error.rule] += 1
+            mutant.path.unlink()  # deep runs write thousands of files
             continue
         report.accepted += 1
+        report.accepted_by_family[mutant.family] += 1
         accepted.append(mutant)
         info = model_info(header)
         if info.shardable:

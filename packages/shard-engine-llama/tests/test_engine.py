@@ -3,14 +3,17 @@ cancellation, batched decode, untrusted files, shard files as models."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
-from gguf_edit import f32, rewrite
+from gguf_edit import f32, rewrite, tensor_offset_position, u32
 
 from shard_engine_api import (
     BoundaryResult,
@@ -36,7 +39,7 @@ from shard_engine_api import (
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_llama import LlamaEngine, _abi
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
-from shard_engine_llama._gguf import read_gguf_header, split_model
+from shard_engine_llama._gguf import MetadataValue, read_gguf_header, split_model
 from shard_engine_llama._gguf import store as store_module
 from shard_engine_llama._tiny_model import write_tiny_model
 
@@ -492,6 +495,32 @@ def test_negative_epsilon_is_refused_before_llama_cpp_sees_it(
     }
 
 
+def test_keys_llama_cpp_never_reads_change_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    """A file with keys llama.cpp never reads for its family (an older conversion's
+    ``tensor_data_layout``, another architecture's key) loads and gives bitwise the logits of
+    the file without them."""
+    extended = rewrite(
+        tiny_model,
+        tmp_path / "extended.gguf",
+        metadata={
+            "llama.tensor_data_layout": MetadataValue(
+                "Meta AI original pth", gguf.GGUFValueType.STRING
+            ),
+            "llama.expert_gating_func": u32(7),
+        },
+    )
+    logits = []
+    for model in (tiny_model, extended):
+        engine = _load(model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+        try:
+            logits.append(
+                _prefill(engine, SessionRef(session_id="s", epoch=1), [1, 2, 3, 4]).tobytes()
+            )
+        finally:
+            engine.close()
+    assert logits[0] == logits[1]
+
+
 def test_prebuilt_shard_file_as_model(tiny_model: Path, tmp_path: Path) -> None:
     """A worker that downloads only its shard file loads it directly; the range must match."""
     manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
@@ -549,6 +578,72 @@ def test_a_tampered_shard_in_the_store_is_rewritten(tiny_model: Path, tmp_path: 
         _close([full, head, tail])
 
 
+def _shard_regions(path: Path) -> dict[str, int]:
+    """One byte offset in each region of a shard that parses as before when altered: the
+    padding after the tensor infos, the padding after a tensor, and every tensor's data."""
+    header = read_gguf_header(path)
+    records = sorted(header.tensors.values(), key=lambda record: record.offset)
+    infos_end = tensor_offset_position(path.read_bytes(), records[-1].name) + 8
+    regions: dict[str, int] = {}
+    if infos_end < header.data_start:
+        regions["padding after the tensor infos"] = infos_end
+    for record, following in itertools.pairwise(records):
+        if following.offset > record.offset + record.n_bytes:
+            regions[f"padding after {record.name}"] = record.offset + record.n_bytes
+    for record in records:
+        regions[f"data of {record.name}"] = record.offset + record.n_bytes // 2
+    return regions
+
+
+def test_a_shard_altered_anywhere_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    original = manifest.shard_path(1).read_bytes()
+    regions = _shard_regions(manifest.shard_path(1))
+    assert len(regions) > len(read_gguf_header(manifest.shard_path(1)).tensors)
+    for region, position in regions.items():
+        altered = bytearray(original)
+        altered[position] ^= 0x01
+        manifest.shard_path(1).write_bytes(bytes(altered))
+        with pytest.raises(InvalidRequest) as refused:
+            _load(manifest.shard_path(1), 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+        assert refused.value.details["rule"] == "shard-integrity", region
+
+
+def test_a_symlink_swapped_during_the_load_cannot_slip_another_file_in(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name is pointed at another file after the checks and back once llama.cpp has opened
+    it: the identity checks see the verified file both times, so only loading the file that was
+    verified (pinned by descriptor) keeps the other one out."""
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    good = manifest.shard_path(1)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(good.read_bytes())
+    _flip_tensor_byte(other)
+    link = tmp_path / "tail.gguf"
+    link.symlink_to(good)
+    real_runtime = _abi.ShardRuntime
+    opened: list[int] = []
+
+    def swapping(path: Path, **options: object) -> _abi.ShardRuntime:
+        link.unlink()
+        link.symlink_to(other)
+        try:
+            opened.append(os.stat(options.get("load_from") or path).st_ino)  # type: ignore[arg-type]
+            return real_runtime(path, **options)  # type: ignore[arg-type]
+        finally:
+            link.unlink()
+            link.symlink_to(good)
+
+    monkeypatch.setattr(_abi, "ShardRuntime", swapping)
+    engine = _load(link, 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    try:
+        assert opened == [good.stat().st_ino]
+        assert engine.shard_path == link
+    finally:
+        engine.close()
+
+
 def test_verification_is_cached_per_file_identity(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -590,3 +685,31 @@ def test_a_shard_file_has_no_tokenizer_and_says_so(tiny_model: Path, tmp_path: P
     assert full.encode("hi")
     assert describe.describe_model is not None
     assert not describe.describe_model(str(manifest.shard_path(1))).has_tokenizer
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"tolerance": float("nan")},
+        {"tolerance": float("inf")},
+        {"tolerance": -1.0},
+        {"n_ubatch": 0},
+        {"n_ubatch": True},
+        {"kv_type": "F32"},
+        {"slow_forward_us": -1},
+        {"unknown_option": 1},
+    ],
+    ids=repr,
+)
+def test_bad_options_are_refused_before_anything_loads(
+    tiny_model: Path, options: dict[str, object]
+) -> None:
+    with pytest.raises(InvalidRequest):
+        _load(tiny_model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS, options=options)
+
+
+def test_an_unwritable_model_store_is_named_as_such(tiny_model: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "store-is-a-file"
+    blocker.write_text("")
+    with pytest.raises(InvalidRequest, match="cannot write the shard into the model store"):
+        _load(tiny_model, 0, 2, TINY_MODEL_LAYERS, options={"model_store": str(blocker)})

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
+import struct
+import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -24,6 +29,7 @@ from shard_engine_llama._gguf import (
     split_model,
     validate_gguf,
 )
+from shard_engine_llama._gguf import writer as writer_module
 from shard_engine_llama._tiny_model import write_tiny_model
 
 
@@ -396,6 +402,75 @@ def test_split_rejects_bad_ranges(tiny: Path, tmp_path: Path) -> None:
             split_model(tiny, ranges, tmp_path)
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from shard_engine_api.cli import main; sys.exit(main())",
+        *args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+
+
+def test_a_refused_split_leaves_nothing_behind(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for ranges in ([(3, 1)], [(0, 2), (1, 4)], [(0, 99)]):
+        with pytest.raises(ValueError, match="range"):
+            split_model(tiny, ranges, out)
+        assert not out.exists(), ranges
+
+
+def test_a_failing_split_removes_the_shards_it_wrote(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = writer_module._write_sealed
+    calls: list[Path] = []
+
+    def fail_on_the_second(*args: Any, **kwargs: Any) -> str:
+        calls.append(args[3])
+        if len(calls) == 2:
+            args[4].write_bytes(b"half a shard")  # the partial file exists when the disk fills
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "_write_sealed", fail_on_the_second)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="No space"):
+        split_model(tiny, [(0, 2), (2, 4)], out)
+    assert len(calls) == 2
+    assert not out.exists(), sorted(out.iterdir())
+
+
+def test_split_never_writes_over_its_source(tiny: Path, tmp_path: Path) -> None:
+    source = tmp_path / "manifest.json"  # a model file named like the manifest it would write
+    source.write_bytes(tiny.read_bytes())
+    with pytest.raises(ValueError, match="source model itself"):
+        split_model(source, [(0, 2), (2, 4)], tmp_path)
+    assert source.read_bytes() == tiny.read_bytes()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["manifest.json"]
+
+
+def test_split_cli_reports_an_unwritable_output_without_a_traceback(
+    tiny: Path, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (str(blocker), str(blocker / "below"), str(tiny)):
+        result = _cli("split", str(tiny), "--parts", "2", "--out", out, "--quiet")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("error: cannot write the shards"), result.stderr
+        assert "Traceback" not in result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_inspect_does_not_wait_on_a_fifo(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    result = _cli("inspect", str(fifo))  # opening it for reading used to block for a writer
+    assert result.returncode == 2, result.stderr
+    assert "shardable:     no — refused by rule: file-not-regular" in result.stdout
+
+
 def test_tied_embeddings_keep_embedding_on_tail(tmp_path: Path) -> None:
     path = tmp_path / "tied.gguf"
     write_tiny_model(path, tie_embeddings=True)
@@ -459,3 +534,24 @@ def test_header_byte_mutations_give_a_typed_error_or_a_sound_header(
             assert str(mutated) in message, "the error names the file"
         else:
             assert header.tensors, "an accepted header describes its tensors"
+
+
+def test_a_huge_metadata_array_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """Five million one-byte elements: read into a list they took ~40 MiB for a 5 MB file (8x;
+    float elements several times more), so a long array in a multi-gigabyte file could take the
+    machine's memory before the header failed."""
+    count = 5_000_000
+    key = b"general.huge"
+    raw = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IIQ", int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.UINT8), count)
+        + bytes(count)
+    )
+    path = tmp_path / "huge-array.gguf"
+    path.write_bytes(raw)
+    with pytest.raises(GGUFValidationError) as raised:
+        read_gguf_header(path)
+    assert (raised.value.rule, raised.value.field) == ("metadata-array-length", "general.huge")

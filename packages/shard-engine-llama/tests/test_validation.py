@@ -9,7 +9,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gguf_edit import TensorEdit, f32, rewrite, u32
+from gguf_edit import TensorEdit, array, f32, rewrite, swap_tensor_offsets, tensors_of, u32
 
 from shard_engine_llama._gguf import (
     GGUFValidationError,
@@ -22,6 +22,7 @@ from shard_engine_llama._gguf.families import FAMILIES
 from shard_engine_llama._tiny_model import SUPPORTED_TINY_ARCHITECTURES, write_tiny_model
 
 F32 = gguf.GGMLQuantizationType.F32
+Q8_K = gguf.GGMLQuantizationType.Q8_K
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +269,263 @@ def test_bad_moe_files_are_refused(
     assert (raised.value.rule, raised.value.field) == (rule, field), str(raised.value)
 
 
+_BOOL = gguf.GGUFValueType.BOOL
+_STRING = gguf.GGUFValueType.STRING
+
+
+def _string(value: str) -> MetadataValue:
+    return MetadataValue(value, _STRING)
+
+
+# Each of these loaded past the validator and then aborted llama.cpp (SIGABRT/SIGSEGV) or made
+# it refuse the file with its generic "could not load": (case, family, metadata edits, tensor
+# edits, rule, field).
+FAMILY_CASES: list[
+    tuple[str, str, dict[str, MetadataValue | None], dict[str, TensorEdit | None], str, str]
+] = [
+    (
+        "gemma2 pattern with no sliding-window layer (abort building the iSWA cache)",
+        "gemma2",
+        {"gemma2.attention.sliding_window_pattern": array([False] * 3, _BOOL)},
+        {},
+        "hparam-sliding-window-pattern",
+        "gemma2.attention.sliding_window_pattern",
+    ),
+    (
+        "gemma3 pattern period 1: every layer global (abort)",
+        "gemma3",
+        {"gemma3.attention.sliding_window_pattern": u32(1)},
+        {},
+        "hparam-sliding-window-pattern",
+        "gemma3.attention.sliding_window_pattern",
+    ),
+    (
+        "olmo2 with a window and pattern period 1 (abort)",
+        "olmo2",
+        {
+            "olmo2.attention.sliding_window": u32(8),
+            "olmo2.attention.sliding_window_pattern": u32(1),
+        },
+        {},
+        "hparam-sliding-window-pattern",
+        "olmo2.attention.sliding_window_pattern",
+    ),
+    (
+        "sliding-window pattern as a float",
+        "gemma3",
+        {"gemma3.attention.sliding_window_pattern": f32(6.0)},
+        {},
+        "metadata-type",
+        "gemma3.attention.sliding_window_pattern",
+    ),
+    (
+        "more multi-token-prediction layers than blocks (GGML_ASSERT in load_hparams)",
+        "llama",
+        {"llama.nextn_predict_layers": u32(9)},
+        {},
+        "metadata-unknown-key",
+        "llama.nextn_predict_layers",
+    ),
+    (
+        "sliding-window key length (llama.cpp refuses the tensors)",
+        "gemma3",
+        {"gemma3.attention.key_length_swa": u32(8)},
+        {},
+        "metadata-unknown-key",
+        "gemma3.attention.key_length_swa",
+    ),
+    (
+        "pooling type as a string",
+        "qwen3",
+        {"qwen3.pooling_type": _string("mean")},
+        {},
+        "metadata-unknown-key",
+        "qwen3.pooling_type",
+    ),
+    (
+        "SWA rope dimension (read for every family)",
+        "qwen3",
+        {"qwen3.rope.dimension_count_swa": u32(6)},
+        {},
+        "metadata-unknown-key",
+        "qwen3.rope.dimension_count_swa",
+    ),
+    (
+        "deepstack mapping (read by granite only)",
+        "granite",
+        {"granite.deepstack_mapping": array([1, 0, 1], gguf.GGUFValueType.UINT32)},
+        {},
+        "metadata-unknown-key",
+        "granite.deepstack_mapping",
+    ),
+    (
+        "model name as an integer",
+        "qwen3",
+        {"general.name": u32(3)},
+        {},
+        "metadata-type",
+        "general.name",
+    ),
+    (
+        "file type as a string",
+        "smollm3",
+        {"general.file_type": _string("f32")},
+        {},
+        "metadata-type",
+        "general.file_type",
+    ),
+    (
+        "alignment 8: tensors not 32-byte aligned (GGML_ASSERT buffer pointer must be aligned)",
+        "qwen2",
+        {"general.alignment": u32(8)},
+        {},
+        "gguf-alignment",
+        "general.alignment",
+    ),
+    (
+        "alignment as a bool",
+        "qwen2",
+        {"general.alignment": MetadataValue(True, _BOOL)},
+        {},
+        "gguf-alignment",
+        "general.alignment",
+    ),
+    (
+        "per-tensor precision policy",
+        "llama",
+        {"general.tensor_extra.name": array(["blk.0.attn_q.weight"], _STRING)},
+        {},
+        "metadata-unsupported",
+        "general.tensor_extra.name",
+    ),
+    (
+        "token types as uint8",
+        "phi3",
+        {"tokenizer.ggml.token_type": array([1] * 260, gguf.GGUFValueType.UINT8)},
+        {},
+        "metadata-type",
+        "tokenizer.ggml.token_type",
+    ),
+    (
+        "scores as float64",
+        "granite",
+        {"tokenizer.ggml.scores": array([0.0] * 260, gguf.GGUFValueType.FLOAT64)},
+        {},
+        "metadata-type",
+        "tokenizer.ggml.scores",
+    ),
+    (
+        "add_space_prefix as an integer",
+        "qwen3moe",
+        {"tokenizer.ggml.add_space_prefix": u32(1)},
+        {},
+        "metadata-type",
+        "tokenizer.ggml.add_space_prefix",
+    ),
+    (
+        "suppressed tokens as uint32",
+        "llama",
+        {"tokenizer.ggml.suppress_tokens": array([1, 2], gguf.GGUFValueType.UINT32)},
+        {},
+        "metadata-type",
+        "tokenizer.ggml.suppress_tokens",
+    ),
+    (
+        "mask token beyond the vocabulary",
+        "qwen2moe",
+        {"tokenizer.ggml.mask_token_id": u32(2**32 - 1)},
+        {},
+        "vocabulary-token-id",
+        "tokenizer.ggml.mask_token_id",
+    ),
+    (
+        "BPE vocabulary with an unknown pre-tokenizer",
+        "qwen2",
+        {
+            "tokenizer.ggml.model": _string("gpt2"),
+            "tokenizer.ggml.merges": array(["a b"], _STRING),
+            "tokenizer.ggml.pre": _string("bogus"),
+        },
+        {},
+        "tokenizer-pre",
+        "tokenizer.ggml.pre",
+    ),
+    (
+        "weight matrix of the activation-only type Q8_K (SIGSEGV in the first forward)",
+        "llama",
+        {},
+        {"blk.0.attn_q.weight": TensorEdit("blk.0.attn_q.weight", (256, 256), Q8_K)},
+        "tensor-type",
+        "blk.0.attn_q.weight",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "metadata", "tensors", "rule", "field"),
+    [case[1:] for case in FAMILY_CASES],
+    ids=[case[0] for case in FAMILY_CASES],
+)
+def test_files_llama_cpp_aborts_on_or_refuses_are_refused_first(
+    tmp_path: Path,
+    arch: str,
+    metadata: dict[str, MetadataValue | None],
+    tensors: dict[str, TensorEdit | None],
+    rule: str,
+    field: str,
+) -> None:
+    source = tmp_path / f"{arch}.gguf"
+    wide = bool(tensors)  # a K-quant needs rows of 256
+    write_tiny_model(
+        source, arch=arch, n_layers=3, n_embd=256 if wide else 64, n_ff=256 if wide else 128
+    )
+    broken = rewrite(source, tmp_path / "broken.gguf", metadata=metadata, tensors=tensors)
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert (raised.value.rule, raised.value.field) == (rule, field), str(raised.value)
+
+
+def test_empty_token_named_like_an_existing_one_is_a_duplicate(llama: Path, tmp_path: Path) -> None:
+    # llama.cpp renames an empty token i to "[EMPTY_i]"; a second token of that text made
+    # GGML_ASSERT(id_to_token.size() == token_to_id.size()) abort the process.
+    tokens = list(read_gguf_header(llama).metadata["tokenizer.ggml.tokens"].value)  # type: ignore[arg-type]
+    tokens[10], tokens[11] = "", "[EMPTY_10]"
+    broken = rewrite(
+        llama, tmp_path / "b.gguf", metadata={"tokenizer.ggml.tokens": array(tokens, _STRING)}
+    )
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert raised.value.rule == "vocabulary-duplicate-tokens"
+
+
+def test_byte_token_must_name_its_byte(llama: Path, tmp_path: Path) -> None:
+    header = read_gguf_header(llama)
+    tokens = list(header.metadata["tokenizer.ggml.tokens"].value)  # type: ignore[arg-type]
+    types = list(header.metadata["tokenizer.ggml.token_type"].value)  # type: ignore[arg-type]
+    index = types.index(6)
+    tokens[index] = "<x"  # llama.cpp: basic_string::substr while building its piece cache
+    broken = rewrite(
+        llama, tmp_path / "b.gguf", metadata={"tokenizer.ggml.tokens": array(tokens, _STRING)}
+    )
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert (raised.value.rule, raised.value.field) == (
+        "vocabulary-byte-token",
+        "tokenizer.ggml.tokens",
+    )
+
+
+def test_tensor_data_out_of_table_order_is_refused(llama: Path, tmp_path: Path) -> None:
+    # Both offsets stay inside the file; gguf.cpp still refuses ("has offset X, expected Y").
+    broken = tmp_path / "swapped.gguf"
+    broken.write_bytes(llama.read_bytes())
+    names = [tensor.name for tensor in tensors_of(read_gguf_header(llama))]
+    swap_tensor_offsets(broken, names[1], names[2])
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert (raised.value.rule, raised.value.field) == ("tensor-offset", names[1])
+
+
 def test_per_layer_arrays_must_be_uniform_where_the_loader_reads_one_value(
     llama: Path, tmp_path: Path
 ) -> None:
@@ -336,3 +594,52 @@ def test_shard_keys_must_describe_the_file(
     with pytest.raises(GGUFValidationError) as raised:
         validate_gguf(broken)
     assert raised.value.rule == "shard-keys"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("shard.source_sha256", _string("x")),
+        ("shard.source_sha256", _string("Z" * 64)),
+        ("shard.source_vocab_size", _string("260")),
+        ("shard.source_vocab_size", u32(0)),
+        ("shard.source_vocab_size", MetadataValue(-5, gguf.GGUFValueType.INT32)),
+        ("shard.source_vocab_size", u32(261)),
+    ],
+    ids=repr,
+)
+def test_tail_shard_keys_the_engine_reports_must_be_sound(
+    llama: Path, tmp_path: Path, key: str, value: MetadataValue
+) -> None:
+    """A shard reports its source digest as the model fingerprint and its source vocabulary
+    size as the model's: a re-sealed shard carrying nonsense there ('x', -5, a size other
+    than the tail's logits width) used to load and report it."""
+    from shard_engine_llama._gguf import split_model
+
+    manifest = split_model(llama, [(0, 1), (1, 3)], tmp_path / "shards")
+    broken = rewrite(manifest.shard_path(1), tmp_path / "lying.gguf", metadata={key: value})
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert (raised.value.rule, raised.value.field) == ("shard-keys", key)
+
+
+@pytest.mark.parametrize(
+    ("arch", "suffix", "value"),
+    [
+        ("llama", "tensor_data_layout", _string("Meta AI original pth")),
+        ("qwen3moe", "expert_gating_func", u32(7)),
+        ("qwen2", "attention.q_lora_rank", f32(float("nan"))),
+        ("gemma3", "converter.note", array([1, 2], gguf.GGUFValueType.UINT32)),
+        ("llama", "deepstack_mapping", array([1, 0, 1], gguf.GGUFValueType.UINT32)),
+    ],
+)
+def test_keys_llama_cpp_never_reads_for_the_family_are_ignored(
+    tmp_path: Path, arch: str, suffix: str, value: MetadataValue
+) -> None:
+    """Older llama conversions carry ``llama.tensor_data_layout``; converters add notes and keys
+    of other architectures. llama.cpp never reads them for the family, so refusing them would
+    refuse sound files; ``test_engine`` loads such a file and gets the same logits."""
+    source = tmp_path / f"{arch}.gguf"
+    write_tiny_model(source, arch=arch, n_layers=3)
+    extended = rewrite(source, tmp_path / "extra.gguf", metadata={f"{arch}.{suffix}": value})
+    assert validate_gguf(extended).architecture == arch

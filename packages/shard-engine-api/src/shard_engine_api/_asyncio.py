@@ -7,9 +7,13 @@ Cancelling a task that awaits one of the adapter's calls:
   happened;
 - a running prefill, decode, batch, export or import is cancelled in the engine (by request id),
   and the task waits until the call has ended, so the caller never races a half-finished operation.
-  If it rolled back (or failed), the task ends with ``CancelledError``; if it committed before the
-  cancel reached it, **the result stands and is returned**: the cancellation is absorbed rather
-  than reported as a rollback that did not happen;
+  If it rolled back (or failed with a contract error, which rolls back), the task ends with
+  ``CancelledError``; if it committed before the cancel reached it, **the result stands and is
+  returned**: the cancellation is absorbed rather than reported as a rollback that did not
+  happen. An error that does not say "nothing changed" is raised as it is, never turned into
+  ``CancelledError``: OutcomeUnknown (a transport lost the request, which may have committed),
+  MalformedOutput (a validating wrapper refused the result of a step that committed),
+  EngineCrashed, and any exception outside the taxonomy;
 - a running call that has no request id (``release``, ``load``, ``close``) cannot be stopped:
   the task waits for it and returns its result (a release that ran says so), or ends with
   ``CancelledError`` if it failed.
@@ -24,9 +28,15 @@ import concurrent.futures
 import contextlib
 from collections.abc import Callable
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Final, Self, TypeVar
 
-from shard_engine_api._errors import ShardEngineError
+from shard_engine_api._errors import (
+    EngineCrashed,
+    MalformedOutput,
+    NotReady,
+    OutcomeUnknown,
+    ShardEngineError,
+)
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
     CancelRequest,
@@ -51,6 +61,8 @@ from shard_engine_api._types import (
 __all__ = ["AsyncShardEngine"]
 
 _T = TypeVar("_T")
+_MAY_HAVE_CHANGED: Final = (OutcomeUnknown, MalformedOutput, EngineCrashed)
+"""The contract errors that do not mean "the call changed nothing" (see the module docstring)."""
 
 
 class AsyncShardEngine:
@@ -64,6 +76,7 @@ class AsyncShardEngine:
         self, engine: ShardEngine, *, executor: concurrent.futures.Executor | None = None
     ) -> None:
         self.engine = engine
+        self._closed = False
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix=f"shard-engine-{engine.name}"
@@ -81,7 +94,13 @@ class AsyncShardEngine:
         await self.close()
 
     async def _run(self, call: Callable[[], _T], request_id: str | None = None) -> _T:
-        submitted = self._executor.submit(call)
+        try:
+            submitted = self._executor.submit(call)
+        except RuntimeError:  # the executor was shut down (by close(), or by its owner)
+            raise NotReady(
+                "the engine is closed: AsyncShardEngine.close() shut its executor down",
+                retryable=False,
+            ) from None
         future = asyncio.wrap_future(submitted)
         try:
             return await asyncio.shield(future)
@@ -89,14 +108,22 @@ class AsyncShardEngine:
             if submitted.cancel():
                 raise  # still queued: withdrawn before it ran
             if request_id is not None:
-                # A failed engine ends the call by itself.
-                with contextlib.suppress(ShardEngineError):
+                # A failed engine ends the call by itself; a cancel that fails in any other way
+                # (a third-party engine's bug) must not end the wait either: the call is still
+                # running, and the caller must not race it.
+                with contextlib.suppress(Exception):
                     self.engine.cancel(CancelRequest(request_id=request_id))
             await _settled(future)
-            if future.cancelled() or future.exception() is not None:
-                raise  # rolled back, or failed: nothing changed
-            # It committed before the cancel could stop it: the result stands.
-            return future.result()
+            if future.cancelled():
+                raise
+            error = future.exception()
+            if error is None:
+                # It committed before the cancel could stop it: the result stands.
+                return future.result()
+            if isinstance(error, ShardEngineError) and not isinstance(error, _MAY_HAVE_CHANGED):
+                raise  # rolled back, or refused: nothing changed
+            # It may have changed something: CancelledError would say it did not.
+            raise error from None
 
     async def load(self, config: LoadConfig) -> Capabilities:
         """Await ShardEngine.load on the executor."""
@@ -147,12 +174,26 @@ class AsyncShardEngine:
         return self.engine.metrics()
 
     async def close(self) -> None:
-        """Close the engine, then the private executor."""
+        """Close the engine, then the private executor; a second close does nothing. Once
+        closed, every awaited operation raises NotReady (``retryable=False``), as the engine's
+        own do. A close withdrawn before it ran (its task cancelled while it was queued) leaves
+        the engine and the executor open: ``CancelledError``, nothing changed."""
+        if self._closed:
+            return
+        ran = False
+
+        def close_engine() -> None:
+            nonlocal ran
+            ran = True
+            self.engine.close()
+
         try:
-            await self._run(self.engine.close)
+            await self._run(close_engine)
         finally:
-            if self._owns_executor:
-                self._executor.shutdown(wait=False)
+            if ran:
+                self._closed = True
+                if self._owns_executor:
+                    self._executor.shutdown(wait=False)
 
 
 async def _settled(future: asyncio.Future[_T]) -> None:

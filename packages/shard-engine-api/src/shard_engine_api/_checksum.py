@@ -57,6 +57,7 @@ __all__ = [
     "mark_payload_scanned",
     "mark_scanned",
     "payload_checksum",
+    "payload_immutable",
     "python_checksum",
     "scanned",
 ]
@@ -154,6 +155,16 @@ def _immutable(payload: memoryview) -> bool:
         and not owner.flags.writeable
         and owner.flags.owndata
         and owner.base is None
+    )
+
+
+def payload_immutable(payload: object) -> bool:
+    """Whether ``payload`` is ``bytes`` or a memoryview whose bytes no one can change (see
+    :func:`_immutable`): what is verified of it stays true while an engine reads it."""
+    if type(payload) is bytes:
+        return True
+    return type(payload) is memoryview and (
+        (payload.readonly and type(payload.obj) is bytes) or _immutable(payload)
     )
 
 

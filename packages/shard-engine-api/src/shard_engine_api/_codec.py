@@ -7,7 +7,8 @@ complete, verified object or a typed :class:`~shard_engine_api.InvalidRequest` (
 never a partial object and never a raw msgspec exception.
 
 Decoding is bounded by the codec's limits before anything large is built: the message size
-(``max_payload_bytes`` plus :data:`MESSAGE_OVERHEAD_BYTES`), every container's length (the
+(``max_payload_bytes`` plus :data:`MESSAGE_OVERHEAD_BYTES`; :data:`MAX_STRUCTURE_BYTES` for a
+message type that carries no payload, read from its tag), every container's length (the
 ``msgspec.Meta`` bounds of shard_engine_api._types, checked from the length header before any
 element is decoded), the nesting depth (no decoder recurses without bound: a nested-array bomb
 is InvalidRequest, never RecursionError), and engine options (``LoadConfig.options`` is decoded
@@ -42,7 +43,8 @@ decoder of these types ignores the unknown field, so it is not a wire change.
 from __future__ import annotations
 
 import functools
-from typing import Final, Literal, TypeAlias, TypeVar
+import operator
+from typing import Annotated, Final, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -66,6 +68,7 @@ from shard_engine_api._errors import (
 from shard_engine_api._snapshot import verify_snapshot_integrity
 from shard_engine_api._types import (
     CONTRACT_VERSION,
+    MAX_BATCH_ITEMS,
     BoundaryBundle,
     BoundaryResult,
     CancelRequest,
@@ -90,6 +93,7 @@ from shard_engine_api._types import (
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "MAX_OPTIONS_BYTES",
+    "MAX_STRUCTURE_BYTES",
     "MESSAGE_OVERHEAD_BYTES",
     "Codec",
     "NonFinitePolicy",
@@ -120,6 +124,13 @@ MAX_OPTIONS_BYTES: Final = 64 * 1024
 """The largest encoded ``LoadConfig.options``: decoded, that is at most a few MiB of objects
 (msgpack's one-byte empty containers are the worst case), and the decoded options must then
 also pass the depth and count bounds of the edge checks."""
+
+MAX_STRUCTURE_BYTES: Final = 1 << 20
+"""The largest message of a type that carries no payload: capabilities, health, metrics, an
+error, a cancel or release request or result, an export request, an import result, a load
+config. Decoded, msgpack's small containers become Python objects up to ~15 times their
+encoded size (a 23 MB metrics map of short error codes took 337 MB), so a larger one is refused
+from its size and tag, before anything of it is built."""
 
 WireRequest: TypeAlias = (
     LoadConfig
@@ -255,7 +266,10 @@ class _VersionProbe(msgspec.Struct):
     inputs: _VersionProbe | None = None
     bundle: _VersionProbe | None = None
     snapshot: _VersionProbe | None = None
-    items: tuple[_VersionProbe, ...] = ()
+    # Bounded like the batches it reads: it runs on bytes the real decoder refused, and an
+    # unbounded array of empty maps would build one probe per byte (a 10 MB message took
+    # 889 MB and 20 s before this bound).
+    items: Annotated[tuple[_VersionProbe, ...], msgspec.Meta(max_length=MAX_BATCH_ITEMS)] = ()
 
 
 _PROBE_DECODER: Final = msgspec.msgpack.Decoder(_VersionProbe)
@@ -303,11 +317,60 @@ def _message_too_large(size: int, max_bytes: int) -> ResourceExhausted:
     )
 
 
+def _skeleton(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """A struct with ``cls``'s tag and no fields: decoding one reads the tag as the real
+    decoders do (the first ``type`` key) and skips every value without building it."""
+    return msgspec.defstruct(
+        f"{cls.__name__}Skeleton", [], tag=cls.__struct_config__.tag, module=__name__
+    )
+
+
+_STRUCTURE_ONLY: Final = (
+    Capabilities,
+    Health,
+    Metrics,
+    ErrorInfo,
+    CancelRequest,
+    CancelResult,
+    ReleaseRequest,
+    ReleaseResult,
+    ExportSessionRequest,
+    ImportSessionResult,
+    LoadConfig,
+)
+_STRUCTURE_ONLY_TAGS: Final = frozenset(cls.__struct_config__.tag for cls in _STRUCTURE_ONLY)
+_SKELETON_DECODER: Final[msgspec.msgpack.Decoder[msgspec.Struct]] = msgspec.msgpack.Decoder(
+    functools.reduce(operator.or_, [_skeleton(cls) for cls in WireMessage.__args__])
+)
+
+
+def _refuse_bulky_structure(buf: Buffer, size: int) -> None:
+    """Refuse a message above MAX_STRUCTURE_BYTES whose tag says it carries no payload."""
+    try:
+        skeleton = _SKELETON_DECODER.decode(buf)
+    except (msgspec.MsgspecError, RecursionError) as error:
+        raise _decode_failure(buf, error) from None
+    tag = type(skeleton).__struct_config__.tag
+    if tag in _STRUCTURE_ONLY_TAGS:
+        raise ResourceExhausted(
+            f"a {tag!r} message of {size} bytes exceeds the limit of {MAX_STRUCTURE_BYTES} for "
+            "messages without a payload",
+            retryable=False,
+            details={
+                "resource": "message_bytes",
+                "message_bytes": size,
+                "limit": MAX_STRUCTURE_BYTES,
+            },
+        )
+
+
 def _decode(decoder: msgspec.msgpack.Decoder[_T], buf: Buffer, max_bytes: int) -> _T:
-    """``decoder.decode(buf)`` within the size bound, every failure typed."""
+    """``decoder.decode(buf)`` within the size bounds, every failure typed."""
     size = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
     if size > max_bytes:
         raise _message_too_large(size, max_bytes)
+    if size > MAX_STRUCTURE_BYTES:
+        _refuse_bulky_structure(buf, size)
     try:
         return decoder.decode(buf)
     except (msgspec.MsgspecError, RecursionError) as error:

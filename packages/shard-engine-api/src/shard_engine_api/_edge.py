@@ -18,10 +18,12 @@ Rules, identical to what the msgpack decoders accept:
 - an ``int`` field takes exactly ``int`` (not ``bool``, not ``1.5`` or ``5.0``, not a numpy
   integer) within its bounds; every wire integer is within signed 64 bits;
 - a ``float`` field takes ``float`` or ``int`` (not ``bool``);
-- a ``str`` field takes ``str`` within its length bounds; a literal takes one of its strings;
+- a ``str`` field takes exactly ``str`` (not a subclass) within its length bounds; a literal
+  takes one of its strings;
 - a ``tuple[...]`` field takes a ``tuple`` (not a list) within its length bounds;
 - a ``memoryview`` or ``bytes`` field takes a contiguous ``bytes``, ``bytearray`` or
-  ``memoryview`` (within its byte bound, for a bounded ``bytes`` field: snapshot chunks);
+  ``memoryview`` (not a released one; within its byte bound, for a bounded ``bytes`` field:
+  snapshot chunks);
 - a Struct field takes exactly that Struct class; a tagged union takes one of its classes;
 - ``None`` only where the annotation says ``| None``;
 - an engine option (``LoadConfig.options`` values) is JSON-like: None, bool, int (64-bit),
@@ -175,7 +177,9 @@ def _str_checker(info: msgspec.inspect.StrType) -> _Check:
         expected = f"str of {low} to {high} characters"
 
     def check(value: object) -> None:
-        if not isinstance(value, str):
+        # Exactly str, as for int: a subclass may redefine __eq__ and __hash__, and ids are
+        # dictionary keys of the session ledger (two different ids must never be one session).
+        if type(value) is not str:
             raise _Bad(expected, value)
         size = len(value)
         if size < low or (high is not None and size > high):
@@ -211,7 +215,11 @@ def _literal_checker(info: msgspec.inspect.LiteralType) -> _Check:
 
 def _buffer_check(value: object) -> None:
     if type(value) is memoryview:
-        if not value.c_contiguous:
+        try:
+            contiguous = value.c_contiguous
+        except ValueError:  # released: every use of the view would raise ValueError
+            raise _Bad("a contiguous buffer", value, reason="got a released memoryview") from None
+        if not contiguous:
             raise _Bad("a contiguous buffer", value)
         return
     if not isinstance(value, _BUFFER_TYPES):
@@ -650,6 +658,13 @@ def _result_head_ok(result: BoundaryResult | LogitsResult) -> bool:
 def result_ok(result: object) -> bool:
     """Whether ``result`` is certainly a well-typed BoundaryResult or LogitsResult (the
     common shapes, tested fast). False means "not certain": run :func:`check_request`."""
+    try:
+        return _result_fields_ok(result)
+    except ValueError:  # a released memoryview payload: check_request names it
+        return False
+
+
+def _result_fields_ok(result: object) -> bool:
     kind = type(result)
     if kind is LogitsResult:
         assert isinstance(result, LogitsResult)
@@ -699,8 +714,12 @@ def check_request(request: object, expected: type) -> None:
     Raises InvalidRequest naming the field path (also in ``details["field"]``).
     """
     fast = _FAST.get(expected)
-    if fast is not None and fast(request):
-        return
+    if fast is not None:
+        try:
+            if fast(request):
+                return
+        except ValueError:  # a released memoryview payload: the general checker names it
+            pass
     check = _STRUCT_CHECKERS.get(expected) or _compiled(expected, fields_only=False)
     try:
         check(request)

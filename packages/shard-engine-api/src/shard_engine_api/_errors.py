@@ -266,9 +266,11 @@ def error_from_info(info: ErrorInfo) -> ShardEngineError:
     if cls is CacheMiss:
         length = info.details.get("committed_length")
         reason = info.details.get("reason")
+        # A peer's damaged length (a bool, a negative count) is no position to replay from:
+        # 0, replay everything, is always safe.
         return CacheMiss(
             info.message,
-            committed_length=length if isinstance(length, int) else 0,
+            committed_length=length if type(length) is int and length >= 0 else 0,
             reason=reason if isinstance(reason, str) else "unknown",
             retryable=info.retryable,
             details=dict(info.details),

@@ -17,6 +17,7 @@ from typing import Protocol, TypeAlias, runtime_checkable
 import msgspec
 import pluggy
 
+from shard_engine_api._errors import InvalidRequest
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import EvidenceClass, LoadConfig, OptionValue, ShardSpec
 
@@ -83,7 +84,8 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
 
     def config(self, start: int = 0, end: int | None = None, **overrides: object) -> LoadConfig:
         """A LoadConfig for layers ``[start, end)`` (default: all) with this fixture's options;
-        ``overrides`` replace LoadConfig fields (options are merged)."""
+        ``overrides`` replace LoadConfig fields (options are merged). Raises InvalidRequest
+        for a value LoadConfig refuses."""
         options = dict(self.options)
         extra = overrides.pop("options", None)
         if isinstance(extra, dict):
@@ -93,7 +95,11 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
             "options": options,
         }
         fields.update(overrides)
-        return msgspec.convert(fields, LoadConfig, from_attributes=True, strict=False)
+        try:
+            return msgspec.convert(fields, LoadConfig, from_attributes=True, strict=False)
+        except msgspec.ValidationError as error:
+            # The contract's error at the API edge, as for a LoadConfig built directly.
+            raise InvalidRequest(f"LoadConfig: {error}") from None
 
 
 class EngineDescription(msgspec.Struct, frozen=True, kw_only=True):

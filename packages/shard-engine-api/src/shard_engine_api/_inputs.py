@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._boundary import BundleExpectation, check_bundle, violation_error
+from shard_engine_api._checksum import payload_immutable, scanned
 from shard_engine_api._dtypes import payload_rows
 from shard_engine_api._errors import InvalidRequest, ShardEngineError, UnsupportedFeature, WrongRole
 from shard_engine_api._types import (
     AuxState,
+    BoundaryBundle,
     Capabilities,
     DecodeRequest,
     MtpState,
@@ -73,7 +76,8 @@ def decode_inputs(
         return np.array(token_ids, dtype=np.int32), None
     if shard.takes_tokens:
         raise WrongRole(f"a {shard.role} shard takes token ids, not a boundary bundle")
-    bundle = inputs
+    stable = payload_immutable(inputs.payload) or scanned(inputs)
+    bundle = inputs if stable else _private_copy(inputs)
     violation = check_bundle(
         bundle,
         _expectation(caps),
@@ -87,6 +91,22 @@ def decode_inputs(
     # shard_engine_api._boundary. The payload length was checked there too, so the rows are a
     # plain view for f32, converted for f16 and bf16 (a bit shift, exact).
     return None, payload_rows(bundle.payload, bundle.dtype, bundle.n_tokens, bundle.hidden_size)
+
+
+def _private_copy(bundle: BoundaryBundle) -> BoundaryBundle:
+    """``bundle`` with its payload copied into immutable bytes. A payload its owner can still
+    write (a bytearray, a view of a writable array) could change between the checksum test and
+    the forward, from another thread, so the backend would compute on bytes nobody verified;
+    the copy is what is verified and what the backend reads. Bundles the library made or
+    verified (the codec's, ``from_array``'s, an engine core's results: they carry the scan
+    mark, see shard_engine_api._checksum) and immutable payloads are never copied."""
+    try:
+        data = bytes(bundle.payload)
+    except ValueError:  # the view was released since the edge checks
+        raise InvalidRequest(
+            "bundle payload is a released buffer", details={"field": "inputs.payload"}
+        ) from None
+    return msgspec.structs.replace(bundle, payload=memoryview(data))
 
 
 _ONE_TOKEN: dict[int, npt.NDArray[np.int32]] = {}

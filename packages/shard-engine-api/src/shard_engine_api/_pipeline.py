@@ -32,6 +32,7 @@ from shard_engine_api._hookspecs import ModelFixture, Tokenizer
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._sampling import GREEDY, Sampler, Sampling
 from shard_engine_api._types import (
+    INT32_MAX,
     BoundaryBundle,
     BoundaryResult,
     DecodeBatchRequest,
@@ -368,7 +369,7 @@ class Pipeline:
                 self._check_length(prompt_ids, max_new_tokens, final_decode=False),
                 max_new_tokens=max_new_tokens,
                 sampling=sampling,
-                stop_tokens=frozenset(int(token) for token in stop_tokens),
+                stop_tokens=_stop_set(stop_tokens, sampling),
                 tokenizer=tokenizer,
                 session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
                 record=False,
@@ -380,7 +381,9 @@ class Pipeline:
     ) -> tuple[int, ...]:
         """The prompt as a tuple, once it and ``max_new_tokens`` fit every shard's context:
         a generation that cannot fit is refused before any work, not after a minute of it."""
-        if not prompt_ids:
+        # len(), not truth: a numpy array of ids has no truth value (its ids are refused as
+        # numpy integers, typed, by the edge checks of the first prefill).
+        if len(prompt_ids) == 0:
             raise InvalidRequest("the prompt has no tokens")
         if (
             isinstance(max_new_tokens, bool)
@@ -415,7 +418,7 @@ class Pipeline:
                 self._check_length(prompt_ids, max_new_tokens, final_decode=True),
                 max_new_tokens=max_new_tokens,
                 sampling=sampling,
-                stop_tokens=frozenset(int(token) for token in stop_tokens),
+                stop_tokens=_stop_set(stop_tokens, sampling),
                 tokenizer=tokenizer,
                 session=session or SessionRef(session_id=f"generate-{self._request_id()}", epoch=1),
                 record=True,
@@ -654,3 +657,17 @@ def _log_failure(index: int, request_id: str, error: ShardEngineError) -> None:
 def _describe(engine: ShardEngine) -> str:
     caps = engine.capabilities()
     return f"{caps.engine}[{caps.shard.start}:{caps.shard.end}] ({caps.role})"
+
+
+def _stop_set(stop_tokens: Sequence[int], sampling: Sampling) -> frozenset[int]:
+    """The stop tokens as a set, once they are token ids (exactly ``int``, within int32) and
+    ``sampling`` is a Sampling: ``int()`` would make 1.7 stop at 1, and a string or None fail
+    untyped mid-generation. Raises InvalidRequest."""
+    if type(sampling) is not Sampling:
+        raise InvalidRequest(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    for token in stop_tokens:
+        if type(token) is not int or not 0 <= token <= INT32_MAX:
+            raise InvalidRequest(
+                f"stop tokens must be token ids (int in [0, 2**31)), got {token!r}"
+            )
+    return frozenset(stop_tokens)

@@ -3,26 +3,30 @@
 
 The ``shard_engine`` entry points are scanned and imported once per process. Each plugin
 manager asks each of its plugins once for its :class:`EngineDescription` and keeps the answer.
-A plugin that fails (its module does not import, it implements a hook no spec declares, its
-``shard_engine_register`` raises or returns something else, its entry-point name is not its
-engine name) is recorded as a :class:`PluginProblem` under its name and left out; the other
-engines stay available. ``shard-engine engines`` lists both.
+A plugin that fails (its module does not import or exits, it implements a hook no spec
+declares or no ``shard_engine_register`` at all, its ``shard_engine_register`` raises or returns
+something else, its entry-point name is not its engine name, another distribution declares the
+same entry-point name) is recorded as a :class:`PluginProblem` under its name and left out; the
+other engines stay available. ``shard-engine engines`` lists both. ``load_engine`` raises
+BrokenPlugin for an engine whose factory fails or makes something that is not a ShardEngine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import logging
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
 import msgspec
 import pluggy
 
-from shard_engine_api._errors import InvalidRequest, UnsupportedFeature
+from shard_engine_api._errors import InvalidRequest, ShardEngineError, UnsupportedFeature
 from shard_engine_api._hookspecs import (
     PROJECT_NAME,
     EngineDescription,
@@ -99,26 +103,48 @@ class _EntryPoint(msgspec.Struct, frozen=True):
     problem: str | None
 
 
+_PLUGIN_FAILURES: Final = (Exception, SystemExit)
+"""What a third-party plugin's import or hook may raise and be left out for: SystemExit too
+(a module that exits when its backend library is missing must not end every caller of
+``load_engine``); KeyboardInterrupt still stops the program."""
+
+
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _distribution_of(entry: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    if entry.dist is None:
+        return "unknown", "unknown"
+    return entry.dist.name, entry.dist.version
 
 
 @functools.cache
 def _entry_points() -> tuple[_EntryPoint, ...]:
     """Every ``shard_engine`` entry point, imported once per process."""
     found: list[_EntryPoint] = []
-    seen: set[str] = set()
+    by_name: dict[str, list[importlib.metadata.EntryPoint]] = {}
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry.name in seen:
+        declared = by_name.setdefault(entry.name, [])
+        if all(entry.value != other.value for other in declared):
+            declared.append(entry)
+    for name, declared in by_name.items():
+        entry = declared[0]
+        distribution, version = _distribution_of(entry)
+        if len(declared) > 1:
+            # Which one import order would pick is an accident of sys.path: refuse the name
+            # (every other engine stays available) rather than run an engine nobody chose.
+            origins = "; ".join(
+                "{} {} ({})".format(*_distribution_of(other), other.value) for other in declared
+            )
+            twice = f"entry point {name!r} is declared more than once: {origins}"
+            found.append(_EntryPoint(name, distribution, version, None, twice))
             continue
-        seen.add(entry.name)
-        distribution = entry.dist.name if entry.dist is not None else "unknown"
-        version = entry.dist.version if entry.dist is not None else "unknown"
         try:
             plugin: object | None = entry.load()
             problem = None
-        except Exception as error:  # noqa: BLE001 - any import failure of a third-party plugin
+        except _PLUGIN_FAILURES as error:  # any import failure of a third-party plugin
             plugin, problem = None, f"failed to import {entry.value}: {_one_line(error)}"
         found.append(_EntryPoint(entry.name, distribution, version, plugin, problem))
     return tuple(sorted(found, key=lambda entry: entry.name))
@@ -161,7 +187,9 @@ def _catalog_of(manager: pluggy.PluginManager) -> _Catalog:
 def _register(manager: pluggy.PluginManager, catalog: _Catalog, name: str, plugin: object) -> None:
     try:
         manager.register(plugin, name=name)
-    except (pluggy.PluginValidationError, ValueError) as error:
+    except _PLUGIN_FAILURES as error:
+        # A validation error, a duplicate name, or the plugin's own attribute access failing
+        # while pluggy looks for hook implementations on it.
         catalog.problem(name, _one_line(error))
 
 
@@ -223,7 +251,7 @@ def _engines(manager: pluggy.PluginManager) -> dict[str, _Engine]:
         name = implementation.plugin_name
         try:
             description = implementation.function()
-        except Exception as error:  # noqa: BLE001 - a third-party plugin's own failure
+        except _PLUGIN_FAILURES as error:  # a third-party plugin's own failure
             catalog.problem(name, f"shard_engine_register raised {_one_line(error)}")
             continue
         if not isinstance(description, EngineDescription):
@@ -245,6 +273,19 @@ def _engines(manager: pluggy.PluginManager) -> dict[str, _Engine]:
             continue
         distribution, version = catalog.origins.get(name, _origin_of(implementation.plugin))
         engines[description.name] = _Engine(description, distribution, version)
+    implemented = {
+        implementation.plugin_name
+        for implementation in manager.hook.shard_engine_register.get_hookimpls()
+    }
+    for name, _plugin in manager.list_name_plugin():
+        if name not in implemented:
+            # Registered, but pluggy found no hook on it: without this it would be "not
+            # installed", which its author cannot tell from a missing entry point.
+            catalog.problem(
+                name,
+                "implements no shard_engine_register hook (is it marked with "
+                "shard_engine_api.engine.hookimpl?)",
+            )
     catalog.engines = dict(sorted(engines.items()))
     return catalog.engines
 
@@ -315,14 +356,32 @@ def load_engine(
 ) -> ShardEngine:
     """A new engine of the named plugin, loaded with ``config`` when one is given.
 
-    Raises UnknownEngine (listing the installed engines) when no plugin provides ``name``.
+    Raises UnknownEngine (listing the installed engines) when no plugin provides ``name``, and
+    BrokenPlugin when its plugin failed, its factory raised something outside the taxonomy or
+    returned something that is not a ShardEngine; a failed load's own error otherwise.
     """
-    engine = engine_description(name, manager=manager).factory()
+    description = engine_description(name, manager=manager)
+    try:
+        engine = description.factory()
+    except ShardEngineError:
+        raise
+    except _PLUGIN_FAILURES as error:
+        raise BrokenPlugin(
+            f"engine {name!r}: its factory raised {_one_line(error)}", details={"engine": name}
+        ) from error
+    if not isinstance(engine, ShardEngine):
+        raise BrokenPlugin(
+            f"engine {name!r}: its factory returned {type(engine).__name__}, which is not a "
+            "ShardEngine (it lacks the contract's operations)",
+            details={"engine": name},
+        )
     if config is not None:
         try:
             engine.load(config)
         except BaseException:
-            engine.close()
+            # The load's own error is the one to report, not a failure of the clean-up.
+            with contextlib.suppress(Exception):
+                engine.close()
             raise
     return engine
 
@@ -392,5 +451,5 @@ def add_cli_commands(
             continue
         try:
             add(subparsers)
-        except Exception as error:  # noqa: BLE001 - a third-party plugin's own failure
+        except _PLUGIN_FAILURES as error:  # a third-party plugin's own failure
             catalog.problem(name, f"add_cli_commands raised {_one_line(error)}")

@@ -72,8 +72,13 @@ class Sampler:
         order = np.lexsort((np.arange(logits.size), -logits))
         if settings.top_k:
             order = order[: settings.top_k]
-        scaled = logits[order] / settings.temperature
-        weights = np.exp(scaled - scaled[0])
+        # Shifted by the highest logit before dividing: a tiny temperature then sends every
+        # other logit to -inf (weight 0, the greedy limit) instead of overflowing the highest
+        # to inf, whose inf - inf would make every weight NaN.
+        top = logits[order]
+        with np.errstate(over="ignore"):
+            scaled = (top - top[0]) / settings.temperature
+        weights = np.exp(scaled)
         probabilities = weights / weights.sum()
         if settings.top_p < 1:
             cumulative = np.cumsum(probabilities)

@@ -201,7 +201,8 @@ def _check_header(snapshot: SessionSnapshot, max_state_bytes: int) -> None:
         )
     total = 0
     for index, chunk in enumerate(snapshot.chunks):
-        size = len(chunk)
+        # Bytes, not items: a memoryview chunk of another format counts its items in len().
+        size = memoryview(chunk).nbytes
         if size > SNAPSHOT_CHUNK_BYTES:
             raise InvalidRequest(
                 f"snapshot chunk {index} holds {size} bytes, more than {SNAPSHOT_CHUNK_BYTES}",

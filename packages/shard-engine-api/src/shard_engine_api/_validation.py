@@ -23,6 +23,7 @@ match it).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Final, NoReturn
 
 import msgspec
@@ -69,6 +70,7 @@ __all__ = ["ValidatingEngine"]
 _MAX_SNAPSHOT_BYTES: Final = 1 << 36
 """The largest snapshot state this wrapper hashes (the engine's own limit is usually lower)."""
 _KNOWN_DTYPES: Final[frozenset[str]] = BOUNDARY_DTYPES
+_INFINITY: Final = math.inf
 _EVIDENCE_CLASSES: Final[frozenset[str]] = frozenset({"fixture", "real"})
 
 
@@ -162,6 +164,16 @@ def _check_capability_values(capabilities: Capabilities, config: LoadConfig | No
             f"hidden_size {capabilities.hidden_size} and vocab_size {capabilities.vocab_size} "
             "must be >= 1",
         )
+    limits = capabilities.limits
+    low = min(
+        limits.max_sessions, limits.max_context, limits.max_batch_tokens, limits.kv_budget_tokens
+    )
+    if low < 1:
+        _violation("limits", f"limits {limits} must all be >= 1 (nothing could be admitted)")
+    latency = capabilities.features.cancel_latency_ms
+    # Comparisons false for NaN: a worker sets deadlines from this bound.
+    if not 0.0 <= latency < _INFINITY:
+        _violation("cancel_latency", f"cancel_latency_ms {latency!r} is not finite and >= 0")
     if not capabilities.boundary_dtypes or not set(capabilities.boundary_dtypes) <= _KNOWN_DTYPES:
         _violation(
             "dtype",
@@ -203,7 +215,8 @@ class ValidatingEngine:
     last-row logits are one row at ``start_pos + n - 1``); hidden size and vocabulary size; the
     bundle's dtype is the loaded one (or an advertised one if the load was not seen); layer is
     the shard's end; model fingerprint and contract version; reserved MTP/aux fields empty;
-    payload length, checksum and, under ``nonfinite="reject"``, finiteness. A batch result must
+    payload length, checksum and, under ``nonfinite="reject"``, finiteness; timings finite and
+    >= 0. A batch result must
     echo the batch's request id and hold one entry per item, in item order.
 
     Every violation raises :class:`~shard_engine_api.MalformedOutput`; so does any exception
@@ -622,6 +635,17 @@ class ValidatingEngine:
             _violation(
                 "evidence",
                 f"result says {result.evidence!r}, capabilities say {contract.evidence!r}",
+            )
+        timings = result.timings
+        # Comparisons false for NaN: wall-clock milliseconds are finite and >= 0.
+        if not (
+            0.0 <= timings.queue_ms < _INFINITY
+            and 0.0 <= timings.compute_ms < _INFINITY
+            and 0.0 <= timings.total_ms < _INFINITY
+        ):
+            _violation(
+                "timings",
+                f"result timings {timings} are not finite, non-negative milliseconds",
             )
 
 

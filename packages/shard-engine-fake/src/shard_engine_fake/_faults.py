@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import os
 import random
+import stat
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Final, Literal
 
 import msgspec
@@ -208,13 +208,34 @@ def fault_plan_from_options(
     path = (os.environ if environ is None else environ).get(FAULTS_ENV_VAR)
     if not path:
         return FaultPlan()
+    return load_fault_plan(_read_plan_file(path))
+
+
+MAX_PLAN_FILE_BYTES: Final = 1 << 20
+"""The largest fault plan file read (a plan is a few rules: 1 MiB is far beyond any)."""
+
+
+def _read_plan_file(path: str) -> bytes:
+    """The bytes of a regular file of at most MAX_PLAN_FILE_BYTES: a FIFO would block the
+    load forever and ``/dev/zero`` would be read until memory runs out. Raises
+    InvalidRequest."""
+    where = f"fault plan {path!r} ({FAULTS_ENV_VAR})"
     try:
-        text = Path(path).read_bytes()
+        # O_NONBLOCK: opening a FIFO with no writer must not wait for one.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
-        raise InvalidRequest(
-            f"cannot read fault plan {path!r} ({FAULTS_ENV_VAR}): {error}"
-        ) from error
-    return load_fault_plan(text)
+        raise InvalidRequest(f"cannot read {where}: {error}") from error
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise InvalidRequest(f"{where} is not a regular file")
+        text = os.read(descriptor, MAX_PLAN_FILE_BYTES + 1)
+    except OSError as error:
+        raise InvalidRequest(f"cannot read {where}: {error}") from error
+    finally:
+        os.close(descriptor)
+    if len(text) > MAX_PLAN_FILE_BYTES:
+        raise InvalidRequest(f"{where} is larger than {MAX_PLAN_FILE_BYTES} bytes")
+    return text
 
 
 @dataclass(slots=True)

@@ -163,7 +163,8 @@ def parse_model_reference(reference: str) -> dict[str, int]:
 
 def resolve_model(shard: ShardSpec, options: Mapping[str, OptionValue]) -> FakeModelSpec:
     """The model a shard runs: the reference's parameters, completed by the options ``seed``,
-    ``hidden_size``, ``vocab_size`` and by ``shard.n_layers``; any disagreement is an error."""
+    ``hidden_size``, ``vocab_size`` and by ``shard.n_layers``; any disagreement, or a value
+    out of range, is InvalidRequest."""
     values = parse_model_reference(shard.model)
     for name in _OPTION_KEYS:
         if name not in options:
@@ -181,7 +182,10 @@ def resolve_model(shard: ShardSpec, options: Mapping[str, OptionValue]) -> FakeM
         raise InvalidRequest(
             f"model {shard.model!r} has {layers} layers but the shard spec says {shard.n_layers}"
         )
-    return msgspec.convert(values, FakeModelSpec)
+    try:
+        return msgspec.convert(values, FakeModelSpec)
+    except msgspec.ValidationError as error:  # FakeModelSpec's own checks, wrapped by msgspec
+        raise InvalidRequest(str(error)) from None
 
 
 def _lanes_to_int(lanes: npt.NDArray[np.integer]) -> int:

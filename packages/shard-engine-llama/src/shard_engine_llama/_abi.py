@@ -326,8 +326,11 @@ class ShardRuntime:
         last_layer_index: int | None = None,
         native_callbacks: bool = True,
         abort_poll_delay_s: float = 0.0,
+        load_from: str | os.PathLike[str] | None = None,
     ) -> None:
-        """Load ``path``. Role and capture layer default to what the shard's ``shard.*`` keys say.
+        """Load ``path`` (read from ``load_from`` when given: a ``/proc/self/fd`` link that pins
+        the file the caller verified; ``path`` then only names it in messages). Role and capture
+        layer default to what the shard's ``shard.*`` keys say.
 
         ``settings``, when given, replaces the individual context arguments (use one settings object
         for every shard of a pipeline). ``last_layer_index`` is the shard-local index of the last
@@ -359,7 +362,7 @@ class ShardRuntime:
         if is_head is None or is_tail is None or last_layer_index is None:
             # Callers that already parsed the file (the engine) pass all three: a tail shard
             # carries the whole vocabulary, which takes seconds to parse on large ones.
-            layout = shard_layout(read_gguf_header(self.path))
+            layout = shard_layout(read_gguf_header(self.path if load_from is None else load_from))
             is_head = layout.is_head if is_head is None else is_head
             is_tail = layout.is_tail if is_tail is None else is_tail
             if last_layer_index is None:
@@ -393,7 +396,8 @@ class ShardRuntime:
 
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0
-        model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), model_params)
+        source = self.path if load_from is None else Path(load_from)
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(source), model_params)
         if not model:
             raise ModelLoadError(
                 f"llama.cpp could not load {self.path} (set {LOG_ENV}=1 to see why)"

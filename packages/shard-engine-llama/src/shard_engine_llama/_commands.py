@@ -80,6 +80,13 @@ def _command_split(args: argparse.Namespace) -> int:
         kind = "refused" if isinstance(error, ShardingRefusedError) else "error"
         print(f"{kind}: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        # An output directory that cannot be made or written (the split removed what it wrote).
+        where = error.filename if error.filename is not None else args.out
+        print(
+            f"error: cannot write the shards ({where}): {error.strerror or error}", file=sys.stderr
+        )
+        return 2
     print(f"source  {manifest.source_path}  sha256 {manifest.source_sha256}")
     for index, shard in enumerate(manifest.shards):
         state = "reused" if manifest.reused and manifest.reused[index] else "written"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -123,10 +124,49 @@ def _run_self_test() -> _self_test.SelfTestReport:
         return _self_test_result
 
 
+class _PinnedFiles:
+    """Files opened once, then read only through their ``/proc/self/fd`` links.
+
+    Validation, hashing and llama.cpp's own open all go through the link, so they see the one
+    file that was opened first: a name renamed over or a symlink swapped (and swapped back)
+    between the checks and the load cannot slip another file in. Without procfs the names are
+    used as they are (the identity checks still catch a change that persists).
+    """
+
+    def __init__(self) -> None:
+        self._descriptors: list[int] = []
+        self._names: dict[str, str] = {}
+
+    def pin(self, path: Path) -> Path:
+        # O_NONBLOCK: a name swapped to a FIFO must not block the open (the reader then refuses
+        # anything but a regular file).
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._descriptors.append(descriptor)
+        link = Path(f"/proc/self/fd/{descriptor}")
+        if not link.exists():
+            return path
+        self._names[str(link)] = str(path)
+        return link
+
+    def name(self, path: Path) -> Path:
+        return Path(self._names.get(str(path), str(path)))
+
+    def named(self, text: str) -> str:
+        """``text`` with every pinned link replaced by the name it was opened as."""
+        for link in sorted(self._names, key=len, reverse=True):
+            text = text.replace(link, self._names[link])
+        return text
+
+    def close(self) -> None:
+        while self._descriptors:
+            os.close(self._descriptors.pop())
+
+
 @dataclass(frozen=True)
 class _ShardChoice:
-    """What ``_open`` loads: the file, the model fingerprint and vocabulary size it reports, the
-    given model's parsed header, and how the runtime drives the file."""
+    """What ``_open`` loads: the file (a pinned link, see :class:`_PinnedFiles`), the model
+    fingerprint and vocabulary size it reports, the given model's parsed header, and how the
+    runtime drives the file."""
 
     path: Path
     fingerprint: str
@@ -195,6 +235,14 @@ class LlamaEngine(EngineCore):
             raise InvalidRequest(f"kv_type must be f32 or f16, got {options.kv_type!r}")
         if options.n_ubatch < 1:
             raise InvalidRequest(f"n_ubatch must be positive, got {options.n_ubatch}")
+        if options.tolerance is not None and not (
+            math.isfinite(options.tolerance) and options.tolerance >= 0
+        ):
+            # Declared as the engine's determinism: NaN would make every comparison fail (and
+            # a negative bound none succeed).
+            raise InvalidRequest(
+                f"tolerance must be a finite number >= 0, got {options.tolerance!r}"
+            )
         if not 0 <= options.slow_forward_us <= _MAX_SLOW_FORWARD_US:
             raise InvalidRequest(
                 f"slow_forward_us must lie in [0, {_MAX_SLOW_FORWARD_US}], "
@@ -210,13 +258,15 @@ class LlamaEngine(EngineCore):
                 self.self_test_report = _run_self_test()
             except _abi.LlamaRuntimeError as error:
                 raise EngineCrashed(f"llama.cpp start-up self-test failed: {error}") from error
+        pins = _PinnedFiles()
         try:
-            choice = self._shard_file(config, options)
+            choice = self._shard_file(config, options, pins)
             determinism = _declared_determinism(
                 choice.header, options.tolerance, config.boundary_dtype
             )
             runtime = _abi.ShardRuntime(
-                choice.path,
+                pins.name(choice.path),
+                load_from=choice.path,
                 # One spare sequence (slot max_sessions): a new session evicting the LRU one
                 # runs in it, so a failed or cancelled forward evicts nothing.
                 n_ctx=config.max_context * (config.max_sessions + 1),
@@ -235,21 +285,28 @@ class LlamaEngine(EngineCore):
                 abort_poll_delay_s=options.slow_forward_us / 1e6,
             )
             if file_identity(choice.path) != choice.identity:
-                # Replaced or rewritten between verification and llama.cpp mapping it.
+                # Rewritten in place between verification and llama.cpp mapping it.
                 runtime.close()
-                raise ShardIntegrityError(f"{choice.path} changed while it was being loaded")
+                raise ShardIntegrityError(
+                    f"{pins.name(choice.path)} changed while it was being loaded"
+                )
         except GGUFValidationError as error:
             details: dict[str, str | int | float | bool | None] = {"rule": error.rule}
             if error.field:
                 details["field"] = error.field
-            raise InvalidRequest(str(error), details=details) from error
+            raise InvalidRequest(pins.named(str(error)), details=details) from error
         except ShardingRefusedError as error:
             rule = error.rule.split(":", 1)[0]
-            raise UnsupportedFeature(str(error), details={"rule": rule}) from error
+            raise UnsupportedFeature(pins.named(str(error)), details={"rule": rule}) from error
         except _abi.ModelLoadError as error:
-            raise InvalidRequest(str(error)) from error
+            raise InvalidRequest(pins.named(str(error))) from error
         except OSError as error:
-            raise InvalidRequest(f"cannot read model {config.shard.model!r}: {error}") from error
+            raise InvalidRequest(
+                f"cannot read model {config.shard.model!r}: {pins.named(str(error))}"
+            ) from error
+        finally:
+            # llama.cpp holds its own descriptor and mapping by now.
+            pins.close()
         self._runtime = runtime
         self.result_settings = _result_settings(runtime.settings, runtime.n_ctx_seq)
         self._state_identity = _state_identity(
@@ -259,12 +316,12 @@ class LlamaEngine(EngineCore):
             config.shard.n_layers,
             self.result_settings,
         )
-        self.shard_path = choice.path
+        self.shard_path = pins.name(choice.path)
         self._inject_crash = options.inject_crash
         self._inject_abort = options.inject_abort
         _log.info(
             "loaded %s layers [%d, %d) of %d (%d threads)",
-            choice.path.name,
+            pins.name(choice.path).name,
             config.shard.start,
             config.shard.end,
             config.shard.n_layers,
@@ -293,16 +350,20 @@ class LlamaEngine(EngineCore):
             settings=self.result_settings,
         )
 
-    def _shard_file(self, config: LoadConfig, options: LlamaOptions) -> _ShardChoice:
+    def _shard_file(
+        self, config: LoadConfig, options: LlamaOptions, pins: _PinnedFiles
+    ) -> _ShardChoice:
         """The file to load for this shard, what it reports, and how the runtime drives it.
 
         The given model's header is parsed once here and handed on (a 262k vocabulary takes
-        seconds to parse); whole-file digests come from the per-identity hash cache.
+        seconds to parse); whole-file digests come from the per-identity hash cache. Every
+        file is pinned before it is checked, and the pinned file is what llama.cpp loads.
         """
         spec = config.shard
-        source = Path(spec.model)
-        if not source.is_file():
-            raise InvalidRequest(f"model file {source} does not exist")
+        named = Path(spec.model)
+        if not named.is_file():
+            raise InvalidRequest(f"model file {named} does not exist")
+        source = pins.pin(named)
         header = validate_gguf(source)
         if header.architecture not in FAMILIES:
             # Without a known layout the validator cannot keep files llama.cpp aborts on away.
@@ -318,7 +379,7 @@ class LlamaEngine(EngineCore):
             total = int(header.get_int("shard.n_layers_total"))
             if (start, end, total) != (spec.start, spec.end, spec.n_layers):
                 raise ShardMismatch(
-                    f"{source.name} holds layers [{start}, {end}) of {total}; the spec asks for "
+                    f"{named.name} holds layers [{start}, {end}) of {total}; the spec asks for "
                     f"[{spec.start}, {spec.end}) of {spec.n_layers}"
                 )
             # The source fingerprint is only reported for bytes proven to be what split wrote.
@@ -329,7 +390,7 @@ class LlamaEngine(EngineCore):
             return _ShardChoice(source, fingerprint, vocab, header, shard_layout(header)).verified()
         if info.n_layers != spec.n_layers:
             raise ShardMismatch(
-                f"{source.name} has {info.n_layers} layers; the spec says {spec.n_layers}"
+                f"{named.name} has {info.n_layers} layers; the spec says {spec.n_layers}"
             )
         if spec.role == "full":
             store = _usable_store(options.model_store)
@@ -341,25 +402,48 @@ class LlamaEngine(EngineCore):
             raise ShardingRefusedError(info.refusal or "not shardable")
         store = model_store(options.model_store)
         directory = store / "shards" / source.stem / f"{spec.start:03d}-{spec.end:03d}"
-        manifest = split_model(
-            source,
-            [(spec.start, spec.end)],
-            directory,
-            partial=True,
-            header=header,
-            hash_store=store,
-        )
+        try:
+            manifest = split_model(
+                named,
+                [(spec.start, spec.end)],
+                directory,
+                partial=True,
+                header=header,
+                hash_store=store,
+            )
+        except OSError as error:
+            raise InvalidRequest(
+                f"cannot write the shard into the model store {store}: "
+                f"{error.strerror or error} ({error.filename or directory})",
+                details={"path": str(store)},
+            ) from error
+        if manifest.source_sha256 != hash_cache().digest(source, "file", file_sha256, store=store):
+            # The name was pointed at another file while the shard was being written.
+            raise ShardIntegrityError(f"{named} changed while its shard was being written")
         layout = planned_layout(header, spec.start, spec.end)
         _log.info(
             "shard [%d, %d) of %s: %s %s",
             spec.start,
             spec.end,
-            source.name,
+            named.name,
             "reused" if manifest.reused and manifest.reused[0] else "wrote",
             manifest.shard_path(0).name,
         )
+        # The store's shard file is pinned and checked again: what llama.cpp opens must be the
+        # shard of this source and range, with the bytes its digest records.
+        shard = pins.pin(manifest.shard_path(0))
+        shard_header = validate_gguf(shard)
+        verify_shard(shard_header, store=store)
+        if (
+            shard_header.get_str("shard.source_sha256") != manifest.source_sha256
+            or shard_header.get_int("shard.start") != spec.start
+            or shard_header.get_int("shard.end") != spec.end
+        ):
+            raise ShardIntegrityError(
+                f"{manifest.shard_path(0)} is not the shard [{spec.start}, {spec.end}) of {named}"
+            )
         return _ShardChoice(
-            manifest.shard_path(0), manifest.source_sha256, info.vocab_size, header, layout
+            shard, manifest.source_sha256, info.vocab_size, header, layout
         ).verified()
 
     def _forward(

@@ -92,7 +92,9 @@ from shard_engine_api.conformance._harness import (
     Canceller,
     EngineUnderTest,
     Harness,
+    assert_cancelled,
     assert_matches,
+    assert_timings,
     bundle_of,
     logits_array,
     logits_of,
@@ -1019,7 +1021,8 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
             try:
                 h.prefill(engine, session, truncate_at, suffix, request_id=request_id)
                 cancelled = False
-            except Cancelled:
+            except Cancelled as error:
+                assert_cancelled(error, f"a cancelled prefill (attempt {attempt})")
                 cancelled = True
             finally:
                 canceller.stop()
@@ -1231,9 +1234,11 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
 
     def test_session_isolation(self) -> None:
         """Interleaving other sessions (prefills, decodes, truncations, releases) does not
-        change a session's outputs compared with running it alone on a fresh engine.
+        change a session's outputs compared with running it alone on a fresh engine, also when
+        two sessions with different histories get the same inputs at the same positions.
 
-        Fix: keep every cache per session; never share or reuse a slot's state."""
+        Fix: keep every cache per session; never share or reuse a slot's state, and never
+        reuse outputs keyed by inputs and positions without the session's history."""
         h = self.harness
         alone = h.load()
         caps = alone.capabilities()
@@ -1265,6 +1270,31 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
                 tolerance=tolerance,
                 what=f"output {index} of a session interleaved with others",
             )
+        # Two sessions with different histories given the same inputs at the same positions (a
+        # prefill chunk, then a decode): an engine that reuses outputs or state keyed by inputs
+        # and positions, not by session, gives the second one the first one's outputs.
+        continuation = h.tokens(2, seed=8)
+        for name, seed in (("x", 9), ("y", 10)):
+            other = h.session(name)
+            prompt = h.tokens(_PROMPT, seed=seed)
+            runs: list[list[npt.NDArray[np.float32]]] = []
+            for engine in (h.load(), shared):
+                runs.append(
+                    [
+                        logits_array(h.prefill(engine, other, 0, prompt)),
+                        logits_array(h.prefill(engine, other, _PROMPT, continuation)),
+                        logits_array(h.decode(engine, other, _PROMPT + 2, (steps[0],))),
+                    ]
+                )
+            for index, (have, want) in enumerate(zip(runs[1], runs[0], strict=True)):
+                assert_matches(
+                    have,
+                    want,
+                    exact=exact,
+                    tolerance=tolerance,
+                    what=f"output {index} of session {name!r}, whose history differs from "
+                    "another session's that got the same inputs at the same positions",
+                )
 
     def test_batched_decode_matches_single(self) -> None:
         """``decode_batch`` over several sessions gives, per item and in item order, what a
@@ -1554,9 +1584,11 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         """Results echo the request id and session and carry the right positions: logits
         "last" is one row at start+n-1, "all" is n rows from start (whose last row equals
         "last"), a decode is at pos; bundles enter layer == the shard's end, with the shard's
-        fingerprint, matching positions and a valid checksum.
+        fingerprint, matching positions and a valid checksum; every result's timings (batch
+        items' too) are finite and >= 0.
 
-        Fix: build results from the request's positions (EngineCore._make_result does)."""
+        Fix: build results from the request's positions (EngineCore._make_result does), and
+        timings from one monotonic clock (time.perf_counter)."""
         h = self.harness
         engine = h.load()
         caps = engine.capabilities()
@@ -1589,6 +1621,12 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         )
         extended = logits_of(h.prefill(engine, session, 6, (2, 3), logits="all"))
         assert (extended.first_pos, extended.n_rows) == (6, 2)
+        results: list[tuple[str, ShardResult]] = [
+            ("a prefill (logits 'last')", last),
+            ("a prefill (logits 'all')", every),
+            ("a decode", step),
+            ("a truncating prefill", extended),
+        ]
         if h.n_layers >= 2:
             (head_range, _tail) = split_ranges(h.n_layers, 2)
             head = h.load(*head_range)
@@ -1608,8 +1646,16 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
             assert bundle.contract_version == CONTRACT_VERSION
             assert payload_checksum(bundle.payload) == bundle.checksum, "bundle checksum wrong"
             assert len(bundle.payload) == bundle.expected_payload_bytes
-            step_bundle = bundle_of(h.decode(head, session, 5, (1,)))
+            head_step = h.decode(head, session, 5, (1,))
+            step_bundle = bundle_of(head_step)
             assert (step_bundle.first_pos, step_bundle.n_tokens) == (5, 1)
+            results += [("a head prefill", result), ("a head decode", head_step)]
+        for what, timed in results:
+            assert_timings(timed.timings, what)
+        if caps.features.batched_decode:
+            for item in self._batch(engine, [self._item(session, 8, (4,))]).items:
+                assert not isinstance(item, ErrorInfo), f"a batched decode failed: {item}"
+                assert_timings(item.timings, "a batch item")
 
     def test_evidence_class(self) -> None:
         """Every result (logits, bundles, batch items) carries the evidence class of the

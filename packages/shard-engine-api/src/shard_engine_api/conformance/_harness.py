@@ -5,6 +5,7 @@ determinism, and cancel from another thread."""
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import payload_checksum
+from shard_engine_api._errors import Cancelled
 from shard_engine_api._hookspecs import ModelFixture
 from shard_engine_api._pipeline import Pipeline
 from shard_engine_api._protocol import ShardEngine
@@ -37,6 +39,7 @@ from shard_engine_api._types import (
     SessionRef,
     ShardInput,
     ShardResult,
+    Timings,
     TokenInput,
     Tolerance,
 )
@@ -48,7 +51,9 @@ __all__ = [
     "EngineUnderTest",
     "Harness",
     "Tolerances",
+    "assert_cancelled",
     "assert_matches",
+    "assert_timings",
     "split_ranges",
 ]
 
@@ -97,6 +102,24 @@ class Tolerances:
 
     def of(self, kind: OutputKind) -> Tolerance:
         return self.logits if kind == "logits" else self.hidden
+
+
+def assert_cancelled(error: Cancelled, what: str) -> None:
+    """A cancelled operation raised the contract's Cancelled itself, retryable: the call changed
+    nothing, so re-issuing it can succeed (a worker that sees retryable=False gives up on a
+    request that a retry would have served)."""
+    assert type(error) is Cancelled, f"{what}: raised {type(error).__name__}, not Cancelled"
+    assert error.code == Cancelled.code, f"{what}: Cancelled with code {error.code!r}"
+    assert error.retryable, f"{what}: Cancelled.retryable is False; the contract says True"
+
+
+def assert_timings(timings: Timings, what: str) -> None:
+    """Timings are wall-clock milliseconds: finite and >= 0 (a negative or NaN duration comes
+    from mixing clocks or from an unset start, and breaks every latency figure a worker keeps)."""
+    for name in ("queue_ms", "compute_ms", "total_ms"):
+        value = getattr(timings, name)
+        assert math.isfinite(value), f"{what}: timings.{name} is {value!r}, not finite"
+        assert value >= 0, f"{what}: timings.{name} is {value!r}; durations are >= 0"
 
 
 def assert_matches(

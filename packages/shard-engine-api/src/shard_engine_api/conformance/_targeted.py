@@ -62,6 +62,7 @@ from shard_engine_api.conformance._harness import (
     Canceller,
     Harness,
     Tolerances,
+    assert_cancelled,
     assert_matches,
     bundle_of,
     logits_array,
@@ -359,7 +360,8 @@ class TargetedTests:
         try:
             run()
             cancelled = False
-        except Cancelled:
+        except Cancelled as error:
+            assert_cancelled(error, "a call cancelled mid-flight")
             cancelled = True
         finally:
             canceller.stop()
@@ -1751,34 +1753,36 @@ class TargetedTests:
         """With the fixture's crash options the next operation fails the engine: that call
         and every later prefill, decode, decode_batch, release, cancel and capabilities raise
         EngineCrashed, health says "failed", metrics still answer, and close works. Skipped when
-        the fixture supplies no crash options.
+        the fixture supplies no crash options. Every one of those errors is not retryable.
 
-        Fix: map backend failures to EngineCrashed, enter the failed state, and check it at
-        the top of every operation."""
+        Fix: map backend failures to EngineCrashed (retryable=False, its default), enter the
+        failed state, and check it at the top of every operation."""
         h = self.harness
         options = dict(h.fixture.crash_options)
         if not options:
             pytest.skip("the model fixture supplies no crash_options")
         engine = h.load(options=options)
         session = h.session("crash")
-        _raises(
-            EngineCrashed,
-            lambda: h.prefill(engine, session, 0, h.tokens(3, seed=1)),
-            "the crashing prefill",
-        )
-        for what, call in (
-            ("prefill", lambda: h.prefill(engine, h.session("other"), 0, (1,))),
-            ("decode", lambda: h.decode(engine, session, 0, (1,))),
-            ("decode_batch", lambda: self._batch(engine, [self._item(session, 0, (1,))])),
-            ("release", lambda: h.release(engine, session)),
-        ):
-            _raises(EngineCrashed, call, f"{what} after the crash")
-        _raises(
-            EngineCrashed,
-            lambda: engine.cancel(CancelRequest(session_id=session.session_id)),
-            "cancel after the crash",
-        )
-        _raises(EngineCrashed, engine.capabilities, "capabilities after the crash")
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("the crashing prefill", lambda: h.prefill(engine, session, 0, h.tokens(3, seed=1))),
+            ("prefill after the crash", lambda: h.prefill(engine, h.session("other"), 0, (1,))),
+            ("decode after the crash", lambda: h.decode(engine, session, 0, (1,))),
+            (
+                "decode_batch after the crash",
+                lambda: self._batch(engine, [self._item(session, 0, (1,))]),
+            ),
+            ("release after the crash", lambda: h.release(engine, session)),
+            (
+                "cancel after the crash",
+                lambda: engine.cancel(CancelRequest(session_id=session.session_id)),
+            ),
+            ("capabilities after the crash", engine.capabilities),
+        ]
+        for what, call in calls:
+            error = _raises(EngineCrashed, call, what)
+            # A failed engine stays failed until it is reloaded: a worker told "retryable"
+            # would retry against it forever instead of replacing it.
+            assert not error.retryable, f"{what}: EngineCrashed.retryable is True"
         health = engine.health()
         assert health.state == "failed", f"health after a crash says {health.state!r}"
         engine.metrics()

@@ -12,8 +12,12 @@ Each check mirrors something llama.cpp does with the file, and says which:
 * ``tensor-missing`` / ``tensor-shape`` / ``tensor-type`` / ``tensor-unexpected``:
   ``create_tensor`` refuses a missing required tensor or a wrong shape;
   ``done_getting_tensors`` refuses a file with tensors nobody asked for; 1-D tensors (norms,
-  biases) must be F32 and matrices a float or block-quantized type, which every CPU kernel
-  takes.
+  biases) must be F32 and matrices a float or block-quantized weight type, which every CPU
+  kernel takes.
+* ``metadata-unknown-key``: llama.cpp reads more ``<arch>.*`` keys than any one family
+  needs (multi-token prediction layer counts it asserts on, SWA head sizes, pooling, ...); a
+  key it reads for the family that the checked table does not cover is refused rather than
+  handed on unchecked. A key it never reads for the family is ignored, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -22,16 +26,17 @@ import math
 
 import gguf
 
-from shard_engine_llama._gguf.families import Family, Hyperparameters, TensorNeed
+from shard_engine_llama._gguf.families import FAMILIES, Family, Hyperparameters, TensorNeed
 from shard_engine_llama._gguf.reader import GGUFHeader, GGUFValidationError
 
-__all__ = ["check_family", "hyperparameters"]
+__all__ = ["check_family", "hyperparameters", "swa_pattern", "uses_sliding_window"]
 
 _U32 = gguf.GGUFValueType.UINT32
 _F32 = gguf.GGUFValueType.FLOAT32
 _BOOL = gguf.GGUFValueType.BOOL
 _STR = gguf.GGUFValueType.STRING
 _ARRAY = gguf.GGUFValueType.ARRAY
+_I32 = gguf.GGUFValueType.INT32
 
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
@@ -104,13 +109,185 @@ _TOKENIZER_KEYS: dict[str, gguf.GGUFValueType] = {
     "tokenizer.ggml.seperator_token_id": _U32,
     "tokenizer.ggml.eot_token_id": _U32,
     "tokenizer.ggml.eom_token_id": _U32,
+    "tokenizer.ggml.cls_token_id": _U32,
+    "tokenizer.ggml.mask_token_id": _U32,
+    "tokenizer.ggml.prefix_token_id": _U32,
+    "tokenizer.ggml.suffix_token_id": _U32,
+    "tokenizer.ggml.middle_token_id": _U32,
+    "tokenizer.ggml.fim_pre_token_id": _U32,
+    "tokenizer.ggml.fim_suf_token_id": _U32,
+    "tokenizer.ggml.fim_mid_token_id": _U32,
+    "tokenizer.ggml.fim_pad_token_id": _U32,
+    "tokenizer.ggml.fim_rep_token_id": _U32,
+    "tokenizer.ggml.fim_sep_token_id": _U32,
+    "tokenizer.ggml.token_type_count": _U32,
     "tokenizer.ggml.add_bos_token": _BOOL,
     "tokenizer.ggml.add_eos_token": _BOOL,
+    "tokenizer.ggml.add_sep_token": _BOOL,
+    "tokenizer.ggml.add_space_prefix": _BOOL,
+    "tokenizer.ggml.remove_extra_whitespaces": _BOOL,
+    "tokenizer.ggml.normalizer.lowercase": _BOOL,
+    "tokenizer.ggml.normalizer.strip_accents": _BOOL,
 }
+# Arrays llama-vocab.cpp reads, with the element types it takes (any other throws "invalid gguf
+# type"); the lengths are checked against the token list in validation.py.
+_TOKENIZER_ARRAYS: dict[str, tuple[gguf.GGUFValueType, ...]] = {
+    "tokenizer.ggml.tokens": (_STR,),
+    "tokenizer.ggml.scores": (_F32, _I32),
+    "tokenizer.ggml.token_type": (_I32,),
+    "tokenizer.ggml.merges": (_STR,),
+    "tokenizer.ggml.suppress_tokens": (_I32,),
+    "tokenizer.ggml.precompiled_charsmap": (gguf.GGUFValueType.INT8, gguf.GGUFValueType.UINT8),
+}
+# general.* keys llama.cpp reads (GGUFMeta::get_kv throws on another type; gguf.cpp reads the
+# alignment, see reader.py).
+_GENERAL_KEYS: dict[str, gguf.GGUFValueType] = {
+    "general.architecture": _STR,
+    "general.name": _STR,
+    "general.file_type": _U32,
+    "general.alignment": _U32,
+}
+# general.tensor_extra.*: a per-tensor precision policy (llama_prec_policy::load) no supported
+# family uses; its own consistency rules are llama.cpp's, so files carrying it are refused.
+_UNSUPPORTED_GENERAL_PREFIX = "general.tensor_extra."
+# Keys under "<arch>." other than _ARCH_KEYS that the validator checks itself.
+_CHECKED_ARCH_KEYS = frozenset({"attention.sliding_window_pattern"})
+# Keys under "<arch>." that llama.cpp (of llama-cpp-python 0.3.36) reads for a supported family
+# but this validator does not check: refused (``metadata-unknown-key``), because llama.cpp
+# asserts on some (``nextn_predict_layers`` beyond the block count) and refuses the tensors or
+# the graph on others. The list is every ``LLM_KV_*`` that ``llama_model::load_hparams`` in
+# src/llama-model.cpp reads for every architecture, plus those src/models/<family>.cpp reads,
+# minus _ARCH_KEYS and _CHECKED_ARCH_KEYS. Any other ``<arch>.*`` key is never read by
+# llama.cpp for the family (``llama.tensor_data_layout`` of older llama conversions, keys of
+# other architectures, a converter's own notes), so it is accepted and ignored, as llama.cpp
+# ignores it. Re-derive the list when the llama.cpp pin moves.
+_READ_UNCHECKED_ARCH_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(
+        {
+            "attention.key_length_swa",
+            "attention.value_length_swa",
+            "classifier.output_labels",
+            "classifier.pooling_type",
+            "convnext.block_count",
+            "convnext.embedding_length",
+            "embedding_length_out",
+            "features_length",
+            "nextn_predict_layers",
+            "pooling_type",
+            "posnet.block_count",
+            "posnet.embedding_length",
+            "rope.dimension_count_swa",
+            "rope.scaling.alpha",
+        }
+    ),
+    "granite": frozenset({"deepstack_mapping"}),
+}
+# The pre-tokenizer names llama-vocab.cpp knows for a BPE (gpt2) vocabulary; any other throws
+# "unknown pre-tokenizer type" (llama.cpp of llama-cpp-python 0.3.36).
+_BPE_PRE_TOKENIZERS = frozenset(
+    [
+        "default",
+        "kimi-k2",
+        "minicpm5",
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "jina-v5-nano",
+        "deepseek-llm",
+        "deepseek-coder",
+        "deepseek-v3",
+        "spark2_5",
+        "youtu",
+        "falcon",
+        "mpt",
+        "starcoder",
+        "gpt-2",
+        "phi-2",
+        "jina-es",
+        "jina-de",
+        "gigachat",
+        "jina-v2-es",
+        "jina-v2-de",
+        "a.x-4.0",
+        "mellum",
+        "modern-bert",
+        "jais-2",
+        "gemma4",
+        "granite-embed-multi-311m",
+        "sarvam-moe",
+        "jina-v1-en",
+        "jina-v2-code",
+        "roberta-bpe",
+        "whitespace",
+        "refact",
+        "command-r",
+        "qwen2",
+        "deepseek-r1-qwen",
+        "kormo",
+        "f2llmv2",
+        "qwen35",
+        "stablelm2",
+        "olmo",
+        "dbrx",
+        "smaug-bpe",
+        "poro-chat",
+        "chatglm-bpe",
+        "glm4",
+        "glm5",
+        "viking",
+        "jais",
+        "tekken",
+        "smollm",
+        "codeshell",
+        "bloom",
+        "gpt3-finnish",
+        "exaone",
+        "exaone4",
+        "exaone-moe",
+        "chameleon",
+        "minerva-7b",
+        "megrez",
+        "gpt-4o",
+        "llama4",
+        "kanana2",
+        "talkie",
+        "granite-embed-multi-97m",
+        "tiny_aya",
+        "cohere2moe",
+        "superbpe",
+        "trillion",
+        "granite-docling",
+        "bailingmoe",
+        "bailingmoe2",
+        "llada-moe",
+        "seed-coder",
+        "hunyuan",
+        "hunyuan-dense",
+        "hy_v4",
+        "joyai-llm",
+        "ufakzeka",
+        "grok-2",
+        "afmoe",
+        "laguna",
+        "minimax-m2",
+        "solar-open",
+        "mellum2",
+    ]
+)
 # Tokenizers whose loading this package has exercised; others are refused rather than guessed.
 _TOKENIZER_MODELS = ("llama", "gpt2", "none")
+# Types no weight matrix may have: integer and F64 tensors, and Q8_1 / Q8_K, which ggml uses
+# only for quantized activations (no dequantize or get_rows kernel: a weight of either type
+# crashes the first forward, SIGSEGV, or is refused).
 _NON_MATRIX_TYPES = frozenset(
     {
+        gguf.GGMLQuantizationType.Q8_1,
+        gguf.GGMLQuantizationType.Q8_K,
         gguf.GGMLQuantizationType.F64,
         gguf.GGMLQuantizationType.I8,
         gguf.GGMLQuantizationType.I16,
@@ -125,6 +302,54 @@ def _fail(header: GGUFHeader, rule: str, field: str, message: str) -> GGUFValida
 
 
 def _check_key_types(header: GGUFHeader, arch: str) -> None:
+    prefix = f"{arch}."
+    read_unchecked = _READ_UNCHECKED_ARCH_KEYS[""] | _READ_UNCHECKED_ARCH_KEYS.get(
+        arch, frozenset()
+    )
+    for key in header.metadata:
+        if key.startswith(prefix):
+            suffix = key[len(prefix) :]
+            if suffix in read_unchecked:
+                # llama.cpp reads it for this family (multi-token prediction layers, SWA head
+                # sizes, pooling, ...) and may assert on its value: refused, not handed on.
+                raise _fail(
+                    header,
+                    "metadata-unknown-key",
+                    key,
+                    f"is a key llama.cpp reads for {arch} that this package does not check "
+                    "(llama.cpp may refuse or abort on its value)",
+                )
+        elif key.startswith(_UNSUPPORTED_GENERAL_PREFIX):
+            raise _fail(
+                header,
+                "metadata-unsupported",
+                key,
+                "per-tensor precision policies are not supported",
+            )
+    for key, expected in _GENERAL_KEYS.items():
+        entry = header.metadata.get(key)
+        if entry is not None and entry.value_type != expected:
+            raise _fail(
+                header,
+                "metadata-type",
+                key,
+                f"has GGUF type {entry.value_type.name}, llama.cpp reads it as {expected.name}",
+            )
+    for key, element_types in _TOKENIZER_ARRAYS.items():
+        entry = header.metadata.get(key)
+        if entry is not None and (
+            entry.value_type != _ARRAY or entry.element_type not in element_types
+        ):
+            got = entry.value_type.name + (
+                f" of {entry.element_type.name}" if entry.element_type is not None else ""
+            )
+            raise _fail(
+                header,
+                "metadata-type",
+                key,
+                f"is {got}; llama.cpp reads an array of "
+                + " or ".join(element.name for element in element_types),
+            )
     for suffix, (expected, array_ok) in _ARCH_KEYS.items():
         key = f"{arch}.{suffix}"
         entry = header.metadata.get(key)
@@ -372,20 +597,72 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             key + "attention.sliding_window",
             f"{window} is longer than context_length {context}",
         )
-    pattern = header.metadata.get(key + "attention.sliding_window_pattern")
-    if pattern is not None and isinstance(pattern.value, list) and len(pattern.value) != h.n_layer:
+    _check_swa_pattern(header, family, h)
+
+
+def swa_pattern(header: GGUFHeader, n_layers: int, default_period: int) -> list[bool]:
+    """Which of the first ``n_layers`` layers are sliding-window ones, as llama.cpp's
+    ``load_swa_pattern`` reads them: an explicit per-layer array, or a period (the key's or the
+    family's default)."""
+    key = f"{header.architecture}.attention.sliding_window_pattern"
+    entry = header.metadata.get(key)
+    if entry is not None and isinstance(entry.value, list):
+        return [bool(item) for item in entry.value[:n_layers]]
+    period = default_period
+    if entry is not None and isinstance(entry.value, int):
+        period = entry.value
+    # Mirrors llama_hparams::set_swa_pattern(n_pattern, dense_first=false).
+    return [period == 0 or il % period < period - 1 for il in range(n_layers)]
+
+
+def uses_sliding_window(header: GGUFHeader) -> bool:
+    """Whether llama.cpp builds this model with sliding-window layers (a family with a pattern
+    and a positive window; gemma2 always)."""
+    family = FAMILIES.get(header.architecture)
+    if family is None or not family.swa_period:
+        return False
+    window = header.metadata.get(f"{header.architecture}.attention.sliding_window")
+    if window is None:
+        return family.swa_always
+    return isinstance(window.value, int) and not isinstance(window.value, bool) and window.value > 0
+
+
+def _check_swa_pattern(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    key = f"{family.name}.attention.sliding_window_pattern"
+    pattern = header.metadata.get(key)
+    if pattern is not None:
+        if pattern.value_type == _ARRAY:
+            # get_arr into the per-layer bool array: BOOL, UINT32 or INT32 elements.
+            if pattern.element_type not in (_BOOL, _U32, _I32):
+                raise _fail(header, "metadata-type", key, "per-layer array of the wrong type")
+            assert isinstance(pattern.value, list)
+            if len(pattern.value) != h.n_layer:
+                raise _fail(
+                    header,
+                    "hparam-per-layer-length",
+                    key,
+                    f"has {len(pattern.value)} entries for {h.n_layer} layers",
+                )
+        elif pattern.value_type != _U32:
+            raise _fail(
+                header,
+                "metadata-type",
+                key,
+                f"has GGUF type {pattern.value_type.name}, llama.cpp reads a per-layer array or "
+                "a UINT32 period",
+            )
+    if (
+        family.swa_period
+        and uses_sliding_window(header)
+        and not any(swa_pattern(header, h.n_layer, family.swa_period))
+    ):
+        # The sliding-window half of llama.cpp's iSWA cache would hold no layer: it asserts.
         raise _fail(
             header,
-            "hparam-per-layer-length",
-            key + "attention.sliding_window_pattern",
-            f"has {len(pattern.value)} entries for {h.n_layer} layers",
-        )
-    if key + "deepstack_mapping" in header.metadata:
-        raise _fail(
-            header,
-            "hparam-deepstack",
-            key + "deepstack_mapping",
-            "multimodal deepstack layers are not supported",
+            "hparam-sliding-window-pattern",
+            key,
+            "names no sliding-window layer, but the model has a sliding window (llama.cpp "
+            "aborts building its cache)",
         )
 
 
@@ -489,6 +766,14 @@ def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
                 "tokenizer-merges",
                 "tokenizer.ggml.merges",
                 "a BPE (gpt2) vocabulary needs an array of merge strings",
+            )
+        pre = header.metadata.get("tokenizer.ggml.pre")
+        if pre is not None and pre.value not in _BPE_PRE_TOKENIZERS and pre.value != "":
+            raise _fail(
+                header,
+                "tokenizer-pre",
+                "tokenizer.ggml.pre",
+                f"{pre.value!r} is not a pre-tokenizer llama.cpp knows (it refuses the file)",
             )
     if model.value == "llama" and h.n_vocab < 3:
         raise _fail(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ SHARD_KEY_PREFIX = "shard."
 _GGUF_MAGIC = b"GGUF"
 _SUPPORTED_GGUF_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
+# 16x the largest vocabulary of a released model (262,144 tokens).
+MAX_ARRAY_ELEMENTS = 1 << 22
 
 
 class GGUFValidationError(ValueError):
@@ -223,6 +226,15 @@ class _Cursor:
         count = self.u64(f"length of {key!r}")
         if count > len(self.buffer):
             raise GGUFValidationError(f"{self.path}: array {key!r} claims {count} elements")
+        if count > MAX_ARRAY_ELEMENTS:
+            # Each element becomes a Python object many times its size in the file: a long
+            # array in a large file would take the process's memory before anything fails.
+            raise GGUFValidationError(
+                f"{self.path}: array {key!r} has {count} elements, more than the "
+                f"{MAX_ARRAY_ELEMENTS} any model needs (its largest are vocabularies)",
+                rule="metadata-array-length",
+                field=key,
+            )
         if element_type == gguf.GGUFValueType.ARRAY:
             raise GGUFValidationError(f"{self.path}: nested arrays ({key!r}) are not supported")
         if element_type == gguf.GGUFValueType.STRING:
@@ -259,8 +271,16 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """
     file_path = Path(path)
     try:
-        file_size = file_path.stat().st_size
-        with open(file_path, "rb") as handle:
+        # O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; only a regular
+        # file is read, and its size comes from the descriptor that is read.
+        descriptor = os.open(file_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(descriptor, "rb") as handle:
+            status = os.fstat(handle.fileno())
+            if not stat.S_ISREG(status.st_mode):
+                raise GGUFValidationError(
+                    f"{file_path}: not a regular file", rule="file-not-regular"
+                )
+            file_size = status.st_size
             if file_size < 24:
                 raise GGUFValidationError(
                     f"{file_path}: {file_size} bytes is too small to be a GGUF file"
@@ -268,7 +288,9 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
                 return _parse_header(buffer, file_path, file_size)
     except OSError as error:
-        raise GGUFValidationError(f"{file_path}: cannot read file: {error}") from error
+        raise GGUFValidationError(
+            f"{file_path}: cannot read file: {error.strerror or error}", rule="file-unreadable"
+        ) from error
 
 
 def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
@@ -295,14 +317,22 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
         metadata[key] = cursor.metadata_value(key)
     alignment = _DEFAULT_ALIGNMENT
     if "general.alignment" in metadata:
-        raw_alignment = metadata["general.alignment"].value
+        entry = metadata["general.alignment"]
+        raw_alignment = entry.value
         if (
-            not isinstance(raw_alignment, int)
-            or raw_alignment <= 0
+            entry.value_type != gguf.GGUFValueType.UINT32
+            or not isinstance(raw_alignment, int)
+            or raw_alignment < _DEFAULT_ALIGNMENT
             or raw_alignment & (raw_alignment - 1)
         ):
+            # gguf.cpp reads a UINT32 power of two; ggml's CPU backend then asserts that every
+            # mapped tensor lies 32-byte aligned (GGML_ASSERT "buffer pointer must be aligned"),
+            # which a smaller alignment does not guarantee.
             raise GGUFValidationError(
-                f"{path}: general.alignment {raw_alignment!r} is not a power of two"
+                f"{path}: general.alignment {raw_alignment!r} ({entry.value_type.name}) is not "
+                f"a UINT32 power of two of at least {_DEFAULT_ALIGNMENT}",
+                rule="gguf-alignment",
+                field="general.alignment",
             )
         alignment = raw_alignment
     infos: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]] = []
@@ -327,14 +357,21 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
         infos.append((name, shape, ggml_type, relative_offset))
     data_start = -(-cursor.position // alignment) * alignment
     tensors: dict[str, TensorRecord] = {}
+    # gguf.cpp requires the tensors' data in table order, each at the previous one's end padded
+    # to the alignment ("tensor has offset X, expected Y"): no gaps, overlaps or reordering.
+    expected_offset = 0
     for name, shape, ggml_type, relative_offset in infos:
         if name in tensors:
-            raise GGUFValidationError(f"{path}: duplicate tensor {name!r}")
-        if relative_offset % alignment:
-            raise GGUFValidationError(
-                f"{path}: tensor {name!r} offset {relative_offset} is not aligned"
-            )
+            raise GGUFValidationError(f"{path}: duplicate tensor {name!r}", field=name)
         n_bytes = _tensor_n_bytes(path, name, shape, ggml_type)
+        if relative_offset != expected_offset:
+            raise GGUFValidationError(
+                f"{path}: tensor {name!r} has data offset {relative_offset}, but the tensors "
+                f"before it end at {expected_offset} (llama.cpp refuses the file)",
+                rule="tensor-offset",
+                field=name,
+            )
+        expected_offset += -(-n_bytes // alignment) * alignment
         offset = data_start + relative_offset
         if offset + n_bytes > file_size:
             raise GGUFValidationError(

@@ -58,10 +58,13 @@ class FileIdentity:
 
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
-    resolved = Path(path).resolve()
-    status = resolved.stat()
+    """The identity of the file ``path`` opens now. The status comes from ``path`` itself, not
+    from its resolved name: for a pinned ``/proc/self/fd/N`` link that is the open file even
+    after its name was renamed over; the resolved name only keys the cache."""
+    status = os.stat(path)
+    resolved = os.path.realpath(path)
     return FileIdentity(
-        str(resolved),
+        resolved,
         status.st_size,
         status.st_mtime_ns,
         status.st_ctime_ns,
@@ -103,7 +106,8 @@ class HashCache:
             with self._lock:
                 self._entries[key] = cached
             return cached
-        value = compute(Path(identity.path))
+        # Read through ``path`` (a pinned file stays the file whose identity was taken).
+        value = compute(Path(path))
         if file_identity(path) != identity:
             # Changed while being read: the digest describes no single version of the file.
             raise OSError(f"{identity.path} changed while it was being hashed")

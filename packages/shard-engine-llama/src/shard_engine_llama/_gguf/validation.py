@@ -8,10 +8,12 @@ llama.cpp trusts its input: some defects make it refuse the file, others abort t
 from __future__ import annotations
 
 import os
+import re
 
 import gguf
 
 from shard_engine_llama._gguf.families import FAMILIES
+from shard_engine_llama._gguf.integrity import CONTENT_KEY
 from shard_engine_llama._gguf.layout import LLAMA_MAX_LAYERS, check_family
 from shard_engine_llama._gguf.reader import (
     GGUFHeader,
@@ -116,7 +118,10 @@ def _check_model_structure(header: GGUFHeader) -> None:
                 )
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _MAX_TOKEN_TYPE = 6  # llama_token_type: UNDEFINED=0 .. BYTE=6
+_BYTE_TOKEN_TYPE = 6
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _check_vocabulary(header: GGUFHeader) -> None:
@@ -133,7 +138,10 @@ def _check_vocabulary(header: GGUFHeader) -> None:
             rule="metadata-type",
             field="tokenizer.ggml.tokens",
         )
-    if len(set(tokens)) != len(tokens):
+    # llama-vocab.cpp renames an empty token to "[EMPTY_<id>]" before indexing the strings, so
+    # the duplicate check is on those names.
+    names = [token or f"[EMPTY_{index}]" for index, token in enumerate(tokens)]
+    if len(set(names)) != len(names):
         raise GGUFValidationError(
             f"{path}: tokenizer.ggml.tokens holds duplicate token strings",
             rule="vocabulary-duplicate-tokens",
@@ -151,12 +159,21 @@ def _check_vocabulary(header: GGUFHeader) -> None:
             )
     token_types = header.metadata.get("tokenizer.ggml.token_type")
     if token_types is not None and isinstance(token_types.value, list):
-        for value in token_types.value:
+        for index, value in enumerate(token_types.value):
             if not isinstance(value, int) or not 0 <= value <= _MAX_TOKEN_TYPE:
                 raise GGUFValidationError(
                     f"{path}: tokenizer.ggml.token_type holds {value!r}",
                     rule="vocabulary-token-type",
                     field="tokenizer.ggml.token_type",
+                )
+            if value == _BYTE_TOKEN_TYPE and not _BYTE_TOKEN.fullmatch(str(tokens[index])):
+                # token_to_byte reads the byte from the text's characters 3..4 (substr throws
+                # on a shorter one while llama.cpp builds its piece cache).
+                raise GGUFValidationError(
+                    f"{path}: token {index} ({tokens[index]!r}) is typed BYTE but is not of the "
+                    "form <0xHH>",
+                    rule="vocabulary-byte-token",
+                    field="tokenizer.ggml.tokens",
                 )
 
 
@@ -209,6 +226,28 @@ def _check_shard_keys(header: GGUFHeader) -> None:
     identity = bool(header.metadata["shard.has_identity_block"].value)
     if identity != (expected_role in ("head", "middle")):
         raise fail("shard.has_identity_block", f"wrong for a {expected_role} shard")
+    for key in ("shard.source_sha256", CONTENT_KEY):
+        entry = header.metadata.get(key)
+        if entry is not None and not (
+            isinstance(entry.value, str) and _SHA256_HEX.fullmatch(entry.value)
+        ):
+            # The source digest is the fingerprint the shard reports as the model's.
+            raise fail(key, f"{entry.value!r} is not a sha256 hex digest")
+    vocab_entry = header.metadata.get("shard.source_vocab_size")
+    if vocab_entry is not None:
+        vocab = vocab_entry.value
+        if vocab_entry.value_type != gguf.GGUFValueType.UINT32 or not (
+            isinstance(vocab, int) and vocab > 0
+        ):
+            raise fail("shard.source_vocab_size", f"{vocab!r} is not a positive UINT32")
+        embedding = header.tensors.get("token_embd.weight")
+        rows = embedding.shape[1] if embedding is not None and len(embedding.shape) == 2 else 0
+        if expected_role != "middle" and vocab != rows:
+            # A head embeds, a tail scores, the whole vocabulary: the size reported is theirs.
+            raise fail(
+                "shard.source_vocab_size",
+                f"{vocab} differs from the {rows} vocabulary rows of this {expected_role} shard",
+            )
     padding_entry = header.metadata.get("shard.leading_identity_blocks")
     padding = padding_entry.value if padding_entry is not None else 0
     if isinstance(padding, bool) or not isinstance(padding, int) or not 0 <= padding < 8:

@@ -18,6 +18,7 @@ Tensors are written with ``gguf.GGUFWriter``, their bytes streamed from the sour
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,9 +37,10 @@ from shard_engine_llama._gguf.integrity import (
     seal_shard,
     verify_shard_file,
 )
-from shard_engine_llama._gguf.layout import hyperparameters
+from shard_engine_llama._gguf.layout import hyperparameters, swa_pattern, uses_sliding_window
 from shard_engine_llama._gguf.planning import (
     GEMMA3_27B_LAYER_COUNT,
+    GGUFModelInfo,
     ShardingRefusedError,
     check_partial_ranges,
     check_ranges,
@@ -206,26 +208,6 @@ def leading_identity_blocks(header: GGUFHeader, start: int) -> int:
     return start % step if step else 0
 
 
-def _full_swa_pattern(header: GGUFHeader, n_layers: int, default_period: int) -> list[bool]:
-    key = f"{header.architecture}.attention.sliding_window_pattern"
-    entry = header.metadata.get(key)
-    if entry is not None and isinstance(entry.value, list):
-        return [bool(item) for item in entry.value[:n_layers]]
-    period = default_period
-    if entry is not None and isinstance(entry.value, int):
-        period = entry.value
-    # Mirrors llama_hparams::set_swa_pattern(n_pattern, dense_first=false).
-    return [period == 0 or il % period < period - 1 for il in range(n_layers)]
-
-
-def _uses_sliding_window(header: GGUFHeader) -> bool:
-    family = FAMILIES.get(header.architecture)
-    if family is None or not family.swa_period:
-        return False
-    window = header.metadata.get(f"{header.architecture}.attention.sliding_window")
-    return window is not None and isinstance(window.value, int) and window.value > 0
-
-
 def _shard_metadata(
     header: GGUFHeader,
     start: int,
@@ -279,10 +261,10 @@ def _shard_metadata(
         result["tokenizer.ggml.model"] = MetadataValue("none", gguf.GGUFValueType.STRING)
         result[f"{arch}.vocab_size"] = MetadataValue(1 if role == "middle" else n_vocab, u32)
     family = FAMILIES[arch]
-    if _uses_sliding_window(header):
+    if uses_sliding_window(header):
         # Rule swa-pattern-explicit: without the explicit array a shard would apply the default
         # pattern to its own renumbered layers.
-        full_pattern = _full_swa_pattern(header, n_layers, family.swa_period)
+        full_pattern = swa_pattern(header, n_layers, family.swa_period)
         # llama.cpp asserts a sliding-window model has a local layer; identity blocks never run
         # attention that matters, so they can always be local.
         pattern = [True] * padding + full_pattern[start:end]
@@ -434,49 +416,70 @@ def _write_shard(
 ) -> str:
     """Write the shard, seal it with its content digest (integrity.py), return the digest."""
     partial = destination.with_name(destination.name + ".partial")
+    try:
+        return _write_sealed(header, metadata, tensors, destination, partial, report)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _write_sealed(
+    header: GGUFHeader,
+    metadata: dict[str, MetadataValue],
+    tensors: list[_TensorPlan],
+    destination: Path,
+    partial: Path,
+    report: Callable[[int], None],
+) -> str:
     writer = gguf.GGUFWriter(partial, header.architecture, use_temp_file=False)
-    writer.data_alignment = header.alignment
-    for key, entry in metadata.items():
-        writer.add_key_value(key, entry.value, entry.value_type, entry.element_type)
-    for plan in tensors:
-        # ggml order -> numpy order; raw_dtype with a non-uint8 numpy dtype keeps the shape as is.
-        writer.add_tensor_info(
-            plan.name,
-            tuple(reversed(plan.shape)),
-            np.dtype(np.float32),
-            plan.n_bytes,
-            raw_dtype=plan.ggml_type,
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    assert writer.fout is not None
-    output = writer.fout[0]
-    writer.write_padding(output, output.tell())
-    done = 0
-    with open(header.path, "rb") as source:
+    try:
+        writer.data_alignment = header.alignment
+        for key, entry in metadata.items():
+            writer.add_key_value(key, entry.value, entry.value_type, entry.element_type)
         for plan in tensors:
-            if plan.source is not None:
-                source.seek(plan.source.offset)
-                remaining = plan.n_bytes
-                while remaining:
-                    chunk = source.read(min(remaining, _COPY_CHUNK_BYTES))
-                    if not chunk:
-                        raise GGUFValidationError(f"{header.path}: file shrank while being split")
-                    output.write(chunk)
-                    remaining -= len(chunk)
-            elif plan.fill == "ones":
-                output.write(np.ones(math.prod(plan.shape), dtype="<f4").tobytes())
-            else:
-                output.seek(plan.n_bytes, os.SEEK_CUR)
-            writer.write_padding(output, plan.n_bytes)
-            done += plan.n_bytes
-            report(done)
-    # A trailing hole from seek() only becomes part of the file once the size is set.
-    output.truncate()
-    output.flush()
-    os.fsync(output.fileno())
-    writer.close()
+            # ggml order -> numpy order; raw_dtype with a non-uint8 numpy dtype keeps the
+            # shape as is.
+            writer.add_tensor_info(
+                plan.name,
+                tuple(reversed(plan.shape)),
+                np.dtype(np.float32),
+                plan.n_bytes,
+                raw_dtype=plan.ggml_type,
+            )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        assert writer.fout is not None
+        output = writer.fout[0]
+        writer.write_padding(output, output.tell())
+        done = 0
+        with open(header.path, "rb") as source:
+            for plan in tensors:
+                if plan.source is not None:
+                    source.seek(plan.source.offset)
+                    remaining = plan.n_bytes
+                    while remaining:
+                        chunk = source.read(min(remaining, _COPY_CHUNK_BYTES))
+                        if not chunk:
+                            raise GGUFValidationError(
+                                f"{header.path}: file shrank while being split"
+                            )
+                        output.write(chunk)
+                        remaining -= len(chunk)
+                elif plan.fill == "ones":
+                    output.write(np.ones(math.prod(plan.shape), dtype="<f4").tobytes())
+                else:
+                    output.seek(plan.n_bytes, os.SEEK_CUR)
+                writer.write_padding(output, plan.n_bytes)
+                done += plan.n_bytes
+                report(done)
+        # A trailing hole from seek() only becomes part of the file once the size is set.
+        output.truncate()
+        output.flush()
+        os.fsync(output.fileno())
+    finally:
+        # Closed on failure too (the caller removes the partial file).
+        writer.close()
     digest = seal_shard(partial)
     os.replace(partial, destination)
     return digest
@@ -541,7 +544,6 @@ def split_model(
     """
     source_path = Path(source).resolve()
     directory = Path(out_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     if header is None:
         header = validate_gguf(source_path)
     info = model_info(header)
@@ -551,6 +553,43 @@ def split_model(
         check_partial_ranges(ranges, info.n_layers)
     else:
         check_ranges(ranges, info.n_layers)
+    outputs = [
+        directory / shard_file_name(source_path, start, end, info.n_layers) for start, end in ranges
+    ]
+    for output in [*outputs, directory / MANIFEST_NAME]:
+        if output.exists() and os.path.samefile(output, source_path):
+            raise ValueError(f"{output} is the source model itself; choose another directory")
+    # Only once the arguments are known to be good: a refused split leaves nothing behind.
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        return _split_into(
+            header, info, source_path, ranges, directory, hash_store, progress, written
+        )
+    except BaseException:
+        # No partial output: the shards this call wrote go again, and a directory it made.
+        for path in written:
+            path.unlink(missing_ok=True)
+        (directory / (MANIFEST_NAME + ".partial")).unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+
+
+def _split_into(
+    header: GGUFHeader,
+    info: GGUFModelInfo,
+    source_path: Path,
+    ranges: Sequence[tuple[int, int]],
+    directory: Path,
+    hash_store: Path | None,
+    progress: Callable[[SplitProgress], None] | None,
+    written: list[Path],
+) -> Manifest:
+    """split_model's work once its arguments are checked; every file it writes is appended to
+    ``written`` before it is written."""
     n_shards = len(ranges)
 
     def notify(stage: str, index: int, done: int, total: int) -> None:
@@ -590,6 +629,7 @@ def split_model(
         def report(done: int, index: int = index, total: int = total) -> None:
             notify("write", index, done, total)
 
+        written.append(destination)
         digest = _write_shard(header, metadata, tensors, destination, report)
         shard_files.append(
             ShardFile(
