@@ -40,6 +40,18 @@ def _child_pid(engine: RemoteEngine) -> int:
     return pid
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: kill() returns before the signal takes
+    effect, and a process still running would answer the next call."""
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(stopped)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
 def test_child_killed_mid_decode_is_engine_crashed(
     remote: RemoteFactory, sig: int, transport: str
@@ -99,7 +111,7 @@ def test_stopped_child_meets_client_deadlines(remote: RemoteFactory, transport: 
     engine = remote(config(spawn="fake", transport=transport, timeout_s=0.5, control_timeout_s=0.5))
     prefill(engine)
     pid = _child_pid(engine)
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     try:
         started = time.monotonic()
         with pytest.raises(OutcomeUnknown) as caught:

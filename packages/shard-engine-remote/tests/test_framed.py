@@ -213,8 +213,10 @@ def test_serves_only_in_a_private_directory(
 
 
 def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) -> None:
-    """Connections beyond the server's bound are closed at once and counted (busy); those
-    already open keep being served, and a freed slot is taken again."""
+    """Connections beyond the server's bound are answered with a retryable refusal
+    (RESOURCE_EXHAUSTED, which a remote engine raises as ResourceExhausted) and closed at
+    once, and counted (busy); those already open keep being served, and a freed slot is
+    taken again."""
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
     engine = api.load_engine("fake", config())
@@ -232,9 +234,15 @@ def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) ->
         # The server may close it before its greeting arrives: refused all the same.
         with contextlib.suppress(OSError):
             flood.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": ""})))
+        kind, _, body = flood.greeting()
+        assert kind == ERROR
+        assert msgspec.msgpack.decode(body)[0] == "RESOURCE_EXHAUSTED"
         assert _closed(flood.sock)
         flood.close()
-        assert server.server.stats().busy == 1
+        with pytest.raises(api.ResourceExhausted) as refused:
+            remote(config(target=address, transport="framed"))
+        assert refused.value.retryable
+        assert server.server.stats().busy == 2
         decode(worker, 3)
         first.close()
         wait_until(lambda: _greeted(address))

@@ -17,6 +17,7 @@ from conftest import Background, RemoteFactory, ServeFactory, ref, shard, wait_u
 
 import shard_engine_api as api
 from shard_engine_api import wire
+from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, RemoteUnavailable
 from shard_engine_remote._framed import FramedLink
 from shard_engine_remote._server import CallContext
@@ -240,6 +241,9 @@ class _HostileServer(EngineServer):
             yield from messages[:-1]
         elif self.mode == "extend":
             yield from [*messages, b"more"]
+        elif self.mode == "bloat":
+            # A chunk past the chunk size: refused as it arrives, before the rest is read.
+            yield from [messages[0], bytes(SNAPSHOT_CHUNK_BYTES + 1), *messages[2:]]
         elif self.mode == "flip":
             last = bytearray(messages[-1])
             last[0] ^= 0xFF
@@ -253,6 +257,7 @@ class _HostileServer(EngineServer):
     [
         ("truncate", api.MalformedOutput),
         ("extend", api.MalformedOutput),
+        ("bloat", api.MalformedOutput),
         ("flip", api.ChecksumMismatch),
         ("garbage", api.MalformedOutput),
     ],

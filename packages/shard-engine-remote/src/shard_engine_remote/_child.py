@@ -3,13 +3,16 @@
 It builds the named engine (unloaded), serves it on the given private unix socket with the
 bearer token from ``$SHARD_ENGINE_REMOTE_TOKEN``, lets the first call load it, prints one line
 ``ready <address>`` (or ``error <message>``) on stdout, and serves until SIGTERM or until its
-stdin closes (the supervising process died), then drains and exits.
+stdin closes (the supervising process died), then drains and exits. Given
+``--private-directory`` (the supervisor's directory holding the socket and its stderr), a
+child whose supervisor died removes it on the way out: no one else is left to.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Sequence
@@ -28,7 +31,7 @@ from shard_engine_remote._server import (
 __all__ = ["main"]
 
 
-def _watch_stdin(stop: threading.Event) -> None:
+def _watch_stdin(stop: threading.Event, orphaned: threading.Event) -> None:
     # The parent holds the other end of this pipe: EOF means it is gone, and so should we be.
     # Raw reads: a daemon thread blocked in a buffered read would hold the buffer's lock at
     # interpreter shutdown, which aborts the process.
@@ -38,6 +41,7 @@ def _watch_stdin(stop: threading.Event) -> None:
     except OSError:
         pass
     finally:
+        orphaned.set()
         stop.set()
 
 
@@ -48,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     parser.add_argument("--drain-seconds", type=float, default=5.0)
     parser.add_argument("--transport", choices=["grpc", "framed"], default="grpc")
+    parser.add_argument("--private-directory", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
         engine = api.load_engine(args.engine)
@@ -66,10 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except api.ShardEngineError as error:
         print(f"error {error.code} {error.message}", flush=True)
         return 2
-    stop = threading.Event()
-    threading.Thread(target=_watch_stdin, args=(stop,), daemon=True, name="parent-watch").start()
+    stop, orphaned = threading.Event(), threading.Event()
+    threading.Thread(
+        target=_watch_stdin, args=(stop, orphaned), daemon=True, name="parent-watch"
+    ).start()
     print(f"ready {address}", flush=True)
     serve_until_signalled(serving, drain_seconds=args.drain_seconds, stop=stop)
+    if orphaned.is_set() and args.private_directory is not None:
+        shutil.rmtree(args.private_directory, ignore_errors=True)
     return 0
 
 

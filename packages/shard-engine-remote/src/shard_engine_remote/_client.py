@@ -30,6 +30,7 @@ health reports as degraded).
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -42,10 +43,12 @@ import msgspec
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._snapshot import check_snapshot_integrity
+from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._framed import NOT_SENT, FramedLink, FramedServer
 from shard_engine_remote._security import ClientSecurity, read_pem, read_token
 from shard_engine_remote._server import (
+    CALLER_METADATA_KEY,
     DEFAULT_MAX_MESSAGE_BYTES,
     EngineServer,
     Serving,
@@ -208,7 +211,7 @@ class _Link:
         # the server's per-client limits and a crash's blast radius are per remote engine.
         options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
         self.channel = security.channel(target, options)
-        self._metadata = security.metadata()
+        self._metadata = (*security.metadata(), (CALLER_METADATA_KEY, secrets.token_hex(16)))
         self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
             self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
         )
@@ -242,6 +245,8 @@ class _Link:
 _AnyLink = _Link | FramedLink
 _State = Literal["loading", "ready", "crashed", "closed"]
 
+_REPLY_TOO_LARGE: Final = "CLIENT: Received message larger than max"
+"""How grpcio words a reply this side refused for its size."""
 _NOT_SENT_MARKERS: Final = ("failed to connect to all addresses", "Connection refused", NOT_SENT)
 
 
@@ -266,6 +271,7 @@ class RemoteEngine:
         local engine's failed state."""
         self._restarts = 0
         self._last_metrics = api.Metrics()
+        self._checked: api.ValidatingEngine = api.ValidatingEngine(_Served(self))
 
     # ----------------------------------------------------------------- identity
 
@@ -313,6 +319,15 @@ class RemoteEngine:
                 raise
             self._served_config = served_config
             self._served = served
+            try:
+                # The served capabilities are checked once, like a local engine's; every
+                # result is then checked against them.
+                self._checked.capabilities()
+            except BaseException:
+                self._served = None
+                self._release_resources()
+                self._options = None
+                raise
             self._capabilities = msgspec.structs.replace(
                 served,
                 engine=self.engine_name,
@@ -451,18 +466,32 @@ class RemoteEngine:
         return self._capabilities
 
     def prefill(self, request: api.PrefillRequest) -> api.ShardResult:
-        return self._result(self._invoke(request, mutating=True))
+        """The served engine's result, checked here (see :class:`_Served`)."""
+        return self._checked.prefill(request)
 
     def decode(self, request: api.DecodeRequest) -> api.ShardResult:
-        return self._result(self._invoke(request, mutating=True))
+        """The served engine's result, checked here (see :class:`_Served`)."""
+        return self._checked.decode(request)
 
     def decode_batch(self, request: api.DecodeBatchRequest) -> api.DecodeBatchResult:
-        return self._expect(self._invoke(request, mutating=True), api.DecodeBatchResult)
+        """The served engine's batch result, checked here: an item that breaks the contract
+        becomes that item's MalformedOutput (see :class:`_Served`)."""
+        return self._checked.decode_batch(request)
 
     def release(self, request: api.ReleaseRequest) -> api.ReleaseResult:
-        return self._expect(self._invoke(request, mutating=True), api.ReleaseResult)
+        return self._checked.release(request)
 
     def export_session(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
+        """The served engine's snapshot, checked here like a local engine's (see
+        :class:`_Served` and :meth:`_export_unchecked`)."""
+        return self._checked.export_session(request)
+
+    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+        """The snapshot checked (types, integrity) before it leaves, and the served engine's
+        answer checked when it comes back (see :meth:`_import_unchecked`)."""
+        return self._checked.import_session(request)
+
+    def _export_unchecked(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
         """The served engine's snapshot, streamed chunk by chunk and verified here (sizes, the
         chunk count its header announced, the checksum). The source is unchanged whatever
         happens, so a broken stream is RemoteUnavailable (retry), not OutcomeUnknown; a stream
@@ -479,13 +508,30 @@ class RemoteEngine:
                 raise header.error
             if isinstance(header, api.ErrorInfo):
                 raise self._raised(header, link)
+            state_bytes = header.snapshot.state_bytes
+            if state_bytes > _MAX_SNAPSHOT_BYTES:
+                raise api.MalformedOutput(
+                    f"the export stream announces {state_bytes} bytes of state, over "
+                    f"{_MAX_SNAPSHOT_BYTES}"
+                )
             chunks: list[bytes] = []
+            total = 0
             for received in range(1, header.n_chunks + 1):
                 chunk = next(messages, None)
                 if chunk is None:
                     raise api.MalformedOutput(
                         f"the export stream ended after {received - 1} of {header.n_chunks} chunks",
                         details={"received_chunks": received - 1, "n_chunks": header.n_chunks},
+                    )
+                total += len(chunk)
+                # Said as each chunk arrives, not once all are held: a server's stream must
+                # not make this process buffer more than the header announced.
+                if len(chunk) > SNAPSHOT_CHUNK_BYTES or total > state_bytes:
+                    raise api.MalformedOutput(
+                        f"export chunk {received - 1} holds {len(chunk)} bytes, past the chunk "
+                        f"size of {SNAPSHOT_CHUNK_BYTES} or the {state_bytes} bytes of state "
+                        "the header announced",
+                        details={"received_bytes": total, "state_bytes": state_bytes},
                     )
                 chunks.append(chunk)
             if next(messages, None) is not None:
@@ -500,7 +546,7 @@ class RemoteEngine:
         check_snapshot_integrity(snapshot, max_state_bytes=_MAX_SNAPSHOT_BYTES)
         return snapshot
 
-    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+    def _import_unchecked(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
         """Stream the snapshot to the served engine, chunk by chunk; it imports once every
         chunk arrived (atomically, checking the checksum). A link that breaks before the last
         chunk left is RemoteUnavailable (nothing was imported); after it, OutcomeUnknown."""
@@ -549,7 +595,7 @@ class RemoteEngine:
             return api.CancelResult(cancelled=False)
         try:
             return self._expect(self._invoke(request, mutating=False), api.CancelResult)
-        except (api.InvalidRequest, api.EngineCrashed):
+        except (api.InvalidRequest, api.EngineCrashed, api.MalformedOutput):
             raise
         except api.ShardEngineError:
             return api.CancelResult(cancelled=False)
@@ -725,6 +771,10 @@ class RemoteEngine:
                         self._state = "crashed"
                         self._crash = crashed
                 return self._crash_copy()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _REPLY_TOO_LARGE in details:
+            # This side refused the server's reply, not the server this request: it may have
+            # run, like a reply lost with the connection (the framed link says the same).
+            code = grpc.StatusCode.DATA_LOSS
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return Unauthenticated(f"{link.target} refused the call: {details}", details=facts)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -777,3 +827,60 @@ class RemoteEngine:
                 f"the server answered {type(reply).__name__} where a shard result was expected"
             )
         return reply
+
+
+class _Served:
+    """The served engine as the link delivers it, before any check: what the remote engine's
+    :class:`~shard_engine_api.ValidatingEngine` wraps. A server is a peer, not this process's
+    own code: a broken or hostile one may answer a result for another request or session, with
+    a wrong checksum, shape, position, evidence class or type. The wrapper turns each such
+    reply into MalformedOutput (the request may have run: the session's committed length, which
+    a retry learns from CacheMiss, says whether), so unverified data is never returned as a
+    success."""
+
+    def __init__(self, remote: RemoteEngine) -> None:
+        self._remote = remote
+
+    @property
+    def name(self) -> str:
+        return self._remote.name
+
+    def load(self, config: api.LoadConfig) -> api.Capabilities:
+        raise api.InvalidRequest("the remote engine loads itself")
+
+    def capabilities(self) -> api.Capabilities:
+        return self._remote.served_capabilities()
+
+    def prefill(self, request: api.PrefillRequest) -> api.ShardResult:
+        remote = self._remote
+        return remote._result(remote._invoke(request, mutating=True))
+
+    def decode(self, request: api.DecodeRequest) -> api.ShardResult:
+        remote = self._remote
+        return remote._result(remote._invoke(request, mutating=True))
+
+    def decode_batch(self, request: api.DecodeBatchRequest) -> api.DecodeBatchResult:
+        remote = self._remote
+        return remote._expect(remote._invoke(request, mutating=True), api.DecodeBatchResult)
+
+    def cancel(self, request: api.CancelRequest) -> api.CancelResult:
+        return self._remote.cancel(request)
+
+    def release(self, request: api.ReleaseRequest) -> api.ReleaseResult:
+        remote = self._remote
+        return remote._expect(remote._invoke(request, mutating=True), api.ReleaseResult)
+
+    def export_session(self, request: api.ExportSessionRequest) -> api.SessionSnapshot:
+        return self._remote._export_unchecked(request)
+
+    def import_session(self, request: api.ImportSessionRequest) -> api.ImportSessionResult:
+        return self._remote._import_unchecked(request)
+
+    def health(self) -> api.Health:
+        return self._remote.health()
+
+    def metrics(self) -> api.Metrics:
+        return self._remote.metrics()
+
+    def close(self) -> None:
+        """Nothing: the remote engine owns the link."""

@@ -83,6 +83,7 @@ _HELLO_TIMEOUT_S: Final = 10.0
 _SERVER_SEND_TIMEOUT_S: Final = 30.0
 """A client that stops reading its replies for this long loses its connection, not a thread."""
 _ABANDON_TIMEOUT_S: Final = 1.0
+_ACCEPT_RETRY_S: Final = 0.05
 NOT_SENT: Final = "the request was not sent"
 """Words in a link error's details meaning the request never reached the server (the remote
 engine then reports RemoteUnavailable, never OutcomeUnknown)."""
@@ -231,6 +232,15 @@ def _send(
         lock.release()
 
 
+def _refuse_connection(sock: socket.socket, message: str) -> None:
+    """Answer a connection the server will not serve with a retryable refusal (the client
+    reads it as its greeting's answer) and close it, without ever blocking the caller."""
+    body = _HELLO_ENCODER.encode(("RESOURCE_EXHAUSTED", f"{message}; retry"))
+    with suppress(OSError):
+        sock.send(_HEADER.pack(len(body), ERROR, 0) + body, socket.MSG_DONTWAIT)
+    sock.close()
+
+
 def _shutdown(sock: socket.socket) -> None:
     with suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
@@ -298,10 +308,12 @@ class _Connection:
             while True:
                 length, kind, call_id = reader.header()
                 if length > self._max_reply_bytes:
+                    # Not RESOURCE_EXHAUSTED: that says the server refused the request (it did
+                    # not run); an oversized reply is a broken server whose call may have run.
                     raise FramedLinkError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the server sent a {length}-byte message, larger than max "
-                        f"{self._max_reply_bytes}",
+                        grpc.StatusCode.DATA_LOSS,
+                        f"the server announced a {length}-byte reply, larger than max "
+                        f"{self._max_reply_bytes}; the connection was dropped",
                     )
                 body = reader.body(length)
                 arrivals = self._waiting.get(call_id)
@@ -412,6 +424,11 @@ class FramedLink:
             refusal, self._refusal = self._refusal, None
             if refusal is not None:
                 raise refusal
+            if connection is not None:
+                # Broken: its reader has ended and it is shut down, so closing it wakes no
+                # one; a late sender gets EBADF (the socket object forgets its descriptor).
+                connection.close()
+                self._connection = None
             self._connection = self._connect(deadline)
             return self._connection
 
@@ -420,7 +437,9 @@ class FramedLink:
         try:
             sock.settimeout(max(0.001, min(deadline - time.monotonic(), _HELLO_TIMEOUT_S)))
             sock.connect(self._path)
-            sock.sendall(_frame(HELLO, 0, _HELLO_ENCODER.encode(_Hello(token=self._token))))
+            # A server that refuses the connection may close first: read its answer anyway.
+            with suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(_frame(HELLO, 0, _HELLO_ENCODER.encode(_Hello(token=self._token))))
             reader = _Reader(sock)
             length, kind, _ = reader.header()
             body = reader.body(min(length, 1 << 16))
@@ -547,6 +566,9 @@ class _CallContext:
     def peer_identities(self) -> None:
         return None
 
+    def invocation_metadata(self) -> None:
+        return None  # the connection is the caller
+
 
 _BROKEN: Final = object()
 _ImportItem = bytes | None | object
@@ -569,6 +591,8 @@ class _ServerConnection:
         """Released to let the thread that is not reading read."""
         self._other_idle = True
         """Whether the thread that is not reading waits for its turn (else it serves a call)."""
+        self._pooled = 0
+        """This connection's calls queued for or running on the server's pool."""
         self._closing = False
 
     def send(self, kind: int, call_id: int, body: bytes) -> None:
@@ -590,6 +614,8 @@ class _ServerConnection:
             greeted = self._greet()
         except (OSError, _Closed):
             greeted = False
+        finally:
+            self._owner.greeted()
         if not greeted:
             self._close_down()
             return
@@ -695,7 +721,19 @@ class _ServerConnection:
             if self._owner.draining:
                 self._draining_error(call_id)
                 continue
-            if not self._owner.admit():
+            with self._lock:
+                hand_over, self._other_idle = self._other_idle, False
+                # A connection's own call (served on its own thread) is always admitted; only
+                # calls overlapping on one connection queue for the pool, each connection up to
+                # a share of what the server queues, so no client's flood (nor its stalled
+                # streams) leaves the others nothing.
+                pooled = not hand_over and self._pooled < self._owner.calls_per_connection
+                if pooled:
+                    self._pooled += 1
+            if not hand_over and not (pooled and self._owner.admit()):
+                if pooled:
+                    with self._lock:
+                        self._pooled -= 1
                 self._server.counters.add("busy")
                 self._refuse_busy(call_id)
                 continue
@@ -708,18 +746,16 @@ class _ServerConnection:
                 self._call if kind == CALL else self._export if kind == EXPORT else self._import
             )
             argument = stream if kind == IMPORT else body
-            with self._lock:
-                hand_over, self._other_idle = self._other_idle, False
             if hand_over:
                 self._turn.release()
-                self._run(call_id, context, serve, argument)
+                self._run(call_id, context, serve, argument, pooled=False)
                 with self._lock:
                     self._other_idle = True
                 return True
             try:
-                pool.submit(self._run, call_id, context, serve, argument)
+                pool.submit(self._run, call_id, context, serve, argument, pooled=True)
             except RuntimeError:  # the pool shut down: the server is stopping
-                self._owner.release()
+                self._unpool()
                 self._draining_error(call_id)
 
     def _draining_error(self, call_id: int) -> None:
@@ -743,6 +779,8 @@ class _ServerConnection:
         context: _CallContext,
         serve: Callable[[int, _CallContext, typing.Any], None],
         argument: object,
+        *,
+        pooled: bool,
     ) -> None:
         try:
             serve(call_id, context, argument)
@@ -751,11 +789,17 @@ class _ServerConnection:
             failure = api.ShardEngineError(f"the server failed: {type(error).__name__}: {error}")
             self.send(REPLY, call_id, encode_reply(failure.to_info()))
         finally:
-            self._owner.release()
+            if pooled:
+                self._unpool()
             with self._lock:
                 self._calls.pop(call_id, None)
                 self._streams.pop(call_id, None)
             context.end()
+
+    def _unpool(self) -> None:
+        self._owner.release()
+        with self._lock:
+            self._pooled -= 1
 
     def _call(self, call_id: int, context: _CallContext, body: bytes) -> None:
         limit = self._server.max_message_bytes
@@ -779,9 +823,14 @@ class _ServerConnection:
     def _import(
         self, call_id: int, context: _CallContext, stream: queue.SimpleQueue[_ImportItem]
     ) -> None:
+        idle = self._server.stream_idle_s
+
         def messages() -> Iterator[bytes]:
             while True:
-                item = stream.get()
+                try:
+                    item = stream.get(timeout=idle)
+                except queue.Empty:
+                    raise StreamBroken(f"no message arrived within {idle} s") from None
                 if item is None:
                     return
                 if not isinstance(item, bytes):
@@ -814,8 +863,14 @@ class FramedServer:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._calls = threading.BoundedSemaphore(server.max_workers * 8)
-        """Calls queued or running, all connections together (gRPC's maximum_concurrent_rpcs
-        on the other transport): beyond, a retryable ResourceExhausted."""
+        """Calls queued for or running on the pool, all connections together (gRPC's
+        maximum_concurrent_rpcs on the other transport): beyond, a retryable
+        ResourceExhausted."""
+        self.calls_per_connection = max(1, server.max_workers * 2)
+        """How many of those one connection may hold."""
+        self._greeting = 0
+        """Connections accepted that have not greeted yet: bounded apart from the greeted
+        ones, so connections that never greet cannot crowd out clients that did."""
 
     def admit(self) -> bool:
         return self._calls.acquire(blocking=False)
@@ -848,17 +903,34 @@ class FramedServer:
             try:
                 sock, _ = listener.accept()
             except OSError:
-                return
+                if self._listener is None:
+                    return  # stop() closed it
+                # Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the connection waits
+                # in the backlog. Accept again shortly instead of never again.
+                self.server.counters.add("busy")
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
             with self._lock:
-                refused = self.draining or len(self._connections) >= self._max_connections
+                greeted = len(self._connections) - self._greeting
+                refused = (
+                    self.draining
+                    or greeted >= self._max_connections
+                    or self._greeting >= self._max_connections
+                )
                 if not refused:
                     connection = _ServerConnection(self, sock, f"unix:connection-{number}")
                     self._connections.add(connection)
+                    self._greeting += 1
             if refused:
                 self.server.counters.add("busy")
-                sock.close()
+                _refuse_connection(sock, "the server holds as many connections as it serves")
                 continue
             threading.Thread(target=connection.serve, daemon=True, name=f"framed-{number}").start()
+
+    def greeted(self) -> None:
+        """A connection's greeting ended (either way)."""
+        with self._lock:
+            self._greeting -= 1
 
     def forget(self, connection: _ServerConnection) -> None:
         with self._lock:

@@ -32,7 +32,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Final, TypeVar
+from typing import Final, TypeAlias, TypeVar
 
 import grpc
 import msgspec
@@ -62,13 +62,16 @@ from shard_engine_remote._wire import (
 )
 
 __all__ = [
+    "CALLER_METADATA_KEY",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
+    "DEFAULT_STREAM_IDLE_S",
     "CallContext",
     "EngineServer",
     "ServerCounters",
     "Serving",
     "StreamBroken",
+    "caller_key",
     "channel_options",
     "client_key",
     "serve_until_signalled",
@@ -80,6 +83,8 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 _SERVING_STATES: Final = ("ready", "degraded")
 DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
 """The largest session state an import stream may announce (the engine core's own default)."""
+DEFAULT_STREAM_IDLE_S: Final = 30.0
+"""How long an import stream may wait for its next message before it is cut off."""
 _Result = TypeVar("_Result")
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
@@ -94,6 +99,8 @@ class CallContext(typing.Protocol):
     def peer(self) -> str: ...
 
     def peer_identities(self) -> Iterable[bytes] | None: ...
+
+    def invocation_metadata(self) -> Iterable[tuple[str, str | bytes]] | None: ...
 
 
 class StreamBroken(Exception):
@@ -178,12 +185,32 @@ def client_key(context: CallContext) -> str:
     return context.peer()
 
 
+CALLER_METADATA_KEY: Final = "shard-engine-caller"
+"""Metadata naming the remote engine a gRPC call comes from (a random id it draws once):
+every gRPC client on a unix socket has the same peer, ``unix:``."""
+
+
+def caller_key(context: CallContext) -> str:
+    """Whose work a call is, for cancels: :func:`client_key` and, over gRPC, the caller's
+    random id (unguessable, so naming it proves nothing to anyone else; never used for rate
+    limits, which a client could dodge by drawing new ids)."""
+    key = client_key(context)
+    for name, value in context.invocation_metadata() or ():
+        if name == CALLER_METADATA_KEY:
+            return f"{key}/{value if isinstance(value, str) else value.hex()}"
+    return key
+
+
 class EngineServer:
     """Serves ``engine`` on one address. ``allow_load`` lets the first client load it (the
     private socket of a spawned child); a server started on a loaded engine refuses loads.
 
     ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
-    cancel, release, health and metrics are never starved. ``rate_limit`` bounds each client's
+    cancel, release, health and metrics are never starved. A snapshot stream holds one of
+    those compute slots from its first message to its last (a client that stops sending or
+    reading would otherwise hold a thread no slot accounts for), at most half of them are
+    streams, and an import stream whose next message does not arrive within
+    ``stream_idle_s`` is cut off (Cancelled; nothing imported). ``rate_limit`` bounds each client's
     calls (cancel is never limited: a client must always be able to stop its own work);
     ``clock`` is the rate limiter's (tests).
     """
@@ -199,9 +226,13 @@ class EngineServer:
         rate_limit: RateLimit | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES,
+        stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
     ) -> None:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
+        if not stream_idle_s > 0:
+            raise api.InvalidRequest(f"stream_idle_s must be > 0, got {stream_idle_s}")
+        self.stream_idle_s = stream_idle_s
         self.engine = engine
         self.max_workers = max_workers
         self.max_message_bytes = max_message_bytes
@@ -212,6 +243,8 @@ class EngineServer:
         self.max_snapshot_bytes = max_snapshot_bytes
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
+        self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
+        self._in_flight = _InFlight()
         self._health = health.HealthServicer()
         self._health_status: int | None = None
         self._health_lock = threading.Lock()
@@ -250,7 +283,7 @@ class EngineServer:
         )
         import_: grpc.RpcMethodHandler[bytes, RemoteReply]
         import_ = grpc.stream_unary_rpc_method_handler(
-            self._import, response_serializer=encode_reply
+            self._grpc_import, response_serializer=encode_reply
         )
         methods: dict[str, grpc.RpcMethodHandler[typing.Any, typing.Any]] = {
             "Call": handler,
@@ -367,6 +400,13 @@ class EngineServer:
             case MetricsQuery():
                 return engine.metrics()
             case api.CancelRequest():
+                if (
+                    not self._in_flight.may_cancel(caller_key(context), request)
+                    and engine.health().state in _SERVING_STATES
+                ):
+                    # Not this caller's work. (An engine that is not serving has nothing in
+                    # flight to protect, and answers as it must: a failed one EngineCrashed.)
+                    return api.CancelResult(cancelled=False)
                 return engine.cancel(request)
             case api.ReleaseRequest():
                 return engine.release(request)
@@ -381,18 +421,12 @@ class EngineServer:
                 self._refresh_health()
                 return capabilities
             case api.PrefillRequest():
-                return self._compute(
-                    request.request_id, context, functools.partial(engine.prefill, request)
-                )
+                return self._compute(request, context, functools.partial(engine.prefill, request))
             case api.DecodeRequest():
-                return self._compute(
-                    request.request_id, context, functools.partial(engine.decode, request)
-                )
+                return self._compute(request, context, functools.partial(engine.decode, request))
             case api.DecodeBatchRequest():
                 return self._compute(
-                    request.request_id,
-                    context,
-                    functools.partial(engine.decode_batch, request),
+                    request, context, functools.partial(engine.decode_batch, request)
                 )
             case api.ExportSessionRequest() | api.ImportSessionRequest():
                 raise api.InvalidRequest(
@@ -407,8 +441,10 @@ class EngineServer:
     def _export(self, request: RemoteRequest | Rejected, context: CallContext) -> Iterator[bytes]:
         """The export stream: the header (or the ErrorInfo of a refusal), then each chunk."""
         self.counters.call_started()
+        held = False
         try:
-            refused = self._rate_limited(context)
+            refused = self._rate_limited(context) or self._take_stream_slots()
+            held = refused is None
             reply: api.SessionSnapshot | api.ErrorInfo = (
                 refused
                 if refused is not None
@@ -423,6 +459,8 @@ class EngineServer:
             yield encode_header(header)
             yield from reply.chunks
         finally:
+            if held:
+                self._release_stream_slots()
             self.counters.call_ended()
 
     def _export_snapshot(
@@ -435,18 +473,69 @@ class EngineServer:
                 f"ExportSession takes an ExportSessionRequest, not {type(request).__name__}"
             )
         return self._compute(
-            request.request_id, context, functools.partial(self.engine.export_session, request)
+            request, context, functools.partial(self.engine.export_session, request), slot_held=True
         )
 
+    def _grpc_import(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> RemoteReply:
+        return self._import(self._watched(messages, context), context)
+
+    def _watched(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """gRPC's request iterator waits without a timeout: a timer cancels the RPC when the
+        next message does not arrive within ``stream_idle_s``, which ends the wait."""
+        idle = threading.Event()
+
+        def cut_off() -> None:
+            idle.set()
+            context.cancel()
+
+        while True:
+            timer = threading.Timer(self.stream_idle_s, cut_off)
+            timer.daemon = True
+            timer.start()
+            try:
+                message = next(messages, None)
+            finally:
+                timer.cancel()
+            if idle.is_set():
+                raise StreamBroken(f"no message arrived within {self.stream_idle_s} s")
+            if message is None:
+                return
+            yield message
+
     def _import(self, messages: Iterator[bytes], context: CallContext) -> RemoteReply:
+        """An import stream (``messages`` must end, or raise StreamBroken, within
+        ``stream_idle_s`` of the previous message: the transport sees to it)."""
         self.counters.call_started()
+        held = False
         try:
-            refused = self._rate_limited(context)
+            refused = self._rate_limited(context) or self._take_stream_slots()
             if refused is not None:
                 return refused
+            held = True
             return self._guarded(functools.partial(self._import_stream, messages, context))
         finally:
+            if held:
+                self._release_stream_slots()
             self.counters.call_ended()
+
+    def _take_stream_slots(self) -> api.ErrorInfo | None:
+        """Take a stream's slot and the compute slot it holds throughout; else the busy
+        refusal (retryable)."""
+        if self._stream_slots.acquire(blocking=False):
+            if self._compute_slots.acquire(blocking=False):
+                return None
+            self._stream_slots.release()
+        return self._busy(
+            "the server serves as many snapshot streams as it has threads for"
+        ).to_info()
+
+    def _release_stream_slots(self) -> None:
+        self._compute_slots.release()
+        self._stream_slots.release()
+
+    def _busy(self, message: str) -> api.ResourceExhausted:
+        self.counters.add("busy")
+        return api.ResourceExhausted(f"{message}; retry", details={"resource": "server_threads"})
 
     def _next_message(self, messages: Iterator[bytes], received: int) -> bytes | None:
         try:
@@ -526,21 +615,26 @@ class EngineServer:
             request, snapshot=msgspec.structs.replace(snapshot, chunks=tuple(chunks))
         )
         return self._compute(
-            request.request_id, context, functools.partial(self.engine.import_session, complete)
+            complete,
+            context,
+            functools.partial(self.engine.import_session, complete),
+            slot_held=True,
         )
 
     def _compute(
         self,
-        request_id: str,
+        request: _Compute,
         context: CallContext,
         operation: Callable[[], _Result],
+        *,
+        slot_held: bool = False,
     ) -> _Result:
-        if not self._compute_slots.acquire(blocking=False):
-            self.counters.add("busy")
-            raise api.ResourceExhausted(
-                "the server is computing as many requests as it has threads for; retry",
-                details={"resource": "server_threads"},
-            )
+        if not slot_held and not self._compute_slots.acquire(blocking=False):
+            raise self._busy("the server is computing as many requests as it has threads for")
+        request_id = request.request_id
+        client = caller_key(context)
+        keys = _cancel_keys(request)
+        self._in_flight.add(client, keys)
         finished = threading.Event()
 
         def on_rpc_end() -> None:
@@ -556,7 +650,9 @@ class EngineServer:
             return operation()
         finally:
             finished.set()
-            self._compute_slots.release()
+            self._in_flight.remove(client, keys)
+            if not slot_held:
+                self._compute_slots.release()
 
     def _refresh_health(self) -> None:
         state = self.engine.health().state
@@ -571,6 +667,79 @@ class EngineServer:
             self._health_status = status
             self._health.set("", status)
             self._health.set(SERVICE_NAME, status)
+
+
+_Compute: TypeAlias = (
+    api.PrefillRequest
+    | api.DecodeRequest
+    | api.DecodeBatchRequest
+    | api.ExportSessionRequest
+    | api.ImportSessionRequest
+)
+_CancelKey: TypeAlias = tuple[str, str]
+
+
+def _cancel_keys(request: _Compute) -> tuple[_CancelKey, ...]:
+    """What a cancel may name to reach ``request``: its id (a batch's items' too) and its
+    session(s)."""
+    match request:
+        case api.DecodeBatchRequest():
+            keys: list[_CancelKey] = [("request", request.request_id)]
+            for item in request.items:
+                keys += (("request", item.request_id), ("session", item.session.session_id))
+            return tuple(keys)
+        case api.ImportSessionRequest():
+            return (
+                ("request", request.request_id),
+                ("session", request.snapshot.session.session_id),
+            )
+        case _:
+            return (("request", request.request_id), ("session", request.session.session_id))
+
+
+class _InFlight:
+    """Which caller (see :func:`caller_key`) has which requests and sessions in flight.
+
+    A cancel reaches only the caller's own work, as a local engine's cancel reaches only
+    requests made through that engine: one client guessing (or sharing) another's request id
+    or session id cannot stop the other's work, and learns nothing (the answer is the one for
+    a request that is not in flight: ``cancelled=False``). Sessions themselves are the served
+    engine's, shared by every client holding the server's token (see the package README)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, _CancelKey], int] = {}
+
+    def add(self, client: str, keys: tuple[_CancelKey, ...]) -> None:
+        held = self._held
+        with self._lock:
+            for key in keys:
+                entry = (client, key)
+                held[entry] = held.get(entry, 0) + 1
+
+    def remove(self, client: str, keys: tuple[_CancelKey, ...]) -> None:
+        held = self._held
+        with self._lock:
+            for key in keys:
+                entry = (client, key)
+                left = held[entry] - 1
+                if left:
+                    held[entry] = left
+                else:
+                    del held[entry]
+
+    def may_cancel(self, client: str, request: api.CancelRequest) -> bool:
+        """Whether ``client`` has what ``request`` names in flight (a request naming neither
+        or both ids is the engine's to refuse)."""
+        if (request.request_id is None) == (request.session_id is None):
+            return True
+        key: _CancelKey = (
+            ("request", request.request_id)
+            if request.request_id is not None
+            else ("session", str(request.session_id))
+        )
+        with self._lock:
+            return (client, key) in self._held
 
 
 def serve_until_signalled(

@@ -128,6 +128,7 @@ class ChildProcess:
         command = [self._python, "-m", "shard_engine_remote._child"]
         command += ["--engine", self.engine_name, "--listen", self.address]
         command += ["--transport", self.transport]
+        command += ["--private-directory", str(self._directory)]
         if self._max_message_bytes is not None:
             command += ["--max-message-bytes", str(self._max_message_bytes)]
         with self._stderr_path.open("wb") as stderr:
@@ -220,8 +221,8 @@ class ChildProcess:
             return ""
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM (the child drains), SIGKILL after ``grace`` seconds; removes the private
-        directory. Idempotent."""
+        """SIGTERM (the child drains; SIGCONT too, should it be stopped), SIGKILL after
+        ``grace`` seconds; removes the private directory. Idempotent."""
         process = self._process
         if process is not None and process.returncode is None and not self._stopping:
             self._stopping = True
@@ -229,6 +230,9 @@ class ChildProcess:
                 process.stdin.close()
             try:
                 process.send_signal(signal.SIGTERM)
+                # A stopped child (SIGSTOP, a debugger let go) would hold SIGTERM until
+                # resumed and be killed at the end of the grace; resumed, it drains and exits.
+                process.send_signal(signal.SIGCONT)
                 process.wait(grace)
             except subprocess.TimeoutExpired:
                 process.kill()

@@ -1,0 +1,267 @@
+"""Clients that hold what they should not: snapshot streams opened and never finished (over
+both transports), one framed connection queueing call after call, credentials in the wrong
+place. Each is refused (typed, counted) or cut off, and a well-behaved client keeps getting
+answers throughout."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import grpc
+import msgspec
+import pytest
+from conftest import (
+    Background,
+    RemoteFactory,
+    ServeFactory,
+    config,
+    decode,
+    delay,
+    prefill,
+    wait_until,
+)
+
+import shard_engine_api as api
+from shard_engine_remote import EngineServer, ServerSecurity
+from shard_engine_remote._framed import HELLO, IMPORT, FramedServer
+from shard_engine_remote._wire import CALL_METHOD, IMPORT_METHOD
+
+_HEADER = struct.Struct("<IBQ")
+TOKEN = "hostile-token"
+IDLE_S = 0.5
+"""The servers' stream idle limit here: short, so a stalled stream is cut off within a test."""
+
+
+def _frame(kind: int, call_id: int, body: bytes) -> bytes:
+    return _HEADER.pack(len(body), kind, call_id) + body
+
+
+class _StalledGrpcImports:
+    """``count`` gRPC import streams that send nothing until released."""
+
+    def __init__(self, address: str, count: int) -> None:
+        self._release = threading.Event()
+        self._channel = grpc.insecure_channel(address)
+        stream: grpc.StreamUnaryMultiCallable[bytes, bytes]
+        stream = self._channel.stream_unary(IMPORT_METHOD)
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+
+        def silent() -> Iterator[bytes]:
+            self._release.wait(30)
+            yield b""
+
+        def call() -> object:
+            try:
+                return stream(silent(), metadata=metadata, timeout=30)
+            except grpc.RpcError as error:
+                return error.code()
+
+        self.calls = [Background(call) for _ in range(count)]
+
+    def close(self) -> None:
+        self._release.set()
+        for call in self.calls:
+            call.result()
+        self._channel.close()
+
+
+class _StalledFramedImports:
+    """One framed connection opening ``count`` import streams that send nothing."""
+
+    def __init__(self, address: str, count: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(address.removeprefix("unix:"))
+        self.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": TOKEN})))
+        self.sock.recv(64)
+        # Its refusals are read (and dropped): a client that stops reading loses only its
+        # own connection, which is another test's matter.
+        self._drain = threading.Thread(target=self._read, daemon=True)
+        self._drain.start()
+        self.sock.sendall(b"".join(_frame(IMPORT, 100 + n, b"") for n in range(count)))
+
+    def _read(self) -> None:
+        try:
+            while self.sock.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self._drain.join(10)
+        self.sock.close()
+
+
+@pytest.fixture
+def guarded(serve: ServeFactory, transport: str) -> EngineServer:
+    """A fake engine served with a token, 8 threads (4 compute slots, 2 of them for streams)
+    and a short stream idle limit."""
+    return serve(
+        config(),
+        transport=transport,
+        security=ServerSecurity(token=TOKEN),
+        max_workers=8,
+        stream_idle_s=IDLE_S,
+    )
+
+
+@pytest.fixture
+def worker(guarded: EngineServer, remote: RemoteFactory, transport: str, tmp_path: Path) -> object:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    assert guarded.address is not None
+    engine = remote(config(target=guarded.address, transport=transport, token_file=str(token_file)))
+    prefill(engine)
+    return engine
+
+
+def test_stalled_import_streams_pin_nothing_and_are_cut_off(
+    guarded: EngineServer, worker: api.ShardEngine, transport: str
+) -> None:
+    """Twenty import streams that never send: at most half the compute slots serve streams
+    (the rest are refused as busy, retryable), so every other client keeps being served; each
+    stalled stream is cut off once its next message is ``stream_idle_s`` late, and nothing
+    was imported."""
+    assert guarded.address is not None
+    stalled: _StalledGrpcImports | _StalledFramedImports
+    if transport == "grpc":
+        stalled = _StalledGrpcImports(guarded.address, 20)
+    else:
+        stalled = _StalledFramedImports(guarded.address, 20)
+    try:
+        wait_until(lambda: guarded.stats().busy >= 18)
+        for position in range(3, 8):
+            decode(worker, position)
+        # The two streams served are cut off at their idle limit.
+        wait_until(lambda: guarded.stats().in_flight == 0)
+        assert guarded.stats().transport_cancels >= 2
+        decode(worker, 8)
+        metrics = guarded.engine.metrics()
+        assert (metrics.imports, metrics.sessions_active) == (0, 1), "nothing was imported"
+    finally:
+        stalled.close()
+
+
+def test_one_connection_cannot_take_every_queued_call(
+    serve: ServeFactory, remote: RemoteFactory
+) -> None:
+    """A framed connection queueing a thousand calls that never finish gets a share of the
+    server's queue (the rest busy); another connection's calls are still admitted and
+    answered."""
+    server = serve(config(), transport="framed", stream_idle_s=IDLE_S)
+    assert server.address is not None
+    stalled = _StalledFramedImports(server.address, 1000)
+    try:
+        worker = remote(config(target=server.address, transport="framed"))
+        wait_until(lambda: server.stats().busy >= 1000 - 2 * server.max_workers - 1)
+        prefill(worker)
+        decode(worker, 3)
+    finally:
+        stalled.close()
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        (("x-token", TOKEN),),
+        (("authorization", TOKEN),),
+        (("authorization", f"bearer {TOKEN}"),),
+        (("authorization", f"Bearer {TOKEN} "),),
+        (("authorization", f"Bearer {TOKEN}x"),),
+        (("authorization", "Bearer "),),
+        (("authorization", "Bearer " + "x" * 100_000),),
+    ],
+    ids=["other-key", "no-scheme", "lowercase", "trailing-space", "longer", "empty", "huge"],
+)
+def test_credentials_anywhere_else_are_refused(
+    serve: ServeFactory, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    """The token under another metadata key, without its scheme, in another case, with more
+    characters, empty or oversized is refused before any decoding (UNAUTHENTICATED, counted;
+    gRPC itself refuses metadata over its limit); the server keeps serving."""
+    server = serve(config(), security=ServerSecurity(token=TOKEN))
+    assert server.address is not None
+    query = msgspec.msgpack.encode({"type": "health_query"})
+    with grpc.insecure_channel(server.address) as channel:
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(CALL_METHOD)
+        with pytest.raises(grpc.RpcError) as refused:
+            call(query, metadata=metadata, timeout=10)
+        code = cast(grpc.Call, refused.value).code()
+        assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            assert server.stats().unauthenticated == 1
+        answer = call(query, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+        assert isinstance(answer, bytes)
+        assert server.stats().unauthenticated <= 1
+
+
+def test_a_client_cannot_cancel_another_clients_work(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """A second client naming the first one's request id or session in a cancel stops
+    nothing and learns nothing (``cancelled=False``, as for a request not in flight); the
+    first client's own cancel still stops its work (Cancelled, rolled back). gRPC is served
+    on a unix socket here, where every client has the same peer address."""
+    directory = Path(tempfile.mkdtemp(prefix="shard-engine-test-"))
+    server = serve(
+        config(faults=delay("prefill", 3000)),
+        transport=transport,
+        listen=f"unix:{directory / 'engine.sock'}",
+    )
+    assert server.address is not None
+    owner = remote(config(target=server.address, transport=transport))
+    stranger = remote(config(target=server.address, transport=transport))
+    pending = Background(lambda: prefill(owner, session="mine", request_id="slow"))
+    wait_until(lambda: server.engine.health().in_flight == 1)
+    assert not stranger.cancel(api.CancelRequest(request_id="slow")).cancelled
+    assert not stranger.cancel(api.CancelRequest(session_id="mine")).cancelled
+    assert server.engine.health().in_flight == 1
+    assert owner.cancel(api.CancelRequest(session_id="mine")).cancelled
+    with pytest.raises(api.Cancelled):
+        pending.result()
+    assert server.engine.health().sessions == 0
+    if transport == "grpc":
+        server.stop(grace=0.5)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class _ExhaustedListener(socket.socket):
+    """A listening socket whose first two accepts fail as a process out of descriptors does."""
+
+    failures = 2
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if _ExhaustedListener.failures:
+            _ExhaustedListener.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+def test_running_out_of_descriptors_does_not_stop_accepting(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, remote: RemoteFactory
+) -> None:
+    """accept() failing with EMFILE (a connection flood used up the process's descriptors)
+    is counted (busy) and retried: the framed server goes on accepting once descriptors are
+    free, instead of never again."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(socket, "socket", _ExhaustedListener)
+    engine = api.load_engine("fake", config())
+    server = FramedServer(EngineServer(engine))
+    try:
+        address = server.start(private / "engine.sock")
+        monkeypatch.undo()
+        worker = remote(config(target=address, transport="framed"))
+        prefill(worker)
+        assert server.server.stats().busy == 2
+    finally:
+        server.stop(grace=0.5)
+        engine.close()

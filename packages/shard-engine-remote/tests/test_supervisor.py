@@ -1,0 +1,129 @@
+"""What a supervised child leaves behind: nothing. After close, after crashes and restarts,
+and after the supervising process itself is killed, no child process (nor zombie), no
+descriptor and no private directory (socket, stderr log) remains."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import RemoteFactory, config, decode, prefill, wait_until
+
+import shard_engine_api as api
+from shard_engine_remote import RemoteEngine
+
+_PARENT = """
+import sys, time
+import shard_engine_api as api
+from shard_engine_remote import RemoteEngine
+engine = RemoteEngine()
+engine.load(api.LoadConfig(
+    shard=api.ShardSpec(model="fake", n_layers=6, start=0, end=6),
+    options={"spawn": "fake", "transport": sys.argv[1]},
+))
+print(engine.child_pid, engine._child.directory, flush=True)
+time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` no longer runs (reaped, or a zombie its new parent has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _directory(engine: RemoteEngine) -> Path:
+    child = engine._child
+    assert child is not None
+    return child.directory
+
+
+def test_a_child_outliving_its_supervisor_exits_and_removes_its_directory(
+    transport: str,
+) -> None:
+    """SIGKILL the supervising process: its child sees its stdin close, drains, exits and
+    removes its private directory (socket and stderr log) itself."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, transport], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        pid_text, directory = parent.stdout.readline().split()
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+    pid = int(pid_text)
+    wait_until(lambda: _gone(pid), timeout=30)
+    wait_until(lambda: not Path(directory).exists(), timeout=10)
+
+
+def test_close_crashes_and_restarts_leave_nothing(remote: RemoteFactory, transport: str) -> None:
+    """Load, crash (SIGKILL, SIGSEGV, SIGABRT) and restart, then close: every child is reaped,
+    every private directory removed, and this process holds the descriptors it held before
+    (one warm-up engine first: grpc opens its own for good on first use)."""
+    warm = RemoteEngine()
+    warm.load(config(spawn="fake", transport=transport))
+    warm.close()
+    before = _descriptors()
+    engine = RemoteEngine()
+    engine.load(config(spawn="fake", transport=transport, restart="on-crash", max_restarts=3))
+    pids: list[int] = []
+    directories: list[Path] = []
+    try:
+        for sig in (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT):
+            prefill(engine)
+            pid = engine.child_pid
+            assert pid is not None
+            pids.append(pid)
+            directories.append(_directory(engine))
+            os.kill(pid, sig)
+            # A core-dumping signal stops one thread first: let it end the process before
+            # the next call, which another thread could otherwise still serve.
+            wait_until(functools.partial(_gone, pid))
+            with pytest.raises(api.EngineCrashed, match=signal.Signals(sig).name):
+                decode(engine, 3)
+        prefill(engine)
+        assert engine.restarts == 3
+        pid = engine.child_pid
+        assert pid is not None
+        pids.append(pid)
+        directories.append(_directory(engine))
+    finally:
+        engine.close()
+    assert all(_gone(pid) for pid in pids)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)  # no child of this process is left, zombie or not
+    assert not any(directory.exists() for directory in directories)
+    wait_until(lambda: _descriptors() <= before)
+
+
+def test_closing_a_stopped_child_does_not_wait_out_the_grace(transport: str) -> None:
+    """close() of a SIGSTOP'd child resumes it with its SIGTERM, so it drains and exits at
+    once instead of being killed when the 5 s grace runs out; nothing is left behind."""
+    engine = RemoteEngine()
+    engine.load(config(spawn="fake", transport=transport, timeout_s=0.5, control_timeout_s=0.5))
+    prefill(engine)
+    pid = engine.child_pid
+    assert pid is not None
+    directory = _directory(engine)
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 4.0, "the child was killed at the end of its grace"
+    assert _gone(pid)
+    assert not directory.exists()
