@@ -222,13 +222,15 @@ _HOSTILE_MODULES: dict[str, str] = {
     "shard_engine_register = ReferencePlugin('twin').shard_engine_register\n",
     "twin_b": "from conformance_engines import ReferencePlugin\n"
     "shard_engine_register = ReferencePlugin('twin').shard_engine_register\n",
+    "well_behaved": "from conformance_engines import ReferencePlugin\n"
+    "shard_engine_register = ReferencePlugin('well_behaved').shard_engine_register\n",
 }
 
 
 @pytest.fixture
 def hostile_distributions(tmp_path: Path) -> Iterator[Path]:
     """Installed distributions whose plugins fail in every way a third party's can, one of
-    them declaring the same engine name as another distribution."""
+    them declaring the same engine name as another distribution, beside one sound plugin."""
     _distribution(
         tmp_path,
         "hostile-engines",
@@ -240,6 +242,7 @@ def hostile_distributions(tmp_path: Path) -> Iterator[Path]:
             "makes_none": "makes_none",
             "factory_raises": "factory_raises",
             "twin": "twin_a",
+            "well_behaved": "well_behaved",
         },
     )
     _distribution(tmp_path, "other-twin", {"twin": "twin_b"})
@@ -274,7 +277,9 @@ def test_hostile_plugins_are_named_and_leave_the_others_working(
     with pytest.raises(BrokenPlugin, match="factory raised ImportError: libcuda"):
         load_engine("factory_raises", manager=manager)
     load_engine("reference", manager=manager).close()
-    load_engine("fake").close()
+    # The sound engine of the same hostile distribution, found through entry points alone.
+    assert "well_behaved" in [engine.name for engine in installed_engines(get_plugin_manager())]
+    load_engine("well_behaved").close()
 
 
 @pytest.mark.parametrize(
