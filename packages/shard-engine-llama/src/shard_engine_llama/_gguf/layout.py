@@ -301,6 +301,25 @@ def _fail(header: GGUFHeader, rule: str, field: str, message: str) -> GGUFValida
     return GGUFValidationError(f"{header.path}: {field}: {message}", rule=rule, field=field)
 
 
+def _wrong_type(
+    header: GGUFHeader, key: str, got: gguf.GGUFValueType, expected: gguf.GGUFValueType
+) -> GGUFValidationError:
+    return _fail(
+        header,
+        "metadata-type",
+        key,
+        f"has GGUF type {got.name}, llama.cpp reads it as {expected.name}",
+    )
+
+
+def _check_scalar_types(header: GGUFHeader, expected_types: dict[str, gguf.GGUFValueType]) -> None:
+    """Each of these keys, where present, has the one GGUF type llama.cpp reads it as."""
+    for key, expected in expected_types.items():
+        entry = header.metadata.get(key)
+        if entry is not None and entry.value_type != expected:
+            raise _wrong_type(header, key, entry.value_type, expected)
+
+
 def _check_key_types(header: GGUFHeader, arch: str) -> None:
     prefix = f"{arch}."
     read_unchecked = _READ_UNCHECKED_ARCH_KEYS[""] | _READ_UNCHECKED_ARCH_KEYS.get(
@@ -326,15 +345,7 @@ def _check_key_types(header: GGUFHeader, arch: str) -> None:
                 key,
                 "per-tensor precision policies are not supported",
             )
-    for key, expected in _GENERAL_KEYS.items():
-        entry = header.metadata.get(key)
-        if entry is not None and entry.value_type != expected:
-            raise _fail(
-                header,
-                "metadata-type",
-                key,
-                f"has GGUF type {entry.value_type.name}, llama.cpp reads it as {expected.name}",
-            )
+    _check_scalar_types(header, _GENERAL_KEYS)
     for key, element_types in _TOKENIZER_ARRAYS.items():
         entry = header.metadata.get(key)
         if entry is not None and (
@@ -360,21 +371,8 @@ def _check_key_types(header: GGUFHeader, arch: str) -> None:
                 raise _fail(header, "metadata-type", key, "per-layer array of the wrong type")
             continue
         if entry.value_type != expected:
-            raise _fail(
-                header,
-                "metadata-type",
-                key,
-                f"has GGUF type {entry.value_type.name}, llama.cpp reads it as {expected.name}",
-            )
-    for key, expected in _TOKENIZER_KEYS.items():
-        entry = header.metadata.get(key)
-        if entry is not None and entry.value_type != expected:
-            raise _fail(
-                header,
-                "metadata-type",
-                key,
-                f"has GGUF type {entry.value_type.name}, llama.cpp reads it as {expected.name}",
-            )
+            raise _wrong_type(header, key, entry.value_type, expected)
+    _check_scalar_types(header, _TOKENIZER_KEYS)
 
 
 def _per_layer(
