@@ -187,6 +187,16 @@ class _ShardChoice:
         return replace(self, identity=file_identity(self.path))
 
 
+def _store_write_error(store: Path, directory: Path, error: OSError) -> InvalidRequest:
+    """What a failure to write a shard into the model store is: the store named, with the
+    system's reason and the path it failed on."""
+    return InvalidRequest(
+        f"cannot write the shard into the model store {store}: "
+        f"{error.strerror or error} ({error.filename or directory})",
+        details={"path": str(store)},
+    )
+
+
 @contextlib.contextmanager
 def _store_lock(store: Path, directory: Path) -> Iterator[None]:
     """An exclusive ``flock`` on ``<directory>.lock`` (per open file, so threads of one
@@ -197,11 +207,7 @@ def _store_lock(store: Path, directory: Path) -> Iterator[None]:
             directory.with_name(directory.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
         )
     except OSError as error:
-        raise InvalidRequest(
-            f"cannot write the shard into the model store {store}: "
-            f"{error.strerror or error} ({error.filename or directory})",
-            details={"path": str(store)},
-        ) from error
+        raise _store_write_error(store, directory, error) from error
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         yield
@@ -463,11 +469,7 @@ class LlamaEngine(EngineCore):
                     hash_store=store,
                 )
             except OSError as error:
-                raise InvalidRequest(
-                    f"cannot write the shard into the model store {store}: "
-                    f"{error.strerror or error} ({error.filename or directory})",
-                    details={"path": str(store)},
-                ) from error
+                raise _store_write_error(store, directory, error) from error
             if manifest.source_sha256 != digest:
                 # The name was pointed at another file while the shard was being written.
                 raise ShardIntegrityError(f"{named} changed while its shard was being written")
