@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -31,17 +30,12 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._framed import HELLO, IMPORT, FramedServer
+from shard_engine_remote._framed import HELLO, IMPORT, FramedServer, _frame
 from shard_engine_remote._wire import CALL_METHOD, IMPORT_METHOD
 
-_HEADER = struct.Struct("<IBQ")
 TOKEN = "hostile-token"
 IDLE_S = 0.5
 """The servers' stream idle limit here: short, so a stalled stream is cut off within a test."""
-
-
-def _frame(kind: int, call_id: int, body: bytes) -> bytes:
-    return _HEADER.pack(len(body), kind, call_id) + body
 
 
 class _StalledGrpcImports:

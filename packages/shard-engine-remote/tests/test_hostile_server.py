@@ -11,7 +11,6 @@ silence)."""
 from __future__ import annotations
 
 import socket
-import struct
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -26,10 +25,9 @@ from conftest import RemoteFactory, ServeFactory, config, prefill, ref
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, OutcomeUnknown, RemoteEngine, RemoteUnavailable
-from shard_engine_remote._framed import CALL, END, ERROR, HELLO, ITEM, REPLY
+from shard_engine_remote._framed import _HEADER, CALL, END, ERROR, HELLO, ITEM, REPLY, _frame
 from shard_engine_remote._wire import SERVICE_NAME
 
-_HEADER = struct.Struct("<IBQ")
 _Mutation = Callable[[api.ShardResult], api.ShardResult]
 
 
@@ -179,10 +177,6 @@ class _BadCapabilities:
 # ----------------------------------------------------------------- a framed server of bytes
 
 Answer = Callable[[socket.socket, int], None]
-
-
-def _frame(kind: int, call_id: int, body: bytes) -> bytes:
-    return _HEADER.pack(len(body), kind, call_id) + body
 
 
 class _ByteServer:
