@@ -337,6 +337,16 @@ def test_wrong_inputs_are_rejected(f32_model: Path, f32_split: Manifest) -> None
             lambda: full.run(0, 3, embeddings=np.zeros((1, full.n_embd), np.float32)),
             lambda: full.run_batch([BatchItem(0, 3, embedding=np.zeros(full.n_embd, np.float32))]),
             lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(1, 0, token=-5)]),
+            # Batch rows are checked on Python ints: every bound as for a single run.
+            lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(1, 0, token=2**31)]),
+            lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(1, 0, token=-(2**31) - 1)]),
+            lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(1, 0, token=100000)]),
+            lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(9, 0, token=2)]),
+            lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(1, -1, token=2)]),
+            lambda: full.run_batch([BatchItem(0, 3, token=1), BatchItem(1, 2**31, token=2)]),
+            lambda: full.run_batch([BatchItem(0, 3, token=True), BatchItem(1, 0, token=2)]),
+            lambda: full.run_batch([BatchItem(0, 3, token=1.0), BatchItem(1, 0, token=2)]),  # type: ignore[arg-type]
+            lambda: full.run(0, 3, tokens=[True]),
         ]
         for call in bad_calls:
             with pytest.raises(InvalidInputError):

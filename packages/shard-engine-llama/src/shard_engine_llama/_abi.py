@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import NoReturn
+from typing import Final, NoReturn, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -233,6 +233,10 @@ def _load_native() -> _NativeCallbacks | None:
 
 _native = _load_native()
 
+# llama_get_logits_ith(ctx, i) returning the row's address as an int (None for NULL): a
+# function object of our own over the same symbol, so llama_cpp's is left as it is.
+_LOGITS_ITH_PROTOTYPE: Final = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+
 
 def native_callbacks_available() -> bool:
     """Whether runtimes created from now on use the native callbacks of ``_native.c``."""
@@ -287,9 +291,25 @@ def _set_field(structure: ctypes.Structure, name: str, value: object) -> None:
     setattr(structure, name, value)
 
 
+_INT32: Final = np.dtype(np.int32)
+_FLOAT32: Final = np.dtype(np.float32)
+
+
 def _token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int32]:
     """Token ids as int32, refusing values that do not fit (they are checked against the
     vocabulary afterwards)."""
+    if type(tokens) is np.ndarray and tokens.dtype is _INT32 and tokens.ndim == 1:
+        # The decode step's case: numpy calls cost more than the row, cold.
+        return cast("npt.NDArray[np.int32]", tokens)
+    if type(tokens) is list and tokens:
+        if all(type(token) is int for token in tokens):
+            # A batch step's ids: the range test on the ints, not on an int64 array.
+            if min(tokens) < -(2**31) or max(tokens) >= 2**31:
+                raise InvalidInputError("token id outside the int32 range")
+            return np.array(tokens, dtype=_INT32)
+        if any(isinstance(token, bool | np.bool_) for token in tokens):
+            # (numpy would read True and False among ints as the ids 1 and 0)
+            raise InvalidInputError("token ids must be a 1-D sequence of integers")
     array = np.asarray(tokens)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise InvalidInputError("token ids must be a 1-D sequence of integers")
@@ -408,8 +428,12 @@ class ShardRuntime:
         self.n_embd_input = int(llama_cpp.llama_model_n_embd_inp(model))
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        # One logits row of llama.cpp's output buffer, as _read_logits reads it.
-        self._logits_row = ctypes.POINTER(ctypes.c_char * (self.n_vocab * 4))
+        # One logits row of llama.cpp's output buffer, as _read_logits reads it: placed at
+        # the address that a llama_get_logits_ith of our own returns as a plain integer (a
+        # ctypes pointer object and a cast cost more than the row's copy after llama_decode
+        # has pushed every cache line out).
+        self._logits_row = ctypes.c_char * (self.n_vocab * 4)
+        self._logits_address = _LOGITS_ITH_PROTOTYPE(_address(llama_cpp.llama_get_logits_ith))
 
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = settings.n_ctx
@@ -659,17 +683,20 @@ class ShardRuntime:
         # llama.cpp's per-sequence KV streams split a multi-sequence batch into ubatches of
         # consecutive, increasing sequence ids, in batch order; submitting the items sorted by
         # sequence id makes the captured rows come back in that same sorted order.
-        order = sorted(range(len(items)), key=lambda i: seq_list[i])
+        order = sorted(range(len(items)), key=seq_list.__getitem__)
         sorted_items = [items[i] for i in order]
         n = len(items)
-        seq_ids = np.array([item.seq_id for item in sorted_items], dtype=np.int64)
-        positions = np.array([item.pos for item in sorted_items], dtype=np.int64)
+        # Checked on the Python ints (one step of a few rows: numpy arrays and reductions
+        # would cost more than the rows).
+        seq_ids = [seq_list[i] for i in order]
+        positions = [item.pos for item in sorted_items]
         token_array: npt.NDArray[np.int32] | None = None
         embeddings: npt.NDArray[np.float32] | None = None
         if self.is_head:
-            if any(item.token is None for item in sorted_items):
+            token_list = [item.token for item in sorted_items]
+            if any(token is None for token in token_list):
                 raise InvalidInputError("this shard takes token ids")
-            token_array = _token_array([item.token for item in sorted_items])  # type: ignore[misc]
+            token_array = _token_array(token_list)  # type: ignore[arg-type]
         else:
             rows = [item.embedding for item in sorted_items]
             if any(row is None for row in rows):
@@ -682,14 +709,8 @@ class ShardRuntime:
                     )
             embeddings = np.stack([np.asarray(row, dtype=np.float32) for row in rows])
         destination = np.asarray(order)
-        self._check_rows(
-            n,
-            int(seq_ids.min()),
-            int(seq_ids.max()),
-            int(positions.min()),
-            int(positions.max()),
-        )
-        firsts = tuple(zip(seq_ids.tolist(), positions.tolist(), strict=True))
+        self._check_rows(n, min(seq_ids), max(seq_ids), min(positions), max(positions))
+        firsts = tuple(zip(seq_ids, positions, strict=True))
         result = self._decode(
             n, seq_ids, positions, firsts, token_array, embeddings, range(n), destination
         )
@@ -747,8 +768,8 @@ class ShardRuntime:
     def _decode(
         self,
         n: int,
-        seq_ids: int | npt.NDArray[np.int64],
-        positions: int | npt.NDArray[np.int64],
+        seq_ids: int | Sequence[int] | npt.NDArray[np.int64],
+        positions: int | Sequence[int] | npt.NDArray[np.int64],
         firsts: Sequence[tuple[int, int]],
         tokens: npt.NDArray[np.int32] | None,
         embeddings: npt.NDArray[np.float32] | None,
@@ -765,15 +786,24 @@ class ShardRuntime:
             staged = self._check_values(n, tokens, embeddings)
             batch = self._batch
             batch.n_tokens = n
-            self._batch_seq_ids[:n] = seq_ids
-            self._batch_positions[:n] = positions
             flags = self._batch_output_flags
-            flags[:n] = 0
+            if n == 1:
+                # A decode step: element writes (a slice assignment is several numpy calls).
+                self._batch_seq_ids[0] = seq_ids
+                self._batch_positions[0] = positions
+                flags[0] = 0
+            else:
+                self._batch_seq_ids[:n] = seq_ids
+                self._batch_positions[:n] = positions
+                flags[:n] = 0
             if self.is_tail:
                 for row in outputs:
                     flags[row] = 1
             if tokens is not None:
-                self._batch_tokens[:n] = tokens
+                if n == 1:
+                    self._batch_tokens[0] = tokens[0]
+                else:
+                    self._batch_tokens[:n] = tokens
             else:
                 assert staged is not None
                 # llama.cpp copies the rows into its input tensor; ``staged`` outlives the call.
@@ -848,15 +878,28 @@ class ShardRuntime:
         """Copy each wanted row of llama.cpp's logits once, into its result row, hashing and
         testing it on the way (:attr:`row_digests`: each result row's checksum and finiteness,
         in row order), so that the result built from a row need not read it again."""
-        rows = np.empty((len(outputs), self.n_vocab), dtype=np.float32)
-        targets = range(len(outputs)) if destination is None else destination.tolist()
-        digests: list[tuple[int, bool]] = [(0, False)] * len(outputs)
+        count = len(outputs)
+        rows = np.empty((count, self.n_vocab), dtype=_FLOAT32)
+        if count == 1 and destination is None:  # a decode step: no row views, no lists
+            address = self._logits_address(context, outputs[0])
+            if not address:
+                raise RuntimeFailure(
+                    f"{self.path.name}: no logits for batch row {outputs[0]}", -102
+                )
+            self.row_digests = [
+                copy_checksum_and_finite(
+                    rows, memoryview(self._logits_row.from_address(address)), "f32"
+                )
+            ]
+            return rows
+        targets = range(count) if destination is None else destination.tolist()
+        digests: list[tuple[int, bool]] = [(0, False)] * count
         for target, index in zip(targets, outputs, strict=True):
-            pointer = llama_cpp.llama_get_logits_ith(context, index)
-            if not pointer:
+            address = self._logits_address(context, index)
+            if not address:
                 raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
             digests[target] = copy_checksum_and_finite(
-                rows[target], memoryview(ctypes.cast(pointer, self._logits_row).contents), "f32"
+                rows[target], memoryview(self._logits_row.from_address(address)), "f32"
             )
         self.row_digests = digests
         return rows
