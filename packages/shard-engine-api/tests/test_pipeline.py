@@ -23,6 +23,8 @@ from shard_engine_api import (
     Sampling,
     SessionRef,
     ShardEngine,
+    ShardResult,
+    TokenInput,
     load_pipeline,
     split_layers,
 )
@@ -256,3 +258,58 @@ def test_explicit_session(pipeline: Pipeline) -> None:
     result = pipeline.generate((4, 5), 2, session=session)
     assert len(result.token_ids) == 2
     assert _sessions(pipeline.engines) == [0, 0]
+
+
+@pytest.mark.parametrize("wire", [False, True])
+def test_decode_is_the_step_without_its_timings(fixture: ModelFixture, wire: bool) -> None:
+    """``decode`` is ``step(..., decode=True)`` minus the timings: the same logits, the same
+    per-shard request ids, every shard's result observed, bundles crossing the wire."""
+    seen: dict[str, list[tuple[str, int]]] = {}
+    runs: dict[str, LogitsResult] = {}
+    for kind in ("decode", "step"):
+        log: list[tuple[str, int]] = []
+        seen[kind] = log
+
+        def observe(result: ShardResult, log: list[tuple[str, int]] = log) -> None:
+            log.append((result.request_id, result.first_pos))
+
+        engines = load_pipeline(
+            ReferenceEngine, fixture, split_layers(fixture.n_layers, 3), max_sessions=4
+        ).engines
+        with Pipeline(
+            engines,
+            wire=wire,
+            observe=observe,
+            request_prefix="p",
+        ) as pipeline:
+            session = SessionRef(session_id="s", epoch=1)
+            pipeline.prefill(session, 0, [4, 5, 6])
+            log.clear()
+            if kind == "decode":
+                runs[kind] = pipeline.decode(session, 3, 7)
+            else:
+                runs[kind] = pipeline.step(session, 3, (7,), decode=True).logits
+            assert (pipeline.wire_bytes > 0) is wire
+    assert seen["decode"] == seen["step"] == [("p-2/0", 3), ("p-2/1", 3), ("p-2/2", 3)]
+    assert runs["decode"].payload == runs["step"].payload
+    assert runs["decode"].request_id == runs["step"].request_id == "p-2/2"
+
+
+def test_decode_refuses_a_result_of_the_wrong_kind(
+    pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head, tail = pipeline.engines
+    session = SessionRef(session_id="s", epoch=1)
+    pipeline.prefill(session, 0, [4, 5])
+    logits = pipeline.decode(session, 2, 7)
+    real_head_decode = head.decode
+    monkeypatch.setattr(head, "decode", lambda request: logits)
+    with pytest.raises(MalformedOutput, match="shard 0 of 2 returned a LogitsResult"):
+        pipeline.decode(session, 3, 7)
+    monkeypatch.setattr(head, "decode", real_head_decode)
+    bundle = head.decode(
+        DecodeRequest(request_id="h", session=session, pos=3, inputs=TokenInput(token_ids=(7,)))
+    )
+    monkeypatch.setattr(tail, "decode", lambda request: bundle)
+    with pytest.raises(MalformedOutput, match="shard 1 of 2 returned a BoundaryResult"):
+        pipeline.decode(session, 4, 7)

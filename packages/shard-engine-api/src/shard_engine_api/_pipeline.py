@@ -273,9 +273,7 @@ class Pipeline:
                     compute_ms=compute_ms,
                 )
             else:
-                raise MalformedOutput(
-                    f"shard {index} of {last + 1} returned a {type(result).__name__}"
-                )
+                raise _misplaced(index, last, result)
         raise AssertionError("unreachable: a pipeline has at least one engine")
 
     def prefill(
@@ -290,8 +288,37 @@ class Pipeline:
         return self.step(session, start_pos, tokens, logits=logits).logits
 
     def decode(self, session: SessionRef, pos: int, token: int) -> LogitsResult:
-        """Decode one token at ``pos`` on every shard; the tail's logits."""
-        return self.step(session, pos, (token,), decode=True).logits
+        """Decode one token at ``pos`` on every shard; the tail's logits. What
+        ``step(session, pos, (token,), decode=True)`` does, without its timings: the step
+        between two forwards is the engine's overhead, and each call and clock read costs
+        several microseconds there once the forward has evicted the caches."""
+        base = f"{self._prefix}-{next(self._counter)}"
+        current: ShardInput = TokenInput(token_ids=(token,))
+        codecs = self._codecs
+        observe = self._observe
+        last = len(self.engines) - 1
+        for index, engine in enumerate(self.engines):
+            if codecs[index] is not None:
+                current = self._cross(index, current)
+            shard_request = f"{base}/{index}"
+            try:
+                result = engine.decode(
+                    DecodeRequest(
+                        request_id=shard_request, session=session, pos=pos, inputs=current
+                    )
+                )
+            except ShardEngineError as error:
+                _log_failure(index, shard_request, error)
+                raise
+            if observe is not None:
+                observe(result)
+            if isinstance(result, BoundaryResult) and index < last:
+                current = result.bundle
+            elif isinstance(result, LogitsResult) and index == last:
+                return result
+            else:
+                raise _misplaced(index, last, result)
+        raise AssertionError("unreachable: a pipeline has at least one engine")
 
     def decode_batch(
         self, sessions: Sequence[SessionRef], positions: Sequence[int], tokens: Sequence[int]
@@ -326,9 +353,7 @@ class Pipeline:
                 elif isinstance(outcome, LogitsResult) and index == last:
                     results.append(outcome)
                 else:
-                    raise MalformedOutput(
-                        f"shard {index} of {last + 1} returned a {type(outcome).__name__}"
-                    )
+                    raise _misplaced(index, last, outcome)
             inputs = next_inputs
         return results
 
@@ -639,6 +664,11 @@ def load_pipeline(
             except Exception:  # noqa: BLE001 - the load failure is what the caller must see
                 _LOG.warning("closing an engine after a failed load raised", exc_info=True)
         raise
+
+
+def _misplaced(index: int, last: int, result: object) -> MalformedOutput:
+    """A shard returned the wrong kind of result for its place in the pipeline."""
+    return MalformedOutput(f"shard {index} of {last + 1} returned a {type(result).__name__}")
 
 
 def _log_failure(index: int, request_id: str, error: ShardEngineError) -> None:
