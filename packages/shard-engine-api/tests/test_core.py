@@ -36,6 +36,7 @@ from shard_engine_api import (
     TokenInput,
     UnsupportedFeature,
     WrongRole,
+    _core,
 )
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
@@ -494,7 +495,18 @@ def test_a_recorded_digest_is_the_results_checksum_without_a_second_pass(
     engine._record_digest(rows, 5, True)
     assert len(engine._digests) == 1
     del rows
-    assert engine._digests == {}, "an entry outlived its rows"
+    # Entries of rows that died unconsumed are dropped once the table fills: it stays bounded,
+    # and the entries of rows still alive are kept.
+    alive = [np.ones((1, 4), dtype=np.float32) for _ in range(5)]
+    for row in alive:
+        engine._record_digest(row, 7, True)
+    for _ in range(3 * _core._DIGEST_ENTRIES):
+        engine._record_digest(np.ones((1, 4), dtype=np.float32), 5, True)
+        assert len(engine._digests) <= _core._DIGEST_ENTRIES
+    for row in alive:
+        entry = engine._digests[id(row)]
+        assert entry[0]() is row
+        assert entry[1:] == (7, True)
 
 
 def test_digests_of_rows_not_declared_private_are_ignored() -> None:

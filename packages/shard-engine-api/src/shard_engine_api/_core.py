@@ -115,6 +115,11 @@ class _Work:
     batched: bool = False
 
 
+_DIGEST_ENTRIES: Final = 1024
+"""How many recorded row digests :meth:`EngineCore._record_digest` keeps before it drops
+those of rows that no longer exist (more than a batch has rows)."""
+
+
 class EngineCore(abc.ABC):
     """Base class of engines: implements the whole :class:`ShardEngine` protocol on top of
     a handful of backend steps. Subclasses set ``engine_name`` and implement the abstract
@@ -198,9 +203,14 @@ class EngineCore(abc.ABC):
         the backend wrote them. Used only with ``rows_private`` (the rows cannot change after);
         the entry lives as long as ``rows`` and is consumed by the result built from them."""
         if self.rows_private:
-            key = id(rows)
             digests = self._digests
-            digests[key] = (weakref.ref(rows, lambda _: digests.pop(key, None)), checksum, finite)
+            if len(digests) >= _DIGEST_ENTRIES:
+                # Entries of rows that died unconsumed (a failed step): dropped here rather
+                # than by a weakref callback, a closure on every row of every step.
+                for key, (ref, _, _) in list(digests.items()):
+                    if ref() is None:
+                        digests.pop(key, None)
+            digests[id(rows)] = (weakref.ref(rows), checksum, finite)
 
     def _export_state(self, slot: int, length: int) -> bytes:
         """The opaque state of positions ``0..length-1`` of the session in ``slot`` (what

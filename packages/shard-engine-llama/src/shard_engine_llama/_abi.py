@@ -612,9 +612,11 @@ class ShardRuntime:
         self._abort_flag.value = 1
 
     def clear_abort(self) -> None:
-        if self._own_abort.is_set():  # (clear() takes the event's lock; twice per forward)
+        # Twice per forward, and the native flag is only ever set with the event (by
+        # request_abort): nothing to write unless an abort was requested.
+        if self._own_abort.is_set():
             self._own_abort.clear()
-        self._abort_flag.value = 0
+            self._abort_flag.value = 0
 
     @property
     def abort_requested(self) -> bool:
