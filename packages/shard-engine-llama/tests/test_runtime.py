@@ -193,6 +193,19 @@ def test_batched_hidden_rows_follow_item_order(f32_split: Manifest) -> None:
         head.close()
 
 
+def test_a_batch_of_one_is_the_single_row(f32_model: Path, f32_split: Manifest) -> None:
+    """A one-item batch is the same llama_decode as run() of that row: the same logits (tail)
+    and hidden state (head), bit for bit."""
+    for path in (f32_model, f32_split.shard_path(0)):
+        with ShardRuntime(path, settings=OPTIONS) as runtime:
+            runtime.run(1, 0, tokens=[5, 6, 7])
+            single = runtime.run(1, 3, tokens=[8])
+            runtime.seq_rm(1, 3)
+            batched = runtime.run_batch([BatchItem(1, 3, token=8)])
+            np.testing.assert_array_equal(batched, single)
+            assert runtime.seq_pos_max(1) == 3
+
+
 def test_native_callbacks_are_built() -> None:
     """The project's install builds the optional C callbacks (a compiler is part of its
     toolchain: llama-cpp-python itself builds from source); without them every non-tail shard

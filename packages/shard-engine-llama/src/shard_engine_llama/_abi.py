@@ -789,8 +789,9 @@ class ShardRuntime:
             batch = self._batch
             batch.n_tokens = n
             flags = self._batch_output_flags
-            if n == 1:
-                # A decode step: element writes (a slice assignment is several numpy calls).
+            if type(seq_ids) is int and type(positions) is int:
+                # One row of run(), a decode step: element writes (a slice assignment is
+                # several numpy calls).
                 self._batch_seq_ids[0] = seq_ids
                 self._batch_positions[0] = positions
                 flags[0] = 0
