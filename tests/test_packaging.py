@@ -104,6 +104,7 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "DEFAULT_MODEL_STORE",
         "ENTRY_POINT_GROUP",
         "MODEL_STORE_ENV",
+        "TEST_OPTIONS_ENV",
         "BrokenPlugin",
         "CancelToken",
         "CliSubparsers",
@@ -126,6 +127,7 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "plugin_problems",
         "portable_path",
         "portable_text",
+        "test_options_enabled",
     ],
     "shard_engine_api.wire": [
         "CHECKSUM_ALGORITHM",

@@ -37,6 +37,7 @@ from shard_engine_api import (
     split_layers,
 )
 from shard_engine_api._checksum import payload_checksum
+from shard_engine_api.engine import TEST_OPTIONS_ENV
 from shard_engine_llama import LlamaEngine, _abi
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
 from shard_engine_llama._gguf import MetadataValue, read_gguf_header, split_model
@@ -344,6 +345,44 @@ def test_slow_forward_lets_a_cancel_land_on_the_tiny_model(tiny_model: Path) -> 
                 TINY_MODEL_LAYERS,
                 options={"slow_forward_us": bad},
             )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "default"),
+    [("inject_crash", True, False), ("inject_abort", True, False), ("slow_forward_us", 200, 0)],
+)
+@pytest.mark.parametrize("setting", [None, "0", "yes"])
+def test_test_options_need_the_process_owners_consent(
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    value: object,
+    default: object,
+    setting: str | None,
+) -> None:
+    """A LoadConfig can come from whoever asks a worker to load a shard: the options that crash,
+    abort or slow an engine are refused unless the process runs with the variable set to 1
+    (nothing runs, the process lives), and their defaults are always accepted."""
+    if setting is None:
+        monkeypatch.delenv(TEST_OPTIONS_ENV)
+    else:
+        monkeypatch.setenv(TEST_OPTIONS_ENV, setting)
+    engine = LlamaEngine()
+    with pytest.raises(InvalidRequest, match=f"{name} is a test-only option") as caught:
+        engine.load(
+            LoadConfig(
+                shard=ShardSpec(model=str(tiny_model), n_layers=TINY_MODEL_LAYERS, start=0, end=2),
+                options={"model_store": str(tiny_model.parent / "store"), name: value},
+            )
+        )
+    assert caught.value.details["field"] == f"options.{name}"
+    assert TEST_OPTIONS_ENV in caught.value.message
+    engine.close()
+    loaded = _load(tiny_model, 0, 2, TINY_MODEL_LAYERS, options={name: default})
+    try:
+        assert loaded.health().state == "ready"
+    finally:
+        loaded.close()
 
 
 def test_close_mid_prefill_stops_llama_cpp(wide_model: Path) -> None:

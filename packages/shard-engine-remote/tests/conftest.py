@@ -3,6 +3,7 @@ request builders. Everything binds loopback or private unix sockets."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -13,8 +14,14 @@ from pathlib import Path
 import pytest
 
 import shard_engine_api as api
+from shard_engine_api.engine import TEST_OPTIONS_ENV
 from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity
 from shard_engine_remote._framed import FramedServer
+
+# These tests load engines with test-only options (injected crashes, aborts and delays), as the
+# conformance suite does; spawned engine processes inherit the setting (test_llama_abort.py checks
+# the refusal without it).
+os.environ[TEST_OPTIONS_ENV] = "1"
 
 TRANSPORTS = ("framed", "grpc")
 N_LAYERS = 6

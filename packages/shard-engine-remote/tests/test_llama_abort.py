@@ -18,6 +18,7 @@ import pytest
 from conftest import RemoteFactory
 
 import shard_engine_api as api
+from shard_engine_api.engine import TEST_OPTIONS_ENV
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("shard_engine_llama") is None
@@ -91,6 +92,31 @@ def test_llama_abort_is_engine_crashed(
     )
     assert isinstance(_prefill(healthy, "after"), api.LogitsResult)
     assert os.getpid() > 0
+
+
+def test_a_child_without_test_options_refuses_to_abort(
+    remote: RemoteFactory, tmp_path: Path, transport: str
+) -> None:
+    """The test option comes through the LoadConfig, but whether it is honoured is the serving
+    process's own setting: a child started without the variable refuses it at load, as a
+    typed InvalidRequest naming the option, and nothing aborts."""
+    model, n_layers = _tiny_model(tmp_path)
+    shard = api.ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers)
+    with pytest.raises(api.InvalidRequest, match="inject_abort is a test-only option") as caught:
+        remote(
+            api.LoadConfig(
+                shard=shard,
+                options={
+                    "spawn": "llama",
+                    "transport": transport,
+                    "inject_abort": True,
+                    "self_test": False,
+                    "env": {TEST_OPTIONS_ENV: None},
+                },
+            )
+        )
+    assert caught.value.details["field"] == "options.inject_abort"
+    assert os.environ[TEST_OPTIONS_ENV] == "1"  # this process's own setting is untouched
 
 
 def test_aborting_gguf_is_refused_before_llama_cpp_opens_it(

@@ -10,6 +10,7 @@ describer, a tokenizer and CLI subcommands) in one object, so no hook is keyed b
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, TypeAlias, runtime_checkable
@@ -23,6 +24,7 @@ from shard_engine_api._types import EvidenceClass, LoadConfig, OptionValue, Shar
 
 __all__ = [
     "PROJECT_NAME",
+    "TEST_OPTIONS_ENV",
     "CliSubparsers",
     "EngineDescription",
     "EngineHookSpecs",
@@ -30,12 +32,27 @@ __all__ = [
     "Tokenizer",
     "hookimpl",
     "hookspec",
+    "test_options_enabled",
 ]
 
 PROJECT_NAME = "shard_engine"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+TEST_OPTIONS_ENV = "SHARD_ENGINE_TEST_OPTIONS"
+"""The environment variable that lets an engine accept its test-only load options (injected
+crashes, aborts, delays: a fixture's ``cancel_options`` and ``crash_options``). Whoever starts
+the process decides, never whoever sends a LoadConfig: a worker that loads configurations a
+coordinator sends cannot be told to abort. The conformance suite sets it to ``1`` in its own
+process (spawned engine processes inherit it); production processes leave it unset."""
+
+
+def test_options_enabled() -> bool:
+    """Whether this process accepts engines' test-only load options (see
+    :data:`TEST_OPTIONS_ENV`)."""
+    return os.environ.get(TEST_OPTIONS_ENV) == "1"
+
 
 CliSubparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``shard-engine`` hands to :attr:`EngineDescription.add_cli_commands`."""
@@ -65,14 +82,16 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
     has_tokenizer: bool = False
     cancel_options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
     """Extra load options that make operations slow enough for the conformance suite's
-    cancellation test to land a cancel mid-operation (e.g. an injected delay)."""
+    cancellation test to land a cancel mid-operation (e.g. an injected delay). Test-only
+    options belong behind :data:`TEST_OPTIONS_ENV`, which the suite sets."""
     synthetic: bool = True
     """True for a generated or built-in model: results on it are never a real-model
     certification, whatever the engine's evidence class."""
     crash_options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
     """Extra load options under which the engine's backend fails on its next prefill or decode
     (an injected crash): the conformance suite checks that the call and every later one raise
-    EngineCrashed and that health says "failed". Empty: the crash test is skipped."""
+    EngineCrashed and that health says "failed". Empty: the crash test is skipped. An engine
+    should accept such options only when :func:`test_options_enabled`."""
     splits: tuple[tuple[int, ...], ...] = ()
     """Pipelines the suite checks for split invariance besides its own even 2- and 3-way splits,
     each as its layer boundaries from 0 to ``n_layers`` (``(0, 1, 6)`` is ``[0, 1) + [1, 6)``).

@@ -4,12 +4,14 @@ it imports from ``shard_engine_api``. See the package README for a plugin author
 
 from shard_engine_api._core import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 from shard_engine_api._hookspecs import (
+    TEST_OPTIONS_ENV,
     CliSubparsers,
     EngineDescription,
     ModelFixture,
     Tokenizer,
     hookimpl,
     hookspec,
+    test_options_enabled,
 )
 from shard_engine_api._plugins import (
     ENTRY_POINT_GROUP,
@@ -34,6 +36,7 @@ __all__ = [
     "DEFAULT_MODEL_STORE",
     "ENTRY_POINT_GROUP",
     "MODEL_STORE_ENV",
+    "TEST_OPTIONS_ENV",
     "BrokenPlugin",
     "CancelToken",
     "CliSubparsers",
@@ -56,4 +59,5 @@ __all__ = [
     "plugin_problems",
     "portable_path",
     "portable_text",
+    "test_options_enabled",
 ]

@@ -39,6 +39,7 @@ from shard_engine_api import (
     UnsupportedFeature,
 )
 from shard_engine_api.engine import (
+    TEST_OPTIONS_ENV,
     CancelToken,
     EngineCore,
     ForwardItem,
@@ -47,6 +48,7 @@ from shard_engine_api.engine import (
     OutputMode,
     file_sha256,
     model_store,
+    test_options_enabled,
 )
 from shard_engine_llama import _abi, _self_test, _state
 from shard_engine_llama._gguf import (
@@ -95,6 +97,10 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       ~1e5, where no absolute bound fits.
     - ``self_test``: run the start-up self-test (a generated model split 2-way, bitwise) before
       the first engine of the process reports ready.
+    The three test-only options below are refused (InvalidRequest) unless the process runs with
+    ``SHARD_ENGINE_TEST_OPTIONS=1`` (``shard_engine_api.engine.TEST_OPTIONS_ENV``; the
+    conformance suite sets it): a configuration sent to a worker cannot make it crash.
+
     - ``inject_crash``: test only: the next forward fails as a backend crash would (the
       conformance suite checks EngineCrashed and health "failed" with it).
     - ``inject_abort``: test only: the next forward calls llama.cpp's own ``ggml_abort`` (what a
@@ -281,6 +287,19 @@ class LlamaEngine(EngineCore):
         if options.model_store is not None and "\x00" in options.model_store:
             # Refused here, not as the OS's ValueError deep in the store lookup.
             raise InvalidRequest(f"model_store may not contain NUL: {options.model_store!r}")
+        for name, value, default in (
+            ("inject_crash", options.inject_crash, False),
+            ("inject_abort", options.inject_abort, False),
+            ("slow_forward_us", options.slow_forward_us, 0),
+        ):
+            if value != default and not test_options_enabled():
+                # A LoadConfig may come from whoever asks a worker to load a shard; only the
+                # process's owner may let it crash, abort or crawl.
+                raise InvalidRequest(
+                    f"{name} is a test-only option: refused unless the engine's process runs "
+                    f"with {TEST_OPTIONS_ENV}=1",
+                    details={"field": f"options.{name}"},
+                )
         if not 0 <= options.slow_forward_us <= _MAX_SLOW_FORWARD_US:
             raise InvalidRequest(
                 f"slow_forward_us must lie in [0, {_MAX_SLOW_FORWARD_US}], "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -60,7 +61,7 @@ from shard_engine_api._errors import (
     UnsupportedFeature,
     WrongRole,
 )
-from shard_engine_api._hookspecs import ModelFixture
+from shard_engine_api._hookspecs import TEST_OPTIONS_ENV, ModelFixture
 from shard_engine_api._plugins import (
     engine_description,
     get_plugin_manager,
@@ -298,6 +299,10 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         name = suite.engine_name or request.config.getoption("shard_engine", default=None)
         if not name:
             pytest.skip("no engine selected: pass --shard-engine NAME or set engine_name")
+        # The suite loads engines with the fixture's test-only options (crash_options,
+        # cancel_options); engines accept those only in a process that allows them, and this
+        # is a test process. Set before any engine exists, so spawned ones inherit it.
+        os.environ[TEST_OPTIONS_ENV] = "1"
         recorder = request.config.stash.get(RECORDER_KEY, None) or Recorder()
         record = recorder.suite(request.node.nodeid)
         record.engine = str(name)
