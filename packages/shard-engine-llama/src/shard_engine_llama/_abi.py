@@ -276,9 +276,11 @@ class ContextSettings:
     kv_type: str = "f32"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BatchItem:
-    """One row of a batched decode: a sequence, its position and its token or hidden-state row."""
+    """One row of a batched decode: a sequence, its position and its token or hidden-state row.
+    (A value, never changed once built; not frozen only because one is built per row of every
+    batched step, and a frozen dataclass costs several times more to build.)"""
 
     seq_id: int
     pos: int
