@@ -60,22 +60,19 @@ def _prefill(engine: api.ShardEngine, request_id: str) -> api.ShardResult:
     )
 
 
+def _spawned(directory: Path, transport: str, **options: api.OptionValue) -> api.LoadConfig:
+    """The whole tiny model in a spawned llama child, with ``options`` added."""
+    model, n_layers = _tiny_model(directory)
+    return api.LoadConfig(
+        shard=api.ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers),
+        options={"spawn": "llama", "transport": transport, "self_test": False, **options},
+    )
+
+
 def test_llama_abort_is_engine_crashed(
     remote: RemoteFactory, tmp_path: Path, transport: str
 ) -> None:
-    model, n_layers = _tiny_model(tmp_path)
-    shard = api.ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers)
-    engine = remote(
-        api.LoadConfig(
-            shard=shard,
-            options={
-                "spawn": "llama",
-                "transport": transport,
-                "inject_abort": True,
-                "self_test": False,
-            },
-        )
-    )
+    engine = remote(_spawned(tmp_path, transport, inject_abort=True))
     assert engine.health().state == "ready"
     with pytest.raises(api.EngineCrashed, match="SIGABRT") as caught:
         _prefill(engine, "abort")
@@ -85,11 +82,7 @@ def test_llama_abort_is_engine_crashed(
     with pytest.raises(api.EngineCrashed):
         engine.release(api.ReleaseRequest(session=_SESSION))
     # This process is alive and can load another child that works.
-    healthy = remote(
-        api.LoadConfig(
-            shard=shard, options={"spawn": "llama", "transport": transport, "self_test": False}
-        )
-    )
+    healthy = remote(_spawned(tmp_path, transport))
     assert isinstance(_prefill(healthy, "after"), api.LogitsResult)
     assert os.getpid() > 0
 
@@ -100,21 +93,9 @@ def test_a_child_without_test_options_refuses_to_abort(
     """The test option comes through the LoadConfig, but whether it is honoured is the serving
     process's own setting: a child started without the variable refuses it at load, as a
     typed InvalidRequest naming the option, and nothing aborts."""
-    model, n_layers = _tiny_model(tmp_path)
-    shard = api.ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers)
+    config = _spawned(tmp_path, transport, inject_abort=True, env={TEST_OPTIONS_ENV: None})
     with pytest.raises(api.InvalidRequest, match="inject_abort is a test-only option") as caught:
-        remote(
-            api.LoadConfig(
-                shard=shard,
-                options={
-                    "spawn": "llama",
-                    "transport": transport,
-                    "inject_abort": True,
-                    "self_test": False,
-                    "env": {TEST_OPTIONS_ENV: None},
-                },
-            )
-        )
+        remote(config)
     assert caught.value.details["field"] == "options.inject_abort"
     assert os.environ[TEST_OPTIONS_ENV] == "1"  # this process's own setting is untouched
 
