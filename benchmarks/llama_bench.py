@@ -395,6 +395,23 @@ def _engine_batched(
     return len(prompts) * n_steps / elapsed, tuple(tokens)
 
 
+def _print_spread(
+    name: str, engine: Sequence[float], raw: Sequence[float], key: str, results: Recorder
+) -> None:
+    """The engine-over-raw ratio of each repetition (the two ran back to back in it): how far
+    one repetition's ratio lies from the ratio of the medians on this machine."""
+    ratios = [e / r for e, r in zip(engine, raw, strict=True)]
+    if not ratios:
+        return
+    low, high = min(ratios), max(ratios)
+    results.record(f"{key}_rep_min", round(low, 3), "x")
+    results.record(f"{key}_rep_max", round(high, 3), "x")
+    print(
+        f"{name}: engine/raw of each of the {len(ratios)} repetitions {low:.3f} to {high:.3f} "
+        f"(median {_median(ratios):.3f})"
+    )
+
+
 def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
     n = settings.batch_sessions
     print(
@@ -485,6 +502,7 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
         results.record(f"raw_cmp_{key}_decode_tok_s", round(rate, 1), "tokens/s")
         results.record(f"raw_cmp_{key}_of_raw", round(rate / raw_rate, 3), "x")
         results.record(f"raw_cmp_{key}_of_unsplit", round(rate / unsplit_rate, 3), "x")
+    _print_spread("engine", single["engine"], single["raw"], "raw_cmp_engine_of_raw", results)
     three_way = _median(single["3-way"])
     per_shard_ms = (1000.0 / three_way - 1000.0 / unsplit_rate) / 2
     results.record("raw_cmp_3way_extra_ms_per_extra_shard", round(per_shard_ms, 3), "ms")
@@ -497,6 +515,8 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
         f"{n} sessions batched: raw {raw_b:.1f} tok/s, engine {engine_b:.1f} tok/s, "
         f"{engine_b / raw_b:.3f} of raw   {_ratio_mark(engine_b / raw_b, TARGET_RAW_RATIO)}"
     )
+    label = f"{n} sessions batched"
+    _print_spread(label, batched["engine"], batched["raw"], "raw_cmp_batched_of_raw", results)
     same = (
         len(tokens["raw"] | tokens["engine"] | tokens["3-way"] | tokens["3-way python callbacks"])
         == 1

@@ -271,6 +271,12 @@ def _migration(f: Figures) -> str | None:
     )
 
 
+def _spread(f: Figures, key: str) -> str:
+    """``; repetitions LOW-HIGH``: the range of one repetition's ratio, when recorded."""
+    pair = f.values("llama", f"{key}_rep_min", f"{key}_rep_max")
+    return "" if pair is None else f"; repetitions {pair[0]:.3f}-{pair[1]:.3f}"
+
+
 def _raw(f: Figures) -> str | None:
     """The llama engine against llama-cpp-python's raw batch API in the same run."""
     parts: list[str] = []
@@ -282,7 +288,11 @@ def _raw(f: Figures) -> str | None:
         )
         if pair is not None:
             single, batched = pair
-            parts.append(f"{name} {single:.3f} (one session) and {batched:.3f} (batched)")
+            one = _spread(f, f"{model}_raw_cmp_engine_of_raw")
+            many = _spread(f, f"{model}_raw_cmp_batched_of_raw")
+            parts.append(
+                f"{name} {single:.3f} (one session{one}) and {batched:.3f} (batched{many})"
+            )
     if not parts:
         return None
     sessions = f.run("llama").get("batch_sessions", "?")
