@@ -463,7 +463,7 @@ def test_a_recorded_digest_is_the_results_checksum_without_a_second_pass(
     end: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A private backend's recorded digest becomes the payload's checksum and scan mark (the
-    payload is not hashed again); the entry is consumed, and one for rows that died is gone."""
+    payload is not hashed again); the entry is consumed, and entries of rows that died are swept."""
     from shard_engine_api import _results
 
     hashed: list[int] = []
@@ -507,6 +507,23 @@ def test_a_recorded_digest_is_the_results_checksum_without_a_second_pass(
         entry = engine._digests[id(row)]
         assert entry[0]() is row
         assert entry[1:] == (7, True)
+    # Many live rows at once (a large batch): every entry is kept, and the table is swept once
+    # per doubling, not once per row.
+    engine._digests.clear()
+    engine._digest_limit = _core._DIGEST_ENTRIES
+    sweeps: list[int] = []
+    sweep = engine._sweep_digests
+
+    def counted_sweep() -> None:
+        sweeps.append(len(engine._digests))
+        sweep()
+
+    monkeypatch.setattr(engine, "_sweep_digests", counted_sweep)
+    batch = [np.ones((1, 4), dtype=np.float32) for _ in range(8 * _core._DIGEST_ENTRIES)]
+    for row in batch:
+        engine._record_digest(row, 3, True)
+    assert len(engine._digests) == len(batch)
+    assert sweeps == [1024, 2048, 4096]
 
 
 def test_digests_of_rows_not_declared_private_are_ignored() -> None:

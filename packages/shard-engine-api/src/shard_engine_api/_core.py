@@ -116,8 +116,8 @@ class _Work:
 
 
 _DIGEST_ENTRIES: Final = 1024
-"""How many recorded row digests :meth:`EngineCore._record_digest` keeps before it drops
-those of rows that no longer exist (more than a batch has rows)."""
+"""How many recorded row digests :meth:`EngineCore._record_digest` keeps before it first drops
+those of rows that no longer exist."""
 
 
 class EngineCore(abc.ABC):
@@ -159,6 +159,7 @@ class EngineCore(abc.ABC):
         self._state_lock = threading.Lock()
         self._in_flight: dict[str, CancelToken] = {}
         self._digests: dict[int, tuple[weakref.ref[Rows], int, bool]] = {}
+        self._digest_limit = _DIGEST_ENTRIES
 
     # ----------------------------------------------------------------- backend steps
 
@@ -201,16 +202,23 @@ class EngineCore(abc.ABC):
         """Say that ``rows``, an array ``_forward`` or ``_forward_batch`` returns, hash to
         ``checksum`` (payload_checksum of its bytes) and are all finite or not, as computed when
         the backend wrote them. Used only with ``rows_private`` (the rows cannot change after);
-        the entry lives as long as ``rows`` and is consumed by the result built from them."""
+        the entry is consumed by the result built from them (an entry whose rows died first is
+        never used: the lookup checks identity; such entries are swept out in bulk)."""
         if self.rows_private:
-            digests = self._digests
-            if len(digests) >= _DIGEST_ENTRIES:
-                # Entries of rows that died unconsumed (a failed step): dropped here rather
-                # than by a weakref callback, a closure on every row of every step.
-                for key, (ref, _, _) in list(digests.items()):
-                    if ref() is None:
-                        digests.pop(key, None)
-            digests[id(rows)] = (weakref.ref(rows), checksum, finite)
+            if len(self._digests) >= self._digest_limit:
+                self._sweep_digests()
+            self._digests[id(rows)] = (weakref.ref(rows), checksum, finite)
+
+    def _sweep_digests(self) -> None:
+        """Drop the digests of rows that died unconsumed (a failed step): swept here rather
+        than by a weakref callback, a closure on every row of every step. The next sweep waits
+        until the table has doubled, so a batch of many live rows costs one sweep per
+        doubling, not one per row."""
+        digests = self._digests
+        for key, (ref, _, _) in list(digests.items()):
+            if ref() is None:
+                digests.pop(key, None)
+        self._digest_limit = max(_DIGEST_ENTRIES, 2 * len(digests))
 
     def _export_state(self, slot: int, length: int) -> bytes:
         """The opaque state of positions ``0..length-1`` of the session in ``slot`` (what
