@@ -712,16 +712,15 @@ class ShardRuntime:
                         f"embedding row has shape {row.shape}, expected ({self.n_embd_input},)"
                     )
             embeddings = np.stack([np.asarray(row, dtype=np.float32) for row in rows])
-        destination = np.asarray(order)
         self._check_rows(n, min(seq_ids), max(seq_ids), min(positions), max(positions))
         firsts = tuple(zip(seq_ids, positions, strict=True))
         result = self._decode(
-            n, seq_ids, positions, firsts, token_array, embeddings, range(n), destination
+            n, seq_ids, positions, firsts, token_array, embeddings, range(n), order
         )
         if self.is_tail:
             return result  # logits were read straight into item order
         in_order = np.empty_like(result)
-        in_order[destination] = result
+        in_order[order] = result
         return in_order
 
     def _check_rows(self, n: int, seq_lo: int, seq_hi: int, pos_lo: int, pos_hi: int) -> None:
@@ -778,7 +777,7 @@ class ShardRuntime:
         tokens: npt.NDArray[np.int32] | None,
         embeddings: npt.NDArray[np.float32] | None,
         outputs: Sequence[int],
-        destination: npt.NDArray[np.intp] | None = None,
+        destination: Sequence[int] | None = None,
     ) -> npt.NDArray[np.float32]:
         """One llama_decode of ``n`` rows (sequence ids and positions per row, or one value
         for every row; already checked by ``_check_rows``). ``firsts``: each sequence's
@@ -878,7 +877,7 @@ class ShardRuntime:
         self,
         context: int,
         outputs: Sequence[int],
-        destination: npt.NDArray[np.intp] | None = None,
+        destination: Sequence[int] | None = None,
     ) -> npt.NDArray[np.float32]:
         """Copy each wanted row of llama.cpp's logits once, into its result row, hashing and
         testing it on the way (:attr:`row_digests`: each result row's checksum and finiteness,
@@ -897,7 +896,7 @@ class ShardRuntime:
                 )
             ]
             return rows
-        targets = range(count) if destination is None else destination.tolist()
+        targets = range(count) if destination is None else destination
         digests: list[tuple[int, bool]] = [(0, False)] * count
         for target, index in zip(targets, outputs, strict=True):
             address = self._logits_address(context, index)
