@@ -129,6 +129,11 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     native_callbacks: bool = True
 
 
+_DEFAULT_OPTIONS: Final = LlamaOptions()
+_TEST_ONLY_OPTIONS: Final = ("inject_crash", "inject_abort", "slow_forward_us")
+"""Accepted at other than their defaults only where ``test_options_enabled()``."""
+
+
 def _run_self_test() -> _self_test.SelfTestReport:
     global _self_test_result  # noqa: PLW0603 - once per process, shared by every engine
     with _self_test_lock:
@@ -287,12 +292,10 @@ class LlamaEngine(EngineCore):
         if options.model_store is not None and "\x00" in options.model_store:
             # Refused here, not as the OS's ValueError deep in the store lookup.
             raise InvalidRequest(f"model_store may not contain NUL: {options.model_store!r}")
-        for name, value, default in (
-            ("inject_crash", options.inject_crash, False),
-            ("inject_abort", options.inject_abort, False),
-            ("slow_forward_us", options.slow_forward_us, 0),
-        ):
-            if value != default and not test_options_enabled():
+        for name in _TEST_ONLY_OPTIONS:
+            if getattr(options, name) != getattr(_DEFAULT_OPTIONS, name) and not (
+                test_options_enabled()
+            ):
                 # A LoadConfig may come from whoever asks a worker to load a shard; only the
                 # process's owner may let it crash, abort or crawl.
                 raise InvalidRequest(
