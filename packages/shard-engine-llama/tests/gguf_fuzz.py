@@ -2,7 +2,8 @@
 every file the validator accepts with llama.cpp in a child process.
 
 A child that dies (SIGABRT from a GGML_ASSERT, SIGSEGV) is an abort; a file llama.cpp refuses
-to load although the validator accepted it is a miss. Both must stay at zero.
+to load although the validator accepted it is a miss, and one whose prefill or decode returns
+NaN or infinity is a silent miscomputation. All three must stay at zero.
 
 Run directly for a deeper run: ``python tests/gguf_fuzz.py --per-family 200 --seed 1``.
 The child mode (``--load``) reads one file path per line from stdin and answers per file.
@@ -363,6 +364,7 @@ class FuzzReport:
     shards_loaded: int = 0
     aborts: list[str] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
     refused_by_rule: Counter[str] = field(default_factory=Counter)
 
     def summary(self) -> dict[str, object]:
@@ -375,6 +377,7 @@ class FuzzReport:
             "shards_loaded": self.shards_loaded,
             "aborts": len(self.aborts),
             "accepted_but_llama_cpp_refused": len(self.missed),
+            "accepted_but_not_finite": len(self.nonfinite),
             "refused_by_rule": dict(self.refused_by_rule.most_common()),
         }
 
@@ -466,6 +469,8 @@ def run(directory: Path, per_family: int, seed: int) -> FuzzReport:
         description = f"{mutant.path.name}: {'; '.join(mutant.mutations)} -> {outcome}"
         if outcome.startswith("ABORT"):
             report.aborts.append(description)
+        elif outcome.startswith("NONFINITE"):
+            report.nonfinite.append(description)
         elif outcome.startswith("OK"):
             if mutant.is_shard:
                 report.shards_loaded += 1
@@ -490,12 +495,15 @@ def _load_worker() -> int:
                 tokens = [t % max(runtime.n_vocab, 1) for t in (1, 40, 77, 120, 3)]
                 if runtime.is_head:
                     out = runtime.run(0, 0, tokens=tokens)
-                    runtime.run(0, len(tokens), tokens=tokens[:1])
+                    last = runtime.run(0, len(tokens), tokens=tokens[:1])
                 else:
                     hidden = np.full((5, runtime.n_embd_input), 0.5, dtype=np.float32)
                     out = runtime.run(0, 0, embeddings=hidden)
-                    runtime.run(0, 5, embeddings=hidden[:1])
-            print(f"{_PROTOCOL}OK {out.shape}", flush=True)
+                    last = runtime.run(0, 5, embeddings=hidden[:1])
+                # Generated weights are small and finite: a NaN or infinity out of them is a
+                # hyper-parameter the validator let through that breaks the arithmetic.
+                finite = bool(np.isfinite(out).all() and np.isfinite(last).all())
+            print(f"{_PROTOCOL}{'OK' if finite else 'NONFINITE'} {out.shape}", flush=True)
         except LlamaRuntimeError as error:
             print(f"{_PROTOCOL}REFUSED {type(error).__name__}: {str(error)[:200]}", flush=True)
         except Exception as error:  # noqa: BLE001 - reported, the parent decides
@@ -519,9 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gguf-fuzz-") as scratch:
             report = run(Path(scratch), args.per_family, args.seed)
     print(json.dumps(report.summary(), indent=2))
-    for line in report.aborts + report.missed:
+    for line in report.aborts + report.missed + report.nonfinite:
         print(line)
-    return 1 if report.aborts or report.missed else 0
+    return 1 if report.aborts or report.missed or report.nonfinite else 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ PER_FAMILY = int(os.environ.get("SHARD_ENGINE_LLAMA_FUZZ_PER_FAMILY", "40"))
 SEED = int(os.environ.get("SHARD_ENGINE_LLAMA_FUZZ_SEED", "0"))
 
 
-def test_no_accepted_file_aborts_or_is_refused_by_llama_cpp(tmp_path: Path) -> None:
+def test_no_accepted_file_aborts_is_refused_by_llama_cpp_or_computes_nan(tmp_path: Path) -> None:
     report = run(tmp_path, PER_FAMILY, SEED)
     print(report.summary())
     assert report.generated >= PER_FAMILY * 10
@@ -24,4 +24,5 @@ def test_no_accepted_file_aborts_or_is_refused_by_llama_cpp(tmp_path: Path) -> N
     assert report.accepted > 0, "the mutations should leave some files loadable"
     assert not report.aborts, report.aborts
     assert not report.missed, report.missed
+    assert not report.nonfinite, report.nonfinite
     assert report.loaded == report.accepted

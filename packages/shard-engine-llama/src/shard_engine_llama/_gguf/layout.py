@@ -99,6 +99,16 @@ _NON_NEGATIVE_FLOATS = (
     "residual_scale",
     "embedding_scale",
 )
+# rope.scaling.attn_factor scales queries and keys alike; real models use about 1 (YaRN's
+# 0.1 ln(factor) + 1 stays below 3 for any factor a context could need).
+_MAX_ROPE_ATTN_FACTOR = 100.0
+# llama.cpp passes the YaRN original context to ggml_rope_ext as an int.
+_MAX_INT32 = 2**31 - 1
+# Floats a family's graph divides by (0 is accepted by llama.cpp's loader, and every logit of
+# the first forward becomes NaN).
+_POSITIVE_FLOATS_BY_FAMILY: dict[str, tuple[str, ...]] = {
+    "gemma2": ("attn_logit_softcapping",),
+}
 _TOKENIZER_KEYS: dict[str, gguf.GGUFValueType] = {
     "tokenizer.ggml.model": _STR,
     "tokenizer.ggml.pre": _STR,
@@ -520,6 +530,53 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             raise _fail(
                 header, "hparam-non-negative-finite", key + name, f"{number!r} must be finite, >= 0"
             )
+    for name in ("rope.freq_base", "rope.freq_base_swa"):
+        base = _float(header, key + name)
+        if base is not None and base < 1:
+            # Rotation angles grow as pos * base ** -(i / n): below 1 they grow with the
+            # dimension instead of shrinking, and at 1e-45 they overflow to inf (sin(inf) is NaN).
+            raise _fail(
+                header,
+                "hparam-rope-freq-base",
+                key + name,
+                f"{base!r} is below 1 (real models use 1e4 and more; tiny ones overflow rope's "
+                "angles and every logit becomes NaN)",
+            )
+    attn_factor = _float(header, key + "rope.scaling.attn_factor")
+    if attn_factor is not None and attn_factor > _MAX_ROPE_ATTN_FACTOR:
+        raise _fail(
+            header,
+            "hparam-rope-attn-factor",
+            key + "rope.scaling.attn_factor",
+            f"{attn_factor!r} exceeds {_MAX_ROPE_ATTN_FACTOR:g}: rope multiplies both queries "
+            "and keys by it, so attention scores grow with its square and overflow to NaN "
+            "(real models use about 1)",
+        )
+    for name in _POSITIVE_FLOATS_BY_FAMILY.get(arch, ()):
+        number = _float(header, key + name)
+        if number is not None and number == 0:
+            raise _fail(
+                header,
+                "hparam-positive-finite",
+                key + name,
+                f"must be positive: {arch}'s graph divides by it (every logit becomes NaN)",
+            )
+    if _scaling_is_yarn(header, arch):
+        original = _optional_int(
+            header,
+            key + "rope.scaling.original_context_length",
+            header.get_int(key + "context_length"),
+        )
+        if original > _MAX_INT32:
+            raise _fail(
+                header,
+                "hparam-rope-original-context",
+                key + "rope.scaling.original_context_length"
+                if key + "rope.scaling.original_context_length" in header.metadata
+                else key + "context_length",
+                f"{original} does not fit llama.cpp's 32-bit signed n_ctx_orig: YaRN takes the "
+                "logarithm of a negative length and every logit becomes NaN",
+            )
     for name in family.extra_required_keys:
         if key + name not in header.metadata:
             raise _fail(header, "metadata-missing", key + name, "required key is missing")
@@ -596,6 +653,12 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             f"{window} is longer than context_length {context}",
         )
     _check_swa_pattern(header, family, h)
+
+
+def _scaling_is_yarn(header: GGUFHeader, arch: str) -> bool:
+    """Whether llama.cpp runs this model's rope with YaRN (the scaling type names it)."""
+    entry = header.metadata.get(f"{arch}.rope.scaling.type")
+    return entry is not None and entry.value == "yarn"
 
 
 def swa_pattern(header: GGUFHeader, n_layers: int, default_period: int) -> list[bool]:
