@@ -45,7 +45,12 @@ from shard_engine_api import wire
 from shard_engine_api._snapshot import check_snapshot_integrity
 from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
-from shard_engine_remote._framed import NOT_SENT, FramedLink, FramedServer
+from shard_engine_remote._framed import (
+    NOT_SENT,
+    FramedLink,
+    FramedServer,
+    check_private_socket,
+)
 from shard_engine_remote._security import ClientSecurity, read_pem, read_token
 from shard_engine_remote._server import (
     CALLER_METADATA_KEY,
@@ -346,6 +351,7 @@ class RemoteEngine:
             link: _AnyLink
             if options.framed:
                 security = options.security()
+                check_private_socket(Path(options.target.removeprefix("unix:")))
                 link = FramedLink(
                     Path(options.target.removeprefix("unix:")),
                     token=security.token,

@@ -76,10 +76,15 @@ ITEM: Final = 9
 ERROR: Final = 10
 
 _HEADER: Final = struct.Struct("<IBQ")
+_PEER_CREDENTIALS: Final = struct.Struct("3i")
+"""struct ucred (pid, uid, gid), as SO_PEERCRED answers."""
 _READ_SIZE: Final = 1 << 16
+_LARGE_READ: Final = 1 << 20
 _COALESCE_BYTES: Final = 1 << 16
 """Bodies up to this size are sent in one buffer with their header (one system call)."""
 _HELLO_TIMEOUT_S: Final = 10.0
+"""How long a greeting may take, each way, from the connection's first byte to its last."""
+_MAX_GREETING_BYTES: Final = 4096
 _SERVER_SEND_TIMEOUT_S: Final = 30.0
 """A client that stops reading its replies for this long loses its connection, not a thread."""
 _ABANDON_TIMEOUT_S: Final = 1.0
@@ -118,6 +123,20 @@ class _Closed(Exception):
     """The peer closed the connection."""
 
 
+def _check_peer(sock: socket.socket, target: str) -> None:
+    """Refuse (PERMISSION_DENIED, before the token leaves) a server run by another user: a
+    socket in a private directory cannot be one, but a directory swapped after it was checked,
+    or a path someone else could write, can."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
+    _, uid, _ = _PEER_CREDENTIALS.unpack(credentials)
+    if uid != os.getuid():
+        raise FramedLinkError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{target} is served by user {uid}, not this user ({os.getuid()}): the token was "
+            f"not offered; {NOT_SENT}",
+        )
+
+
 def check_private_socket(path: Path) -> None:
     """Refuse (InvalidRequest) a socket path whose directory other users could enter."""
     try:
@@ -136,18 +155,29 @@ def check_private_socket(path: Path) -> None:
 
 
 class _Reader:
-    """Frames from a socket, through a buffer (one receive usually holds a whole frame)."""
+    """Frames from a socket, through a buffer (one receive usually holds a whole frame).
+    With a ``deadline`` (time.monotonic), every read ends by then (TimeoutError): a peer that
+    trickles bytes cannot stretch a bounded wait by sending one just before each timeout."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, deadline: float | None = None) -> None:
         self._sock = sock
         self._buffer = bytearray()
+        self.deadline = deadline
+
+    def _recv(self, size: int) -> bytes:
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the peer did not send a whole frame in time")
+            self._sock.settimeout(remaining)
+        chunk = self._sock.recv(size)
+        if not chunk:
+            raise _Closed
+        return chunk
 
     def _fill(self, wanted: int) -> None:
         while len(self._buffer) < wanted:
-            chunk = self._sock.recv(max(_READ_SIZE, wanted - len(self._buffer)))
-            if not chunk:
-                raise _Closed
-            self._buffer += chunk
+            self._buffer += self._recv(max(_READ_SIZE, wanted - len(self._buffer)))
 
     def header(self) -> tuple[int, int, int]:
         """(body length, kind, call id) of the next frame."""
@@ -159,18 +189,17 @@ class _Reader:
     def body(self, length: int) -> bytes:
         buffer = self._buffer
         if len(buffer) < length and length - len(buffer) > _READ_SIZE:
-            # Large bodies land in place instead of growing the buffer chunk by chunk.
-            out = bytearray(length)
-            view = memoryview(out)
+            # Memory is taken as bytes arrive, never for what a header merely announces: a
+            # 13-byte header claiming the message limit, then silence, would otherwise hold
+            # that much memory per connection.
+            parts = [bytes(buffer)]
             have = len(buffer)
-            view[:have] = buffer
             buffer.clear()
             while have < length:
-                got = self._sock.recv_into(view[have:])
-                if not got:
-                    raise _Closed
-                have += got
-            return bytes(out)
+                chunk = self._recv(min(length - have, _LARGE_READ))
+                parts.append(chunk)
+                have += len(chunk)
+            return b"".join(parts)
         self._fill(length)
         data = bytes(buffer[:length])
         del buffer[:length]
@@ -435,15 +464,20 @@ class FramedLink:
     def _connect(self, deadline: float) -> _Connection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(max(0.001, min(deadline - time.monotonic(), _HELLO_TIMEOUT_S)))
+            greeting_deadline = min(deadline, time.monotonic() + _HELLO_TIMEOUT_S)
+            sock.settimeout(max(0.001, greeting_deadline - time.monotonic()))
             sock.connect(self._path)
+            _check_peer(sock, self.target)
             # A server that refuses the connection may close first: read its answer anyway.
             with suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(_frame(HELLO, 0, _HELLO_ENCODER.encode(_Hello(token=self._token))))
-            reader = _Reader(sock)
+            reader = _Reader(sock, deadline=greeting_deadline)
             length, kind, _ = reader.header()
-            body = reader.body(min(length, 1 << 16))
+            body = reader.body(length) if length <= _MAX_GREETING_BYTES else b""
             sock.settimeout(None)
+        except FramedLinkError:
+            sock.close()
+            raise
         except TimeoutError:
             sock.close()
             raise FramedLinkError(
@@ -455,9 +489,9 @@ class FramedLink:
                 grpc.StatusCode.UNAVAILABLE,
                 f"failed to connect to {self.target}: {error or 'closed'}; {NOT_SENT}",
             ) from None
-        if kind != HELLO:
+        if kind != HELLO or length > _MAX_GREETING_BYTES:
             sock.close()
-            refused = _error_frame(body) if kind == ERROR else None
+            refused = _error_frame(body) if kind == ERROR and body else None
             raise FramedLinkError(
                 refused.code() if refused else grpc.StatusCode.UNAVAILABLE,
                 f"{refused.details() if refused else 'unexpected answer to HELLO'}; {NOT_SENT}",
@@ -649,10 +683,11 @@ class _ServerConnection:
 
     def _greet(self) -> bool:
         counters = self._server.counters
-        self.sock.settimeout(_HELLO_TIMEOUT_S)
-        reader = _Reader(self.sock)
+        # The whole greeting by one deadline, not each read: a connection trickling its HELLO
+        # a byte at a time would otherwise hold a greeting place for hours.
+        reader = _Reader(self.sock, deadline=time.monotonic() + _HELLO_TIMEOUT_S)
         length, kind, _ = reader.header()
-        if kind != HELLO or length > 4096:
+        if kind != HELLO or length > _MAX_GREETING_BYTES:
             counters.add("rejected_frames")
             return False
         try:
@@ -668,6 +703,7 @@ class _ServerConnection:
             )
             return False
         self.sock.settimeout(None)
+        reader.deadline = None
         self.send(HELLO, 0, b"")
         self._reader = reader
         return True
@@ -717,6 +753,13 @@ class _ServerConnection:
                 continue
             if kind not in (CALL, EXPORT, IMPORT):
                 self._refuse(call_id, api.InvalidRequest(f"unknown frame kind {kind}"))
+                continue
+            with self._lock:
+                reused = call_id in self._calls
+            if reused:
+                # One context per id: a second would hide the first from the connection's end,
+                # whose engine work would then outlive it uncancelled.
+                self._refuse(call_id, api.InvalidRequest(f"call id {call_id} is already in flight"))
                 continue
             if self._owner.draining:
                 self._draining_error(call_id)

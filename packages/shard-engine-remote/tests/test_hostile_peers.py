@@ -1,0 +1,275 @@
+"""Peers that lie about sizes, trickle bytes, reuse call ids or squat on sockets: what the
+framed transport's server and client do about each. Nothing they send holds memory it did not
+receive, a slot past its deadline, engine work past its connection, or the client's token."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from conftest import RemoteFactory, ServeFactory, config, delay, wait_until
+
+import shard_engine_api as api
+from shard_engine_api import wire
+from shard_engine_remote import RemoteUnavailable, ServerSecurity, Unauthenticated, _framed
+from shard_engine_remote._framed import CALL, HELLO, REPLY
+
+_HEADER = struct.Struct("<IBQ")
+
+
+def _frame(kind: int, call_id: int, body: bytes) -> bytes:
+    return _HEADER.pack(len(body), kind, call_id) + body
+
+
+def _read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    length, kind, call_id = _HEADER.unpack(exactly(_HEADER.size))
+    return kind, call_id, exactly(length)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the peer closed ``sock`` within ``seconds`` (data it sends is discarded)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+@pytest.fixture
+def private_dir() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="shard-engine-test-"))
+    yield directory
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()
+
+
+def test_a_length_header_takes_no_memory_for_bytes_never_sent() -> None:
+    """A frame header announcing a large body, followed by a few bytes and silence (then a
+    close), makes the reader hold only what arrived: both ends read frames this way, so
+    neither a client nor a server can be made to commit the message limit per connection
+    for 13 bytes."""
+    reading, writing = socket.socketpair()
+    announced = 64 << 20
+    writing.sendall(_HEADER.pack(announced, CALL, 1) + b"x" * 100)
+    reader = _framed._Reader(reading)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            length, _, _ = reader.header()
+            reader.body(length)
+        except BaseException as error:  # noqa: BLE001 - inspected below
+            outcome.append(error)
+
+    tracemalloc.start()
+    try:
+        thread = threading.Thread(target=read)
+        thread.start()
+        writing.close()
+        thread.join(30)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        reading.close()
+    assert not thread.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], _framed._Closed)
+    assert peak < announced // 4, f"{peak} bytes held for a body of which 100 bytes arrived"
+
+
+def test_a_body_read_in_pieces_is_whole() -> None:
+    """The large-body path returns exactly what was sent, whatever the pieces."""
+    reading, writing = socket.socketpair()
+    body = os.urandom(3 << 20) + b"tail"
+    sender = threading.Thread(target=writing.sendall, args=(_frame(CALL, 9, body) * 2,))
+    sender.start()
+    reader = _framed._Reader(reading)
+    try:
+        for _ in range(2):
+            length, kind, call_id = reader.header()
+            assert (kind, call_id) == (CALL, 9)
+            assert reader.body(length) == body
+    finally:
+        sender.join(30)
+        reading.close()
+        writing.close()
+
+
+def test_a_trickled_greeting_is_cut_off_at_its_deadline(
+    serve: ServeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection sending its HELLO a byte at a time, each byte well inside the greeting
+    timeout, is closed once the greeting as a whole is late: it cannot hold one of the
+    bounded greeting places for as long as it likes."""
+    monkeypatch.setattr(_framed, "_HELLO_TIMEOUT_S", 0.5)
+    server = serve(config(), transport="framed", security=ServerSecurity(token="t"))
+    assert server.address is not None
+    hello = _frame(HELLO, 0, msgspec.msgpack.encode({"token": "t" * 4000}))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(server.address.removeprefix("unix:"))
+    try:
+        cut_off = False
+        for index in range(400):  # 400 bytes at most, ~20 s: far past the 0.5 s deadline
+            try:
+                sock.send(hello[index : index + 1])
+            except OSError:
+                cut_off = True
+                break
+            if _closed_within(sock, 0.05):
+                cut_off = True
+                break
+        assert cut_off, "a greeting trickled byte by byte was never cut off"
+    finally:
+        sock.close()
+
+
+def test_a_client_greeting_a_trickling_server_gives_up_at_its_deadline(
+    private_dir: Path, remote: RemoteFactory
+) -> None:
+    """A server answering the greeting a byte at a time cannot hold the client's load past
+    its connect deadline: it is RemoteUnavailable, and the client closes the connection."""
+    path = private_dir / "engine.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    outcome: list[str] = []
+
+    def trickle() -> None:
+        sock, _ = listener.accept()
+        answer = _frame(HELLO, 0, b"\x80" * 4000)
+        try:
+            for index in range(400):  # ~20 s at most
+                sock.send(answer[index : index + 1])
+                if _closed_within(sock, 0.05):
+                    outcome.append("cut off")
+                    return
+            outcome.append("sent everything")
+        except OSError:
+            outcome.append("cut off")
+        finally:
+            sock.close()
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RemoteUnavailable):
+            remote(config(target=f"unix:{path}", transport="framed", connect_timeout_s=0.5))
+        thread.join(30)
+        assert outcome == ["cut off"]
+    finally:
+        listener.close()
+
+
+def test_a_call_id_in_flight_cannot_be_reused(serve: ServeFactory) -> None:
+    """A second call under the id of one still running is refused (InvalidRequest) rather
+    than shadowing it, so when the connection ends every call it started is cancelled and
+    no engine work outlives it."""
+    server = serve(config(faults=delay("prefill", 60_000)), transport="framed")
+    assert server.address is not None
+    request = api.PrefillRequest(
+        request_id="slow",
+        session=api.SessionRef(session_id="s", epoch=1),
+        start_pos=0,
+        inputs=api.TokenInput(token_ids=(1, 2)),
+    )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(server.address.removeprefix("unix:"))
+    try:
+        sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
+        assert _read_frame(sock)[0] == HELLO
+        sock.sendall(_frame(CALL, 7, wire.encode(request)))
+        wait_until(lambda: server.engine.health().in_flight == 1)
+        other = msgspec.structs.replace(
+            request, request_id="slow-2", session=api.SessionRef(session_id="t", epoch=1)
+        )
+        sock.sendall(_frame(CALL, 7, wire.encode(other)))
+        kind, call_id, body = _read_frame(sock)
+        assert (kind, call_id) == (REPLY, 7)
+        error = wire.decode_error(body)
+        assert isinstance(error, api.InvalidRequest)
+        assert "already in flight" in error.message
+    finally:
+        sock.close()
+    wait_until(lambda: server.stats().in_flight == 0 and server.engine.health().in_flight == 0)
+    assert server.engine.metrics().cancelled == 1
+
+
+def test_a_framed_target_outside_a_private_directory_is_refused(
+    remote: RemoteFactory, serve: ServeFactory
+) -> None:
+    """The token is offered only to a socket in a directory no one else may enter: a framed
+    target elsewhere (here a world-readable directory; another user could have put a socket
+    there) fails load with InvalidRequest before connecting."""
+    server = serve(config(), transport="framed", security=ServerSecurity(token="secret"))
+    assert server.address is not None
+    path = Path(server.address.removeprefix("unix:"))
+    path.parent.chmod(0o755)
+    try:
+        with pytest.raises(api.InvalidRequest, match="private directory"):
+            remote(config(target=server.address, transport="framed"))
+    finally:
+        path.parent.chmod(0o700)
+    assert server.stats().unauthenticated == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="serving as another user needs root")
+def test_a_server_of_another_user_never_sees_the_token(
+    private_dir: Path, remote: RemoteFactory, tmp_path: Path
+) -> None:
+    """A socket served by another user (the directory swapped after the check, or a path
+    someone else could write) is refused before the greeting with Unauthenticated: the token
+    never leaves."""
+    path = private_dir / "engine.sock"
+    private_dir.chmod(0o777)
+    token_file = tmp_path / "token"
+    token_file.write_text("secret")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: listen as nobody, report what it reads
+        try:
+            os.close(read_end)
+            os.setuid(65534)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(path))
+            listener.listen(1)
+            os.write(write_end, b"L")
+            sock, _ = listener.accept()
+            sock.settimeout(10)
+            os.write(write_end, sock.recv(4096) or b"-")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"L"
+        private_dir.chmod(0o700)
+        with pytest.raises(Unauthenticated, match="not this user"):
+            remote(config(target=f"unix:{path}", transport="framed", token_file=str(token_file)))
+        received = os.read(read_end, 4096)
+        assert received
+        assert b"secret" not in received
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
