@@ -104,6 +104,21 @@ def rewrite(
     return write_gguf(destination, architecture, entries, result)
 
 
+def reseal(
+    source: Path,
+    destination: Path,
+    metadata: Mapping[str, MetadataValue | None],
+) -> Path:
+    """Rewrite a shard with keys replaced and seal it with its new content digest, as anyone
+    editing a shard can (the digest is no signature)."""
+    from shard_engine_llama._gguf.integrity import CONTENT_KEY, PLACEHOLDER, seal_shard
+
+    edits = {CONTENT_KEY: MetadataValue(PLACEHOLDER, gguf.GGUFValueType.STRING), **metadata}
+    rewrite(source, destination, metadata=edits)
+    seal_shard(destination)
+    return destination
+
+
 def u32(value: int) -> MetadataValue:
     return MetadataValue(value, gguf.GGUFValueType.UINT32)
 

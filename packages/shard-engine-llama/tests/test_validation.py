@@ -8,8 +8,18 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
-from gguf_edit import TensorEdit, array, f32, rewrite, swap_tensor_offsets, tensors_of, u32
+from gguf_edit import (
+    TensorEdit,
+    array,
+    f32,
+    reseal,
+    rewrite,
+    swap_tensor_offsets,
+    tensors_of,
+    u32,
+)
 
 from shard_engine_llama._gguf import (
     GGUFValidationError,
@@ -495,8 +505,24 @@ FAMILY_CASES: list[
         "gemma2",
         {"gemma2.attn_logit_softcapping": f32(0.0)},
         {},
-        "hparam-positive-finite",
+        "hparam-divisor",
         "gemma2.attn_logit_softcapping",
+    ),
+    (
+        "gemma2 attention softcap 1e-45: its reciprocal overflows (every logit NaN)",
+        "gemma2",
+        {"gemma2.attn_logit_softcapping": f32(1e-45)},
+        {},
+        "hparam-divisor",
+        "gemma2.attn_logit_softcapping",
+    ),
+    (
+        "granite logit scale 1e-45, which divides the logits (every logit inf)",
+        "granitemoe",
+        {"granitemoe.logit_scale": f32(1e-45)},
+        {},
+        "hparam-divisor",
+        "granitemoe.logit_scale",
     ),
     (
         "weight matrix of the activation-only type Q8_K (SIGSEGV in the first forward)",
@@ -691,3 +717,191 @@ def test_keys_llama_cpp_never_reads_for_the_family_are_ignored(
     write_tiny_model(source, arch=arch, n_layers=3)
     extended = rewrite(source, tmp_path / "extra.gguf", metadata={f"{arch}.{suffix}": value})
     assert validate_gguf(extended).architecture == arch
+
+
+_BOOL = gguf.GGUFValueType.BOOL
+
+
+@pytest.mark.parametrize(
+    ("arch", "ranges", "index", "metadata", "rule", "field"),
+    [
+        (
+            "granite",
+            [(0, 1), (1, 2), (2, 3)],
+            1,
+            {"granite.embedding_scale": f32(12.0)},
+            "embedding-scale-head-only",
+            "granite.embedding_scale",
+        ),
+        (
+            "granitemoe",
+            [(0, 1), (1, 3)],
+            1,
+            {"granitemoe.embedding_scale": None},
+            "embedding-scale-head-only",
+            "granitemoe.embedding_scale",
+        ),
+        (
+            "gemma3",
+            [(0, 1), (1, 2), (2, 3)],
+            1,
+            {"gemma3.attention.sliding_window_pattern": None},
+            "swa-pattern-explicit",
+            "gemma3.attention.sliding_window_pattern",
+        ),
+        (
+            "gemma3",
+            [(0, 1), (1, 3)],
+            1,
+            {"gemma3.attention.sliding_window_pattern": u32(6)},
+            "swa-pattern-explicit",
+            "gemma3.attention.sliding_window_pattern",
+        ),
+        (
+            # One leading identity block dropped from the count, the range shifted to match:
+            # the block count still adds up, the no-RoPE layers move.
+            "smollm3",
+            [(0, 1), (1, 2), (2, 3)],
+            1,
+            {
+                "shard.leading_identity_blocks": u32(0),
+                "shard.end": u32(3),
+                "shard.n_layers_total": u32(4),
+            },
+            "no-rope-step-padding",
+            "shard.leading_identity_blocks",
+        ),
+        (
+            "llama",
+            [(0, 1), (1, 3)],
+            1,
+            {"shard.leading_identity_blocks": u32(1), "shard.start": u32(2)},
+            "no-rope-step-padding",
+            "shard.leading_identity_blocks",
+        ),
+    ],
+    ids=[
+        "granite-middle-scaled",
+        "granitemoe-tail-no-scale-key",
+        "gemma3-middle-no-pattern",
+        "gemma3-tail-period",
+        "smollm3-padding-dropped",
+        "llama-padding-added",
+    ],
+)
+def test_a_resealed_shard_without_its_family_rule_is_refused(
+    tmp_path: Path,
+    arch: str,
+    ranges: list[tuple[int, int]],
+    index: int,
+    metadata: dict[str, MetadataValue | None],
+    rule: str,
+    field: str,
+) -> None:
+    """A shard edited after split and sealed again passes the digest check: the digest is no
+    signature. One whose family's shard rewrite is undone (granite's input scale back, gemma3's
+    explicit window pattern gone, smollm3's no-RoPE padding wrong) used to validate and load,
+    and computed other hidden states than the full model's layers."""
+    from shard_engine_llama._gguf import split_model
+
+    source = tmp_path / f"{arch}.gguf"
+    write_tiny_model(source, arch=arch, n_layers=3)
+    manifest = split_model(source, ranges, tmp_path / "shards")
+    assert validate_gguf(manifest.shard_path(index)).is_shard
+    forged = reseal(manifest.shard_path(index), tmp_path / "forged.gguf", metadata)
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(forged)
+    assert (raised.value.rule, raised.value.field) == (rule, field), str(raised.value)
+
+
+def _as_shard(source: Path, destination: Path, start: int, end: int, total: int, role: str) -> Path:
+    """A full model re-labelled as a shard of a larger model, sealed."""
+    return reseal(
+        source,
+        destination,
+        {
+            "shard.start": u32(start),
+            "shard.end": u32(end),
+            "shard.n_layers_total": u32(total),
+            "shard.role": MetadataValue(role, _STRING),
+            "shard.has_identity_block": MetadataValue(False, _BOOL),
+            "shard.source_sha256": _string("0" * 64),
+            "shard.leading_identity_blocks": u32(0),
+        },
+    )
+
+
+def test_a_shard_of_a_family_that_cannot_be_split_is_refused(tmp_path: Path) -> None:
+    """split refuses gemma2 (its graph scales hidden-state input too); a hand-made gemma2 tail
+    shard used to load and rescale the boundary it received."""
+    source = tmp_path / "gemma2.gguf"
+    write_tiny_model(source, arch="gemma2", n_layers=3)
+    tail = _as_shard(source, tmp_path / "tail.gguf", 1, 4, 4, "tail")
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(tail)
+    assert (raised.value.rule, raised.value.field) == (
+        "embedding-input-scaled",
+        "general.architecture",
+    )
+
+
+def test_a_gemma3_shard_whose_block_count_switches_the_attention_scale_is_refused(
+    tmp_path: Path,
+) -> None:
+    """gemma3 picks the 27B attention scale when it has 62 blocks: a 62-block shard of a
+    63-layer model would compute attention with another scale than its model."""
+    source = tmp_path / "gemma3.gguf"
+    write_tiny_model(source, arch="gemma3", n_layers=62, n_embd=32, n_head=2, n_head_kv=1, n_ff=32)
+    pattern = array([il % 6 < 5 for il in range(1, 63)], _BOOL)
+    staged = rewrite(
+        source,
+        tmp_path / "staged.gguf",
+        metadata={"gemma3.attention.sliding_window_pattern": pattern},
+    )
+    tail = _as_shard(staged, tmp_path / "tail.gguf", 1, 63, 63, "tail")
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(tail)
+    assert (raised.value.rule, raised.value.field) == (
+        "gemma3-layer-count-attention-scale",
+        "gemma3.block_count",
+    )
+
+
+def _vector(name: str, n: int, value: float) -> TensorEdit:
+    return TensorEdit(name, (n,), F32, np.full(n, value, dtype="<f4").tobytes())
+
+
+@pytest.mark.parametrize(
+    ("arch", "tensor", "value", "field"),
+    [
+        ("llama", "blk.1.attn_norm.weight", float("nan"), "blk.1.attn_norm.weight"),
+        ("gemma3", "output_norm.weight", float("inf"), "output_norm.weight"),
+        ("qwen2", "blk.0.attn_q.bias", float("-inf"), "blk.0.attn_q.bias"),
+        # qwen2moe's shared-expert gate is silu(x) / x: 0 / 0 for a gate logit of exactly 0.
+        ("qwen2moe", "blk.1.ffn_gate_inp_shexp.weight", 0.0, "blk.1.ffn_gate_inp_shexp.weight"),
+        ("qwen2moe", "blk.2.ffn_norm.weight", 0.0, "blk.2.ffn_gate_inp_shexp.weight"),
+    ],
+)
+def test_vectors_that_make_every_logit_nan_are_refused(
+    tmp_path: Path, arch: str, tensor: str, value: float, field: str
+) -> None:
+    """Each of these files loaded and returned NaN from every prefill and decode."""
+    source = tmp_path / f"{arch}.gguf"
+    write_tiny_model(source, arch=arch, n_layers=3)
+    n = read_gguf_header(source).tensors[tensor].shape[0]
+    broken = rewrite(source, tmp_path / "broken.gguf", tensors={tensor: _vector(tensor, n, value)})
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert (raised.value.rule, raised.value.field) == ("tensor-values", field), str(raised.value)
+
+
+def test_a_qwen2moe_shard_identity_block_may_have_a_zero_gate(tmp_path: Path) -> None:
+    """split's identity block is all zeros, shared-expert gate included; the runtime stops the
+    graph before it, so the rule leaves it alone."""
+    from shard_engine_llama._gguf import split_model
+
+    source = tmp_path / "qwen2moe.gguf"
+    write_tiny_model(source, arch="qwen2moe", n_layers=3)
+    manifest = split_model(source, [(0, 1), (1, 2), (2, 3)], tmp_path / "shards")
+    for index in range(3):
+        assert validate_gguf(manifest.shard_path(index)).is_shard

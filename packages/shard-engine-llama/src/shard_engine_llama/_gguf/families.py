@@ -112,6 +112,8 @@ SWA_PATTERN_EXPLICIT = ShardRule(
     "identity block is local; an all-global shard gets sliding_window = 0",
     "llama-model.cpp load_swa_pattern / llama-hparams.cpp set_swa_pattern (il % n_pattern)",
 )
+# gemma3 picks the 27B attention-scale rule from the layer count.
+GEMMA3_27B_LAYER_COUNT = 62
 GEMMA3_ATTENTION_SCALE = ShardRule(
     "gemma3-layer-count-attention-scale",
     "refuse shards whose block count would switch gemma3's layer-count-based attention scale",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import gguf
+import numpy as np
 
 from shard_engine_llama._gguf.families import FAMILIES, Family, Hyperparameters, TensorNeed
 from shard_engine_llama._gguf.reader import GGUFHeader, GGUFValidationError
@@ -104,11 +105,13 @@ _NON_NEGATIVE_FLOATS = (
 _MAX_ROPE_ATTN_FACTOR = 100.0
 # llama.cpp passes the YaRN original context to ggml_rope_ext as an int.
 _MAX_INT32 = 2**31 - 1
-# Floats a family's graph divides by (0 is accepted by llama.cpp's loader, and every logit of
-# the first forward becomes NaN).
-_POSITIVE_FLOATS_BY_FAMILY: dict[str, tuple[str, ...]] = {
+# Floats a graph divides by: llama.cpp's loader takes 0 or a denormal, and the quotient (every
+# logit, or every attention score) overflows to inf or NaN. Real values are 8 to 50.
+_DIVISORS: dict[str, tuple[str, ...]] = {
+    "": ("logit_scale",),
     "gemma2": ("attn_logit_softcapping",),
 }
+_MIN_DIVISOR = 1e-6
 _TOKENIZER_KEYS: dict[str, gguf.GGUFValueType] = {
     "tokenizer.ggml.model": _STR,
     "tokenizer.ggml.pre": _STR,
@@ -552,14 +555,15 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             "and keys by it, so attention scores grow with its square and overflow to NaN "
             "(real models use about 1)",
         )
-    for name in _POSITIVE_FLOATS_BY_FAMILY.get(arch, ()):
+    for name in _DIVISORS[""] + _DIVISORS.get(arch, ()):
         number = _float(header, key + name)
-        if number is not None and number == 0:
+        if number is not None and number < _MIN_DIVISOR:
             raise _fail(
                 header,
-                "hparam-positive-finite",
+                "hparam-divisor",
                 key + name,
-                f"must be positive: {arch}'s graph divides by it (every logit becomes NaN)",
+                f"{number!r} is below {_MIN_DIVISOR:g}: {arch}'s graph divides by it, and the "
+                "quotient overflows (every logit becomes inf or NaN)",
             )
     if _scaling_is_yarn(header, arch):
         original = _optional_int(
@@ -885,6 +889,65 @@ def _check_named_vocabulary(header: GGUFHeader) -> None:
                 )
 
 
+def _identity_blocks(header: GGUFHeader, n_layer: int) -> set[int]:
+    """The blocks a shard's writer filled with zeros and ones (see writer.py), by its keys."""
+    blocks: set[int] = set()
+    leading = header.metadata.get("shard.leading_identity_blocks")
+    if leading is not None and isinstance(leading.value, int) and leading.value > 0:
+        blocks.update(range(min(leading.value, n_layer)))
+    trailing = header.metadata.get("shard.has_identity_block")
+    if trailing is not None and trailing.value is True:
+        blocks.add(n_layer - 1)
+    return blocks
+
+
+def _check_vectors(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    """The 1-D tensors (norms, biases, gates; F32, a few KiB per block) hold finite values, and
+    none makes a gate llama.cpp divides by exactly zero for every input.
+
+    A NaN or infinite norm weight turns every logit into NaN. qwen2moe computes its shared
+    expert's sigmoid gate as silu(x) / x (models/qwen2moe.cpp), 0 / 0 when the gate logit is
+    exactly 0: a zero gate vector (or a zero ffn_norm in front of it) makes every row NaN.
+    """
+    vectors = [record for record in header.tensors.values() if len(record.shape) == 1]
+    values: dict[str, np.ndarray] = {}
+    try:
+        with open(header.path, "rb") as handle:
+            for record in vectors:
+                handle.seek(record.offset)
+                raw = handle.read(record.n_bytes)
+                values[record.name] = np.frombuffer(raw, dtype="<f4")
+    except OSError as error:
+        raise _fail(
+            header, "file-unreadable", vectors[0].name if vectors else "", str(error)
+        ) from error
+    for record in vectors:
+        data = values[record.name]
+        if data.size * 4 != record.n_bytes or not np.isfinite(data).all():
+            raise _fail(
+                header,
+                "tensor-values",
+                record.name,
+                "holds NaN or infinite values (every logit would be NaN)",
+            )
+    if family.name != "qwen2moe":
+        return
+    skipped = _identity_blocks(header, h.n_layer)
+    for il in range(h.n_layer):
+        gate = values.get(f"blk.{il}.ffn_gate_inp_shexp.weight")
+        norm = values.get(f"blk.{il}.ffn_norm.weight")
+        if il in skipped or gate is None or norm is None or gate.shape != norm.shape:
+            continue
+        if not np.any(gate * norm):
+            raise _fail(
+                header,
+                "tensor-values",
+                f"blk.{il}.ffn_gate_inp_shexp.weight",
+                "with ffn_norm.weight gives a shared-expert gate logit of exactly 0 for every "
+                "input; llama.cpp computes the gate as silu(x) / x, so every row becomes NaN",
+            )
+
+
 def check_family(header: GGUFHeader, family: Family) -> Hyperparameters:
     """Run every family-aware check on ``header``; return the derived hyper-parameters."""
     _check_key_types(header, family.name)
@@ -893,4 +956,5 @@ def check_family(header: GGUFHeader, family: Family) -> Hyperparameters:
     _check_tokenizer(header, h)
     _check_named_vocabulary(header)
     _check_tensors(header, family, h)
+    _check_vectors(header, family, h)
     return h

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_engine_llama._gguf.families import FAMILIES
+from shard_engine_llama._gguf.families import FAMILIES, GEMMA3_27B_LAYER_COUNT
 from shard_engine_llama._gguf.reader import GGUFHeader, layer_index
 from shard_engine_llama._gguf.validation import validate_gguf
 
@@ -35,9 +35,6 @@ ALLOWED_ARCHITECTURES: tuple[str, ...] = tuple(
 _EMBEDDING_SCALED_ARCHITECTURES = frozenset(
     {"gemma", "granitehybrid", "minicpm", "minicpm3", "plamo"}
 )
-
-# gemma3 picks the 27B attention-scale rule from the layer count.
-GEMMA3_27B_LAYER_COUNT = 62
 
 
 class ShardingRefusedError(ValueError):

@@ -12,9 +12,16 @@ import re
 
 import gguf
 
-from shard_engine_llama._gguf.families import FAMILIES
+from shard_engine_llama._gguf.families import (
+    EMBEDDING_SCALE_HEAD_ONLY,
+    FAMILIES,
+    GEMMA3_27B_LAYER_COUNT,
+    GEMMA3_ATTENTION_SCALE,
+    NO_ROPE_STEP_PADDING,
+    SWA_PATTERN_EXPLICIT,
+)
 from shard_engine_llama._gguf.integrity import CONTENT_KEY
-from shard_engine_llama._gguf.layout import LLAMA_MAX_LAYERS, check_family
+from shard_engine_llama._gguf.layout import LLAMA_MAX_LAYERS, check_family, uses_sliding_window
 from shard_engine_llama._gguf.reader import (
     GGUFHeader,
     GGUFValidationError,
@@ -259,6 +266,72 @@ def _check_shard_keys(header: GGUFHeader) -> None:
             f"{blocks} blocks do not hold {padding} leading identity block(s), layers "
             f"[{start}, {end}) and {'an' if identity else 'no'} identity block",
         )
+    _check_shard_rules(header, start, end, total, padding, expected_role)
+
+
+def _check_shard_rules(
+    header: GGUFHeader, start: int, end: int, total: int, padding: int, role: str
+) -> None:
+    """A shard computes its layers as the full model does only if its file carries the rewrites
+    its family's shard rules make (see families.py). split writes them; a shard re-sealed
+    without one (or of a family that cannot be split) would load and compute other numbers."""
+    arch = header.architecture
+    family = FAMILIES.get(arch)
+    if family is None or role == "full":
+        return
+
+    def fail(rule: str, field: str, message: str) -> GGUFValidationError:
+        return GGUFValidationError(
+            f"{header.path}: {field}: {message} (shard rule {rule})", rule=rule, field=field
+        )
+
+    if family.refusal is not None and role != "head":
+        raise fail(
+            family.refusal.split(":", 1)[0],
+            "general.architecture",
+            f"a {role} shard of {arch} cannot compute its layers exactly",
+        )
+    step = family.no_rope_step
+    if padding != (start % step if step else 0):
+        raise fail(
+            NO_ROPE_STEP_PADDING.name,
+            "shard.leading_identity_blocks",
+            f"{padding} leading identity block(s) in front of layer {start}; "
+            + (
+                f"{arch} needs {start % step} to keep every layer's index modulo {step}"
+                if step
+                else f"{arch} has no layer-index rule that needs any"
+            ),
+        )
+    if EMBEDDING_SCALE_HEAD_ONLY in family.rules and role in ("middle", "tail"):
+        key = f"{arch}.embedding_scale"
+        entry = header.metadata.get(key)
+        if entry is None or entry.value != 0:
+            raise fail(
+                EMBEDDING_SCALE_HEAD_ONLY.name,
+                key,
+                f"is {entry.value if entry is not None else 'absent'!r}; a {role} shard needs 0, "
+                "or llama.cpp multiplies the hidden states it receives",
+            )
+    if SWA_PATTERN_EXPLICIT in family.rules and uses_sliding_window(header):
+        key = f"{arch}.attention.sliding_window_pattern"
+        entry = header.metadata.get(key)
+        if entry is None or entry.value_type != gguf.GGUFValueType.ARRAY:
+            raise fail(
+                SWA_PATTERN_EXPLICIT.name,
+                key,
+                "a shard needs the model's per-layer pattern as an array; without it llama.cpp "
+                "applies the default period to the shard's renumbered layers",
+            )
+    if GEMMA3_ATTENTION_SCALE in family.rules:
+        blocks = header.get_int(f"{arch}.block_count")
+        if (total == GEMMA3_27B_LAYER_COUNT) != (blocks == GEMMA3_27B_LAYER_COUNT):
+            raise fail(
+                GEMMA3_ATTENTION_SCALE.name,
+                f"{arch}.block_count",
+                f"{blocks} blocks of a {total}-layer model: llama.cpp picks the attention scale "
+                "from the block count, so the shard would use another one than the model",
+            )
 
 
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFHeader:

@@ -29,7 +29,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from shard_engine_llama._gguf.families import EMBEDDING_SCALE_HEAD_ONLY, FAMILIES
+from shard_engine_llama._gguf.families import (
+    EMBEDDING_SCALE_HEAD_ONLY,
+    FAMILIES,
+    GEMMA3_27B_LAYER_COUNT,
+)
 from shard_engine_llama._gguf.integrity import (
     CONTENT_KEY,
     PLACEHOLDER,
@@ -39,7 +43,6 @@ from shard_engine_llama._gguf.integrity import (
 )
 from shard_engine_llama._gguf.layout import hyperparameters, swa_pattern, uses_sliding_window
 from shard_engine_llama._gguf.planning import (
-    GEMMA3_27B_LAYER_COUNT,
     GGUFModelInfo,
     ShardingRefusedError,
     check_partial_ranges,
