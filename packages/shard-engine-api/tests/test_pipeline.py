@@ -229,6 +229,96 @@ def test_text_pieces_add_up_to_the_text(pipeline: Pipeline) -> None:
     assert stream.text == _Letters().decode(stream.token_ids)
 
 
+class _FailingTokenizer:
+    """A plugin tokenizer whose decode raises (as a broken one would, mid-generation)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        raise RuntimeError("vocabulary file vanished")
+
+
+class _BytesTokenizer:
+    """A plugin tokenizer whose decode returns bytes instead of text."""
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return b"ab"  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("tokenizer", [_FailingTokenizer(), _BytesTokenizer()])
+def test_a_broken_tokenizer_is_malformed_output_and_releases_the_session(
+    pipeline: Pipeline, tokenizer: object
+) -> None:
+    for generation in (
+        lambda: list(pipeline.stream((4, 5), max_new_tokens=3, tokenizer=tokenizer)),  # type: ignore[arg-type]
+        lambda: pipeline.generate((4, 5), 3, tokenizer=tokenizer),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(MalformedOutput, match="tokenizer"):
+            generation()
+        assert _sessions(pipeline.engines) == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["ab", b"\x04\x05", bytearray(b"\x04"), memoryview(b"\x04"), {4: 5}, {4, 5}, iter([4, 5]), 4],
+)
+def test_prompts_that_are_not_sequences_of_ids_are_invalid(
+    pipeline: Pipeline, prompt: object
+) -> None:
+    # bytes iterate as byte values and a mapping as its keys: valid ids the caller never meant.
+    with pytest.raises(InvalidRequest, match="sequence of token ids"):
+        pipeline.stream(prompt, max_new_tokens=2)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="sequence of token ids"):
+        pipeline.generate(prompt, 2)  # type: ignore[arg-type]
+    assert all(engine.metrics().requests == 0 for engine in pipeline.engines)
+
+
+@pytest.mark.parametrize("stops", [None, 3, "12", b"\x01"])
+def test_stop_tokens_that_are_not_a_collection_are_invalid(
+    pipeline: Pipeline, stops: object
+) -> None:
+    with pytest.raises(InvalidRequest, match="stop tokens"):
+        pipeline.stream((4, 5), max_new_tokens=2, stop_tokens=stops)  # type: ignore[arg-type]
+    assert all(engine.metrics().requests == 0 for engine in pipeline.engines)
+
+
+def test_a_session_or_tokenizer_of_the_wrong_type_is_invalid(pipeline: Pipeline) -> None:
+    with pytest.raises(InvalidRequest, match="session must be a SessionRef"):
+        pipeline.stream((4, 5), max_new_tokens=2, session="chat-1")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="session must be a SessionRef"):
+        pipeline.generate((4, 5), 2, session=("chat-1", 1))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="decode"):
+        pipeline.stream((4, 5), max_new_tokens=2, tokenizer=object())  # type: ignore[arg-type]
+    assert all(engine.metrics().requests == 0 for engine in pipeline.engines)
+
+
+def test_a_batch_needs_one_position_and_token_per_session(pipeline: Pipeline) -> None:
+    sessions = [SessionRef(session_id=f"s{i}", epoch=1) for i in range(2)]
+    with pytest.raises(InvalidRequest, match="one position and one token per session"):
+        pipeline.decode_batch(sessions, [0], [1, 2])
+    with pytest.raises(InvalidRequest, match="one position and one token per session"):
+        pipeline.decode_batch(sessions, [0, 0], [1, 2, 3])
+    assert all(engine.metrics().requests == 0 for engine in pipeline.engines)
+
+
+@pytest.mark.parametrize("stages", [[1, 2], ["engine"], "engines", None])
+def test_a_pipeline_of_things_that_are_not_engines_is_invalid(stages: object) -> None:
+    with pytest.raises(InvalidRequest, match=r"ShardEngine|sequence of engines"):
+        Pipeline(stages)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "n_parts"), [(6.0, 2), (6, 2.0), (True, 1), (6, True), ("6", 2), (None, 1)]
+)
+def test_split_layers_takes_integers_only(n_layers: object, n_parts: object) -> None:
+    with pytest.raises(InvalidRequest, match="must be an integer"):
+        split_layers(n_layers, n_parts)  # type: ignore[arg-type]
+
+
 def test_pipelines_must_cover_every_layer_contiguously(fixture: ModelFixture) -> None:
     with _pipeline(fixture, 2) as split:
         with pytest.raises(InvalidRequest, match="start at layer 0"):

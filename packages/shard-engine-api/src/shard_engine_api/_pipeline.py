@@ -9,7 +9,7 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from types import TracebackType
 from typing import Literal
 
@@ -68,6 +68,10 @@ FinishReason = Literal["stop", "length"]
 def split_layers(n_layers: int, n_parts: int) -> list[tuple[int, int]]:
     """Split ``n_layers`` into ``n_parts`` contiguous ranges as evenly as possible (earlier
     ranges get the extra layer). Raises InvalidRequest unless ``1 <= n_parts <= n_layers``."""
+    for name, value in (("n_layers", n_layers), ("n_parts", n_parts)):
+        # Exactly int: 6.0 would make float layer bounds, True would split as 1.
+        if type(value) is not int:
+            raise InvalidRequest(f"{name} must be an integer, got {value!r}")
     if not 1 <= n_parts <= n_layers:
         raise InvalidRequest(
             f"cannot split {n_layers} layers into {n_parts} shards (choose 1 to {n_layers})"
@@ -148,8 +152,18 @@ class Pipeline:
         observe: Callable[[ShardResult], object] | None = None,
         request_prefix: str | None = None,
     ) -> None:
+        given: object = engines
+        if not isinstance(given, Sequence):
+            raise InvalidRequest(
+                f"a pipeline takes a sequence of engines, got {type(given).__name__}"
+            )
         if not engines:
             raise InvalidRequest("a pipeline needs at least one engine")
+        for index, engine in enumerate(engines):
+            if not isinstance(engine, ShardEngine):
+                raise InvalidRequest(
+                    f"pipeline stage {index} is a {type(engine).__name__}, not a ShardEngine"
+                )
         capabilities = [engine.capabilities() for engine in engines]
         specs = [caps.shard for caps in capabilities]
         if specs[0].start != 0 or specs[-1].end != specs[-1].n_layers:
@@ -325,6 +339,11 @@ class Pipeline:
     ) -> list[LogitsResult]:
         """One decode step of several sessions: one ``decode_batch`` per shard. Raises the
         first item's error (as its own class) when any item fails."""
+        if not len(sessions) == len(positions) == len(tokens):
+            raise InvalidRequest(
+                f"a batch needs one position and one token per session: {len(sessions)} "
+                f"sessions, {len(positions)} positions, {len(tokens)} tokens"
+            )
         inputs: list[ShardInput] = [TokenInput(token_ids=(token,)) for token in tokens]
         last = len(self.engines) - 1
         results: list[LogitsResult] = []
@@ -388,6 +407,7 @@ class Pipeline:
         Its session (a fresh one unless ``session`` is given) is released on every exit: the
         end, an exception, an early ``break`` inside ``with``, or :meth:`TokenStream.close`.
         Raises InvalidRequest for an empty prompt or a negative ``max_new_tokens``."""
+        _generation_session(session, tokenizer)
         return TokenStream(
             _Generation(
                 self,
@@ -406,6 +426,14 @@ class Pipeline:
     ) -> tuple[int, ...]:
         """The prompt as a tuple, once it and ``max_new_tokens`` fit every shard's context:
         a generation that cannot fit is refused before any work, not after a minute of it."""
+        # A str, bytes or mapping iterates as something other than token ids (characters,
+        # byte values, keys), and a generator has no length: each is refused, not guessed at.
+        if isinstance(prompt_ids, str | bytes | bytearray | memoryview) or not isinstance(
+            prompt_ids, Sequence | np.ndarray
+        ):
+            raise InvalidRequest(
+                f"the prompt must be a sequence of token ids, got {type(prompt_ids).__name__}"
+            )
         # len(), not truth: a numpy array of ids has no truth value (its ids are refused as
         # numpy integers, typed, by the edge checks of the first prefill).
         if len(prompt_ids) == 0:
@@ -437,6 +465,7 @@ class Pipeline:
     ) -> GenerationResult:
         """The whole of :meth:`stream`, with the logits of every step (the last generated
         token is decoded too, so its logits are there to compare) and timings."""
+        _generation_session(session, tokenizer)
         stream = TokenStream(
             _Generation(
                 self,
@@ -511,7 +540,7 @@ class _Generation:
         # An incomplete multi-byte character decodes to U+FFFD: hold it back until the next
         # token completes it. A tokenizer that rewrites earlier text yields "" here; the
         # stream's ``text`` is always the decode of every token.
-        stable = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
+        stable = _decoded(self.tokenizer, self.token_ids).rstrip("\ufffd")
         if not stable.startswith(self.text):
             return ""
         piece, self.text = stable[len(self.text) :], stable
@@ -548,9 +577,10 @@ def _tokens(state: _Generation) -> Generator[GeneratedToken, None, None]:
             state.shard_decode.append(step.shard_ms)
             pos += 1
     finally:
-        if state.tokenizer is not None and state.token_ids:
-            state.text = state.tokenizer.decode(state.token_ids)
+        # Released first: a tokenizer that fails here must not keep the session held.
         state.release()
+        if state.tokenizer is not None and state.token_ids:
+            state.text = _decoded(state.tokenizer, state.token_ids)
 
 
 class TokenStream:
@@ -689,12 +719,47 @@ def _describe(engine: ShardEngine) -> str:
     return f"{caps.engine}[{caps.shard.start}:{caps.shard.end}] ({caps.role})"
 
 
+def _generation_session(session: SessionRef | None, tokenizer: Tokenizer | None) -> None:
+    """Refuse a session that is not a SessionRef and a tokenizer without ``decode`` before
+    any work (they would otherwise fail untyped mid-generation). Raises InvalidRequest."""
+    if session is not None and type(session) is not SessionRef:
+        raise InvalidRequest(f"session must be a SessionRef, got {type(session).__name__}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise InvalidRequest(
+            f"tokenizer must have a decode(token_ids) method, got {type(tokenizer).__name__}"
+        )
+
+
+def _decoded(tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
+    """``tokenizer.decode(token_ids)``, which must be a str: a plugin's tokenizer that fails or
+    returns something else is MalformedOutput naming it (the caller's KeyboardInterrupt and
+    the like pass through)."""
+    try:
+        text = tokenizer.decode(token_ids)
+    except Exception as error:
+        raise MalformedOutput(
+            f"tokenizer {type(tokenizer).__name__}.decode failed: {type(error).__name__}: {error}"
+        ) from error
+    if type(text) is not str:
+        raise MalformedOutput(
+            f"tokenizer {type(tokenizer).__name__}.decode returned a {type(text).__name__}, "
+            "not a str"
+        )
+    return text
+
+
 def _stop_set(stop_tokens: Sequence[int], sampling: Sampling) -> frozenset[int]:
     """The stop tokens as a set, once they are token ids (exactly ``int``, within int32) and
     ``sampling`` is a Sampling: ``int()`` would make 1.7 stop at 1, and a string or None fail
     untyped mid-generation. Raises InvalidRequest."""
     if type(sampling) is not Sampling:
         raise InvalidRequest(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if isinstance(stop_tokens, str | bytes | bytearray | memoryview) or not isinstance(
+        stop_tokens, Collection
+    ):
+        raise InvalidRequest(
+            f"stop tokens must be a collection of token ids, got {type(stop_tokens).__name__}"
+        )
     for token in stop_tokens:
         if type(token) is not int or not 0 <= token <= INT32_MAX:
             raise InvalidRequest(
