@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 from conformance_engines import ReferenceEngine, ReferencePlugin
 
-from shard_engine_api import InvalidRequest, UnknownEngine, installed_engines, load_engine
+from shard_engine_api import (
+    InvalidRequest,
+    UnknownEngine,
+    installed_engines,
+    load_engine,
+    load_tokenizer,
+)
 from shard_engine_api import _plugins as plugins_module
 from shard_engine_api.engine import (
     BrokenPlugin,
@@ -296,3 +302,71 @@ def test_a_fixture_config_with_a_bad_field_is_invalid_request(
     with pytest.raises(InvalidRequest, match=field) as caught:
         fixture.config(0, 2, **overrides)
     assert type(caught.value) is InvalidRequest
+
+
+class _TokenizerPlugin:
+    """A plugin whose tokenizer hook does whatever ``make`` does for a model."""
+
+    def __init__(self, make: object) -> None:
+        self._make = make
+
+    @hookimpl
+    def shard_engine_register(self) -> EngineDescription:
+        return EngineDescription(
+            name="toks",
+            factory=ReferenceEngine,
+            evidence="fixture",
+            tokenizer=self._make,  # type: ignore[arg-type]
+        )
+
+
+class _Letters:
+    def encode(self, text: str) -> list[int]:
+        return [ord(character) for character in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(map(chr, token_ids))
+
+
+def _raise_os_error(model: str) -> None:
+    raise OSError(f"cannot open {model}")
+
+
+def _exit(model: str) -> None:
+    raise SystemExit(3)
+
+
+def test_a_tokenizer_hook_is_called_with_a_model_path_only() -> None:
+    manager = get_plugin_manager(
+        entry_points=False, plugins=[("toks", _TokenizerPlugin(lambda model: _Letters()))]
+    )
+    found = load_tokenizer("toks", "model.gguf", manager=manager)
+    assert found is not None
+    assert found.decode(found.encode("ab")) == "ab"
+    for model in (None, 5, "", b"model.gguf", ["model.gguf"]):
+        with pytest.raises(InvalidRequest, match="model must be a non-empty str"):
+            load_tokenizer("toks", model, manager=manager)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (_raise_os_error, "its tokenizer raised OSError"),
+        (_exit, "its tokenizer raised SystemExit"),
+        (lambda model: 42, "returned int, which has no encode and decode"),
+        (lambda model: object(), "returned object, which has no encode and decode"),
+    ],
+)
+def test_a_broken_tokenizer_hook_is_a_broken_plugin(make: object, match: str) -> None:
+    manager = get_plugin_manager(entry_points=False, plugins=[("toks", _TokenizerPlugin(make))])
+    with pytest.raises(BrokenPlugin, match=match):
+        load_tokenizer("toks", "model.gguf", manager=manager)
+
+
+def test_a_tokenizer_hook_may_refuse_a_model_with_a_typed_error() -> None:
+    def refuse(model: str) -> None:
+        raise InvalidRequest(f"{model} is not a model of mine")
+
+    manager = get_plugin_manager(entry_points=False, plugins=[("toks", _TokenizerPlugin(refuse))])
+    with pytest.raises(InvalidRequest, match="not a model of mine"):
+        load_tokenizer("toks", "model.gguf", manager=manager)

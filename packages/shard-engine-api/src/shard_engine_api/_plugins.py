@@ -411,9 +411,34 @@ def describe_model(manager: pluggy.PluginManager, engine_name: str, model: str) 
 
 
 def tokenizer(manager: pluggy.PluginManager, engine_name: str, model: str) -> Tokenizer | None:
-    """The tokenizer of ``model`` on ``engine_name``, or None when there is none."""
+    """The tokenizer of ``model`` on ``engine_name``, or None when there is none.
+
+    Raises InvalidRequest when ``model`` is not a non-empty str, the plugin's own typed error
+    for a model it refuses, and BrokenPlugin when its tokenizer hook raised something outside
+    the taxonomy or returned something without ``encode`` and ``decode``."""
+    if type(model) is not str or not model:
+        raise InvalidRequest(f"model must be a non-empty str, got {model!r}")
     description = engine_description(engine_name, manager=manager)
-    return description.tokenizer(model) if description.tokenizer is not None else None
+    if description.tokenizer is None:
+        return None
+    try:
+        found = description.tokenizer(model)
+    except ShardEngineError:
+        raise
+    except _PLUGIN_FAILURES as error:
+        raise BrokenPlugin(
+            f"engine {engine_name!r}: its tokenizer raised {_one_line(error)}",
+            details={"engine": engine_name},
+        ) from error
+    if found is not None and not (
+        callable(getattr(found, "encode", None)) and callable(getattr(found, "decode", None))
+    ):
+        raise BrokenPlugin(
+            f"engine {engine_name!r}: its tokenizer hook returned {type(found).__name__}, which "
+            "has no encode and decode",
+            details={"engine": engine_name},
+        )
+    return found
 
 
 def load_tokenizer(

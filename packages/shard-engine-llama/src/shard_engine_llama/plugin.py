@@ -108,18 +108,63 @@ class _VocabularyTokenizer:
         self._vocabulary = vocabulary
 
     def encode(self, text: str) -> list[int]:
+        if type(text) is not str:
+            raise InvalidRequest(f"text to encode must be a str, got {type(text).__name__}")
         return self._vocabulary.tokenize(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._vocabulary.detokenize(token_ids)
+        ids = list(token_ids)
+        n_vocab = self._vocabulary.n_vocab
+        for token in ids:
+            # Exactly int (llama.cpp would read a float or a numpy scalar's bits as an id).
+            if type(token) is not int or not 0 <= token < n_vocab:
+                raise InvalidRequest(
+                    f"token {token!r} is not an id of this vocabulary (int in [0, {n_vocab}))"
+                )
+        return self._vocabulary.detokenize(ids)
 
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model: str) -> Tokenizer | None:
+    """The tokenizer of the GGUF file ``model``, after the file passed the same validation as
+    an engine load: llama.cpp's vocabulary loader aborts the process on some malformed
+    vocabularies (duplicate tokens, for one), and a tokenizer is loaded by worker code
+    directly. The file is opened once and validated and loaded through that descriptor."""
     # Imported here: llama_cpp loads only when a tokenizer is really needed.
-    from shard_engine_llama._abi import Vocabulary
+    from shard_engine_llama._abi import ModelLoadError, Vocabulary
+    from shard_engine_llama._engine import _PinnedFiles
+    from shard_engine_llama._gguf import GGUFValidationError, validate_gguf
+    from shard_engine_llama._gguf.families import FAMILIES
 
-    vocabulary = Vocabulary(model)
+    if type(model) is not str or not model or "\x00" in model:
+        raise InvalidRequest(f"model must be a GGUF path, got {model!r}")
+    named = Path(model)
+    if not named.is_file():
+        problem = "is not a regular file" if named.exists() else "does not exist"
+        raise InvalidRequest(f"model file {named} {problem}")
+    pins = _PinnedFiles()
+    try:
+        pinned = pins.pin(named)
+        header = validate_gguf(pinned)
+        if header.architecture not in FAMILIES:
+            raise UnsupportedFeature(
+                f"architecture-unknown-layout: {header.architecture!r} is not one of the families "
+                f"whose layout is checked before llama.cpp opens a file ({sorted(FAMILIES)})",
+                details={"rule": "architecture-unknown-layout"},
+            )
+        vocabulary = Vocabulary(pinned)
+    except GGUFValidationError as error:
+        details: dict[str, str | int | float | bool | None] = {"rule": error.rule}
+        if error.field:
+            details["field"] = error.field
+        raise InvalidRequest(pins.named(str(error)), details=details) from error
+    except ModelLoadError as error:
+        raise InvalidRequest(pins.named(str(error))) from error
+    except OSError as error:
+        raise InvalidRequest(f"cannot read model {model!r}: {pins.named(str(error))}") from error
+    finally:
+        # llama.cpp holds its own descriptor by now.
+        pins.close()
     return _VocabularyTokenizer(vocabulary) if vocabulary.has_tokenizer else None
 
 
