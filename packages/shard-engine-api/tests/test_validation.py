@@ -581,6 +581,125 @@ def test_wrong_result_types_of_cancel_and_release(method: str) -> None:
         call()
 
 
+def _unchecked(struct: Any, **fields: object) -> Any:
+    """A copy of ``struct`` holding values its constructor refuses, as a broken engine's C
+    code can build (the slot descriptors write past the frozen guard)."""
+    made = msgspec.structs.replace(struct)
+    for name, value in fields.items():
+        type(made).__dict__[name].__set__(made, value)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("fields", "check"),
+    [
+        ({"n_requests": -1}, "result_fields"),
+        ({"n_requests": 2**70}, "result_fields"),
+        ({"cancelled": "yes"}, "result_fields"),
+        ({"cancelled": 1, "n_requests": 1}, "result_fields"),
+        ({"cancelled": True, "n_requests": 0}, "cancel_count"),
+        ({"cancelled": False, "n_requests": 3}, "cancel_count"),
+    ],
+)
+def test_broken_cancel_results_are_caught(fields: dict[str, object], check: str) -> None:
+    engine, tamper = make(0, 2)
+    tamper.mutate = lambda r: _unchecked(r, **fields)
+    with pytest.raises(MalformedOutput) as caught:
+        engine.cancel(CancelRequest(request_id="x"))
+    assert caught.value.details["check"] == check
+
+
+@pytest.mark.parametrize("fields", [{"released": "no"}, {"detail": None}, {"detail": 5}])
+def test_broken_release_results_are_caught(fields: dict[str, object]) -> None:
+    engine, tamper = make(0, 2)
+    engine.prefill(head_prefill())
+    tamper.mutate = lambda r: _unchecked(r, **fields)
+    with pytest.raises(MalformedOutput) as caught:
+        engine.release(ReleaseRequest(session=session()))
+    assert caught.value.details["check"] == "result_fields"
+
+
+def _raise(error: Exception) -> Callable[[], Any]:
+    def call() -> Any:
+        raise error
+
+    return call
+
+
+@pytest.mark.parametrize(
+    ("method", "replacement", "check"),
+    [
+        ("health", _raise(ValueError("boom")), "exception_type"),
+        ("health", Metrics, "result_type"),
+        ("health", lambda: _unchecked(Health(state="ready"), state="fine"), "result_fields"),
+        ("health", lambda: _unchecked(Health(state="ready"), sessions=1.5), "result_fields"),
+        ("metrics", _raise(RuntimeError("boom")), "exception_type"),
+        ("metrics", lambda: Health(state="ready"), "result_type"),
+        ("metrics", lambda: _unchecked(Metrics(), errors={"x": "1"}), "result_fields"),
+        ("close", _raise(OSError("boom")), "exception_type"),
+    ],
+)
+def test_broken_health_metrics_and_close_are_caught(
+    monkeypatch: pytest.MonkeyPatch, method: str, replacement: Callable[[], Any], check: str
+) -> None:
+    """A worker polling a broken engine gets a typed MalformedOutput, not a stray exception
+    or a Health it cannot read."""
+    engine, tamper = make(0, 2)
+    monkeypatch.setattr(tamper, method, replacement)
+    with pytest.raises(MalformedOutput) as caught:
+        getattr(engine, method)()
+    assert caught.value.details["check"] == check
+
+
+def test_a_payload_the_engine_can_still_write_is_copied_before_it_is_checked() -> None:
+    """An engine that hands out a writable buffer and writes it again later (a reused output
+    buffer) cannot change, or make invalid, a result the wrapper already checked."""
+    buffers: list[bytearray] = []
+
+    def writable(result: Any) -> Any:
+        buffer = bytearray(bytes(result.payload))
+        buffers.append(buffer)
+        return _unchecked(result, payload=memoryview(buffer))
+
+    engine, tamper = make(0, N_LAYERS, writable)
+    result = engine.prefill(head_prefill())
+    assert isinstance(result, LogitsResult)
+    assert result.payload.readonly
+    kept = np.array(result.array())
+    buffers[0][:] = bytes(len(buffers[0]))
+    np.testing.assert_array_equal(result.array(), kept)
+
+    def writable_bundle(result: Any) -> Any:
+        buffer = bytearray(bytes(result.bundle.payload))
+        buffers.append(buffer)
+        return msgspec.structs.replace(
+            result, bundle=_unchecked(result.bundle, payload=memoryview(buffer))
+        )
+
+    head, _ = make(0, 2, writable_bundle)
+    boundary = head.prefill(head_prefill())
+    assert isinstance(boundary, BoundaryResult)
+    assert boundary.bundle.payload.readonly
+    kept = np.array(boundary.bundle.array())
+    buffers[-1][:] = b"\xff" * len(buffers[-1])
+    np.testing.assert_array_equal(boundary.bundle.array(), kept)
+
+    def writable_items(result: Any) -> Any:
+        return msgspec.structs.replace(result, items=tuple(writable(i) for i in result.items))
+
+    tail, tamper = make(0, N_LAYERS)
+    prime(tail)
+    tamper.mutate = writable_items
+    batch = tail.decode_batch(batch_request())
+    assert all(isinstance(i, LogitsResult) and i.payload.readonly for i in batch.items)
+    kept_rows = [np.array(i.array()) for i in batch.items if isinstance(i, LogitsResult)]
+    for buffer in buffers[-3:]:
+        buffer[:] = bytes(len(buffer))
+    for item, rows in zip(batch.items, kept_rows, strict=True):
+        assert isinstance(item, LogitsResult)
+        np.testing.assert_array_equal(item.array(), rows)
+
+
 # ----------------------------------------------------------------------------- capabilities
 
 

@@ -219,10 +219,15 @@ class ValidatingEngine:
     >= 0. A batch result must
     echo the batch's request id and hold one entry per item, in item order.
 
+    Cancel and release results, health and metrics must be well typed (and a cancel result
+    says ``cancelled`` exactly when it counts a stopped request).
+
     Every violation raises :class:`~shard_engine_api.MalformedOutput`; so does any exception
     of the inner engine that is not a :class:`~shard_engine_api.ShardEngineError` (the protocol
-    allows no other). Errors the inner engine raises within the contract pass through unchanged,
-    and so do good results (the very same objects).
+    allows no other), ``health``, ``metrics`` and ``close`` included. Errors the inner engine
+    raises within the contract pass through unchanged, and so do good results (the very same
+    objects), except that a payload anyone can still write (a bytearray, a writable
+    memoryview) is copied before it is checked, and the copy is handed on.
     """
 
     def __init__(self, inner: ShardEngine, *, nonfinite: NonFinitePolicy = "reject") -> None:
@@ -288,16 +293,39 @@ class ValidatingEngine:
         return capabilities
 
     def health(self) -> Health:
-        """The inner engine's health. Never raises."""
-        return self._inner.health()
+        """The inner engine's health. Never raises for an engine that keeps the contract;
+        MalformedOutput when the inner ``health`` raises or returns anything but a well-typed
+        Health (a worker polling health must get a typed answer from a broken engine)."""
+        try:
+            health = self._inner.health()
+        except Exception as error:
+            raise self._foreign_error("health", error) from error
+        if type(health) is not Health:
+            _violation("result_type", f"expected Health, got {type(health).__name__}")
+        _check_fields(health, Health, "health")
+        return health
 
     def metrics(self) -> Metrics:
-        """The inner engine's metrics. Never raises."""
-        return self._inner.metrics()
+        """The inner engine's metrics. Never raises for an engine that keeps the contract;
+        MalformedOutput as :meth:`health` does."""
+        try:
+            metrics = self._inner.metrics()
+        except Exception as error:
+            raise self._foreign_error("metrics", error) from error
+        if type(metrics) is not Metrics:
+            _violation("result_type", f"expected Metrics, got {type(metrics).__name__}")
+        _check_fields(metrics, Metrics, "metrics")
+        return metrics
 
     def close(self) -> None:
-        """Close the inner engine. Idempotent."""
-        self._inner.close()
+        """Close the inner engine. Idempotent. Raises what the inner ``close`` raises within
+        the contract, MalformedOutput for any other exception."""
+        try:
+            self._inner.close()
+        except ShardEngineError:
+            raise
+        except Exception as error:
+            raise self._foreign_error("close", error) from error
 
     # ----------------------------------------------------------------- requests
 
@@ -314,7 +342,7 @@ class ValidatingEngine:
             raise
         except Exception as error:
             raise self._foreign_error("prefill", error) from error
-        self._check_result(
+        return self._check_result(
             self._contract or self._adopt(),
             result,
             request.request_id,
@@ -323,7 +351,6 @@ class ValidatingEngine:
             _input_rows(request.inputs),
             request.logits,
         )
-        return result
 
     def decode(self, request: DecodeRequest) -> ShardResult:
         """Delegate and check the result (one row at ``pos``).
@@ -338,7 +365,7 @@ class ValidatingEngine:
             raise
         except Exception as error:
             raise self._foreign_error("decode", error) from error
-        self._check_result(
+        return self._check_result(
             self._contract or self._adopt(),
             result,
             request.request_id,
@@ -347,7 +374,6 @@ class ValidatingEngine:
             1,
             "last",
         )
-        return result
 
     def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """Delegate and check the batch: request id and one entry per item in item order
@@ -380,16 +406,18 @@ class ValidatingEngine:
                 "entries",
             )
         contract = self._contract or self._adopt()
-        replaced: dict[int, ErrorInfo] = {}
+        replaced: dict[int, ShardResult | ErrorInfo] = {}
         for index, (item, outcome) in enumerate(zip(request.items, result.items, strict=True)):
             if type(outcome) is ErrorInfo:
                 if not _error_info_ok(outcome):
                     replaced[index] = _item_error(index, "error_fields", "malformed ErrorInfo")
                 continue
             try:
-                self._check_result(
+                checked = self._check_result(
                     contract, outcome, item.request_id, item.session, item.pos, 1, "last"
                 )
+                if checked is not outcome:
+                    replaced[index] = checked
             except MalformedOutput as error:
                 check = error.details.get("check")
                 replaced[index] = _item_error(index, str(check), error.message)
@@ -409,8 +437,15 @@ class ValidatingEngine:
             raise
         except Exception as error:
             raise self._foreign_error("cancel", error) from error
-        if not isinstance(result, CancelResult):
+        if type(result) is not CancelResult:
             _violation("result_type", f"expected CancelResult, got {type(result).__name__}")
+        _check_fields(result, CancelResult, "cancel result")
+        if result.cancelled != (result.n_requests > 0):
+            _violation(
+                "cancel_count",
+                f"cancel result says cancelled={result.cancelled} for "
+                f"{result.n_requests} stopped requests",
+            )
         return result
 
     def release(self, request: ReleaseRequest) -> ReleaseResult:
@@ -424,8 +459,9 @@ class ValidatingEngine:
             raise
         except Exception as error:
             raise self._foreign_error("release", error) from error
-        if not isinstance(result, ReleaseResult):
+        if type(result) is not ReleaseResult:
             _violation("result_type", f"expected ReleaseResult, got {type(result).__name__}")
+        _check_fields(result, ReleaseResult, "release result")
         return result
 
     def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
@@ -561,7 +597,10 @@ class ValidatingEngine:
         start_pos: int,
         n_inputs: int,
         logits: LogitsMode,
-    ) -> None:
+    ) -> ShardResult:
+        """Check ``result``; return it, or, if its payload is a buffer anyone can still
+        write, a copy holding the payload's bytes as checked (what the engine writes into its
+        buffer later must not change a result that was handed on)."""
         # Types first: a broken engine can build Structs holding anything, and a result whose
         # fields have the wrong types must end as MalformedOutput, not as a stray error here or
         # at the next hop's decoder.
@@ -585,6 +624,8 @@ class ValidatingEngine:
                     f"{type(result).__name__}",
                 )
             self._check_common(contract, result, request_id, session)
+            if _writable(result.payload):
+                result = msgspec.structs.replace(result, payload=_frozen(result.payload))
             if logits == "last":
                 first_pos, n_rows = start_pos + n_inputs - 1, 1
             else:
@@ -599,7 +640,7 @@ class ValidatingEngine:
             )
             if violation is not None:
                 _boundary_violation(violation)
-            return
+            return result
         if type(result) is not BoundaryResult:
             _violation(
                 "result_type",
@@ -611,6 +652,9 @@ class ValidatingEngine:
         if result.n_tokens != n_inputs:
             _violation("rows", f"result carries {result.n_tokens} rows for {n_inputs} input rows")
         bundle = result.bundle
+        if _writable(bundle.payload):
+            bundle = msgspec.structs.replace(bundle, payload=_frozen(bundle.payload))
+            result = msgspec.structs.replace(result, bundle=bundle)
         expectation = contract.bundle_expectations[self._check_finite]
         violation = check_bundle(
             bundle, expectation, session=session, first_pos=start_pos, n_tokens=n_inputs
@@ -619,6 +663,7 @@ class ValidatingEngine:
             _boundary_violation(violation)
         if expectation.dtypes is not None and len(expectation.dtypes) > 1:
             contract.pin_dtype(bundle.dtype)
+        return result
 
     @staticmethod
     def _check_common(
@@ -647,6 +692,26 @@ class ValidatingEngine:
                 "timings",
                 f"result timings {timings} are not finite, non-negative milliseconds",
             )
+
+
+def _writable(payload: object) -> bool:
+    """Whether anyone can still write ``payload`` (a read-only view may only be changed by its
+    owner, and an engine that changes what it returned is caught by the conformance suite)."""
+    return type(payload) is not bytes and not (type(payload) is memoryview and payload.readonly)
+
+
+def _frozen(payload: memoryview | bytes | bytearray) -> memoryview:
+    try:
+        return memoryview(bytes(payload))
+    except ValueError as error:  # a released buffer
+        _violation("result_fields", f"result payload is unreadable: {error}")
+
+
+def _check_fields(result: object, expected: type, what: str) -> None:
+    try:
+        check_request(result, expected)
+    except InvalidRequest as error:
+        _violation("result_fields", f"{what} has a field of the wrong type: {error}")
 
 
 def _error_info_ok(info: ErrorInfo) -> bool:
