@@ -403,3 +403,13 @@ def test_decode_refuses_a_result_of_the_wrong_kind(
     monkeypatch.setattr(tail, "decode", lambda request: bundle)
     with pytest.raises(MalformedOutput, match="shard 1 of 2 returned a BoundaryResult"):
         pipeline.decode(session, 4, 7)
+
+
+def test_a_sampler_takes_sampling_settings_and_rows_of_numbers() -> None:
+    for settings in ({"temperature": 1.0}, None, 0.5):
+        with pytest.raises(InvalidRequest, match="sampling must be a Sampling"):
+            Sampler(settings)  # type: ignore[arg-type]
+    for sampler in (Sampler(), Sampler(Sampling(temperature=0.7, top_k=2))):
+        for row in ("abc", [object()], [[1.0], [2.0, 3.0]], None, [], [[1.0, 2.0]]):
+            with pytest.raises(MalformedOutput, match="cannot sample"):
+                sampler(row)  # type: ignore[arg-type]

@@ -55,12 +55,20 @@ class Sampler:
     """Draws tokens for one generation (owns the seeded random stream)."""
 
     def __init__(self, sampling: Sampling = GREEDY) -> None:
+        if type(sampling) is not Sampling:
+            raise InvalidRequest(f"sampling must be a Sampling, got {type(sampling).__name__}")
         self.sampling = sampling
         self._random = np.random.Generator(np.random.PCG64(sampling.seed))
 
     def __call__(self, row: npt.NDArray[np.floating]) -> int:
         """The next token id from one row of logits."""
-        logits = np.asarray(row, dtype=np.float64)
+        try:
+            logits = np.asarray(row, dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            # Strings, objects, ragged lists: not a row of logits.
+            raise MalformedOutput(
+                f"cannot sample from {type(row).__name__}: not a row of numbers ({error})"
+            ) from error
         if logits.ndim != 1 or logits.size == 0:
             raise MalformedOutput(f"cannot sample from logits of shape {logits.shape}")
         if not np.all(np.isfinite(logits)):
