@@ -39,7 +39,7 @@ from shard_engine_api import (
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_api.engine import TEST_OPTIONS_ENV
 from shard_engine_llama import LlamaEngine, _abi
-from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
+from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
 from shard_engine_llama._gguf import MetadataValue, read_gguf_header, split_model
 from shard_engine_llama._gguf import store as store_module
 from shard_engine_llama._tiny_model import write_tiny_model
@@ -752,3 +752,20 @@ def test_an_unwritable_model_store_is_named_as_such(tiny_model: Path, tmp_path: 
     blocker.write_text("")
     with pytest.raises(InvalidRequest, match="cannot write the shard into the model store"):
         _load(tiny_model, 0, 2, TINY_MODEL_LAYERS, options={"model_store": str(blocker)})
+
+
+@pytest.mark.parametrize("store", ["a-file", "/proc", "/dev/null"])
+def test_the_tiny_model_cannot_be_written_into_an_unwritable_store(
+    tmp_path: Path, store: str
+) -> None:
+    # The plugin's model fixture (`shard-engine run --engine llama`, the conformance suite)
+    # generates its model there: a store that is a file or a pseudo-filesystem is named.
+    target = tmp_path / store if store == "a-file" else Path(store)
+    if store == "a-file":
+        target.write_text("")
+    with pytest.raises(
+        InvalidRequest, match="cannot write the generated tiny model into"
+    ) as raised:
+        tiny_model_path(target)
+    assert raised.value.details["path"] == str(target)
+    assert not list(tmp_path.glob("*.partial"))
