@@ -109,7 +109,8 @@ def released_view() -> memoryview:
 
 # fmt: off
 WRONG_INTS: Final[list[object]] = ["0", None, 1.5, 5.0, True, 2**63, 2**64, -1, np.int64(1), b"1"]
-WRONG_IDS: Final[list[object]] = [5, None, b"s", "", "x" * 257, ("s",), _Id("s")]
+WRONG_IDS: Final[list[object]] = [5, None, b"s", "", "x" * 257, ("s",), _Id("s"), "\ud800",
+                                  "caf\u00e9\udfff"]
 
 CASES: list[tuple[str, Callable[[], object], type, str]] = []
 
@@ -181,6 +182,7 @@ BUNDLE_BAD: list[tuple[str, object]] = [
     ("layer", "2"), ("model_fingerprint", None), ("model_fingerprint", "f" * 300),
     ("session", None), ("first_pos", 1.5), ("n_tokens", True), ("hidden_size", None),
     ("contract_version", None), ("contract_version", 2**64), ("mtp", None),
+    ("model_fingerprint", "fp\ud800"),
 ]
 for name, wrong in BUNDLE_BAD:
     bad_bundle = bundle(**{name: wrong})
@@ -278,6 +280,14 @@ CONSTRUCTION: list[tuple[str, Callable[[], object], str]] = [
      "LoadConfig.options"),
     ("options too many", lambda: LoadConfig(shard=SPEC, options={"a": [0] * 5000}),
      "LoadConfig.options"),
+    ("SessionRef lone surrogate", lambda: SessionRef(session_id="s\ud800", epoch=1),
+     "SessionRef.session_id"),
+    ("ShardSpec model lone surrogate",
+     lambda: ShardSpec(model="\udc80.gguf", n_layers=6, start=0, end=1), "ShardSpec.model"),
+    ("options value lone surrogate",
+     lambda: LoadConfig(shard=SPEC, options={"a": ["ok", "\ud800"]}), "LoadConfig.options"),
+    ("options key lone surrogate", lambda: LoadConfig(shard=SPEC, options={"\ud800": 1}),
+     "LoadConfig.options['\\ud800'] (key)"),
 ]  # fmt: skip
 
 

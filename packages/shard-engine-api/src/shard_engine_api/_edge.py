@@ -18,8 +18,9 @@ Rules, identical to what the msgpack decoders accept:
 - an ``int`` field takes exactly ``int`` (not ``bool``, not ``1.5`` or ``5.0``, not a numpy
   integer) within its bounds; every wire integer is within signed 64 bits;
 - a ``float`` field takes ``float`` or ``int`` (not ``bool``);
-- a ``str`` field takes exactly ``str`` (not a subclass) within its length bounds; a literal
-  takes one of its strings;
+- a ``str`` field takes exactly ``str`` (not a subclass) within its length bounds and
+  encodable as UTF-8 (no lone surrogates: the wire could not carry it); a literal takes one
+  of its strings;
 - a ``tuple[...]`` field takes a ``tuple`` (not a list) within its length bounds;
 - a ``memoryview`` or ``bytes`` field takes a contiguous ``bytes``, ``bytearray`` or
   ``memoryview`` (not a released one; within its byte bound, for a bounded ``bytes`` field:
@@ -184,8 +185,21 @@ def _str_checker(info: msgspec.inspect.StrType) -> _Check:
         size = len(value)
         if size < low or (high is not None and size > high):
             raise _Bad(expected, value)
+        if not value.isascii() and not _utf8(value):
+            raise _Bad(expected, value, "a lone surrogate: not encodable as UTF-8")
 
     return check
+
+
+def _utf8(value: str) -> bool:
+    """Whether ``value`` can travel: the wire carries strings as UTF-8, which has no lone
+    surrogates (``"\\ud800"``). An id that cannot be encoded would be served in process and
+    then fail at the first hop, after its state changed."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _bool_check(value: object) -> None:
@@ -555,6 +569,7 @@ def _session_ok(session: object) -> bool:
     return (
         type(session_id) is str
         and 0 < len(session_id) <= MAX_ID_CHARS
+        and session_id.isascii()
         and type(epoch) is int
         and 0 <= epoch <= _INT64_MAX
     )
@@ -583,6 +598,7 @@ def _bundle_ok(bundle: BoundaryBundle) -> bool:
         and dtype in _DTYPES
         and type(fingerprint) is str
         and len(fingerprint) <= MAX_ID_CHARS
+        and fingerprint.isascii()
         and type(payload) is memoryview
         and payload.c_contiguous
         and bundle.mtp == ()
@@ -597,6 +613,7 @@ def _decode_ok(request: object) -> bool:
     if not (
         type(request_id) is str
         and 0 < len(request_id) <= MAX_ID_CHARS
+        and request_id.isascii()
         and type(pos) is int
         and 0 <= pos <= _INT64_MAX
         and _session_ok(request.session)
@@ -620,6 +637,7 @@ def _batch_ok(request: object) -> bool:
     return (
         type(request_id) is str
         and 0 < len(request_id) <= MAX_ID_CHARS
+        and request_id.isascii()
         and type(items) is tuple
         and len(items) <= MAX_BATCH_ITEMS
         and all(map(_decode_ok, items))
@@ -641,8 +659,10 @@ def _result_head_ok(result: BoundaryResult | LogitsResult) -> bool:
     return (
         type(request_id) is str
         and 0 < len(request_id) <= MAX_ID_CHARS
+        and request_id.isascii()
         and type(session_id) is str
         and 0 < len(session_id) <= MAX_ID_CHARS
+        and session_id.isascii()
         and type(epoch) is int
         and 0 <= epoch <= _INT64_MAX
         and type(first_pos) is int
@@ -758,7 +778,14 @@ def check_option_value(
         if seen > max_items:
             raise InvalidRequest(f"options hold more than {max_items} values")
         kind = type(item)
-        if item is None or kind is bool or kind is float or kind is str:
+        if kind is str:
+            assert isinstance(item, str)
+            if not item.isascii() and not _utf8(item):
+                raise InvalidRequest(
+                    "option strings must be encodable as UTF-8 (no lone surrogates)"
+                )
+            continue
+        if item is None or kind is bool or kind is float:
             continue
         if kind is int:
             if not _INT64_MIN <= item <= _INT64_MAX:  # type: ignore[operator]
@@ -772,6 +799,10 @@ def check_option_value(
                 for key, child in item.items():
                     if type(key) is not str:
                         raise InvalidRequest(f"option keys must be str, got {_describe(key)}")
+                    if not key.isascii() and not _utf8(key):
+                        raise InvalidRequest(
+                            "option keys must be encodable as UTF-8 (no lone surrogates)"
+                        )
                     pending.append((child, depth + 1))
             else:
                 assert isinstance(item, list | tuple)

@@ -206,6 +206,7 @@ class SessionRef(msgspec.Struct, frozen=True, kw_only=True):
             or type(epoch) is not int
             or not 0 < len(session_id) <= MAX_ID_CHARS
             or not 0 <= epoch <= INT64_MAX
+            or not session_id.isascii()
         ):
             from shard_engine_api._edge import check_fields
 
