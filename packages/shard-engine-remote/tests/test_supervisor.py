@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RemoteFactory, config, decode, prefill, wait_until
+from conftest import Background, RemoteFactory, config, decode, prefill, wait_until
 
 import shard_engine_api as api
 from shard_engine_remote import RemoteEngine
@@ -127,3 +127,65 @@ def test_closing_a_stopped_child_does_not_wait_out_the_grace(transport: str) -> 
     assert time.monotonic() - started < 4.0, "the child was killed at the end of its grace"
     assert _gone(pid)
     assert not directory.exists()
+
+
+def _started_child(engine: RemoteEngine, other_than: int | None = None) -> int:
+    """The pid of the child ``engine`` is starting (not ``other_than``), once it exists."""
+    found: list[int] = []
+
+    def started() -> bool:
+        child = engine._child
+        process = None if child is None else child._process
+        if process is not None and process.pid != other_than:
+            found.append(process.pid)
+        return bool(found)
+
+    wait_until(started, timeout=30)
+    return found[0]
+
+
+def test_close_ends_a_load_whose_child_stopped_starting(transport: str) -> None:
+    """close() from another thread while load waits for a child that was SIGSTOP'd during
+    start-up returns at once (it does not wait out the two-minute start-up timeout): the load
+    ends with NotReady, and no child or directory is left."""
+    engine = RemoteEngine()
+    loading = Background(
+        lambda: engine.load(config(spawn="fake", transport=transport, startup_timeout_s=120))
+    )
+    pid = _started_child(engine)
+    directory = engine._child.directory if engine._child is not None else None
+    os.kill(pid, signal.SIGSTOP)
+    closing = Background(engine.close)
+    closing.result(timeout=30)
+    with pytest.raises(api.NotReady, match="closed"):
+        loading.result(timeout=30)
+    assert engine.health().state == "closed"
+    wait_until(lambda: _gone(pid))
+    assert directory is not None
+    assert not directory.exists()
+
+
+def test_close_ends_a_restart_whose_child_stopped_starting(transport: str) -> None:
+    """The same for the fresh child a restart is starting: the call that triggered the restart
+    gets NotReady (closed), not a crash, and close returns at once."""
+    engine = RemoteEngine()
+    engine.load(
+        config(spawn="fake", transport=transport, restart="on-crash", startup_timeout_s=120)
+    )
+    try:
+        prefill(engine)
+        first = engine.child_pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        wait_until(functools.partial(_gone, first))
+        with pytest.raises(api.EngineCrashed, match="SIGKILL"):
+            decode(engine, 3)
+        restarting = Background(lambda: prefill(engine))
+        pid = _started_child(engine, other_than=first)
+        os.kill(pid, signal.SIGSTOP)
+        Background(engine.close).result(timeout=30)
+        with pytest.raises(api.NotReady, match="closed"):
+            restarting.result(timeout=30)
+        wait_until(lambda: _gone(pid))
+    finally:
+        engine.close()

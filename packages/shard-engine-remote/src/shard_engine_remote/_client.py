@@ -275,6 +275,7 @@ class RemoteEngine:
         """The served engine's own EngineCrashed (its process lives on): permanent, like a
         local engine's failed state."""
         self._restarts = 0
+        self._closing = threading.Event()
         self._last_metrics = api.Metrics()
         self._checked: api.ValidatingEngine = api.ValidatingEngine(_Served(self))
 
@@ -309,7 +310,7 @@ class RemoteEngine:
         RemoteUnavailable, Unauthenticated, EngineCrashed (the child died while loading) and
         whatever the served engine's load raises."""
         with self._lock:
-            if self._state != "loading" or self._options is not None:
+            if self._state != "loading" or self._options is not None or self._closing.is_set():
                 raise api.InvalidRequest(
                     f"engine is {self._state}; load() is called once per engine"
                 )
@@ -318,9 +319,15 @@ class RemoteEngine:
             self._options = options
             try:
                 served = self._open(options, served_config)
-            except BaseException:
+                if self._closing.is_set():
+                    raise api.NotReady("remote engine was closed while loading", retryable=False)
+            except BaseException as error:
                 self._release_resources()
                 self._options = None
+                if self._closing.is_set() and not isinstance(error, api.NotReady):
+                    raise api.NotReady(
+                        "remote engine was closed while loading", retryable=False
+                    ) from error
                 raise
             self._served_config = served_config
             self._served = served
@@ -419,6 +426,8 @@ class RemoteEngine:
             max_message_bytes=options.max_message_bytes,
             transport="framed" if options.framed else "grpc",
         )
+        if self._closing.is_set():
+            child.terminate()  # close() may have looked for a child before this one was set
         address = child.start()
         link: _AnyLink
         if options.framed:
@@ -434,7 +443,17 @@ class RemoteEngine:
 
     def close(self) -> None:
         """Close the link; stop a spawned child (it drains) or the in-process server. A target
-        server keeps running. Idempotent; later calls raise NotReady."""
+        server keeps running. Idempotent, from any thread; later calls raise NotReady, and a
+        load or restart in progress ends with NotReady."""
+        # A load or a restart holds the lock for as long as a child takes to start (a stopped
+        # one: the whole start-up timeout). End what it waits on first, so close never waits
+        # a start-up out.
+        self._closing.set()
+        child, link = self._child, self._link
+        if child is not None:
+            child.terminate()
+        if link is not None and self._state == "loading":
+            link.close()
         with self._lock:
             self._state = "closed"
             self._release_resources()
@@ -695,6 +714,8 @@ class RemoteEngine:
         try:
             served = self._spawn(options, self._served_config)
         except api.ShardEngineError as error:
+            if self._closing.is_set():
+                raise api.NotReady("remote engine was closed", retryable=False) from error
             self._crash = api.EngineCrashed(
                 f"restarting the engine process failed: {error.message}", details=error.details
             )

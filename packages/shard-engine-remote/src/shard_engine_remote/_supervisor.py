@@ -99,6 +99,8 @@ class ChildProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._exited = threading.Event()
         self._stopping = False
+        self._terminated = False
+        self._start_lock = threading.Lock()
 
     @property
     def directory(self) -> Path:
@@ -131,7 +133,12 @@ class ChildProcess:
         command += ["--private-directory", str(self._directory)]
         if self._max_message_bytes is not None:
             command += ["--max-message-bytes", str(self._max_message_bytes)]
-        with self._stderr_path.open("wb") as stderr:
+        with self._start_lock, self._stderr_path.open("wb") as stderr:
+            if self._terminated:
+                raise api.NotReady(
+                    f"the {self.engine_name} engine process was stopped before it started",
+                    retryable=False,
+                )
             self._process = subprocess.Popen(
                 command,
                 stdin=subprocess.PIPE,
@@ -150,7 +157,8 @@ class ChildProcess:
             if code == api.UnknownEngine.code:
                 raise api.UnknownEngine(message)
             raise wire.error_from_info(api.ErrorInfo(code=code, message=message, retryable=False))
-        crashed = self.exit_error()
+        # stop() reaped it, but the waiter thread may not have said so yet.
+        crashed = self.wait_exit(1.0) if self._process.returncode is not None else None
         if crashed is not None:
             raise crashed
         raise api.NotReady(
@@ -219,6 +227,21 @@ class ChildProcess:
                 return file.read().decode(errors="replace")
         except OSError:
             return ""
+
+    def terminate(self) -> None:
+        """Ask the child to stop (SIGTERM, and SIGCONT should it be stopped), or, when it has
+        not started yet, keep it from starting; never waits. Safe from any thread, while
+        :meth:`start` waits for the child: that wait then ends as the child exits. The caller
+        still calls :meth:`stop`."""
+        with self._start_lock:
+            self._terminated = True
+            process = self._process
+        if process is not None and process.returncode is None:
+            try:
+                process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM (the child drains; SIGCONT too, should it be stopped), SIGKILL after
