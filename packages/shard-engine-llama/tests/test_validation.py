@@ -905,3 +905,25 @@ def test_a_qwen2moe_shard_identity_block_may_have_a_zero_gate(tmp_path: Path) ->
     manifest = split_model(source, [(0, 1), (1, 2), (2, 3)], tmp_path / "shards")
     for index in range(3):
         assert validate_gguf(manifest.shard_path(index)).is_shard
+
+
+@pytest.mark.parametrize(("arch", "used"), [("llama", 12), ("granitemoe", 12), ("qwen3moe", 32)])
+def test_more_experts_per_token_than_llama_cpp_graph_pool_holds_are_refused(
+    tmp_path: Path, arch: str, used: int
+) -> None:
+    """12 layers routing every token to all of their experts: consistent files that loaded into
+    llama.cpp and aborted the process building its first graph (GGML_ASSERT(obj_new): the
+    graph's tensor pool, sized by the model's tensor count, overflows). 8 experts per token,
+    the most a released model of these families uses, still validates."""
+    shape = {"n_layers": 12, "n_embd": 32, "n_head": 2, "n_head_kv": 1, "n_ff": 32, "n_ff_exp": 8}
+    source = tmp_path / f"{arch}.gguf"
+    write_tiny_model(source, arch=arch, n_expert=used, n_expert_used=used, **shape)  # type: ignore[arg-type]
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(source)
+    assert (raised.value.rule, raised.value.field) == (
+        "hparam-expert-count",
+        f"{arch}.expert_used_count",
+    )
+    eight = tmp_path / "eight.gguf"
+    write_tiny_model(eight, arch=arch, n_expert=used, n_expert_used=8, **shape)  # type: ignore[arg-type]
+    assert validate_gguf(eight).architecture == arch

@@ -41,6 +41,8 @@ _I32 = gguf.GGUFValueType.INT32
 
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
+# Mixtral routes to 2 experts, Qwen MoE models to 4 to 8, Granite MoE to 8.
+MAX_EXPERTS_USED = 8
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 
 # Keys under "<arch>." and the GGUF type llama.cpp reads them as; ``True`` where a per-layer
@@ -743,6 +745,19 @@ def _check_experts(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
             "hparam-expert-count",
             key + "expert_used_count",
             f"{h.n_expert_used} exceeds expert_count {h.n_expert} (GGML_ASSERT in load_hparams)",
+        )
+    if h.n_expert_used > MAX_EXPERTS_USED:
+        # llama.cpp sizes the pool that holds a forward graph's tensors at max(1024,
+        # 8 * n_tensors) and build_moe_ffn adds two tensors per routed expert per layer: 12 of
+        # 12 experts aborted at 12 and 24 layers (GGML_ASSERT(obj_new) in ggml.c), 10 at 200
+        # granitemoe layers, and 9 loaded at every layer count measured.
+        raise _fail(
+            header,
+            "hparam-expert-count",
+            key + "expert_used_count",
+            f"{h.n_expert_used} experts per token exceeds {MAX_EXPERTS_USED}, the most a "
+            "supported MoE family routes to (llama.cpp's graph pool overflows and aborts the "
+            "process from about 10)",
         )
     if h.n_expert > 0 and h.n_expert_used <= 0:
         raise _fail(
