@@ -31,7 +31,7 @@ from conftest import (
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, ServerSecurity
 from shard_engine_remote._framed import HELLO, IMPORT, FramedServer, _frame
-from shard_engine_remote._wire import CALL_METHOD, IMPORT_METHOD
+from shard_engine_remote._wire import CALL_METHOD, EXPORT_METHOD, IMPORT_METHOD, encode_request
 
 TOKEN = "hostile-token"
 IDLE_S = 0.5
@@ -259,3 +259,40 @@ def test_running_out_of_descriptors_does_not_stop_accepting(
     finally:
         server.stop(grace=0.5)
         engine.close()
+
+
+def test_an_export_the_client_stops_reading_is_cut_off(
+    serve: ServeFactory, remote: RemoteFactory
+) -> None:
+    """A gRPC client that opens an export and stops reading it (a small flow-control window,
+    so the server's send waits on it) holds the stream's slots only for ``stream_idle_s``:
+    then the server cancels the RPC, counts it, and the next client's export is served. (The
+    framed server cuts such a connection when its send times out.)"""
+    server = serve(config(), max_workers=5, stream_idle_s=IDLE_S)  # one stream slot
+    assert server.address is not None
+    worker = remote(config(target=server.address))
+    session = api.SessionRef(session_id="big", epoch=1)
+    for start in range(0, 1497, 499):
+        worker.prefill(
+            api.PrefillRequest(
+                request_id=f"p{start}",
+                session=session,
+                start_pos=start,
+                inputs=api.TokenInput(token_ids=tuple(i % 500 for i in range(499))),
+            )
+        )
+    request = api.ExportSessionRequest(request_id="e", session=session)
+    channel = grpc.insecure_channel(
+        server.address, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    )
+    try:
+        export: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(EXPORT_METHOD)
+        stalled = export(encode_request(request), timeout=60)
+        next(stalled)  # the header: the stream holds its slots now
+        wait_until(lambda: server.stats().in_flight == 0, timeout=20)
+        assert server.stats().transport_cancels >= 1
+        snapshot = worker.export_session(request)
+        assert snapshot.state_bytes > 1 << 20
+        stalled.cancel()
+    finally:
+        channel.close()

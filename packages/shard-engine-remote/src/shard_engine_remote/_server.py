@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import typing
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,7 +210,8 @@ class EngineServer:
     those compute slots from its first message to its last (a client that stops sending or
     reading would otherwise hold a thread no slot accounts for), at most half of them are
     streams, and an import stream whose next message does not arrive within
-    ``stream_idle_s`` is cut off (Cancelled; nothing imported). ``rate_limit`` bounds each client's
+    ``stream_idle_s`` is cut off (Cancelled; nothing imported), as is an export whose client
+    does not take its next message within it. ``rate_limit`` bounds each client's
     calls (cancel is never limited: a client must always be able to stop its own work);
     ``clock`` is the rate limiter's (tests).
     """
@@ -278,7 +279,7 @@ class EngineServer:
         )
         export: grpc.RpcMethodHandler[RemoteRequest | Rejected, bytes]
         export = grpc.unary_stream_rpc_method_handler(
-            self._export,
+            self._grpc_export,
             request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
         )
         import_: grpc.RpcMethodHandler[bytes, RemoteReply]
@@ -438,7 +439,9 @@ class EngineServer:
 
     # ----------------------------------------------------------------- snapshot streams
 
-    def _export(self, request: RemoteRequest | Rejected, context: CallContext) -> Iterator[bytes]:
+    def _export(
+        self, request: RemoteRequest | Rejected, context: CallContext
+    ) -> Generator[bytes, None, None]:
         """The export stream: the header (or the ErrorInfo of a refusal), then each chunk."""
         self.counters.call_started()
         held = False
@@ -462,6 +465,30 @@ class EngineServer:
             if held:
                 self._release_stream_slots()
             self.counters.call_ended()
+
+    def _grpc_export(
+        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        """gRPC waits without a timeout for the client to take each message (flow control):
+        one that stops reading would hold the stream's slots for good. A timer cancels the
+        RPC when a message is not taken within ``stream_idle_s``, which ends the wait."""
+
+        def cut_off() -> None:
+            self.counters.add("transport_cancels")
+            context.cancel()
+
+        messages = self._export(request, context)
+        try:
+            for message in messages:
+                timer = threading.Timer(self.stream_idle_s, cut_off)
+                timer.daemon = True
+                timer.start()
+                try:
+                    yield message
+                finally:
+                    timer.cancel()
+        finally:
+            messages.close()
 
     def _export_snapshot(
         self, request: RemoteRequest | Rejected, context: CallContext
