@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import grpc
@@ -235,7 +235,9 @@ class _HostileServer(EngineServer):
 
     mode = "truncate"
 
-    def _export(self, request: RemoteRequest | Rejected, context: CallContext) -> Iterator[bytes]:
+    def _export(
+        self, request: RemoteRequest | Rejected, context: CallContext
+    ) -> Generator[bytes, None, None]:
         messages = list(super()._export(request, context))
         if self.mode == "truncate":
             yield from messages[:-1]
