@@ -18,6 +18,7 @@ import pytest
 from conftest import EngineFactory, decode, decode_request, logits_of, prefill, session
 
 import shard_engine_api as api
+from shard_engine_api.engine import TEST_OPTIONS_ENV
 from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import (
     FAULTS_ENV_VAR,
@@ -75,6 +76,9 @@ def test_example_plan_round_trips() -> None:
         {"rules": [{"action": {"kind": "malformed", "defect": "sideways"}}]},
         {"rules": [{"action": {"kind": "memory_pressure", "kv_budget_tokens": -5}}]},
         {"rules": [{"action": {"kind": "crash", "exit_code": 300}}]},
+        {"rules": [{"action": {"kind": "delay", "milliseconds": 1e300}}]},
+        {"rules": [{"action": {"kind": "delay", "milliseconds": float("inf")}}]},
+        {"rules": [{"action": {"kind": "delay", "milliseconds": float("nan")}}]},
         {"seed": "seven"},
         "{not json",
         42,
@@ -88,6 +92,41 @@ def test_invalid_fault_plan_is_refused_at_load(faults: object) -> None:
     with pytest.raises(api.InvalidRequest):
         engine.load(config)
     assert engine.health().state == "unloaded"
+
+
+def test_longest_delay_is_accepted() -> None:
+    plan = load_fault_plan({"rules": [{"action": {"kind": "delay", "milliseconds": 86_400_000}}]})
+    assert plan.rules[0].action == Delay(milliseconds=86_400_000.0)
+
+
+@pytest.mark.parametrize(
+    "action",
+    [{"kind": "crash", "exit_code": 0}, {"kind": "crash", "abort": True}],
+    ids=["exit_code", "abort"],
+)
+def test_process_ending_faults_in_options_need_the_owners_consent(
+    action: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever sends a LoadConfig (a worker's caller, a served engine's client) must not be
+    able to end the process; a crash that fails only the engine stays allowed."""
+    monkeypatch.delenv(TEST_OPTIONS_ENV, raising=False)
+    config = api.LoadConfig(
+        shard=api.ShardSpec(model="fake", n_layers=6, start=0, end=6),
+        options={"faults": {"rules": [{"action": {"kind": "crash"}}, {"action": action}]}},
+    )
+    engine = FakeEngine()
+    with pytest.raises(api.InvalidRequest, match=TEST_OPTIONS_ENV) as caught:
+        engine.load(config)
+    assert "fault rule 1" in caught.value.message
+    assert engine.health().state == "unloaded"
+    monkeypatch.setenv(TEST_OPTIONS_ENV, "1")
+    engine.load(config)
+    engine.close()
+    monkeypatch.delenv(TEST_OPTIONS_ENV)
+    only_crash = msgspec.structs.replace(
+        config, options={"faults": {"rules": [{"action": {"kind": "crash"}}]}}
+    )
+    FakeEngine().load(only_crash)
 
 
 def test_plan_from_environment_file(

@@ -36,7 +36,15 @@ from shard_engine_api import (
     SessionSnapshot,
     ShardResult,
 )
-from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
+from shard_engine_api.engine import (
+    TEST_OPTIONS_ENV,
+    CancelToken,
+    EngineCore,
+    ForwardItem,
+    ModelInfo,
+    OutputMode,
+    test_options_enabled,
+)
 from shard_engine_fake._corrupt import corrupt_result
 from shard_engine_fake._faults import (
     Crash,
@@ -151,6 +159,8 @@ class FakeEngine(EngineCore):
             )
         spec = resolve_model(config.shard, config.options)
         plan = fault_plan_from_options(config.options)
+        if "faults" in config.options and not test_options_enabled():
+            _refuse_process_ending_rules(plan)
         self._model = FakeModel(spec, config.shard.start, config.shard.end)
         self._injector = FaultInjector(plan, config.shard.role)
         self._faults_on = self._injector.active
@@ -433,3 +443,20 @@ def _corrupt(result: ShardResult, rules: Sequence[FaultRule], session_id: str) -
         if isinstance(action, Malformed) and rule.session_id in (None, session_id):
             result = corrupt_result(result, action.defect)
     return result
+
+
+def _refuse_process_ending_rules(plan: FaultPlan) -> None:
+    """A crash rule with ``exit_code`` or ``abort`` ends the whole process, not just this
+    engine. A LoadConfig may come from whoever asks a worker (or a served engine) to load a
+    shard, and only whoever starts the process may let it end: such rules in
+    ``options["faults"]`` need the process to run with SHARD_ENGINE_TEST_OPTIONS=1 (a plan
+    file named by SHARD_ENGINE_FAKE_FAULTS is the process owner's own). Raises
+    InvalidRequest."""
+    for index, rule in enumerate(plan.rules):
+        action = rule.action
+        if isinstance(action, Crash) and (action.exit_code is not None or action.abort):
+            raise InvalidRequest(
+                f"fault rule {index} ends the process (crash with exit_code or abort): refused "
+                f"in options['faults'] unless the process runs with {TEST_OPTIONS_ENV}=1",
+                details={"field": "LoadConfig.options.faults"},
+            )

@@ -8,7 +8,6 @@ calls the engine sees, so the same plan and the same calls give the same faults 
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import stat
@@ -59,15 +58,24 @@ _RESULT_OPERATIONS: Final[frozenset[str]] = frozenset({"prefill", "decode", "dec
 _STATE_OPERATIONS: Final[frozenset[str]] = frozenset({"export_session", "import_session"})
 
 
+MAX_DELAY_MILLISECONDS: Final = 86_400_000.0
+"""The longest delay a rule may hold an operation (one day): a longer wait overflows the
+platform's timeout type and would fail the engine at its first request instead of at load."""
+
+
 class Delay(msgspec.Struct, frozen=True, kw_only=True, tag="delay", tag_field="kind"):
-    """Hold the operation for ``milliseconds`` after its compute, inside the request, so a
-    cancel during the delay ends it at once with Cancelled and rolls the session back."""
+    """Hold the operation for ``milliseconds`` (at most MAX_DELAY_MILLISECONDS) after its
+    compute, inside the request, so a cancel during the delay ends it at once with Cancelled
+    and rolls the session back."""
 
     milliseconds: float
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.milliseconds) and self.milliseconds >= 0):
-            raise InvalidRequest(f"delay milliseconds must be finite and >= 0: {self.milliseconds}")
+        if not (0 <= self.milliseconds <= MAX_DELAY_MILLISECONDS):  # false for NaN too
+            raise InvalidRequest(
+                f"delay milliseconds must lie in [0, {MAX_DELAY_MILLISECONDS:.0f}]: "
+                f"{self.milliseconds}"
+            )
 
 
 class MemoryPressure(
