@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -39,6 +41,7 @@ from shard_engine_llama._gguf import (
     read_gguf_header,
     validate_header,
 )
+from shard_engine_llama._gguf.families import FAMILIES, Hyperparameters
 from shard_engine_llama._gguf.layout import _ARCH_KEYS
 from shard_engine_llama._tiny_model import SUPPORTED_TINY_ARCHITECTURES, write_tiny_model
 
@@ -324,6 +327,107 @@ def generate(directory: Path, per_family: int, seed: int) -> Iterator[Mutant]:
             yield Mutant(arch, target, log)
 
 
+def _consistent_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> TensorEdit:
+    """Small finite values (norms 1) so that a NaN out of the forward is the metadata's."""
+    if len(shape) == 1:
+        values = np.ones(shape) if "norm" in name else rng.uniform(-0.1, 0.1, shape)
+    else:
+        bound = 1.0 / math.sqrt(shape[0])
+        values = rng.uniform(-bound, bound, tuple(reversed(shape)))
+    data = values.astype("<f4").tobytes()
+    return TensorEdit(name, shape, gguf.GGMLQuantizationType.F32, data)
+
+
+def generate_consistent(directory: Path, per_family: int, seed: int) -> Iterator[Mutant]:
+    """``per_family`` files per family whose hyper-parameters are drawn adversarially (head
+    counts, grouped heads, key/value/rope sizes, experts and experts per token, windows and
+    their patterns, rope scaling) and whose tensors have exactly the shapes families.py derives
+    from them, so the file gets past the shape checks and the hyper-parameters themselves meet
+    llama.cpp."""
+    rng = random.Random(seed)
+    u32 = gguf.GGUFValueType.UINT32
+    for arch in SUPPORTED_TINY_ARCHITECTURES:
+        base = directory / f"consistent-base-{arch}.gguf"
+        write_tiny_model(base, arch=arch, n_layers=3, seed=seed)
+        header = read_gguf_header(base)
+        family = FAMILIES[arch]
+        for index in range(per_family):
+            n_layer = rng.choice((1, 2, 3, 4, 7, 12))
+            n_embd = rng.choice((32, 48, 64))
+            n_head = rng.choice((1, 2, 3, 4, 8, 16))
+            n_head_kv = rng.choice(
+                [d for d in range(1, n_head + 1) if n_head % d == 0] + [rng.randint(1, 5)]
+            )
+            head_k = rng.choice((n_embd // n_head or 1, 8, 16, 6, 2))
+            head_v = rng.choice((head_k, head_k, 8))
+            n_rot = rng.choice((head_k, head_k, 2, max(2, head_k // 4 * 2)))
+            n_ff = rng.choice((32, 8, 2))
+            values: dict[str, int] = {
+                "block_count": n_layer,
+                "embedding_length": n_embd,
+                "attention.head_count": n_head,
+                "attention.head_count_kv": n_head_kv,
+                "attention.key_length": head_k,
+                "attention.value_length": head_v,
+                "rope.dimension_count": n_rot,
+                "feed_forward_length": n_ff,
+            }
+            n_expert = used = ff_exp = ff_shared = 0
+            if family.moe or (arch == "llama" and rng.random() < 0.3):
+                n_expert = rng.choice((1, 2, 4, 8, 16))
+                used = rng.choice((1, 2, n_expert, min(8, n_expert), rng.randint(1, n_expert)))
+                values |= {"expert_count": n_expert, "expert_used_count": used}
+                if arch in ("qwen2moe", "qwen3moe"):
+                    ff_exp = rng.choice((8, 16))
+                    values["expert_feed_forward_length"] = ff_exp
+                if arch == "qwen2moe":
+                    ff_shared = rng.choice((8, 32))
+                    values["expert_shared_feed_forward_length"] = ff_shared
+            if family.swa_period:
+                values["attention.sliding_window"] = rng.choice((1, 2, 3, 8, 512))
+                if rng.random() < 0.5:
+                    values["attention.sliding_window_pattern"] = rng.choice((2, 3, 4, 6))
+            metadata = dict(header.metadata)
+            for suffix, value in values.items():
+                metadata[f"{arch}.{suffix}"] = MetadataValue(value, u32)
+            log = [f"consistent {values}"]
+            if rng.random() < 0.3:
+                scaling = rng.choice(("linear", "yarn", "longrope", "none"))
+                factor = rng.choice((0.0, 0.25, 1.0, 4.0, 32.0))
+                metadata[f"{arch}.rope.scaling.type"] = MetadataValue(
+                    scaling, gguf.GGUFValueType.STRING
+                )
+                metadata[f"{arch}.rope.scaling.factor"] = MetadataValue(factor, F32)
+                log.append(f"rope {scaling} x{factor}")
+            hyper = Hyperparameters(
+                n_layer=n_layer,
+                n_embd=n_embd,
+                n_vocab=header.tensors["token_embd.weight"].shape[1],
+                n_head=n_head,
+                n_head_kv=n_head_kv,
+                n_embd_head_k=head_k,
+                n_embd_head_v=head_v,
+                n_rot=n_rot,
+                n_ff=n_ff,
+                n_expert=n_expert,
+                n_expert_used=used,
+                n_ff_exp=ff_exp or (n_ff if n_expert else 0),
+                n_ff_shexp=ff_shared,
+            )
+            needs = list(family.model_tensors(hyper, lambda name: False))
+            for il in range(n_layer):
+                needs += family.layer_tensors(hyper, il, lambda name: False)
+            values_rng = np.random.default_rng(rng.randrange(2**32))
+            tensors = [
+                _consistent_tensor(values_rng, need.name, need.shape)
+                for need in needs
+                if need.required and all(size > 0 for size in need.shape)
+            ]
+            target = directory / f"consistent-{arch}-{index:04d}.gguf"
+            write_gguf(target, arch, metadata, tensors)
+            yield Mutant(arch, target, log)
+
+
 def _mutate_bytes(rng: random.Random, path: Path, log: list[str]) -> None:
     """Damage the written header itself: flipped bits, a poked byte or 8-byte word anywhere
     before the tensor data (lengths, counts, types, offsets), or two tensors' offsets swapped."""
@@ -432,10 +536,15 @@ def _load_in_children(paths: Sequence[Path]) -> dict[Path, str]:
     return results
 
 
-def run(directory: Path, per_family: int, seed: int) -> FuzzReport:
+def run(directory: Path, per_family: int, seed: int, consistent: int = 0) -> FuzzReport:
+    """Fuzz ``per_family`` mutants of every family and ``consistent`` files per family from
+    :func:`generate_consistent`."""
     report = FuzzReport()
     accepted: list[Mutant] = []
-    for mutant in generate(directory, per_family, seed):
+    mutants = itertools.chain(
+        generate(directory, per_family, seed), generate_consistent(directory, consistent, seed)
+    )
+    for mutant in mutants:
         report.generated += 1
         report.generated_by_family[mutant.family] += 1
         try:
@@ -516,16 +625,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--load", action="store_true", help="child mode: load files from stdin")
     parser.add_argument("--per-family", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--consistent", type=int, default=0, help="files per family with consistent tensors"
+    )
     parser.add_argument("--keep", type=Path, help="write the files here and keep them")
     args = parser.parse_args(argv)
     if args.load:
         return _load_worker()
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
-        report = run(args.keep, args.per_family, args.seed)
+        report = run(args.keep, args.per_family, args.seed, args.consistent)
     else:
         with tempfile.TemporaryDirectory(prefix="gguf-fuzz-") as scratch:
-            report = run(Path(scratch), args.per_family, args.seed)
+            report = run(Path(scratch), args.per_family, args.seed, args.consistent)
     print(json.dumps(report.summary(), indent=2))
     for line in report.aborts + report.missed + report.nonfinite:
         print(line)

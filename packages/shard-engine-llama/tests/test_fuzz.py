@@ -1,7 +1,9 @@
 """Header and tensor-table fuzz of every family: no file the validator accepts may abort
-llama.cpp or be refused by it. Bounded by default (40 mutants per family, about 15 s);
-``SHARD_ENGINE_LLAMA_FUZZ_PER_FAMILY=300`` (or ``python tests/gguf_fuzz.py --per-family 300``)
-runs deeper, ``SHARD_ENGINE_LLAMA_FUZZ_SEED`` picks other mutants."""
+llama.cpp, be refused by it or return NaN. Bounded by default (40 mutants and 20 files of
+consistent, adversarial hyper-parameters per family, about 15 s);
+``SHARD_ENGINE_LLAMA_FUZZ_PER_FAMILY=300`` and ``SHARD_ENGINE_LLAMA_FUZZ_CONSISTENT=300`` (or
+``python tests/gguf_fuzz.py --per-family 300 --consistent 300``) run deeper,
+``SHARD_ENGINE_LLAMA_FUZZ_SEED`` picks other mutants."""
 
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ from shard_engine_llama._tiny_model import SUPPORTED_TINY_ARCHITECTURES
 
 PER_FAMILY = int(os.environ.get("SHARD_ENGINE_LLAMA_FUZZ_PER_FAMILY", "40"))
 SEED = int(os.environ.get("SHARD_ENGINE_LLAMA_FUZZ_SEED", "0"))
+CONSISTENT = int(os.environ.get("SHARD_ENGINE_LLAMA_FUZZ_CONSISTENT", "20"))
 
 
 def test_no_accepted_file_aborts_is_refused_by_llama_cpp_or_computes_nan(tmp_path: Path) -> None:
-    report = run(tmp_path, PER_FAMILY, SEED)
+    report = run(tmp_path, PER_FAMILY, SEED, CONSISTENT)
     print(report.summary())
-    assert report.generated >= PER_FAMILY * 10
+    assert report.generated >= PER_FAMILY * 10 + CONSISTENT * len(SUPPORTED_TINY_ARCHITECTURES)
     assert len(report.generated_by_family) == len(SUPPORTED_TINY_ARCHITECTURES) + 1  # + llama-moe
     assert report.accepted > 0, "the mutations should leave some files loadable"
     assert not report.aborts, report.aborts
