@@ -927,3 +927,27 @@ def test_more_experts_per_token_than_llama_cpp_graph_pool_holds_are_refused(
     eight = tmp_path / "eight.gguf"
     write_tiny_model(eight, arch=arch, n_expert=used, n_expert_used=8, **shape)  # type: ignore[arg-type]
     assert validate_gguf(eight).architecture == arch
+
+
+def test_an_empty_vocabulary_is_refused(llama: Path, tmp_path: Path) -> None:
+    """A vocabulary-less model with vocab_size 0 and zero-row embedding and lm-head loaded,
+    reported a vocabulary of 0, refused every token as a head and returned empty logits as a
+    tail."""
+    empty = rewrite(
+        llama,
+        tmp_path / "empty.gguf",
+        metadata={
+            "tokenizer.ggml.model": _string("none"),
+            "llama.vocab_size": u32(0),
+            "tokenizer.ggml.tokens": None,
+            "tokenizer.ggml.scores": None,
+            "tokenizer.ggml.token_type": None,
+        },
+        tensors={
+            "token_embd.weight": TensorEdit("token_embd.weight", (64, 0), F32),
+            "output.weight": TensorEdit("output.weight", (64, 0), F32),
+        },
+    )
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(empty)
+    assert (raised.value.rule, raised.value.field) == ("vocabulary-size", "llama.vocab_size")

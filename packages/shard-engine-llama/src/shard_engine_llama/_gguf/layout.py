@@ -855,6 +855,17 @@ def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
                 "tokenizer.ggml.pre",
                 f"{pre.value!r} is not a pre-tokenizer llama.cpp knows (it refuses the file)",
             )
+    if h.n_vocab < 1:
+        # llama.cpp loads it: a head then refuses every token, and a tail returns logits with
+        # no column to sample from.
+        raise _fail(
+            header,
+            "vocabulary-size",
+            f"{header.architecture}.vocab_size"
+            if model.value == "none"
+            else "tokenizer.ggml.tokens",
+            "the vocabulary is empty (a model needs a token to embed and to score)",
+        )
     if model.value == "llama" and h.n_vocab < 3:
         raise _fail(
             header,
