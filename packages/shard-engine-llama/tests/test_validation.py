@@ -951,3 +951,36 @@ def test_an_empty_vocabulary_is_refused(llama: Path, tmp_path: Path) -> None:
     with pytest.raises(GGUFValidationError) as raised:
         validate_gguf(empty)
     assert (raised.value.rule, raised.value.field) == ("vocabulary-size", "llama.vocab_size")
+
+
+def test_a_sentencepiece_vocabulary_without_byte_tokens_is_refused(
+    llama: Path, tmp_path: Path
+) -> None:
+    """SentencePiece tokenizes a character it has no token for as its UTF-8 bytes, each
+    looked up as "<0xHH>" (or the byte itself) with .at(): a vocabulary whose byte tokens were
+    renamed loaded, and tokenizing any such character through load_tokenizer aborted the
+    process."""
+    header = read_gguf_header(llama)
+    tokens = header.metadata["tokenizer.ggml.tokens"].value
+    types = header.metadata["tokenizer.ggml.token_type"].value
+    assert isinstance(tokens, list)
+    assert isinstance(types, list)
+    renamed = rewrite(
+        llama,
+        tmp_path / "renamed.gguf",
+        metadata={
+            "tokenizer.ggml.tokens": array(
+                [f"b{token}" if str(token).startswith("<0x") else token for token in tokens],
+                _STRING,
+            ),
+            "tokenizer.ggml.token_type": array(
+                [1 if kind == 6 else kind for kind in types], gguf.GGUFValueType.INT32
+            ),
+        },
+    )
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(renamed)
+    assert (raised.value.rule, raised.value.field) == (
+        "vocabulary-byte-tokens",
+        "tokenizer.ggml.tokens",
+    )

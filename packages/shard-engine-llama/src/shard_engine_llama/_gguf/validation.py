@@ -182,6 +182,26 @@ def _check_vocabulary(header: GGUFHeader) -> None:
                     rule="vocabulary-byte-token",
                     field="tokenizer.ggml.tokens",
                 )
+    model = header.metadata.get("tokenizer.ggml.model")
+    if model is not None and model.value == "llama":
+        # SentencePiece falls back to bytes for any character it has no token for, looking
+        # up "<0xHH>" and then the byte itself with .at(): a byte with neither throws out of
+        # llama_tokenize, which terminates the process on the first such character.
+        present = set(names)
+        missing = [
+            byte
+            for byte in range(256)
+            if f"<0x{byte:02X}>" not in present and not (byte < 128 and chr(byte) in present)
+        ]
+        if missing:
+            raise GGUFValidationError(
+                f"{path}: the SentencePiece vocabulary has no token for byte(s) "
+                f"{[f'<0x{byte:02X}>' for byte in missing[:4]]}"
+                f"{' ...' if len(missing) > 4 else ''} (llama.cpp aborts tokenizing text "
+                "that needs one)",
+                rule="vocabulary-byte-tokens",
+                field="tokenizer.ggml.tokens",
+            )
 
 
 def validate_header(header: GGUFHeader) -> GGUFHeader:
