@@ -44,6 +44,23 @@ _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 
 
+def check_address(address: str, *, listening: bool) -> None:
+    """Refuse a ``host:port`` address whose port is not a number in range (InvalidRequest):
+    gRPC takes a port past 65535 modulo 65536, so ``127.0.0.1:99999`` would bind or dial port
+    34463 instead of failing. Port 0 (any free port) is for listening only. ``unix:`` and
+    ``unix-abstract:`` addresses pass."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return
+    host, separator, port = address.rpartition(":")
+    if not separator or not host.strip("[]") or host.startswith("[") != host.endswith("]"):
+        raise InvalidRequest(f"address {address!r} is not HOST:PORT, [IPv6]:PORT or unix:PATH")
+    lowest = 0 if listening else 1
+    if not (port.isascii() and port.isdigit() and lowest <= int(port) <= 65535):
+        raise InvalidRequest(
+            f"address {address!r}: the port must be a number from {lowest} to 65535"
+        )
+
+
 def is_loopback(address: str) -> bool:
     """Whether ``address`` (``host:port``, ``[v6]:port`` or ``unix:PATH``) is reachable only
     from this machine. Host names other than ``localhost`` are not resolved: they count as
@@ -95,7 +112,9 @@ class ServerSecurity:
     token: str | None = None
 
     def check_listen(self, address: str) -> None:
-        """Refuse an address beyond loopback without TLS and a token (InvalidRequest)."""
+        """Refuse a malformed address, and an address beyond loopback without TLS and a token
+        (InvalidRequest)."""
+        check_address(address, listening=True)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidRequest("TLS needs both a certificate chain and its private key")
         if self.client_ca is not None and self.tls_cert is None:
@@ -135,7 +154,8 @@ class ClientSecurity:
     def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
         """A channel to ``target``: TLS when a CA is given, plaintext otherwise (which a server
         beyond loopback refuses). Raises InvalidRequest for a token over plaintext beyond
-        loopback (it would travel in the clear)."""
+        loopback (it would travel in the clear), and for a malformed target."""
+        check_address(target, listening=False)
         if self.tls_ca is None:
             if self.tls_cert is not None:
                 raise InvalidRequest("a client certificate needs tls_ca (TLS is off without it)")
