@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from shard_engine_api import InvalidRequest
 from shard_engine_api.engine import (
     ModelStoreRefused,
     file_sha256,
@@ -44,6 +45,34 @@ def test_home_is_refused_wherever_the_path_comes_from(
     assert not raised.value.retryable
     if where == "environment":
         assert "SHARD_ENGINE_MODEL_STORE" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    ("where", "text"),
+    [
+        ("argument", "a\x00b"),
+        ("argument", "~no-such-user-of-this-machine/models"),
+        # (an environment variable cannot hold a NUL byte)
+        ("environment", "~no-such-user-of-this-machine/models"),
+    ],
+)
+def test_a_store_path_that_cannot_be_resolved_is_invalid(
+    where: str, text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if where == "environment":
+        monkeypatch.setenv("SHARD_ENGINE_MODEL_STORE", text)
+    explicit = text if where == "argument" else None
+    with pytest.raises(InvalidRequest, match="is not a usable directory path") as raised:
+        model_store(explicit)
+    assert raised.value.details["source"] == (
+        "an explicit path" if where == "argument" else "SHARD_ENGINE_MODEL_STORE"
+    )
+
+
+@pytest.mark.parametrize("explicit", [5, b"/tmp/models", ["/tmp"], 1.5])
+def test_a_store_that_is_not_a_path_is_invalid(explicit: object) -> None:
+    with pytest.raises(InvalidRequest, match="must be a directory path"):
+        model_store(explicit)  # type: ignore[arg-type]
 
 
 def test_file_sha256_streams_the_file(tmp_path: Path) -> None:

@@ -49,12 +49,32 @@ def unchecked_model_store() -> Path:
 
 
 def _candidate(explicit: str | os.PathLike[str] | None) -> tuple[Path, str]:
-    if explicit is not None and str(explicit):
-        return Path(explicit).expanduser().resolve(), "an explicit path"
+    if explicit is not None:
+        given: object = explicit
+        if not isinstance(given, str | os.PathLike) or isinstance(os.fspath(given), bytes):
+            raise InvalidRequest(
+                f"a model store must be a directory path (str), got {type(given).__name__}"
+            )
+        if str(explicit):
+            return _resolved(str(explicit), "an explicit path"), "an explicit path"
     from_env = os.environ.get(MODEL_STORE_ENV)
     if from_env:
-        return Path(from_env).expanduser().resolve(), MODEL_STORE_ENV
-    return Path(DEFAULT_MODEL_STORE).expanduser().resolve(), f"the default {DEFAULT_MODEL_STORE}"
+        return _resolved(from_env, MODEL_STORE_ENV), MODEL_STORE_ENV
+    source = f"the default {DEFAULT_MODEL_STORE}"
+    return _resolved(DEFAULT_MODEL_STORE, source), source
+
+
+def _resolved(text: str, source: str) -> Path:
+    """``text`` with ``~`` expanded, made absolute; InvalidRequest naming ``source`` when it
+    cannot be (a NUL byte, ``~user`` of an unknown user, no home directory)."""
+    try:
+        return Path(text).expanduser().resolve()
+    except (ValueError, RuntimeError, OSError) as error:
+        raise InvalidRequest(
+            f"model store {text!r} (from {source}) is not a usable directory path: {error}; "
+            f"set {MODEL_STORE_ENV} (or pass a directory) to another one",
+            details={"path": text, "source": source},
+        ) from error
 
 
 def model_store(explicit: str | os.PathLike[str] | None = None) -> Path:
