@@ -555,3 +555,26 @@ def test_a_huge_metadata_array_is_refused_before_it_is_read(tmp_path: Path) -> N
     with pytest.raises(GGUFValidationError) as raised:
         read_gguf_header(path)
     assert (raised.value.rule, raised.value.field) == ("metadata-array-length", "general.huge")
+
+
+def test_many_long_metadata_arrays_are_refused_before_they_are_read(tmp_path: Path) -> None:
+    """Each array under the per-array bound, together three times a vocabulary's: 48 MB of
+    FLOAT32 arrays used to take 480 MB of Python objects, so a large file of them took the
+    process's memory; the arrays' total is bounded too."""
+    count = 3_000_000
+    keys = [f"general.long.{index}".encode() for index in range(3)]
+    raw = b"GGUF" + struct.pack("<IQQ", 3, 0, len(keys))
+    for key in keys:
+        raw += (
+            struct.pack("<Q", len(key))
+            + key
+            + struct.pack(
+                "<IIQ", int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.UINT8), count
+            )
+            + bytes(count)
+        )
+    path = tmp_path / "long-arrays.gguf"
+    path.write_bytes(raw)
+    with pytest.raises(GGUFValidationError) as raised:
+        read_gguf_header(path)
+    assert (raised.value.rule, raised.value.field) == ("metadata-array-length", "general.long.2")

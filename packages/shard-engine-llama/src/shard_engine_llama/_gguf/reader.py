@@ -33,6 +33,11 @@ _SUPPORTED_GGUF_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 # 16x the largest vocabulary of a released model (262,144 tokens).
 MAX_ARRAY_ELEMENTS = 1 << 22
+# All arrays together: a vocabulary's tokens, scores, types and merges are well below it. Each
+# element becomes a Python object of about 32 bytes (per 1 to 4 bytes of file), so without a
+# total a file of many long arrays took ten times its size in memory (48 MB of FLOAT32 arrays:
+# 480 MB) and a large one the process.
+MAX_TOTAL_ARRAY_ELEMENTS = 1 << 23
 
 
 class GGUFValidationError(ValueError):
@@ -174,6 +179,7 @@ class _Cursor:
         self.buffer = buffer
         self.position = 0
         self.path = path
+        self.array_elements = 0
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.position + n > len(self.buffer):
@@ -232,6 +238,15 @@ class _Cursor:
             raise GGUFValidationError(
                 f"{self.path}: array {key!r} has {count} elements, more than the "
                 f"{MAX_ARRAY_ELEMENTS} any model needs (its largest are vocabularies)",
+                rule="metadata-array-length",
+                field=key,
+            )
+        self.array_elements += count
+        if self.array_elements > MAX_TOTAL_ARRAY_ELEMENTS:
+            raise GGUFValidationError(
+                f"{self.path}: array {key!r} brings the metadata arrays to "
+                f"{self.array_elements} elements, more than the {MAX_TOTAL_ARRAY_ELEMENTS} any "
+                "model needs",
                 rule="metadata-array-length",
                 field=key,
             )
