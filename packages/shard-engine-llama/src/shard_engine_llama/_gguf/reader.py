@@ -38,6 +38,10 @@ MAX_ARRAY_ELEMENTS = 1 << 22
 # total a file of many long arrays took ten times its size in memory (48 MB of FLOAT32 arrays:
 # 480 MB) and a large one the process.
 MAX_TOTAL_ARRAY_ELEMENTS = 1 << 23
+# Released models carry tens of metadata keys and at most a few thousand tensors (512 layers of
+# about 20, or per-expert tensors of older MoE conversions).
+MAX_METADATA_KEYS = 1 << 16
+MAX_TENSORS = 1 << 16
 
 
 class GGUFValidationError(ValueError):
@@ -324,6 +328,18 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
         raise GGUFValidationError(
             f"{path}: header claims {n_tensors} tensors and {n_kv} keys; corrupt"
         )
+    for count, limit, counted in (
+        (n_kv, MAX_METADATA_KEYS, "metadata count"),
+        (n_tensors, MAX_TENSORS, "tensor count"),
+    ):
+        if count > limit:
+            # Each parsed key or tensor costs about ten times its bytes in Python objects
+            # (a million one-byte keys, 20 MB of file: 217 MB).
+            raise GGUFValidationError(
+                f"{path}: {count} entries in its {counted}, more than the {limit} any model has",
+                rule="gguf-header-counts",
+                field=counted,
+            )
     metadata: dict[str, MetadataValue] = {}
     for _ in range(n_kv):
         key = cursor.string("metadata key")
