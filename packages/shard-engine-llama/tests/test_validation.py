@@ -984,3 +984,48 @@ def test_a_sentencepiece_vocabulary_without_byte_tokens_is_refused(
         "vocabulary-byte-tokens",
         "tokenizer.ggml.tokens",
     )
+
+
+@pytest.mark.parametrize(
+    ("arch", "tensor", "value"),
+    [
+        ("llama", "rope_freqs.weight", 0.0),
+        ("llama", "rope_factors_short.weight", 1e-45),
+        ("phi3", "rope_factors_short.weight", 0.0),
+    ],
+)
+def test_rope_factors_rope_divides_by_must_be_positive(
+    tmp_path: Path, arch: str, tensor: str, value: float
+) -> None:
+    """ggml's rope divides each rotation angle by its factor: a factor of 0 or 1e-45 loaded and
+    made every logit NaN."""
+    source = tmp_path / f"{arch}.gguf"
+    write_tiny_model(source, arch=arch, n_layers=2)
+    scaling = {
+        f"{arch}.rope.scaling.type": _string("longrope"),
+        f"{arch}.rope.scaling.factor": f32(4.0),
+    }
+    broken = rewrite(
+        source,
+        tmp_path / "broken.gguf",
+        metadata=scaling if "factors" in tensor else {},
+        tensors={tensor: _vector(tensor, 8, value)},
+    )
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(broken)
+    assert (raised.value.rule, raised.value.field) == ("tensor-values", tensor), str(raised.value)
+
+
+def test_phi3_has_no_rope_freqs_tensor(tmp_path: Path) -> None:
+    """phi3's loader asks for the long and short rope factors only: a phi3 file with
+    rope_freqs.weight validated, and llama.cpp refused it (an extra tensor)."""
+    source = tmp_path / "phi3.gguf"
+    write_tiny_model(source, arch="phi3", n_layers=2)
+    extra = rewrite(
+        source,
+        tmp_path / "extra.gguf",
+        tensors={"rope_freqs.weight": _vector("rope_freqs.weight", 8, 1.0)},
+    )
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(extra)
+    assert (raised.value.rule, raised.value.field) == ("tensor-unexpected", "rope_freqs.weight")

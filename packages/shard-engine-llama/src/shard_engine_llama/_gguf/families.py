@@ -180,7 +180,7 @@ def _embedding_and_output(
     *,
     output_required: bool = False,
     output_bias: bool = False,
-    rope_factors: bool = False,
+    rope_factors: tuple[str, ...] = (),
     tied_only: bool = False,
 ) -> list[TensorNeed]:
     needs = [
@@ -191,11 +191,10 @@ def _embedding_and_output(
         needs.append(TensorNeed("output.weight", (h.n_embd, h.n_vocab), output_required))
     if output_bias:
         needs.append(TensorNeed("output.bias", (h.n_vocab,), False))
-    if rope_factors:
-        # tn(LLM_TENSOR_ROPE_FACTORS_*, "weight", i) names one model-level tensor, shared by
-        # every block (TENSOR_DUPLICATED for i != 0).
-        for name in ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight"):
-            needs.append(TensorNeed(name, (h.n_rot // 2,), False))
+    # tn(LLM_TENSOR_ROPE_FACTORS_*, "weight", i) names one model-level tensor, shared by every
+    # block (TENSOR_DUPLICATED for i != 0).
+    for name in rope_factors:
+        needs.append(TensorNeed(name, (h.n_rot // 2,), False))
     return needs
 
 
@@ -272,8 +271,11 @@ def _shared_experts(h: Hyperparameters, il: int, n_ff_shexp: int) -> list[Tensor
 # -- families ------------------------------------------------------------------------------------
 
 
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+
+
 def _llama_model(h: Hyperparameters, present: Callable[[str], bool]) -> list[TensorNeed]:
-    return _embedding_and_output(h, present, rope_factors=True)
+    return _embedding_and_output(h, present, rope_factors=ROPE_FACTOR_TENSORS)
 
 
 def _llama_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -> list[TensorNeed]:
@@ -400,7 +402,9 @@ def _gemma2_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -
 
 
 def _phi3_model(h: Hyperparameters, present: Callable[[str], bool]) -> list[TensorNeed]:
-    return _embedding_and_output(h, present, rope_factors=True)
+    # phi3's loader creates the long and short factors only: a file with rope_freqs has a
+    # tensor it does not ask for, and llama.cpp refuses it.
+    return _embedding_and_output(h, present, rope_factors=ROPE_FACTOR_TENSORS[:2])
 
 
 def _phi3_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -> list[TensorNeed]:

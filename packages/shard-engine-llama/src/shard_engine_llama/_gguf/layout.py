@@ -27,7 +27,13 @@ import math
 import gguf
 import numpy as np
 
-from shard_engine_llama._gguf.families import FAMILIES, Family, Hyperparameters, TensorNeed
+from shard_engine_llama._gguf.families import (
+    FAMILIES,
+    ROPE_FACTOR_TENSORS,
+    Family,
+    Hyperparameters,
+    TensorNeed,
+)
 from shard_engine_llama._gguf.reader import GGUFHeader, GGUFValidationError
 
 __all__ = ["check_family", "hyperparameters", "swa_pattern", "uses_sliding_window"]
@@ -955,6 +961,17 @@ def _check_vectors(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
                 "tensor-values",
                 record.name,
                 "holds NaN or infinite values (every logit would be NaN)",
+            )
+    for name in ROPE_FACTOR_TENSORS:
+        factors = values.get(name)
+        if factors is not None and not bool(np.all(factors >= _MIN_DIVISOR)):
+            # ggml's rope divides each rotation angle by its factor: 0 or a denormal is inf.
+            raise _fail(
+                header,
+                "tensor-values",
+                name,
+                f"holds a factor below {_MIN_DIVISOR:g}; rope divides the angles by it "
+                "(every logit would be NaN)",
             )
     if family.name != "qwen2moe":
         return
