@@ -120,6 +120,12 @@ _DIVISORS: dict[str, tuple[str, ...]] = {
     "gemma2": ("attn_logit_softcapping",),
 }
 _MIN_DIVISOR = 1e-6
+# Divisors for which llama.cpp reads 0 as "not set" (rope's frequency scale is 1 / factor).
+_DIVISORS_ZERO_OFF = ("rope.scaling.factor", "rope.scale_linear")
+# Multipliers of activations (granite's): real models use 0.0078 to 12; at 3e38 the products
+# overflow to inf and every logit became NaN.
+_MAX_MULTIPLIER = 1e6
+_MULTIPLIERS = ("attention.scale", "embedding_scale", "residual_scale")
 _TOKENIZER_KEYS: dict[str, gguf.GGUFValueType] = {
     "tokenizer.ggml.model": _STR,
     "tokenizer.ggml.pre": _STR,
@@ -563,8 +569,20 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             "and keys by it, so attention scores grow with its square and overflow to NaN "
             "(real models use about 1)",
         )
-    for name in _DIVISORS[""] + _DIVISORS.get(arch, ()):
+    for name in _MULTIPLIERS:
         number = _float(header, key + name)
+        if number is not None and number > _MAX_MULTIPLIER:
+            raise _fail(
+                header,
+                "hparam-multiplier",
+                key + name,
+                f"{number!r} exceeds {_MAX_MULTIPLIER:g}: the graph multiplies activations by it "
+                "and the products overflow (every logit becomes NaN)",
+            )
+    for name in _DIVISORS[""] + _DIVISORS.get(arch, ()) + _DIVISORS_ZERO_OFF:
+        number = _float(header, key + name)
+        if name in _DIVISORS_ZERO_OFF and number == 0:
+            continue
         if number is not None and number < _MIN_DIVISOR:
             raise _fail(
                 header,
