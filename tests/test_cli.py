@@ -100,6 +100,9 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["run", "--tokens", "100000"], "token ids must lie in [0, 512)"),
     (["run", "--tokens", "1,2", "--prompt", "hi"], "give --prompt or --tokens, not both"),
     (["run", "--prompt", ""], "the prompt has no tokens"),
+    # Bytes of argv that are not UTF-8 arrive as lone surrogates (surrogateescape).
+    (["run", "--prompt", "ab\udcffcd"], "--prompt: is not valid UTF-8"),
+    (["run", "--engine", "llama", "--prompt", "\udc80"], "--prompt: is not valid UTF-8"),
     (["run", "--threads", "-2"], "--threads: must be an integer >= 0, got -2"),
     (["run", "--shards", "7"], "--shards: 7 shards of a 6-layer model; choose 1 to 6"),
     (["run", "--shards", "0"], "--shards: must be an integer >= 1"),

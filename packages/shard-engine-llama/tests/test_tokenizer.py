@@ -150,3 +150,5 @@ def test_encode_and_decode_take_text_and_ids_of_the_vocabulary(tiny_model: Path)
     for text in (b"hello", None, 5):
         with pytest.raises(InvalidRequest, match="must be a str"):
             tokenizer.encode(text)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="not valid UTF-8"):
+        tokenizer.encode("ab\udcffcd")

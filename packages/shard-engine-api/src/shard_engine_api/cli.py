@@ -110,6 +110,18 @@ def _finite_at_least_zero(text: str) -> float:
     return value
 
 
+def _utf8_text(text: str) -> str:
+    """Text that is valid UTF-8: bytes on the command line that do not decode become lone
+    surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"is not valid UTF-8 (undecodable byte at character {error.start})"
+        ) from None
+    return text
+
+
 def _probability(text: str) -> float:
     value = _finite_at_least_zero(text)
     if not 0 < value <= 1:
@@ -583,7 +595,12 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
     )
     pipeline_options(run)
     run.add_argument("--shards", type=_positive, default=3, help="number of shards")
-    run.add_argument("--prompt", default=None, help=f"prompt text; default {_DEFAULT_PROMPT!r}")
+    run.add_argument(
+        "--prompt",
+        type=_utf8_text,
+        default=None,
+        help=f"prompt text; default {_DEFAULT_PROMPT!r}",
+    )
     run.add_argument(
         "--tokens", type=_integer_list(0), help="comma-separated prompt token ids (not --prompt)"
     )

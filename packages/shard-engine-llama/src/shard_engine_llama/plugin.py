@@ -110,6 +110,12 @@ class _VocabularyTokenizer:
     def encode(self, text: str) -> list[int]:
         if type(text) is not str:
             raise InvalidRequest(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidRequest(
+                f"text to encode is not valid UTF-8 (a lone surrogate at character {error.start})"
+            ) from None
         return self._vocabulary.tokenize(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
