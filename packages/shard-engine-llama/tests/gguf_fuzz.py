@@ -99,7 +99,7 @@ def _interesting_ints(value: int) -> list[int]:
 
 
 def _interesting_floats(value: float) -> list[float]:
-    return [0.0, -value, -1e-5, math.nan, math.inf, -math.inf, 1e-45, 1e30, 1.0, value * 1e6]
+    return [0.0, -value, -1e-5, math.nan, math.inf, -math.inf, 1e-45, 1e30, 3e38, 1.0, value * 1e6]
 
 
 @dataclass
@@ -245,10 +245,22 @@ def _mutate_metadata(
 
 
 def _mutate_tensors(rng: random.Random, tensors: list[TensorEdit], log: list[str]) -> None:
-    kind = rng.choice(("drop", "rename", "shape", "shape", "type", "type", "add"))
+    kind = rng.choice(("drop", "rename", "shape", "shape", "type", "type", "add", "values"))
     index = rng.randrange(len(tensors))
     tensor = tensors[index]
-    if kind == "drop":
+    vectors = [i for i, t in enumerate(tensors) if len(t.shape) == 1]
+    if kind == "values" and vectors:
+        # A norm, bias, gate or rope factor holding values the arithmetic cannot take (huge
+        # finite weights are data, as in any matrix: not checked).
+        index = rng.choice(vectors)
+        tensor = tensors[index]
+        value = rng.choice((0.0, math.nan, math.inf, -1.0, 1e-45))
+        data = struct.pack(f"<{tensor.shape[0]}f", *([value] * tensor.shape[0]))
+        tensors[index] = TensorEdit(tensor.name, tensor.shape, tensor.ggml_type, data)
+        log.append(f"values {tensor.name} = {value}")
+    elif kind == "values":
+        return
+    elif kind == "drop":
         del tensors[index]
         log.append(f"drop tensor {tensor.name}")
     elif kind == "rename":
