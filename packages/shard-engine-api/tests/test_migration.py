@@ -758,3 +758,15 @@ def test_validating_engine_refuses_exports_of_an_engine_without_the_capability()
     prefill(inner, ref(), [1])
     with pytest.raises(MalformedOutput, match="session_migration"):
         engine.export_session(ExportSessionRequest(request_id="x", session=ref()))
+
+
+def test_export_and_import_count_as_requests(snapshot: SessionSnapshot) -> None:
+    """Metrics.requests counts every call that carries a request id, as its docstring says."""
+    source = _engine()
+    prefill(source, ref(), [1, 2, 3])
+    before = source.metrics().requests
+    export(source, ref())
+    assert source.metrics().requests == before + 1
+    target = _engine()
+    import_(target, snapshot)
+    assert (target.metrics().requests, target.metrics().imports) == (1, 1)

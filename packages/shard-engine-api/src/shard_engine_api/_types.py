@@ -727,9 +727,10 @@ class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
 class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
     """Counters since load.
 
-    ``requests`` counts the compute requests that reached the engine (prefill, decode and
-    decode_batch calls, a batch once), failed and cancelled ones included; ``release``,
-    ``cancel`` and the queries are not requests (releases are counted in ``releases``).
+    ``requests`` counts the requests that reached the engine with a request id (prefill,
+    decode, decode_batch, export_session and import_session calls, a batch once), failed and
+    cancelled ones included; ``release``, ``cancel`` and the queries are not requests
+    (releases are counted in ``releases``).
     ``decode_requests`` counts single decodes only (a batch counts in ``batch_requests``).
     ``errors`` counts, by code, every error a caller received: raised by any operation
     (release included) or returned as an item of a batch result. ``fences_dropped`` counts
