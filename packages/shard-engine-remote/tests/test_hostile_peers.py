@@ -15,11 +15,26 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import RemoteFactory, ServeFactory, config, delay, wait_until
+from conftest import (
+    Background,
+    RemoteFactory,
+    ServeFactory,
+    config,
+    decode,
+    delay,
+    prefill,
+    wait_until,
+)
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_remote import RemoteUnavailable, ServerSecurity, Unauthenticated, _framed
+from shard_engine_remote import (
+    OutcomeUnknown,
+    RemoteUnavailable,
+    ServerSecurity,
+    Unauthenticated,
+    _framed,
+)
 from shard_engine_remote._framed import CALL, HELLO, REPLY
 
 _HEADER = struct.Struct("<IBQ")
@@ -273,3 +288,39 @@ def test_a_server_of_another_user_never_sees_the_token(
     finally:
         os.close(read_end)
         os.waitpid(pid, 0)
+
+
+def test_a_call_racing_close_is_not_ready(
+    remote: RemoteFactory, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() from another thread landing between a call's check of the engine and its send
+    (forced here) is NotReady, not an untyped error from the closed channel (which the
+    result check would have called MalformedOutput)."""
+    engine = remote(config(in_process="fake", transport=transport))
+    prefill(engine)
+    original = engine._serving_link
+
+    def closed_meanwhile(*, restart: bool) -> tuple[object, object]:
+        link = original(restart=restart)
+        engine.close()
+        return link
+
+    monkeypatch.setattr(engine, "_serving_link", closed_meanwhile)
+    with pytest.raises(api.NotReady, match="closed"):
+        decode(engine, 3)
+
+
+def test_close_during_a_decode_is_outcome_unknown(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """A decode in flight when another thread closes the engine may have run on the server
+    (which outlives the close): OutcomeUnknown, never NotReady (which says nothing ran)."""
+    server = serve(config(faults=delay("decode", 10_000)), transport=transport)
+    assert server.address is not None
+    engine = remote(config(target=server.address, transport=transport))
+    prefill(engine)
+    pending = Background(lambda: decode(engine, 3))
+    wait_until(lambda: server.engine.health().in_flight == 1)
+    engine.close()
+    with pytest.raises(OutcomeUnknown, match="closed"):
+        pending.result()

@@ -48,6 +48,7 @@ from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unaut
 from shard_engine_remote._framed import (
     NOT_SENT,
     FramedLink,
+    FramedLinkError,
     FramedServer,
     check_private_socket,
 )
@@ -234,17 +235,33 @@ class _Link:
             return False
         return True
 
+    # grpcio raises ValueError for a call on a channel closed meanwhile (by close() from
+    # another thread): said as the link error it is, so it maps like every other.
+
     def call(self, message: bytes, timeout: float | None) -> RemoteReply | Rejected:
-        return self._call(message, timeout=timeout, metadata=self._metadata)
+        try:
+            return self._call(message, timeout=timeout, metadata=self._metadata)
+        except ValueError as error:
+            raise _closed_channel(error) from None
 
     def export(self, message: bytes, timeout: float | None) -> _Stream:
-        return cast(_Stream, self._export(message, timeout=timeout, metadata=self._metadata))
+        try:
+            return cast(_Stream, self._export(message, timeout=timeout, metadata=self._metadata))
+        except ValueError as error:
+            raise _closed_channel(error) from None
 
     def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
-        return self._import(messages, timeout=timeout, metadata=self._metadata)
+        try:
+            return self._import(messages, timeout=timeout, metadata=self._metadata)
+        except ValueError as error:
+            raise _closed_channel(error) from None
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _closed_channel(error: ValueError) -> FramedLinkError:
+    return FramedLinkError(grpc.StatusCode.CANCELLED, f"{error}; {NOT_SENT}")
 
 
 _AnyLink = _Link | FramedLink
@@ -786,7 +803,14 @@ class RemoteEngine:
         except AttributeError:
             code, details = grpc.StatusCode.UNKNOWN, str(error)
         facts: dict[str, api.ErrorDetail] = {"grpc_status": code.name, "target": link.target}
-        if self._state == "closed":
+        if self._state == "closed" or self._closing.is_set():
+            if mutating and NOT_SENT not in details:
+                # A target server lives on after close(): what it received may have run.
+                return OutcomeUnknown(
+                    f"the remote engine was closed while a request to {link.target} was in "
+                    "flight; it may or may not have been executed",
+                    details={**facts, "reason": "closed", "outcome": "unknown"},
+                )
             return api.NotReady("remote engine was closed", retryable=False)
         child = self._child
         if child is not None and link is self._link:
