@@ -189,3 +189,14 @@ def test_close_ends_a_restart_whose_child_stopped_starting(transport: str) -> No
         wait_until(lambda: _gone(pid))
     finally:
         engine.close()
+
+
+def test_a_terminal_interrupt_does_not_reach_the_child(remote: RemoteFactory) -> None:
+    """A terminal's Ctrl-C sends SIGINT to every process of the foreground process group: the
+    child is not in the worker's, so it serves on until the worker itself decides."""
+    engine = remote(config(spawn="fake"))
+    prefill(engine)
+    pid = engine.child_pid
+    assert pid is not None
+    assert os.getpgid(pid) != os.getpgid(0)
+    assert decode(engine, 3).first_pos == 3

@@ -146,6 +146,11 @@ class ChildProcess:
                 stderr=stderr,
                 env=self.environment(),
                 close_fds=True,
+                # Out of this process's group: a terminal's Ctrl-C (SIGINT to the foreground
+                # group) would otherwise end every child at once, before the worker could
+                # drain or move its sessions. The child still ends with this process (its
+                # stdin closes).
+                start_new_session=True,
             )
         threading.Thread(target=self._wait, daemon=True, name=f"child-{self.pid}").start()
         line = self._first_line()
