@@ -920,6 +920,7 @@ def _vector(name: str, n: int, value: float) -> TensorEdit:
         # qwen2moe's shared-expert gate is silu(x) / x: 0 / 0 for a gate logit of exactly 0.
         ("qwen2moe", "blk.1.ffn_gate_inp_shexp.weight", 0.0, "blk.1.ffn_gate_inp_shexp.weight"),
         ("qwen2moe", "blk.2.ffn_norm.weight", 0.0, "blk.2.ffn_gate_inp_shexp.weight"),
+        ("qwen2moe", "blk.0.ffn_gate_inp_shexp.weight", 1e-45, "blk.0.ffn_gate_inp_shexp.weight"),
     ],
 )
 def test_vectors_that_make_every_logit_nan_are_refused(

@@ -999,13 +999,14 @@ def _check_vectors(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
         norm = values.get(f"blk.{il}.ffn_norm.weight")
         if il in skipped or gate is None or norm is None or gate.shape != norm.shape:
             continue
-        if not np.any(gate * norm):
+        # Products this small underflow to a logit of exactly 0 as well (a gate of 1e-45s).
+        if float(np.max(np.abs(gate * norm))) < _MIN_DIVISOR:
             raise _fail(
                 header,
                 "tensor-values",
                 f"blk.{il}.ffn_gate_inp_shexp.weight",
-                "with ffn_norm.weight gives a shared-expert gate logit of exactly 0 for every "
-                "input; llama.cpp computes the gate as silu(x) / x, so every row becomes NaN",
+                "with ffn_norm.weight gives a shared-expert gate logit of 0 for every input; "
+                "llama.cpp computes the gate as silu(x) / x, so every row becomes NaN",
             )
 
 
