@@ -541,6 +541,14 @@ FAMILY_CASES: list[
         "granite.attention.scale",
     ),
     (
+        "non-causal attention: prefill 5 + decode 1 was 0.36 off prefill 6",
+        "llama",
+        {"llama.attention.causal": MetadataValue(False, gguf.GGUFValueType.BOOL)},
+        {},
+        "hparam-causal",
+        "llama.attention.causal",
+    ),
+    (
         "gemma2 attention softcap 0, which its graph divides by (every logit NaN)",
         "gemma2",
         {"gemma2.attn_logit_softcapping": f32(0.0)},

@@ -569,6 +569,18 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             "and keys by it, so attention scores grow with its square and overflow to NaN "
             "(real models use about 1)",
         )
+    causal = header.metadata.get(key + "attention.causal")
+    if causal is not None and causal.value is False:
+        # Non-causal attention lets every position see the later ones of its batch: a cached
+        # prefix then differs from the same positions prefilled with what follows, so
+        # prefill + decode no longer equals one prefill (0.36 apart on a tiny llama).
+        raise _fail(
+            header,
+            "hparam-causal",
+            key + "attention.causal",
+            "non-causal attention: sessions cache positions and extend them one token at a "
+            "time, which only causal attention computes the same way as one prefill",
+        )
     for name in _MULTIPLIERS:
         number = _float(header, key + name)
         if number is not None and number > _MAX_MULTIPLIER:
