@@ -29,13 +29,14 @@ from conftest import (
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import (
+    EngineServer,
     OutcomeUnknown,
     RemoteUnavailable,
     ServerSecurity,
     Unauthenticated,
     _framed,
 )
-from shard_engine_remote._framed import CALL, HELLO, REPLY
+from shard_engine_remote._framed import CALL, CHUNK, HELLO, IMPORT, REPLY, FramedServer
 
 _HEADER = struct.Struct("<IBQ")
 
@@ -324,3 +325,71 @@ def test_close_during_a_decode_is_outcome_unknown(
     engine.close()
     with pytest.raises(OutcomeUnknown, match="closed"):
         pending.result()
+
+
+def test_import_chunks_sent_ahead_of_a_busy_server_are_bounded(
+    monkeypatch: pytest.MonkeyPatch, private_dir: Path
+) -> None:
+    """An import queued for a pool thread (every one busy) takes none of its chunks: a client
+    streaming them regardless has at most 64 MiB held for it, then the stream is refused with
+    a retryable ResourceExhausted (nothing imported) instead of the server buffering whatever
+    it is sent."""
+    engine = api.load_engine("fake", config())
+    gate = threading.Event()
+    release = engine.release
+
+    def held_release(request: api.ReleaseRequest) -> api.ReleaseResult:
+        gate.wait(60)
+        return release(request)
+
+    monkeypatch.setattr(engine, "release", held_release)
+    server = EngineServer(engine, max_workers=5)
+    framed = FramedServer(server)
+    framed.start(private_dir / "engine.sock")
+    releasing, streaming = _greeted(private_dir), _greeted(private_dir)
+    try:
+        for call_id in range(1, 7):  # its own thread and all five of the pool's
+            releasing.sendall(_frame(CALL, call_id, wire.encode(api.ReleaseRequest(session=_REF))))
+        wait_until(lambda: server.stats().in_flight == 6)
+        streaming.sendall(_frame(CALL, 1, wire.encode(api.ReleaseRequest(session=_REF))))
+        wait_until(lambda: server.stats().in_flight == 7)
+        streaming.sendall(_frame(IMPORT, 2, b""))  # queued: no thread is free
+        chunk = bytes(1 << 20)
+        tracemalloc.start()
+        try:
+            for _ in range(100):
+                streaming.sendall(_frame(CHUNK, 2, chunk))
+            # Answered by the reading thread once it handled every chunk before it.
+            streaming.sendall(_frame(99, 3, b""))
+            assert _read_frame(streaming)[:2] == (REPLY, 3)
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert held < 64 << 20, f"{held} bytes of a queued import's chunks are held"
+        gate.set()
+        replies = {}
+        while 2 not in replies:
+            _, call_id, body = _read_frame(streaming)
+            replies[call_id] = body
+        refused = wire.decode_error(replies[2])
+        assert isinstance(refused, api.ResourceExhausted)
+        assert refused.retryable
+        assert refused.details["resource"] == "import_queue_bytes"
+    finally:
+        gate.set()
+        releasing.close()
+        streaming.close()
+        framed.stop(grace=5)
+        engine.close()
+
+
+_REF = api.SessionRef(session_id="gone", epoch=1)
+
+
+def _greeted(directory: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(directory / "engine.sock"))
+    sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
+    assert _read_frame(sock)[0] == HELLO
+    return sock

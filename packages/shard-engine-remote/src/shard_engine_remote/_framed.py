@@ -605,7 +605,12 @@ class _CallContext:
 
 
 _BROKEN: Final = object()
+_OVERRUN: Final = object()
 _ImportItem = bytes | None | object
+_MAX_QUEUED_CHUNK_BYTES: Final = 64 << 20
+"""Import stream bytes one connection may have sent ahead of the calls taking them (an import
+waiting for a pool thread takes none): beyond, the stream is refused with a retryable
+ResourceExhausted instead of buffering whatever the client sends."""
 
 
 class _ServerConnection:
@@ -626,6 +631,8 @@ class _ServerConnection:
         self._other_idle = True
         """Whether the thread that is not reading waits for its turn (else it serves a call)."""
         self._pooled = 0
+        self._queued_bytes = 0
+        """Import chunk bytes received on this connection and not yet taken (or dropped)."""
         """This connection's calls queued for or running on the server's pool."""
         self._closing = False
 
@@ -733,14 +740,25 @@ class _ServerConnection:
                 continue
             body = reader.body(length)
             if kind in (CHUNK, END):
+                overrun = False
                 with self._lock:
                     stream = (
                         self._streams.get(call_id)
                         if kind == CHUNK
                         else self._streams.pop(call_id, None)
                     )
+                    if stream is not None and kind == CHUNK:
+                        overrun = self._queued_bytes + len(body) > _MAX_QUEUED_CHUNK_BYTES
+                        if overrun:
+                            del self._streams[call_id]
+                        else:
+                            self._queued_bytes += len(body)
                 if stream is not None:
-                    stream.put(body if kind == CHUNK else None)
+                    if overrun:
+                        self._discard(stream)
+                        stream.put(_OVERRUN)
+                    else:
+                        stream.put(body if kind == CHUNK else None)
                 continue
             if kind == ABANDON:
                 with self._lock:
@@ -836,8 +854,24 @@ class _ServerConnection:
                 self._unpool()
             with self._lock:
                 self._calls.pop(call_id, None)
-                self._streams.pop(call_id, None)
+                stream = self._streams.pop(call_id, None)
+            if stream is not None:
+                self._discard(stream)  # what the call did not take (it answered early)
             context.end()
+
+    def _taken(self, chunk: bytes) -> None:
+        with self._lock:
+            self._queued_bytes -= len(chunk)
+
+    def _discard(self, stream: queue.SimpleQueue[_ImportItem]) -> None:
+        """Drop the chunks waiting in ``stream``."""
+        while True:
+            try:
+                item = stream.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, bytes):
+                self._taken(item)
 
     def _unpool(self) -> None:
         self._owner.release()
@@ -876,8 +910,16 @@ class _ServerConnection:
                     raise StreamBroken(f"no message arrived within {idle} s") from None
                 if item is None:
                     return
+                if item is _OVERRUN:
+                    raise api.ResourceExhausted(
+                        f"the import stream got more than {_MAX_QUEUED_CHUNK_BYTES} bytes ahead "
+                        "of the server, whose threads are busy; nothing was imported; retry",
+                        retryable=True,
+                        details={"resource": "import_queue_bytes"},
+                    )
                 if not isinstance(item, bytes):
                     raise StreamBroken("the client abandoned the stream or lost its connection")
+                self._taken(item)
                 yield item
 
         reply = self._server._import(messages(), context)
