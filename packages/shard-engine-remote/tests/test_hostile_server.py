@@ -385,3 +385,27 @@ def test_an_oversized_grpc_reply_is_outcome_unknown(remote: RemoteFactory) -> No
         assert raised.value.details["reason"] == "transport_error"
     finally:
         server.stop(None)
+
+
+def test_a_grpc_reply_with_oversized_metadata_is_outcome_unknown(remote: RemoteFactory) -> None:
+    """A server (or a proxy) answering a prefill with trailers over gRPC's metadata limit: the
+    client refuses the reply, but the prefill ran (the session holds it), so OutcomeUnknown,
+    never the retryable "server busy" ResourceExhausted that says nothing ran."""
+
+    class Bloated(EngineServer):
+        def _call(self, request: object, context: grpc.ServicerContext) -> object:  # type: ignore[override]
+            reply = super()._call(request, context)  # type: ignore[arg-type]
+            if isinstance(request, api.PrefillRequest):
+                context.set_trailing_metadata((("x-padding", "a" * 200_000),))
+            return reply
+
+    server = Bloated(api.load_engine("fake", config()))
+    address = server.start("127.0.0.1:0")
+    try:
+        engine = remote(config(target=address))
+        with pytest.raises(OutcomeUnknown):
+            prefill(engine)
+        assert server.engine.health().sessions == 1, "the prefill did not run after all"
+    finally:
+        server.stop(None)
+        server.engine.close()

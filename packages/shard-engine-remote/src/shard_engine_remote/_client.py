@@ -269,6 +269,9 @@ _State = Literal["loading", "ready", "crashed", "closed"]
 
 _REPLY_TOO_LARGE: Final = "CLIENT: Received message larger than max"
 """How grpcio words a reply this side refused for its size."""
+_REPLY_METADATA_TOO_LARGE: Final = "received metadata size exceeds"
+"""How grpcio words a reply whose headers or trailers this side refused for their size (this
+side's own request metadata is a few dozen bytes: never the cause)."""
 _NOT_SENT_MARKERS: Final = ("failed to connect to all addresses", "Connection refused", NOT_SENT)
 
 
@@ -822,7 +825,9 @@ class RemoteEngine:
                         self._state = "crashed"
                         self._crash = crashed
                 return self._crash_copy()
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _REPLY_TOO_LARGE in details:
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            _REPLY_TOO_LARGE in details or _REPLY_METADATA_TOO_LARGE in details
+        ):
             # This side refused the server's reply, not the server this request: it may have
             # run, like a reply lost with the connection (the framed link says the same).
             code = grpc.StatusCode.DATA_LOSS
