@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import typing
 from pathlib import Path
 
 import grpc
@@ -397,3 +399,49 @@ def test_standard_health_follows_the_engine(serve: ServeFactory, remote: RemoteF
             decode(engine, 3)
         assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
     assert engine.health().state == "failed"
+
+
+def test_a_call_failing_after_a_restart_still_names_its_childs_death(
+    remote: RemoteFactory, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode in flight when its child is killed, whose failure is handled only after
+    another thread already replaced that child (forced here), is still EngineCrashed naming
+    the signal: never OutcomeUnknown, which would send the worker to retry against a fresh
+    child that knows nothing of the session."""
+    engine = remote(
+        config(
+            spawn="fake",
+            transport=transport,
+            restart="on-crash",
+            faults=delay("decode", 10_000, session_id="slow"),
+        )
+    )
+    prefill(engine, session="slow")
+    pid = engine.child_pid
+    assert pid is not None
+    handle = engine._transport_failure
+    others: list[object] = []
+    replacing = threading.Event()
+
+    def after_a_restart(*args: typing.Any) -> api.ShardEngineError:
+        if not replacing.is_set():
+            replacing.set()
+            # Another thread meets the crash and the next call replaces the child, both before
+            # this failure is looked at.
+            others.append(Background(lambda: _health_then_prefill(engine)).result())
+        return handle(*args)
+
+    monkeypatch.setattr(engine, "_transport_failure", after_a_restart)
+    pending = Background(lambda: decode(engine, 3, session="slow"))
+    wait_until(lambda: engine.server_stats().in_flight >= 2)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(api.EngineCrashed, match="SIGKILL"):
+        pending.result()
+    assert others == ["restarted"]
+    assert engine.restarts == 1
+
+
+def _health_then_prefill(engine: RemoteEngine) -> str:
+    wait_until(lambda: engine.health().state == "degraded")
+    prefill(engine, session="fresh")
+    return "restarted"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import secrets
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar, Final, Literal, Protocol, TypeVar, cast
@@ -296,6 +297,10 @@ class RemoteEngine:
         local engine's failed state."""
         self._restarts = 0
         self._closing = threading.Event()
+        self._replaced: weakref.WeakKeyDictionary[_AnyLink, ChildProcess] = (
+            weakref.WeakKeyDictionary()
+        )
+        """The child each replaced link reached, while calls on that link may still fail."""
         self._last_metrics = api.Metrics()
         self._checked: api.ValidatingEngine = api.ValidatingEngine(_Served(self))
 
@@ -730,6 +735,8 @@ class RemoteEngine:
         old_child, self._child = self._child, None
         if old_child is not None:
             old_child.stop(grace=1.0)
+            if old_link is not None:
+                self._replaced[old_link] = old_child
         self._restarts += 1
         try:
             served = self._spawn(options, self._served_config)
@@ -815,8 +822,10 @@ class RemoteEngine:
                     details={**facts, "reason": "closed", "outcome": "unknown"},
                 )
             return api.NotReady("remote engine was closed", retryable=False)
-        child = self._child
-        if child is not None and link is self._link:
+        # The child this link reached: a call failing after another thread already replaced
+        # that child still failed because its own child died.
+        child = self._child if link is self._link else self._replaced.get(link)
+        if child is not None:
             wait = 0.0 if code == grpc.StatusCode.DEADLINE_EXCEEDED else _DEATH_GRACE_S
             crashed = child.wait_exit(wait)
             if crashed is not None:
@@ -824,7 +833,7 @@ class RemoteEngine:
                     if self._link is link:
                         self._state = "crashed"
                         self._crash = crashed
-                return self._crash_copy()
+                return api.EngineCrashed(crashed.message, details=dict(crashed.details))
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
             _REPLY_TOO_LARGE in details or _REPLY_METADATA_TOO_LARGE in details
         ):
