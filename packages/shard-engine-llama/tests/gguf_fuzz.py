@@ -3,7 +3,8 @@ every file the validator accepts with llama.cpp in a child process.
 
 A child that dies (SIGABRT from a GGML_ASSERT, SIGSEGV) is an abort; a file llama.cpp refuses
 to load although the validator accepted it is a miss, and one whose prefill or decode returns
-NaN or infinity is a silent miscomputation. All three must stay at zero.
+NaN or infinity, or whose decoded row is not the row one prefill of the same positions computes,
+is a silent miscomputation. All must stay at zero.
 
 Run directly for a deeper run: ``python tests/gguf_fuzz.py --per-family 200 --seed 1``.
 The child mode (``--load``) reads one file path per line from stdin and answers per file.
@@ -481,6 +482,7 @@ class FuzzReport:
     aborts: list[str] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)
     nonfinite: list[str] = field(default_factory=list)
+    drift: list[str] = field(default_factory=list)
     refused_by_rule: Counter[str] = field(default_factory=Counter)
 
     def summary(self) -> dict[str, object]:
@@ -494,6 +496,7 @@ class FuzzReport:
             "aborts": len(self.aborts),
             "accepted_but_llama_cpp_refused": len(self.missed),
             "accepted_but_not_finite": len(self.nonfinite),
+            "decode_not_prefill": len(self.drift),
             "refused_by_rule": dict(self.refused_by_rule.most_common()),
         }
 
@@ -592,6 +595,8 @@ def run(directory: Path, per_family: int, seed: int, consistent: int = 0) -> Fuz
             report.aborts.append(description)
         elif outcome.startswith("NONFINITE"):
             report.nonfinite.append(description)
+        elif outcome.startswith("DRIFT"):
+            report.drift.append(description)
         elif outcome.startswith("OK"):
             if mutant.is_shard:
                 report.shards_loaded += 1
@@ -617,14 +622,25 @@ def _load_worker() -> int:
                 if runtime.is_head:
                     out = runtime.run(0, 0, tokens=tokens)
                     last = runtime.run(0, len(tokens), tokens=tokens[:1])
+                    runtime.seq_rm(0)
+                    whole = runtime.run(0, 0, tokens=[*tokens, tokens[0]])
                 else:
                     hidden = np.full((5, runtime.n_embd_input), 0.5, dtype=np.float32)
+                    hidden[:, ::2] = -0.25  # rows differ from the row mean
+                    hidden *= np.arange(1, 6, dtype=np.float32)[:, None]
                     out = runtime.run(0, 0, embeddings=hidden)
                     last = runtime.run(0, 5, embeddings=hidden[:1])
+                    runtime.seq_rm(0)
+                    whole = runtime.run(0, 0, embeddings=np.concatenate([hidden, hidden[:1]]))
                 # Generated weights are small and finite: a NaN or infinity out of them is a
                 # hyper-parameter the validator let through that breaks the arithmetic.
                 finite = bool(np.isfinite(out).all() and np.isfinite(last).all())
-            print(f"{_PROTOCOL}{'OK' if finite else 'NONFINITE'} {out.shape}", flush=True)
+                # A session extends its cached prefix one row at a time: the decoded row must
+                # be the one a single prefill of all six computes (up to batch-shape rounding).
+                scale = max(1.0, float(np.abs(whole[-1]).max())) if finite else 1.0
+                consistent = bool(np.abs(whole[-1] - last[-1]).max() <= 1e-2 * scale)
+            outcome = "OK" if finite and consistent else "NONFINITE" if not finite else "DRIFT"
+            print(f"{_PROTOCOL}{outcome} {out.shape}", flush=True)
         except LlamaRuntimeError as error:
             print(f"{_PROTOCOL}REFUSED {type(error).__name__}: {str(error)[:200]}", flush=True)
         except Exception as error:  # noqa: BLE001 - reported, the parent decides
@@ -651,9 +667,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gguf-fuzz-") as scratch:
             report = run(Path(scratch), args.per_family, args.seed, args.consistent)
     print(json.dumps(report.summary(), indent=2))
-    for line in report.aborts + report.missed + report.nonfinite:
+    for line in report.aborts + report.missed + report.nonfinite + report.drift:
         print(line)
-    return 1 if report.aborts or report.missed or report.nonfinite else 0
+    return 1 if report.aborts or report.missed or report.nonfinite or report.drift else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Header and tensor-table fuzz of every family: no file the validator accepts may abort
-llama.cpp, be refused by it or return NaN. Bounded by default (40 mutants and 20 files of
-consistent, adversarial hyper-parameters per family, about 15 s);
-``SHARD_ENGINE_LLAMA_FUZZ_PER_FAMILY=300`` and ``SHARD_ENGINE_LLAMA_FUZZ_CONSISTENT=300`` (or
-``python tests/gguf_fuzz.py --per-family 300 --consistent 300``) run deeper,
-``SHARD_ENGINE_LLAMA_FUZZ_SEED`` picks other mutants."""
+llama.cpp, be refused by it, return NaN or decode a row other than a prefill computes.
+Bounded by default (40 mutants and 20 files of consistent, adversarial hyper-parameters per
+family, about 15 s); ``SHARD_ENGINE_LLAMA_FUZZ_PER_FAMILY=300`` and
+``SHARD_ENGINE_LLAMA_FUZZ_CONSISTENT=300`` (or ``python tests/gguf_fuzz.py --per-family 300
+--consistent 300``) run deeper, ``SHARD_ENGINE_LLAMA_FUZZ_SEED`` picks other mutants."""
 
 from __future__ import annotations
 
@@ -28,4 +28,5 @@ def test_no_accepted_file_aborts_is_refused_by_llama_cpp_or_computes_nan(tmp_pat
     assert not report.aborts, report.aborts
     assert not report.missed, report.missed
     assert not report.nonfinite, report.nonfinite
+    assert not report.drift, report.drift
     assert report.loaded == report.accepted
