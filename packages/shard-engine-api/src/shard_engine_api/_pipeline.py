@@ -407,7 +407,7 @@ class Pipeline:
         Its session (a fresh one unless ``session`` is given) is released on every exit: the
         end, an exception, an early ``break`` inside ``with``, or :meth:`TokenStream.close`.
         Raises InvalidRequest for an empty prompt or a negative ``max_new_tokens``."""
-        _generation_session(session, tokenizer)
+        _check_session_and_tokenizer(session, tokenizer)
         return TokenStream(
             _Generation(
                 self,
@@ -465,7 +465,7 @@ class Pipeline:
     ) -> GenerationResult:
         """The whole of :meth:`stream`, with the logits of every step (the last generated
         token is decoded too, so its logits are there to compare) and timings."""
-        _generation_session(session, tokenizer)
+        _check_session_and_tokenizer(session, tokenizer)
         stream = TokenStream(
             _Generation(
                 self,
@@ -719,7 +719,7 @@ def _describe(engine: ShardEngine) -> str:
     return f"{caps.engine}[{caps.shard.start}:{caps.shard.end}] ({caps.role})"
 
 
-def _generation_session(session: SessionRef | None, tokenizer: Tokenizer | None) -> None:
+def _check_session_and_tokenizer(session: SessionRef | None, tokenizer: Tokenizer | None) -> None:
     """Refuse a session that is not a SessionRef and a tokenizer without ``decode`` before
     any work (they would otherwise fail untyped mid-generation). Raises InvalidRequest."""
     if session is not None and type(session) is not SessionRef:
