@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import itertools
+import math
 import os
 import sys
 import time
@@ -82,6 +83,7 @@ from shard_engine_api._types import (
     DecodeRequest,
     EvictionPolicy,
     LogitsResult,
+    Metrics,
     MtpState,
     OptionValue,
     PrefillRequest,
@@ -865,11 +867,14 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
 
     def test_stale_epoch(self) -> None:
         """Epochs fence: a newer epoch starts the session fresh (its output equals a brand
-        new session's), after which prefill, decode and release with the older epoch raise
-        StaleEpoch.
+        new session's, and its results name the newer epoch), after which prefill, decode
+        and release with the older epoch raise StaleEpoch. Epochs are exact 64-bit integers:
+        2**53 is older than 2**53 + 1, and 2**63 - 1 (the largest) fences like any other.
 
         Fix: keep the session's current epoch; drop its state on a newer epoch; refuse older
-        ones with StaleEpoch (not CacheMiss, not success)."""
+        ones with StaleEpoch (not CacheMiss, not success); store and compare epochs as
+        integers (never as floats, never narrower than 64 bits); address every result to the
+        session and epoch of its request."""
         h = self.harness
         engine = h.load()
         caps = engine.capabilities()
@@ -877,7 +882,9 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         old = h.session("a", epoch=1)
         new = h.session("a", epoch=2)
         h.prefill(engine, old, 0, h.tokens(5, seed=1))
-        fresh = logits_array(h.prefill(engine, new, 0, h.tokens(3, seed=2)))
+        newer = h.prefill(engine, new, 0, h.tokens(3, seed=2))
+        _assert_addressed_to(newer, new, "prefill at the newer epoch")
+        fresh = logits_array(newer)
         reference = logits_array(h.prefill(engine, h.session("ref"), 0, h.tokens(3, seed=2)))
         assert_matches(
             fresh,
@@ -898,7 +905,29 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
             "decode with older epoch at the current length",
         )
         _raises(StaleEpoch, lambda: h.release(engine, old), "release with the older epoch")
-        h.decode(engine, new, 3, (1,))
+        _assert_addressed_to(h.decode(engine, new, 3, (1,)), new, "decode at the newer epoch")
+        for first, second in ((2**53, 2**53 + 1), (2**63 - 2, 2**63 - 1)):
+            older, younger = h.session(f"big-{second}", first), h.session(f"big-{second}", second)
+            h.prefill(engine, older, 0, h.tokens(2, seed=4))
+            _assert_addressed_to(
+                h.prefill(engine, younger, 0, h.tokens(2, seed=5)), younger, f"epoch {second}"
+            )
+            _raises(
+                StaleEpoch,
+                partial(h.prefill, engine, older, 0, h.tokens(2, seed=6)),
+                f"prefill with epoch {first} after {second}",
+            )
+            _raises(
+                StaleEpoch,
+                partial(h.decode, engine, older, 2, (1,)),
+                f"decode with epoch {first} after {second}",
+            )
+            h.release(engine, younger)
+            _raises(
+                StaleEpoch,
+                partial(h.prefill, engine, younger, 0, h.tokens(2, seed=7)),
+                f"prefill with the released epoch {second}",
+            )
 
     def test_resource_exhausted_kv_budget(self) -> None:
         """With eviction "reject", a prefill that would exceed the KV budget raises
@@ -1302,12 +1331,14 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
                 )
 
     def test_batched_decode_matches_single(self) -> None:
-        """``decode_batch`` over several sessions gives, per item and in item order, what a
-        single decode gives (exact when the engine declares batch_invariant and split_exact,
-        else within tolerance).
+        """``decode_batch`` over several sessions (at different epochs) gives, per item and
+        in item order, what a single decode gives (exact when the engine declares
+        batch_invariant and split_exact, else within tolerance), addressed to the item's own
+        request id, session and epoch.
 
         Fix: keep rows in item order; make batching not change numerics, or declare
-        batch_invariant = False and a tolerance."""
+        batch_invariant = False and a tolerance; build each item's result from its own
+        request."""
         h = self.harness
         batched = h.load()
         caps = batched.capabilities()
@@ -1316,7 +1347,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         exact, tolerance = self._batch_exactness(caps)
         single = h.load()
         lengths = (3, 7, 5)
-        sessions = [h.session(f"s{i}") for i in range(len(lengths))]
+        sessions = [h.session(f"s{i}", epoch=i + 1) for i in range(len(lengths))]
         for index, (session, length) in enumerate(zip(sessions, lengths, strict=True)):
             for engine in (batched, single):
                 h.prefill(engine, session, 0, h.tokens(length, seed=index))
@@ -1340,6 +1371,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
                 h.observe(outcome)
                 assert outcome.session == item.session, "batch outcomes must be in item order"
                 assert outcome.request_id == item.request_id
+                _assert_addressed_to(outcome, item.session, f"batch item {item.request_id}")
                 want = logits_array(h.decode(single, item.session, item.pos, item.inputs))
                 assert_matches(
                     logits_array(outcome),
@@ -1729,10 +1761,13 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         StaleEpoch included), sessions, KV positions used, releases and tombstones.
 
         Fix: count in the shared ledger (EngineCore does) and report the counters as they
-        are; do not count tokens of failed or cancelled requests, nor releases as requests."""
+        are; do not count tokens of failed or cancelled requests, nor releases as requests;
+        never reset a counter when it is read (every counter, compute_ms included, only
+        grows)."""
         h = self.harness
         engine = h.load()
-        assert engine.metrics().requests == 0
+        start = engine.metrics()
+        assert start.requests == 0
         a, b = h.session("a"), h.session("b", epoch=2)
         h.prefill(engine, a, 0, h.tokens(5, seed=1))
         h.decode(engine, a, 5, (1,))
@@ -1744,6 +1779,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
             "prefill with an older epoch",
         )
         metrics = engine.metrics()
+        _assert_counters_grew(start, metrics)
         health = engine.health()
         expected = {
             "requests": 5,
@@ -1766,7 +1802,8 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         h.release(engine, b)
         _raises(StaleEpoch, lambda: h.release(engine, h.session("a", epoch=0)), "stale release")
         h.release(engine, h.session("never-seen"))
-        metrics = engine.metrics()
+        before, metrics = metrics, engine.metrics()
+        _assert_counters_grew(before, metrics)
         assert (metrics.releases, metrics.sessions_active, metrics.kv_used_tokens) == (1, 1, 6)
         assert metrics.tombstones >= 1
         assert engine.health().kv_used_tokens == 6
@@ -1777,6 +1814,50 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         assert metrics.errors == {"cache_miss": 1, "stale_epoch": 2}, (
             f"metrics.errors {metrics.errors}: the StaleEpoch a release raised counts too"
         )
+
+
+_CUMULATIVE: Final = (
+    "requests",
+    "prefill_requests",
+    "decode_requests",
+    "batch_requests",
+    "prefill_tokens",
+    "decode_tokens",
+    "cancelled",
+    "evictions",
+    "releases",
+    "exports",
+    "imports",
+    "fences_dropped",
+    "compute_ms",
+)
+
+
+def _assert_counters_grew(before: Metrics, after: Metrics) -> None:
+    """Counters since load never go back, and time spent computing is a finite number."""
+    duration = after.compute_ms
+    assert math.isfinite(duration), f"metrics.compute_ms is {duration}: a duration is finite"
+    assert duration >= 0.0, f"metrics.compute_ms is {duration}: a duration is not negative"
+    shrunk = {
+        name: (getattr(before, name), getattr(after, name))
+        for name in _CUMULATIVE
+        if getattr(after, name) < getattr(before, name)
+    }
+    shrunk.update(
+        (f"errors[{code!r}]", (count, after.errors.get(code, 0)))
+        for code, count in before.errors.items()
+        if after.errors.get(code, 0) < count
+    )
+    assert not shrunk, f"metrics counters went back between two reads: {shrunk}"
+
+
+def _assert_addressed_to(result: ShardResult, session: SessionRef, what: str) -> None:
+    addressed = [result.session]
+    if isinstance(result, BoundaryResult):
+        addressed.append(result.bundle.session)
+    assert all(ref == session for ref in addressed), (
+        f"{what}: the result is addressed to {addressed}, not to the request's {session}"
+    )
 
 
 def _check_pinned() -> None:

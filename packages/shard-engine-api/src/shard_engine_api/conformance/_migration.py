@@ -309,19 +309,38 @@ class MigrationTests:
         assert self._length(lru, recent) == 5
 
     def test_migration_epoch_fencing(self) -> None:
-        """Import follows the fences: an epoch older than, or equal to, the live one is
-        StaleEpoch (nothing changed); a newer one replaces the live session (older epochs are
-        then StaleEpoch); a released epoch (tombstone) and older ones are StaleEpoch, a newer
-        one is installed; ``epoch`` below the snapshot's own is InvalidRequest.
+        """Export reads exactly the live epoch: a newer epoch (not prefilled) is CacheMiss
+        "new_epoch" with committed length 0, an older one StaleEpoch, an unknown session
+        CacheMiss "unknown_session". Import follows the fences: an epoch older than, or equal
+        to, the live one is StaleEpoch (nothing changed); a newer one replaces the live
+        session (older epochs are then StaleEpoch); a released epoch (tombstone) and older
+        ones are StaleEpoch, a newer one is installed; ``epoch`` below the snapshot's own is
+        InvalidRequest.
 
-        Fix: run import through the same fence rule as prefill, strict for live state; check
-        the tombstones; install under ``request.epoch`` when given."""
+        Fix: export under decode's rules (same epoch only: a newer epoch has no state yet);
+        run import through the same fence rule as prefill, strict for live state; check the
+        tombstones; install under ``request.epoch`` when given."""
         h = self.harness
         source = self._migrating()
         tokens = h.tokens(_PROMPT, seed=5)
         feed = self._feed(0, tokens)
         session = h.session("f", epoch=5)
         self._prefilled(source, feed, session, _PROMPT)
+        for ref, reason in ((h.session("f", epoch=6), "new_epoch"), (h.session("nf"), None)):
+            miss = self._expect(
+                CacheMiss,
+                partial(self._export, source, ref),
+                f"export of {ref.session_id} at epoch {ref.epoch} (live: epoch 5 of f)",
+            )
+            assert isinstance(miss, CacheMiss)
+            assert miss.committed_length == 0, f"export miss says {miss.committed_length}"
+            assert reason is None or miss.reason == reason, f"export miss reason {miss.reason}"
+        self._expect(
+            StaleEpoch,
+            partial(self._export, source, h.session("f", epoch=4)),
+            "export at epoch 4 of a session live at epoch 5",
+        )
+        assert self._length(source, session) == _PROMPT, "a refused export changed the session"
         snapshot = self._export(source, session)
         target = h.load()
         live = h.session("f", epoch=6)

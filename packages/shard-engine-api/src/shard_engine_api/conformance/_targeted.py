@@ -497,22 +497,35 @@ class TargetedTests:
         )
 
     def test_cancel_one_of_two_in_flight(self) -> None:
-        """With two prefills in flight (two threads), cancelling one by request id stops only
-        that one (Cancelled, its new session left no state); the other completes with the
-        output of a clean run. Skipped when the two never overlapped.
+        """With two prefills in flight (two threads), cancelling one by request id, then
+        (another pair) by session id, stops only that one (Cancelled, its new session left
+        no state), although the other's ids extend the cancelled one's; the other completes
+        with the output of a clean run. Skipped when the two never overlapped.
 
-        Fix: keep one cancel token per request; cancel by id sets only that token."""
-        h = self.harness
+        Fix: keep one cancel token per request; cancel by id sets only that token, matching
+        request and session ids exactly (never by prefix)."""
         engine = self._slow()
         caps = engine.capabilities()
         if not caps.features.cancel:
             pytest.skip("engine does not advertise cancel")
+        checked = [self._cancel_one_of_two(engine, by) for by in ("request_id", "session_id")]
+        if not any(checked):
+            pytest.skip("the two prefills never overlapped in flight (the engine is too fast)")
+
+    def _cancel_one_of_two(self, engine: ShardEngine, by: str) -> bool:
+        """One round of :meth:`test_cancel_one_of_two_in_flight`, cancelling the first
+        prefill ``by`` its request id or its session id; the second's ids extend the first's
+        (a cancel naming one id must not match by prefix). False if they never overlapped."""
+        h = self.harness
+        caps = engine.capabilities()
         exact, tolerance = self._isolation_exactness(caps)
         length = max(1, min(caps.limits.max_batch_tokens, caps.limits.max_context - 1, 48))
         clean = h.load()
         for attempt in range(5):
-            first, second = h.session(f"first-{attempt}"), h.session(f"second-{attempt}")
-            first_id, second_id = h.request_id(), h.request_id()
+            first = h.session(f"{by}-{attempt}")
+            second = h.session(f"{by}-{attempt}-2")
+            first_id = h.request_id()
+            second_id = f"{first_id}-2"
             first_tokens = h.tokens(length, seed=1)
             second_tokens = h.tokens(length, seed=2)
             outcomes: dict[str, object] = {}
@@ -546,14 +559,19 @@ class TargetedTests:
                     overlapped = True
                     break
                 time.sleep(0.0002)
-            result = engine.cancel(CancelRequest(request_id=first_id)) if overlapped else None
+            named = (
+                CancelRequest(request_id=first_id)
+                if by == "request_id"
+                else CancelRequest(session_id=first.session_id)
+            )
+            result = engine.cancel(named) if overlapped else None
             for thread in threads:
                 thread.join(timeout=30.0)
             if not overlapped or result is None or not isinstance(outcomes.get("first"), Cancelled):
                 for session in (first, second):
                     h.release(engine, session)
                 continue
-            assert result.n_requests == 1, f"cancel of one request id stopped {result}"
+            assert result.n_requests == 1, f"cancel naming one {by} stopped {result}"
             other = outcomes.get("second")
             assert isinstance(other, ShardResult), (
                 f"cancelling the first request disturbed the second: {other!r}"
@@ -570,8 +588,9 @@ class TargetedTests:
             assert health.sessions == 1, f"{health.sessions} sessions; only the second survives"
             assert health.kv_used_tokens == length
             h.decode(engine, second, length, (1,))
-            return
-        pytest.skip("the two prefills never overlapped in flight (the engine is too fast)")
+            h.release(engine, second)
+            return True
+        return False
 
     def test_cancel_running_batch(self) -> None:
         """A running decode_batch is cancelled by its request id and by one item's session
@@ -1644,16 +1663,28 @@ class TargetedTests:
     # ================================================================= isolation and threads
 
     def test_long_and_shared_prefix_session_ids(self) -> None:
-        """Session ids of the maximum length (256) and ids sharing a 255-character prefix are
-        distinct, isolated sessions: interleaved, each equals its run alone; releasing one
-        leaves the others.
+        """Session ids of the maximum length (256), ids sharing a 255-character prefix and
+        ids that differ only in case, surrounding whitespace or Unicode normalization (NFC
+        against NFD) are distinct, isolated sessions: interleaved, each equals its run alone;
+        releasing one leaves the others.
 
-        Fix: key sessions by the whole id; never truncate or hash it lossily."""
+        Fix: key sessions by the whole id, code point for code point; never truncate, hash
+        lossily, case-fold, strip or normalize it."""
         h = self.harness
-        engine = h.load()
+        ids = [
+            "p" * 255 + "1",
+            "p" * 255 + "2",
+            "p" * 255,
+            "q" * 256,
+            "Case",
+            "case",
+            " case",
+            "caf\u00e9",
+            "cafe\u0301",
+        ]
+        engine = h.load(max_sessions=len(ids))
         exact, tolerance = self._isolation_exactness(engine.capabilities())
         alone = h.load()
-        ids = ["p" * 255 + "1", "p" * 255 + "2", "p" * 255, "q" * 256]
         sessions = [SessionRef(session_id=sid, epoch=1) for sid in ids]
         expected: dict[str, list[npt.NDArray[np.float32]]] = {}
         for index, session in enumerate(sessions):
