@@ -94,6 +94,35 @@ def test_invalid_fault_plan_is_refused_at_load(faults: object) -> None:
     assert engine.health().state == "unloaded"
 
 
+def _past_its_checks(struct: object, **fields: object) -> None:
+    """Set fields of a built Struct as C code can, past ``__post_init__``."""
+    for name, value in fields.items():
+        type(struct).__dict__[name].__set__(struct, value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("milliseconds", 1e300), ("milliseconds", -1.0), ("nth", -1), ("nth", object())],
+)
+def test_a_plan_object_is_checked_again_at_load(field: str, value: object) -> None:
+    """A FaultPlan handed over as an object gets the checks of its JSON form: a delay of
+    1e300 ms set past the constructor used to load and then fail the engine at its first
+    request."""
+    delay = Delay(milliseconds=1.0)
+    rule = FaultRule(action=delay)
+    _past_its_checks(delay if field == "milliseconds" else rule, **{field: value})
+    engine = FakeEngine()
+    config = api.LoadConfig(
+        shard=api.ShardSpec(model="fake", n_layers=6, start=0, end=6),
+        options={"faults": FaultPlan(rules=(rule,))},
+    )
+    with pytest.raises(api.InvalidRequest, match="fault plan"):
+        engine.load(config)
+    assert engine.health().state == "unloaded"
+    plan = FaultPlan(seed=3, rules=(FaultRule(action=Delay(milliseconds=2.0), every=2),))
+    assert load_fault_plan(plan) == plan
+
+
 def test_longest_delay_is_accepted() -> None:
     plan = load_fault_plan({"rules": [{"action": {"kind": "delay", "milliseconds": 86_400_000}}]})
     assert plan.rules[0].action == Delay(milliseconds=86_400_000.0)

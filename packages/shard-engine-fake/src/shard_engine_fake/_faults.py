@@ -191,9 +191,11 @@ def load_fault_plan(source: FaultPlan | Mapping[str, object] | str | bytes) -> F
 
     Raises InvalidRequest for anything that is not a valid plan.
     """
-    if isinstance(source, FaultPlan):
-        return source
     try:
+        if isinstance(source, FaultPlan):
+            # Built in process, possibly past its constructors' checks (a Struct's fields can be
+            # set from C or through its slot descriptors): checked again as if it had travelled.
+            source = msgspec.to_builtins(source)
         if isinstance(source, str | bytes):
             return msgspec.json.decode(source, type=FaultPlan)
         return msgspec.convert(source, FaultPlan)
@@ -201,6 +203,8 @@ def load_fault_plan(source: FaultPlan | Mapping[str, object] | str | bytes) -> F
         raise InvalidRequest(f"invalid fault plan: {error}") from error
     except msgspec.DecodeError as error:
         raise InvalidRequest(f"fault plan is not valid JSON: {error}") from error
+    except (TypeError, ValueError) as error:  # a field holding something no plan can
+        raise InvalidRequest(f"invalid fault plan: {error}") from error
 
 
 def fault_plan_from_options(
