@@ -111,6 +111,12 @@ class Mutant:
     path: Path
     mutations: list[str] = field(default_factory=list)
     is_shard: bool = False
+    # A full model and its shards, head first: the child runs them as a pipeline.
+    pipeline: tuple[Path, ...] = ()
+
+    @property
+    def job(self) -> str:
+        return "\t".join(str(path) for path in self.pipeline) if self.pipeline else str(self.path)
 
 
 def _mutate_metadata(
@@ -483,6 +489,8 @@ class FuzzReport:
     missed: list[str] = field(default_factory=list)
     nonfinite: list[str] = field(default_factory=list)
     drift: list[str] = field(default_factory=list)
+    split_differs: list[str] = field(default_factory=list)
+    pipelines: int = 0
     refused_by_rule: Counter[str] = field(default_factory=Counter)
 
     def summary(self) -> dict[str, object]:
@@ -497,6 +505,8 @@ class FuzzReport:
             "accepted_but_llama_cpp_refused": len(self.missed),
             "accepted_but_not_finite": len(self.nonfinite),
             "decode_not_prefill": len(self.drift),
+            "pipelines_equal_to_full": self.pipelines,
+            "pipelines_not_equal_to_full": len(self.split_differs),
             "refused_by_rule": dict(self.refused_by_rule.most_common()),
         }
 
@@ -504,13 +514,13 @@ class FuzzReport:
 _PROTOCOL = "@@fuzz "
 
 
-def _load_in_children(paths: Sequence[Path]) -> dict[Path, str]:
+def _load_in_children(paths: Sequence[str]) -> dict[str, str]:
     """Load each file in a child process; a child that dies is restarted after the file.
 
     Paths are fed one at a time, each after the previous answer: a child that dies leaves no
     unread backlog to break the pipe on, and neither side can block on a full pipe.
     """
-    results: dict[Path, str] = {}
+    results: dict[str, str] = {}
     pending = list(paths)
     while pending:
         child = subprocess.Popen(
@@ -575,21 +585,28 @@ def run(directory: Path, per_family: int, seed: int, consistent: int = 0) -> Fuz
         if info.shardable:
             from shard_engine_llama._gguf import split_model
 
-            manifest = split_model(
-                mutant.path, [(0, 1), (1, info.n_layers)], directory / f"{mutant.path.stem}-shards"
-            )
-            for index in range(len(manifest.shards)):
+            n = info.n_layers
+            ranges = [(0, 1), (1, 2), (2, n)] if n >= 3 else [(0, 1), (1, n)]
+            manifest = split_model(mutant.path, ranges, directory / f"{mutant.path.stem}-shards")
+            shards = [manifest.shard_path(index) for index in range(len(manifest.shards))]
+            for index, shard in enumerate(shards):
                 accepted.append(
                     Mutant(
-                        mutant.family,
-                        manifest.shard_path(index),
-                        [*mutant.mutations, f"shard {index}"],
-                        is_shard=True,
+                        mutant.family, shard, [*mutant.mutations, f"shard {index}"], is_shard=True
                     )
                 )
-    results = _load_in_children([mutant.path for mutant in accepted])
+            accepted.append(
+                Mutant(
+                    mutant.family,
+                    mutant.path,
+                    [*mutant.mutations, "pipeline"],
+                    is_shard=True,
+                    pipeline=(mutant.path, *shards),
+                )
+            )
+    results = _load_in_children([mutant.job for mutant in accepted])
     for mutant in accepted:
-        outcome = results[mutant.path]
+        outcome = results[mutant.job]
         description = f"{mutant.path.name}: {'; '.join(mutant.mutations)} -> {outcome}"
         if outcome.startswith("ABORT"):
             report.aborts.append(description)
@@ -597,14 +614,51 @@ def run(directory: Path, per_family: int, seed: int, consistent: int = 0) -> Fuz
             report.nonfinite.append(description)
         elif outcome.startswith("DRIFT"):
             report.drift.append(description)
+        elif outcome.startswith("SPLIT"):
+            report.split_differs.append(description)
         elif outcome.startswith("OK"):
-            if mutant.is_shard:
+            if mutant.pipeline:
+                report.pipelines += 1
+            elif mutant.is_shard:
                 report.shards_loaded += 1
             else:
                 report.loaded += 1
         else:
             report.missed.append(description)
     return report
+
+
+def _run_pipeline(paths: Sequence[str], settings: object) -> str:
+    """The full model's prefill and decode logits, and the same through its shards (head,
+    middle, tail): a split computes exactly what the model does (same settings)."""
+    import numpy as np
+
+    from shard_engine_llama._abi import ContextSettings, LlamaRuntimeError, ShardRuntime
+
+    assert isinstance(settings, ContextSettings)
+    tokens = [1, 40, 77, 120, 3]
+    try:
+        with ShardRuntime(paths[0], settings=settings) as full:
+            tokens = [t % max(full.n_vocab, 1) for t in tokens]
+            expected = [full.run(0, 0, tokens=tokens), full.run(0, 5, tokens=tokens[:1])]
+        prefill: np.ndarray | None = None
+        decode: np.ndarray | None = None
+        for shard in paths[1:]:
+            with ShardRuntime(shard, settings=settings) as runtime:
+                if prefill is None or decode is None:
+                    prefill = runtime.run(0, 0, tokens=tokens)
+                    decode = runtime.run(0, 5, tokens=tokens[:1])
+                else:
+                    prefill = runtime.run(0, 0, embeddings=prefill)
+                    decode = runtime.run(0, 5, embeddings=decode)
+    except LlamaRuntimeError as error:
+        return f"REFUSED {type(error).__name__}: {str(error)[:200]}"
+    assert prefill is not None
+    assert decode is not None
+    delta = max(
+        float(np.abs(expected[0] - prefill).max()), float(np.abs(expected[1] - decode).max())
+    )
+    return "OK" if delta == 0 else f"SPLIT logits differ from the full model's by {delta:.3g}"
 
 
 def _load_worker() -> int:
@@ -616,6 +670,9 @@ def _load_worker() -> int:
     for line in sys.stdin:
         path = line.strip()
         print(f"{_PROTOCOL}START {path}", flush=True)
+        if "\t" in path:
+            print(f"{_PROTOCOL}{_run_pipeline(path.split(chr(9)), settings)}", flush=True)
+            continue
         try:
             with ShardRuntime(path, settings=settings) as runtime:
                 tokens = [t % max(runtime.n_vocab, 1) for t in (1, 40, 77, 120, 3)]
@@ -667,9 +724,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gguf-fuzz-") as scratch:
             report = run(Path(scratch), args.per_family, args.seed, args.consistent)
     print(json.dumps(report.summary(), indent=2))
-    for line in report.aborts + report.missed + report.nonfinite + report.drift:
+    failures = report.aborts + report.missed + report.nonfinite + report.drift
+    failures += report.split_differs
+    for line in failures:
         print(line)
-    return 1 if report.aborts or report.missed or report.nonfinite or report.drift else 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Header and tensor-table fuzz of every family: no file the validator accepts may abort
-llama.cpp, be refused by it, return NaN or decode a row other than a prefill computes.
+llama.cpp, be refused by it, return NaN, decode a row other than a prefill computes, or split
+into shards whose pipeline differs from it.
 Bounded by default (40 mutants and 20 files of consistent, adversarial hyper-parameters per
 family, about 15 s); ``SHARD_ENGINE_LLAMA_FUZZ_PER_FAMILY=300`` and
 ``SHARD_ENGINE_LLAMA_FUZZ_CONSISTENT=300`` (or ``python tests/gguf_fuzz.py --per-family 300
@@ -29,4 +30,6 @@ def test_no_accepted_file_aborts_is_refused_by_llama_cpp_or_computes_nan(tmp_pat
     assert not report.missed, report.missed
     assert not report.nonfinite, report.nonfinite
     assert not report.drift, report.drift
+    assert not report.split_differs, report.split_differs
+    assert report.pipelines > 0, "some accepted files should be shardable"
     assert report.loaded == report.accepted
