@@ -414,6 +414,15 @@ def test_plugin_named_with_p_coexists_with_its_entry_point(
 # --------------------------------------------------------------------- report pieces
 
 
+@pytest.mark.parametrize("count", ["0", "-5", "many"])
+def test_examples_option_needs_a_positive_count(pytester: pytest.Pytester, count: str) -> None:
+    """0 or a negative count used to run one example without a word: a run that asked for
+    none would look like one that asked for the usual number."""
+    result = pytester.runpytest("--shard-engine-examples", count)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--shard-engine-examples*"])
+
+
 def test_pytest_arguments() -> None:
     base = [
         "-p",

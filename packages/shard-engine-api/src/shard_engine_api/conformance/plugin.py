@@ -72,6 +72,20 @@ _ENTRY_POINT_NAME: Final = "shard_engine"
 _REPORTS_KEY = pytest.StashKey[list[tuple[Path | None, ConformanceReport]]]()
 
 
+def _examples_option(text: str) -> int:
+    """``--shard-engine-examples``: a whole number of examples, at least 1 (0 or a negative
+    count would otherwise have been run as 1 without a word)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 example, got {value}")
+    return value
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("shard-engine", "shard-engine conformance suite")
     group.addoption(
@@ -83,7 +97,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--shard-engine-examples",
         metavar="N",
-        type=int,
+        type=_examples_option,
         default=None,
         help="examples per shard configuration of the model-based test (default "
         f"{DEFAULT_EXAMPLES}; more for deeper runs)",
