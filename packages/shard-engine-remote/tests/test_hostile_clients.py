@@ -296,3 +296,43 @@ def test_an_export_the_client_stops_reading_is_cut_off(
         stalled.cancel()
     finally:
         channel.close()
+
+
+def test_calls_whose_message_never_comes_hold_no_thread_without_credentials(
+    serve: ServeFactory, remote: RemoteFactory, tmp_path: Path
+) -> None:
+    """gRPC's sync server waits on a pool thread for a unary call's message. Calls without
+    the token (to Call, which is refused unread) and health checks (which need none) whose
+    message never comes hold at most two of the server's threads, for at most a few seconds:
+    a client with the token keeps being served while dozens of them hang."""
+    server = serve(config(), security=ServerSecurity(token=TOKEN), max_workers=8)
+    assert server.address is not None
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    worker = remote(
+        config(
+            target=server.address, token_file=str(token_file), timeout_s=10, control_timeout_s=10
+        )
+    )
+    prefill(worker)
+    release = threading.Event()
+    channel = grpc.insecure_channel(server.address)
+
+    def silent() -> Iterator[bytes]:
+        release.wait(60)
+        yield from ()
+
+    try:
+        stalled = []
+        for method in (CALL_METHOD, "/grpc.health.v1.Health/Check") * 12:
+            stream: grpc.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(method)
+            stalled.append(stream.future(silent(), timeout=60))
+        wait_until(lambda: server.stats().unauthenticated == 12)
+        assert decode(worker, 3).first_pos == 3
+        assert worker.health().state == "ready"
+        release.set()
+        codes = {cast(grpc.Call, call.exception()).code() for call in stalled}
+        assert grpc.StatusCode.OK not in codes
+    finally:
+        release.set()
+        channel.close()

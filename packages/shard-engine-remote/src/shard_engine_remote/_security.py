@@ -178,7 +178,7 @@ class ClientSecurity:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
-def _refuse(request: object, context: grpc.ServicerContext) -> object:
+def _refuse(requests: object, context: grpc.ServicerContext) -> object:
     context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
 
@@ -189,7 +189,10 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str, on_refused: Callable[[], None]) -> None:
         self._expected = f"Bearer {token}".encode()
         self._on_refused = on_refused
-        self._refusal: grpc.RpcMethodHandler[object, object] = grpc.unary_unary_rpc_method_handler(
+        # Request-streaming, so the refusal is sent at once without reading: gRPC's sync
+        # server waits for a unary request's message on a pool thread, with no timeout, so a
+        # caller without the token would otherwise hold a thread per call by never sending it.
+        self._refusal: grpc.RpcMethodHandler[object, object] = grpc.stream_unary_rpc_method_handler(
             _refuse
         )
 

@@ -36,7 +36,7 @@ from typing import Final, TypeAlias, TypeVar
 
 import grpc
 import msgspec
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 import shard_engine_api as api
 from shard_engine_api import wire
@@ -81,6 +81,11 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
 _SERVING_STATES: Final = ("ready", "degraded")
+_HEALTH_SERVICE: Final = "grpc.health.v1.Health"
+_HEALTH_SLOTS: Final = 2
+"""Threads health checks may hold at once (a Watch holds one for as long as it lasts)."""
+_HEALTH_REQUEST_S: Final = 5.0
+"""How long a health check's request message may take to arrive."""
 DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
 """The largest session state an import stream may announce (the engine core's own default)."""
 DEFAULT_STREAM_IDLE_S: Final = 30.0
@@ -294,7 +299,26 @@ class EngineServer:
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, methods),)
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._health_slots = threading.BoundedSemaphore(_HEALTH_SLOTS)
+        check: grpc.RpcMethodHandler[typing.Any, typing.Any]
+        check = grpc.stream_unary_rpc_method_handler(
+            self._health_check,
+            request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        )
+        watch: grpc.RpcMethodHandler[typing.Any, typing.Any]
+        watch = grpc.stream_stream_rpc_method_handler(
+            self._health_watch,
+            request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        )
+        self._server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    _HEALTH_SERVICE, {"Check": check, "Watch": watch}
+                ),
+            )
+        )
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -680,6 +704,51 @@ class EngineServer:
             self._in_flight.remove(client, keys)
             if not slot_held:
                 self._compute_slots.release()
+
+    # grpc.health.v1 answers without a token. Its handlers are registered request-streaming:
+    # gRPC's sync server waits for a unary request's message on a pool thread, without a
+    # timeout, so anyone able to connect could hold every thread with calls whose message
+    # never comes. Here the wait is ours: bounded in time, and in threads.
+
+    def _health_request(
+        self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckRequest:
+        """The request's one message, once a health slot is free (else RESOURCE_EXHAUSTED)
+        and within ``_HEALTH_REQUEST_S`` (else CANCELLED). The caller releases the slot."""
+        if not self._health_slots.acquire(blocking=False):
+            self.counters.add("busy")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "health checks are busy; retry")
+        timer = threading.Timer(_HEALTH_REQUEST_S, context.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            request = next(requests, None)
+        except grpc.RpcError:
+            request = None
+        finally:
+            timer.cancel()
+        if request is None:
+            self._health_slots.release()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no health check request arrived")
+        return request
+
+    def _health_check(
+        self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        request = self._health_request(requests, context)
+        try:
+            return self._health.Check(request, context)
+        finally:
+            self._health_slots.release()
+
+    def _health_watch(
+        self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
+    ) -> Iterator[health_pb2.HealthCheckResponse]:
+        request = self._health_request(requests, context)
+        try:
+            yield from self._health.Watch(request, context)
+        finally:
+            self._health_slots.release()
 
     def _refresh_health(self) -> None:
         state = self.engine.health().state
