@@ -317,3 +317,46 @@ def test_export_past_its_deadline_cancels_the_engine_work(
     wait_until(lambda: server.engine.metrics().cancelled == 1)
     assert server.stats().transport_cancels == 1
     _step(engine, "s", 3)
+
+
+class _CuttingServer(EngineServer):
+    """Serves everything honestly but export, whose stream ends after ``keep`` messages
+    (header first, then the chunks), as a server dying between two of them would leave it."""
+
+    keep = 0
+
+    def _export(
+        self, request: RemoteRequest | Rejected, context: CallContext
+    ) -> Generator[bytes, None, None]:
+        yield from list(super()._export(request, context))[: self.keep]
+
+
+def test_export_streams_cut_after_any_message_are_malformed(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """An export stream that ends after its k-th message, for every k short of the whole (a
+    snapshot of several chunks): MalformedOutput each time, never a snapshot, and the source
+    session is unchanged."""
+    server = serve(config(), transport=transport, server_type=_CuttingServer)
+    assert isinstance(server, _CuttingServer)
+    assert server.address is not None
+    engine = remote(config(target=server.address, transport=transport))
+    session = ref("s")
+    for start in range(0, 1497, 499):
+        engine.prefill(
+            api.PrefillRequest(
+                request_id=f"p{start}",
+                session=session,
+                start_pos=start,
+                inputs=api.TokenInput(token_ids=tuple(i % 500 for i in range(499))),
+            )
+        )
+    server.keep = 1 << 30
+    n_messages = 1 + len(_export(engine, "s").chunks)
+    assert n_messages >= 3
+    for keep in range(n_messages):
+        server.keep = keep
+        with pytest.raises(api.MalformedOutput, match="ended"):
+            _export(engine, "s")
+    assert engine.health().sessions == 1
+    _step(engine, "s", 1497)
