@@ -436,3 +436,20 @@ def test_rate_limits_are_bounded_in_clients() -> None:
         RateLimit(calls_per_s=0.0, burst=1)
     with pytest.raises(api.InvalidRequest):
         RateLimit(calls_per_s=1.0, burst=0)
+
+
+@pytest.mark.parametrize("token", ["tök", "a\nb", "a\x00b"])
+def test_a_token_that_cannot_travel_is_refused_where_it_is_read(
+    serve: ServeFactory, remote: RemoteFactory, tmp_path: Path, token: str
+) -> None:
+    """A token gRPC cannot send as a header value (non-ASCII, control characters) is an
+    InvalidRequest where it is read (file, environment, or given to a server), not a server
+    that seems unreachable (a retryable RemoteUnavailable) on every call."""
+    server = serve(config(), security=ServerSecurity(token="fine"))
+    assert server.address is not None
+    token_file = tmp_path / "token"
+    token_file.write_text(token, encoding="utf-8")
+    with pytest.raises(api.InvalidRequest, match="printable ASCII"):
+        remote(config(target=server.address, token_file=str(token_file)))
+    with pytest.raises(api.InvalidRequest, match="printable ASCII"):
+        ServerSecurity(token=token)

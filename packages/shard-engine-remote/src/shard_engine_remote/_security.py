@@ -30,6 +30,7 @@ __all__ = [
     "BearerTokenInterceptor",
     "ClientSecurity",
     "ServerSecurity",
+    "check_token",
     "is_loopback",
     "read_pem",
     "read_token",
@@ -77,17 +78,30 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def check_token(token: str | None) -> None:
+    """Refuse (InvalidRequest) a token that cannot travel as a header value (printable ASCII
+    only): gRPC would refuse every call carrying it, which a client could only see as an
+    unreachable server and retry for ever."""
+    if token and not all(" " <= character <= "~" for character in token):
+        raise InvalidRequest(
+            "a bearer token holds printable ASCII characters only (it travels as a header value)"
+        )
+
+
 def read_token(path: str | os.PathLike[str] | None) -> str | None:
     """The token in the file ``path`` (whitespace stripped), else ``$SHARD_ENGINE_REMOTE_TOKEN``,
     else None. Raises InvalidRequest for an unreadable or empty file."""
     if path is None:
-        return os.environ.get(TOKEN_ENV_VAR) or None
+        token = os.environ.get(TOKEN_ENV_VAR) or None
+        check_token(token)
+        return token
     try:
         token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:
         raise InvalidRequest(f"cannot read token file {path}: {error}") from error
     if not token:
         raise InvalidRequest(f"token file {path} is empty")
+    check_token(token)
     return token
 
 
@@ -110,6 +124,9 @@ class ServerSecurity:
     tls_key: bytes | None = None
     client_ca: bytes | None = None
     token: str | None = None
+
+    def __post_init__(self) -> None:
+        check_token(self.token)
 
     def check_listen(self, address: str) -> None:
         """Refuse a malformed address, and an address beyond loopback without TLS and a token
@@ -150,6 +167,9 @@ class ClientSecurity:
     tls_key: bytes | None = None
     server_name: str | None = None
     token: str | None = None
+
+    def __post_init__(self) -> None:
+        check_token(self.token)
 
     def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
         """A channel to ``target``: TLS when a CA is given, plaintext otherwise (which a server
