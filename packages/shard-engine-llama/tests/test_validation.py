@@ -1078,3 +1078,41 @@ def test_phi3_has_no_rope_freqs_tensor(tmp_path: Path) -> None:
     with pytest.raises(GGUFValidationError) as raised:
         validate_gguf(extra)
     assert (raised.value.rule, raised.value.field) == ("tensor-unexpected", "rope_freqs.weight")
+
+
+def _byte_level_vocabulary(llama: Path, tmp_path: Path, tokens: list[str]) -> Path:
+    return rewrite(
+        llama,
+        tmp_path / "bpe.gguf",
+        metadata={
+            "tokenizer.ggml.model": _string("gpt2"),
+            "tokenizer.ggml.pre": _string("default"),
+            "tokenizer.ggml.tokens": array(tokens, _STRING),
+            "tokenizer.ggml.scores": None,
+            "tokenizer.ggml.token_type": array([1] * len(tokens), gguf.GGUFValueType.INT32),
+            "tokenizer.ggml.merges": array(["H e"], _STRING),
+            "tokenizer.ggml.bos_token_id": u32(len(tokens) - 2),
+            "tokenizer.ggml.eos_token_id": u32(len(tokens) - 1),
+            "tokenizer.ggml.unknown_token_id": None,
+        },
+    )
+
+
+def test_a_byte_level_vocabulary_without_byte_tokens_is_refused(
+    llama: Path, tmp_path: Path
+) -> None:
+    """llama.cpp's byte-level BPE drops, without a word, every piece it has no token for: a
+    gpt2 vocabulary of 260 other tokens loaded and encoded "Hello world" as no tokens at all.
+    With the 256 byte-level tokens, the same file tokenizes."""
+    from shard_engine_llama._gguf.validation import _BYTE_LEVEL
+
+    others = [f"tok{index}" for index in range(260)]
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(_byte_level_vocabulary(llama, tmp_path, others))
+    assert (raised.value.rule, raised.value.field) == (
+        "vocabulary-byte-tokens",
+        "tokenizer.ggml.tokens",
+    )
+    alphabet = [_BYTE_LEVEL[byte] for byte in range(256)]
+    complete = _byte_level_vocabulary(llama, tmp_path, [*alphabet, "He", "llo", "<s>", "</s>"])
+    assert validate_gguf(complete).architecture == "llama"

@@ -129,6 +129,27 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _MAX_TOKEN_TYPE = 6  # llama_token_type: UNDEFINED=0 .. BYTE=6
 _BYTE_TOKEN_TYPE = 6
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Bytes that occur in UTF-8 (0xC0, 0xC1 and 0xF5..0xFF never do).
+_UTF8_BYTES = tuple(byte for byte in range(256) if byte not in (0xC0, 0xC1) and byte < 0xF5)
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (llama.cpp's unicode_byte_to_utf8)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    alphabet = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in alphabet:
+            alphabet[byte] = chr(256 + shifted)
+            shifted += 1
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _check_vocabulary(header: GGUFHeader) -> None:
@@ -182,23 +203,41 @@ def _check_vocabulary(header: GGUFHeader) -> None:
                     rule="vocabulary-byte-token",
                     field="tokenizer.ggml.tokens",
                 )
+
+
+def _check_byte_tokens(header: GGUFHeader) -> None:
+    """Every byte of UTF-8 text has a token to fall back on (after the family's tokenizer
+    checks, which name a more specific rule first)."""
+    path = header.path
+    entry = header.metadata.get("tokenizer.ggml.tokens")
+    if entry is None or not isinstance(entry.value, list):
+        return
+    names = [token or f"[EMPTY_{index}]" for index, token in enumerate(entry.value)]
     model = header.metadata.get("tokenizer.ggml.model")
-    if model is not None and model.value == "llama":
-        # SentencePiece falls back to bytes for any character it has no token for, looking
-        # up "<0xHH>" and then the byte itself with .at(): a byte with neither throws out of
-        # llama_tokenize, which terminates the process on the first such character.
+    kind = model.value if model is not None else None
+    if kind in ("llama", "gpt2"):
+        # Text reaches llama_tokenize as UTF-8, whose bytes every vocabulary must be able to
+        # spell. SentencePiece falls back to "<0xHH>" (then the byte itself) looked up with
+        # .at(): a byte with neither throws out of llama_tokenize and terminates the process.
+        # Byte-level BPE (gpt2) starts from one token per byte's printable stand-in and drops,
+        # without a word, any piece it has no token for ("Hello" became no tokens at all).
         present = set(names)
-        missing = [
-            byte
-            for byte in range(256)
-            if f"<0x{byte:02X}>" not in present and not (byte < 128 and chr(byte) in present)
-        ]
+        if kind == "llama":
+            missing = [
+                f"<0x{byte:02X}>"
+                for byte in _UTF8_BYTES
+                if f"<0x{byte:02X}>" not in present and not (byte < 128 and chr(byte) in present)
+            ]
+        else:
+            missing = [
+                _BYTE_LEVEL[byte] for byte in _UTF8_BYTES if _BYTE_LEVEL[byte] not in present
+            ]
         if missing:
             raise GGUFValidationError(
-                f"{path}: the SentencePiece vocabulary has no token for byte(s) "
-                f"{[f'<0x{byte:02X}>' for byte in missing[:4]]}"
-                f"{' ...' if len(missing) > 4 else ''} (llama.cpp aborts tokenizing text "
-                "that needs one)",
+                f"{path}: the {kind} vocabulary has no token for {len(missing)} byte(s) of UTF-8 "
+                f"text ({missing[:4]}{' ...' if len(missing) > 4 else ''}); llama.cpp "
+                + ("aborts tokenizing text" if kind == "llama" else "silently drops text")
+                + " that needs one",
                 rule="vocabulary-byte-tokens",
                 field="tokenizer.ggml.tokens",
             )
@@ -211,6 +250,7 @@ def validate_header(header: GGUFHeader) -> GGUFHeader:
     family = FAMILIES.get(header.architecture)
     if family is not None:
         check_family(header, family)
+    _check_byte_tokens(header)
     if header.is_shard:
         _check_shard_keys(header)
     return header
