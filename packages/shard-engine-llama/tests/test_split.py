@@ -593,3 +593,44 @@ def test_more_keys_or_tensors_than_any_model_has_are_refused_before_they_are_rea
     with pytest.raises(GGUFValidationError) as raised:
         read_gguf_header(path)
     assert (raised.value.rule, raised.value.field) == ("gguf-header-counts", field)
+
+
+def test_splits_into_one_directory_at_once_take_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four ``shard-engine split`` runs into one directory at once all failed: they wrote the
+    same ``.partial`` files over each other ("carries no shard.content_sha256", "No such file
+    or directory") and removed the directory under each other. Now they take turns: one
+    writes, the others reuse its verified shards. (Slowed writes make the overlap certain.)"""
+    import threading
+    import time
+
+    source = tmp_path / "model.gguf"
+    write_tiny_model(source, n_layers=4)
+    write_shard = writer_module._write_shard
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)
+        return write_shard(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "_write_shard", slow_write)
+    out = tmp_path / "shards"
+    errors: list[BaseException] = []
+    manifests: list[Any] = []
+
+    def split() -> None:
+        try:
+            manifests.append(split_model(source, [(0, 2), (2, 4)], out))
+        except BaseException as error:  # noqa: BLE001 - collected for the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=split) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert len(manifests) == 4
+    assert sum(not any(manifest.reused) for manifest in manifests) == 1
+    for index in range(2):
+        assert validate_gguf(manifests[0].shard_path(index)).is_shard

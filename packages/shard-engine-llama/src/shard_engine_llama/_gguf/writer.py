@@ -19,10 +19,11 @@ Tensors are written with ``gguf.GGUFWriter``, their bytes streamed from the sour
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -563,22 +564,53 @@ def split_model(
         if output.exists() and os.path.samefile(output, source_path):
             raise ValueError(f"{output} is the source model itself; choose another directory")
     # Only once the arguments are known to be good: a refused split leaves nothing behind.
-    created = not directory.exists()
-    directory.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    try:
-        return _split_into(
-            header, info, source_path, ranges, directory, hash_store, progress, written
-        )
-    except BaseException:
-        # No partial output: the shards this call wrote go again, and a directory it made.
-        for path in written:
-            path.unlink(missing_ok=True)
-        (directory / (MANIFEST_NAME + ".partial")).unlink(missing_ok=True)
-        if created:
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-        raise
+    with _locked_directory(directory) as created:
+        written: list[Path] = []
+        try:
+            return _split_into(
+                header, info, source_path, ranges, directory, hash_store, progress, written
+            )
+        except BaseException:
+            # No partial output: the shards this call wrote go again, and a directory it made.
+            for path in written:
+                path.unlink(missing_ok=True)
+            (directory / (MANIFEST_NAME + ".partial")).unlink(missing_ok=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            raise
+
+
+@contextlib.contextmanager
+def _locked_directory(directory: Path) -> Iterator[bool]:
+    """``directory``, made if missing (yields whether this call made it), under an exclusive
+    ``flock`` of the directory itself while a split writes into it.
+
+    Splits into one directory at once (two ``shard-engine split`` runs, or threads) used to
+    write the same ``.partial`` files over each other, seal each other's half-written files
+    and remove the directory under each other: every one of them failed. Now they take
+    turns, and all but the first reuse the verified shards. A split that fails removes a
+    directory it made; one that was waiting for it then finds the name gone or pointing
+    elsewhere, and starts over.
+    """
+    while True:
+        try:
+            directory.mkdir(parents=True)
+            created = True
+        except FileExistsError:
+            created = False
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            try:
+                current = os.stat(directory)
+            except FileNotFoundError:
+                continue
+            if os.path.samestat(os.fstat(descriptor), current):
+                yield created
+                return
+        finally:
+            os.close(descriptor)
 
 
 def _split_into(
