@@ -634,3 +634,20 @@ def test_splits_into_one_directory_at_once_take_turns(
     assert sum(not any(manifest.reused) for manifest in manifests) == 1
     for index in range(2):
         assert validate_gguf(manifests[0].shard_path(index)).is_shard
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "verified-sha256.json"])
+def test_a_damaged_manifest_or_hash_cache_costs_a_rewrite_not_the_split(
+    tmp_path: Path, name: str
+) -> None:
+    """Both only save work, in directories a configuration or a command line names: deeply
+    nested JSON in either raised RecursionError out of json.loads and failed the split (and
+    every engine load writing a shard into that store)."""
+    source = tmp_path / "model.gguf"
+    write_tiny_model(source, n_layers=4)
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / name).write_text("[" * 100_000 + "]" * 100_000)
+    manifest = split_model(source, [(0, 2), (2, 4)], out, hash_store=out)
+    assert not any(manifest.reused)
+    assert validate_gguf(manifest.shard_path(1)).is_shard

@@ -30,6 +30,7 @@ __all__ = [
     "file_identity",
     "file_sha256",
     "hash_cache",
+    "read_json_document",
 ]
 
 HASH_CACHE_NAME = "verified-sha256.json"
@@ -127,11 +128,31 @@ class HashCache:
             self._entries.clear()
 
 
-def _read_persistent(store: Path, kind: str, identity: FileIdentity) -> str | None:
+# The hash cache and a manifest hold a few entries per shard: kilobytes.
+MAX_JSON_BYTES = 16 * 1024 * 1024
+
+
+def read_json_document(path: Path) -> object | None:
+    """The JSON in ``path``, or None for anything that is not a small, readable JSON file.
+
+    These files live in directories a load configuration or a command line names, and only
+    save work: a damaged one must cost a re-hash or a rewrite, never the load. Deep nesting
+    raised RecursionError (not a ValueError) out of json.loads and failed the load; a large
+    file was read whole into memory.
+    """
     try:
-        document = json.loads((store / HASH_CACHE_NAME).read_text())
-    except (OSError, ValueError):
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            return None
+        document: object = json.loads(raw)
+    except (OSError, ValueError, RecursionError):
         return None
+    return document
+
+
+def _read_persistent(store: Path, kind: str, identity: FileIdentity) -> str | None:
+    document = read_json_document(store / HASH_CACHE_NAME)
     entry = document.get(kind, {}).get(identity.path) if isinstance(document, dict) else None
     if not isinstance(entry, dict) or entry.get("identity") != identity.as_json():
         return None
@@ -143,10 +164,7 @@ def _write_persistent(store: Path, kind: str, identity: FileIdentity, digest: st
     # Read-merge-replace: concurrent writers may lose each other's entries, which costs only a
     # re-hash later, never a wrong answer (every entry carries the identity it was computed for).
     path = store / HASH_CACHE_NAME
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, ValueError):
-        document = {}
+    document = read_json_document(path)
     if not isinstance(document, dict):
         document = {}
     section = document.setdefault(kind, {})

@@ -58,7 +58,7 @@ from shard_engine_llama._gguf.reader import (
     TensorRecord,
     layer_index,
 )
-from shard_engine_llama._gguf.store import file_sha256, hash_cache
+from shard_engine_llama._gguf.store import file_sha256, hash_cache, read_json_document
 from shard_engine_llama._gguf.validation import validate_gguf
 
 __all__ = [
@@ -494,10 +494,7 @@ def shard_file_name(source: Path, start: int, end: int, n_layers: int) -> str:
 
 
 def _load_manifest(path: Path) -> dict[str, object] | None:
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    document = read_json_document(path)
     return document if isinstance(document, dict) else None
 
 
