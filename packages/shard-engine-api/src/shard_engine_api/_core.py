@@ -45,6 +45,7 @@ from shard_engine_api._errors import (
     EngineCrashed,
     ErrorInfo,
     InvalidRequest,
+    MalformedOutput,
     NotReady,
     ShardEngineError,
     UnsupportedFeature,
@@ -54,7 +55,7 @@ from shard_engine_api._inputs import InputRows, batch_rows, check_reserved, deco
 from shard_engine_api._ledger import Admission, LedgerLimits, SessionLedger
 from shard_engine_api._lifecycle import Lifecycle
 from shard_engine_api._metrics import Counters
-from shard_engine_api._results import build_result, check_rows
+from shard_engine_api._results import build_result, check_rows, scan_rows
 from shard_engine_api._snapshot import (
     SnapshotTarget,
     build_snapshot,
@@ -208,6 +209,19 @@ class EngineCore(abc.ABC):
             if len(self._digests) >= self._digest_limit:
                 self._sweep_digests()
             self._digests[id(rows)] = (weakref.ref(rows), checksum, finite)
+
+    def _rows_finite(self, rows: Rows) -> bool:
+        """Whether every value of ``rows`` (a forward's output) is finite: what the backend
+        recorded while writing them, else one pass, which is recorded in turn for private
+        rows so that the result built from them does not scan them again."""
+        if self._digests:
+            entry = self._digests.get(id(rows))
+            if entry is not None and entry[0]() is rows:
+                return entry[2]
+        checksum, finite = scan_rows(rows)
+        if checksum is not None:
+            self._record_digest(rows, checksum, finite)
+        return finite
 
     def _sweep_digests(self) -> None:
         """Drop the digests of rows that died unconsumed (a failed step): swept here rather
@@ -825,7 +839,7 @@ class EngineCore(abc.ABC):
         work: _Work,
         admitted: Sequence[Admission],
         rows: Sequence[InputRows],
-    ) -> list[Rows]:
+    ) -> list[Rows | ShardEngineError]:
         if not admitted:
             return []
         for admission in admitted:
@@ -851,29 +865,49 @@ class EngineCore(abc.ABC):
                 raise EngineCrashed(f"backend returned {len(outputs)} results for {len(items)}")
             dtype = self.config.boundary_dtype
             rows_each = 1 if work.batched else items[0].n_tokens
-            for output_rows in outputs:
-                check_rows(caps, dtype, output_rows, work.output, rows_each)
+            # An item whose rows are not finite is that item's error (MalformedOutput, rolled
+            # back below); the others commit as usual.
+            refused: dict[int, ShardEngineError] = {}
+            for index, output_rows in enumerate(outputs):
+                try:
+                    check_rows(
+                        caps,
+                        dtype,
+                        output_rows,
+                        work.output,
+                        rows_each,
+                        finite=self._rows_finite(output_rows),
+                    )
+                except MalformedOutput as error:
+                    refused[index] = error
+            committing = (
+                [a for index, a in enumerate(admitted) if index not in refused]
+                if refused
+                else admitted
+            )
             compute_ms = (time.perf_counter() - started) * 1000.0
             with self._state_lock:
                 self._seal(token)  # the commit point: a cancel from now on answers False
-                dropped = self._ledger.commit(admitted)
+                dropped = self._ledger.commit(committing)
                 counters = self._counters
                 if work.kind == "prefill":
                     counters.prefill_tokens += rows_each
                 else:
-                    counters.decode_tokens += rows_each * len(items)
+                    counters.decode_tokens += rows_each * len(committing)
                 counters.compute_ms += compute_ms
                 counters.evictions += len(dropped)
         except BaseException:
             self._rollback_all(admitted)
             raise
-        for admission in admitted:
+        if refused:
+            self._rollback_all([admitted[index] for index in sorted(refused)])
+        for admission in committing:
             self._commit(admission.slot)
         for slot in dropped:
             self._drop(slot)
         if dropped:
             _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
-        return outputs
+        return [refused.get(index, rows) for index, rows in enumerate(outputs)]
 
     def _hand_over(self, admission: Admission, token: CancelToken) -> None:
         """The one eviction that precedes the forward: every slot is in use and the backend
@@ -927,7 +961,14 @@ class EngineCore(abc.ABC):
             try:
                 rows = self._forward(item, output, token)
                 n_rows = 1 if n_prefill is None else n_prefill
-                check_rows(caps, self.config.boundary_dtype, rows, output, n_rows)
+                check_rows(
+                    caps,
+                    self.config.boundary_dtype,
+                    rows,
+                    output,
+                    n_rows,
+                    finite=self._rows_finite(rows),
+                )
                 compute_ms = (time.perf_counter() - forward_started) * 1000.0
                 with self._state_lock:
                     self._seal(token)  # the commit point: a cancel from now on answers False

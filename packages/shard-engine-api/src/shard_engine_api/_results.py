@@ -11,7 +11,7 @@ import numpy.typing as npt
 from shard_engine_api._backend import OutputMode
 from shard_engine_api._checksum import SCANNED, SCANNED_FINITE, mark_scanned
 from shard_engine_api._dtypes import checksum_and_finite, overflow_threshold, payload_finite
-from shard_engine_api._errors import EngineCrashed, ResourceExhausted
+from shard_engine_api._errors import EngineCrashed, MalformedOutput, ResourceExhausted
 from shard_engine_api._types import (
     BoundaryBundle,
     BoundaryDtype,
@@ -22,7 +22,7 @@ from shard_engine_api._types import (
     Timings,
 )
 
-__all__ = ["build_result", "check_range", "check_rows"]
+__all__ = ["build_result", "check_range", "check_rows", "scan_rows"]
 
 
 def check_rows(
@@ -31,17 +31,37 @@ def check_rows(
     rows: npt.NDArray[np.float32],
     output: OutputMode,
     n_tokens: int,
+    *,
+    finite: bool,
 ) -> None:
     """Check a backend's rows before anything is committed (the caller rolls back on an
-    error): the shape (EngineCrashed), and that hidden states fit the boundary dtype."""
+    error): the shape (EngineCrashed); that every value is finite (``finite``, as the caller
+    found it: MalformedOutput, because a NaN or an infinity the forward computed is in the
+    session's cache too, and every later step of the session would carry it); and that hidden
+    states fit the boundary dtype."""
     width = caps.hidden_size if output == "hidden" else caps.vocab_size
     expected_rows = 1 if output == "last" else n_tokens
     if rows.shape != (expected_rows, width):
         raise EngineCrashed(
             f"backend returned shape {rows.shape}, expected {(expected_rows, width)}"
         )
+    if not finite:
+        kind = "hidden states" if output == "hidden" else "logits"
+        raise MalformedOutput(
+            f"the forward computed {kind} with NaN or infinite values; nothing was committed "
+            "(the model's weights or this input overflow its arithmetic)",
+            details={"output": kind},
+        )
     if output == "hidden" and boundary_dtype != "f32":
         check_range(rows, boundary_dtype)
+
+
+def scan_rows(rows: npt.NDArray[np.float32]) -> tuple[int | None, bool]:
+    """The checksum of plain f32 rows' bytes (None for any other array, whose result payload
+    is a conversion) and whether every value is finite: one pass over plain f32 rows."""
+    if _exact_f32(rows):
+        return checksum_and_finite(rows.data.cast("B"), "f32")
+    return None, bool(np.isfinite(rows).all())
 
 
 def check_range(rows: npt.NDArray[np.float32], boundary_dtype: BoundaryDtype) -> None:
