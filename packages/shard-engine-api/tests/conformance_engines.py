@@ -2014,6 +2014,8 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
         RetryableStaleEpoch,
         ("test_error_codes_match_taxonomy",),
     ),
+    # The core refuses the NaN rows before committing them (MalformedOutput), so every test
+    # whose steps reach position 6 fails on that error.
     "nan_at_position_six": Broken(
         NanAtPositionSix,
         (
@@ -2021,10 +2023,14 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_chunked_prefill",
             "test_concurrent_threads_match_serial",
             "test_decode_consistency",
+            "test_deterministic",
             "test_long_and_shared_prefix_session_ids",
             "test_long_prefill_vs_chunked_and_decode",
+            "test_migration_continues_exactly_every_role",
             "test_migration_source_unchanged",
             "test_outputs_finite",
+            "test_resource_exhausted_kv_budget",
+            "test_result_fields",
             "test_session_isolation",
             "test_split_invariance_fixture_splits",
             "test_split_invariance_three_way",
