@@ -210,18 +210,24 @@ class EngineCore(abc.ABC):
                 self._sweep_digests()
             self._digests[id(rows)] = (weakref.ref(rows), checksum, finite)
 
-    def _rows_finite(self, rows: Rows) -> bool:
-        """Whether every value of ``rows`` (a forward's output) is finite: what the backend
-        recorded while writing them, else one pass, which is recorded in turn for private
-        rows so that the result built from them does not scan them again."""
+    def _scanned_rows(self, rows: Rows) -> tuple[Rows, bool]:
+        """The rows a result will be built from and whether every value is finite, known
+        before the commit point: what the backend recorded while writing them, else one pass
+        that is recorded in turn, so the result is not scanned again. Rows a backend may still
+        change (``rows_private`` False) are copied first, as the result would copy them
+        anyway: the copy is what is scanned and what the result carries."""
         if self._digests:
             entry = self._digests.get(id(rows))
             if entry is not None and entry[0]() is rows:
-                return entry[2]
+                return rows, entry[2]
+        if not self.rows_private:
+            rows = np.array(rows, order="C")  # a copy that is the core's own
         checksum, finite = scan_rows(rows)
         if checksum is not None:
-            self._record_digest(rows, checksum, finite)
-        return finite
+            if len(self._digests) >= self._digest_limit:
+                self._sweep_digests()
+            self._digests[id(rows)] = (weakref.ref(rows), checksum, finite)
+        return rows, finite
 
     def _sweep_digests(self) -> None:
         """Drop the digests of rows that died unconsumed (a failed step): swept here rather
@@ -863,21 +869,16 @@ class EngineCore(abc.ABC):
                 outputs = [self._forward(items[0], work.output, token)]
             if len(outputs) != len(items):
                 raise EngineCrashed(f"backend returned {len(outputs)} results for {len(items)}")
+            outputs = list(outputs)
             dtype = self.config.boundary_dtype
             rows_each = 1 if work.batched else items[0].n_tokens
             # An item whose rows are not finite is that item's error (MalformedOutput, rolled
             # back below); the others commit as usual.
             refused: dict[int, ShardEngineError] = {}
             for index, output_rows in enumerate(outputs):
+                outputs[index], finite = self._scanned_rows(output_rows)
                 try:
-                    check_rows(
-                        caps,
-                        dtype,
-                        output_rows,
-                        work.output,
-                        rows_each,
-                        finite=self._rows_finite(output_rows),
-                    )
+                    check_rows(caps, dtype, outputs[index], work.output, rows_each, finite=finite)
                 except MalformedOutput as error:
                     refused[index] = error
             committing = (
@@ -959,16 +960,9 @@ class EngineCore(abc.ABC):
             )
             forward_started = time.perf_counter()
             try:
-                rows = self._forward(item, output, token)
+                rows, finite = self._scanned_rows(self._forward(item, output, token))
                 n_rows = 1 if n_prefill is None else n_prefill
-                check_rows(
-                    caps,
-                    self.config.boundary_dtype,
-                    rows,
-                    output,
-                    n_rows,
-                    finite=self._rows_finite(rows),
-                )
+                check_rows(caps, self.config.boundary_dtype, rows, output, n_rows, finite=finite)
                 compute_ms = (time.perf_counter() - forward_started) * 1000.0
                 with self._state_lock:
                     self._seal(token)  # the commit point: a cancel from now on answers False
@@ -1027,7 +1021,8 @@ class EngineCore(abc.ABC):
             self.config.boundary_dtype,
             rows,
             output,
-            rows_private=self.rows_private,
+            # Rows with a digest are the backend's private rows or the core's own copy.
+            rows_private=self.rows_private or digest is not None,
             digest=digest,
             request_id=request_id,
             session=session,
