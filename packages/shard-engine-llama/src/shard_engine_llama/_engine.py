@@ -179,6 +179,33 @@ class _PinnedFiles:
         while self._descriptors:
             os.close(self._descriptors.pop())
 
+    def open_validated(self, named: Path) -> tuple[Path, GGUFHeader]:
+        """Pin the GGUF file ``named`` and validate it through the pin, with its family's
+        layout known: what stands between any file and llama.cpp opening it. Raises
+        InvalidRequest (not a regular file), GGUFValidationError (see :meth:`refusal`) and
+        UnsupportedFeature (a family whose layout is not checked)."""
+        if not named.is_file():
+            problem = "is not a regular file" if named.exists() else "does not exist"
+            raise InvalidRequest(f"model file {named} {problem}")
+        source = self.pin(named)
+        header = validate_gguf(source)
+        if header.architecture not in FAMILIES:
+            # Without a known layout the validator cannot keep files llama.cpp aborts on away.
+            raise UnsupportedFeature(
+                f"architecture-unknown-layout: {header.architecture!r} is not one of the families "
+                f"whose layout is checked before llama.cpp opens a file ({sorted(FAMILIES)})",
+                details={"rule": "architecture-unknown-layout"},
+            )
+        return source, header
+
+    def refusal(self, error: GGUFValidationError) -> InvalidRequest:
+        """What a validation failure is to the caller: InvalidRequest naming the file as it was
+        opened, with the rule and the field in ``details``."""
+        details: dict[str, str | int | float | bool | None] = {"rule": error.rule}
+        if error.field:
+            details["field"] = error.field
+        return InvalidRequest(self.named(str(error)), details=details)
+
 
 @dataclass(frozen=True)
 class _ShardChoice:
@@ -360,10 +387,7 @@ class LlamaEngine(EngineCore):
                     f"{pins.name(choice.path)} changed while it was being loaded"
                 )
         except GGUFValidationError as error:
-            details: dict[str, str | int | float | bool | None] = {"rule": error.rule}
-            if error.field:
-                details["field"] = error.field
-            raise InvalidRequest(pins.named(str(error)), details=details) from error
+            raise pins.refusal(error) from error
         except ShardingRefusedError as error:
             rule = error.rule.split(":", 1)[0]
             raise UnsupportedFeature(pins.named(str(error)), details={"rule": rule}) from error
@@ -430,18 +454,7 @@ class LlamaEngine(EngineCore):
         """
         spec = config.shard
         named = Path(spec.model)
-        if not named.is_file():
-            problem = "is not a regular file" if named.exists() else "does not exist"
-            raise InvalidRequest(f"model file {named} {problem}")
-        source = pins.pin(named)
-        header = validate_gguf(source)
-        if header.architecture not in FAMILIES:
-            # Without a known layout the validator cannot keep files llama.cpp aborts on away.
-            raise UnsupportedFeature(
-                f"architecture-unknown-layout: {header.architecture!r} is not one of the families "
-                f"whose layout is checked before llama.cpp opens a file ({sorted(FAMILIES)})",
-                details={"rule": "architecture-unknown-layout"},
-            )
+        source, header = pins.open_validated(named)
         info = model_info(header)
         if info.is_shard:
             start = int(header.get_int("shard.start"))

@@ -139,31 +139,16 @@ def _tokenizer(model: str) -> Tokenizer | None:
     # Imported here: llama_cpp loads only when a tokenizer is really needed.
     from shard_engine_llama._abi import ModelLoadError, Vocabulary
     from shard_engine_llama._engine import _PinnedFiles
-    from shard_engine_llama._gguf import GGUFValidationError, validate_gguf
-    from shard_engine_llama._gguf.families import FAMILIES
+    from shard_engine_llama._gguf import GGUFValidationError
 
     if type(model) is not str or not model or "\x00" in model:
         raise InvalidRequest(f"model must be a GGUF path, got {model!r}")
-    named = Path(model)
-    if not named.is_file():
-        problem = "is not a regular file" if named.exists() else "does not exist"
-        raise InvalidRequest(f"model file {named} {problem}")
     pins = _PinnedFiles()
     try:
-        pinned = pins.pin(named)
-        header = validate_gguf(pinned)
-        if header.architecture not in FAMILIES:
-            raise UnsupportedFeature(
-                f"architecture-unknown-layout: {header.architecture!r} is not one of the families "
-                f"whose layout is checked before llama.cpp opens a file ({sorted(FAMILIES)})",
-                details={"rule": "architecture-unknown-layout"},
-            )
+        pinned, _ = pins.open_validated(Path(model))
         vocabulary = Vocabulary(pinned)
     except GGUFValidationError as error:
-        details: dict[str, str | int | float | bool | None] = {"rule": error.rule}
-        if error.field:
-            details["field"] = error.field
-        raise InvalidRequest(pins.named(str(error)), details=details) from error
+        raise pins.refusal(error) from error
     except ModelLoadError as error:
         raise InvalidRequest(pins.named(str(error))) from error
     except OSError as error:
