@@ -12,6 +12,7 @@ from test_core import HistoryEngine, _decode, _prefill
 from shard_engine_api import (
     BoundaryResult,
     DecodeBatchRequest,
+    DecodeBatchResult,
     DecodeRequest,
     ErrorInfo,
     LoadConfig,
@@ -114,9 +115,11 @@ def test_a_non_finite_prefill_commits_nothing() -> None:
     assert engine.health().state == "ready"
 
 
-def test_a_non_finite_batch_item_is_that_items_error_and_the_others_commit() -> None:
-    engine = _poison_engine(np.nan)
-    sessions = [SessionRef(session_id=f"s{i}", epoch=1) for i in range(3)]
+def _batch_after_prefill(
+    engine: PoisonEngine, tokens: tuple[int, ...]
+) -> tuple[list[SessionRef], DecodeBatchResult]:
+    """One session per token, each prefilled with two tokens, then one batched decode step."""
+    sessions = [SessionRef(session_id=f"s{i}", epoch=1) for i in range(len(tokens))]
     for session in sessions:
         _prefill(engine, session, [1, 2])
     reply = engine.decode_batch(
@@ -124,15 +127,18 @@ def test_a_non_finite_batch_item_is_that_items_error_and_the_others_commit() -> 
             request_id="b",
             items=tuple(
                 DecodeRequest(
-                    request_id=f"b{i}",
-                    session=session,
-                    pos=2,
-                    inputs=TokenInput(token_ids=(POISON if i == 1 else 5,)),
+                    request_id=f"b{i}", session=session, pos=2, inputs=TokenInput(token_ids=(t,))
                 )
-                for i, session in enumerate(sessions)
+                for i, (session, t) in enumerate(zip(sessions, tokens, strict=True))
             ),
         )
     )
+    return sessions, reply
+
+
+def test_a_non_finite_batch_item_is_that_items_error_and_the_others_commit() -> None:
+    engine = _poison_engine(np.nan)
+    sessions, reply = _batch_after_prefill(engine, (5, POISON, 5))
     first, poisoned, last = reply.items
     assert isinstance(first, LogitsResult)
     assert isinstance(last, LogitsResult)
@@ -151,23 +157,7 @@ def test_a_non_finite_batch_item_is_that_items_error_and_the_others_commit() -> 
 
 def test_a_batch_of_only_non_finite_items_commits_nothing() -> None:
     engine = _poison_engine(np.nan)
-    sessions = [SessionRef(session_id=f"s{i}", epoch=1) for i in range(2)]
-    for session in sessions:
-        _prefill(engine, session, [1, 2])
-    reply = engine.decode_batch(
-        DecodeBatchRequest(
-            request_id="b",
-            items=tuple(
-                DecodeRequest(
-                    request_id=f"b{i}",
-                    session=session,
-                    pos=2,
-                    inputs=TokenInput(token_ids=(POISON,)),
-                )
-                for i, session in enumerate(sessions)
-            ),
-        )
-    )
+    sessions, reply = _batch_after_prefill(engine, (POISON, POISON))
     assert all(isinstance(item, ErrorInfo) for item in reply.items)
     assert [_length(engine, s.session_id) for s in sessions] == [2, 2]
     assert engine.metrics().decode_tokens == 0
