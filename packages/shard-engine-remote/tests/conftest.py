@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 
 import shard_engine_api as api
 from shard_engine_api.engine import TEST_OPTIONS_ENV
-from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity
+from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity, _framed
 from shard_engine_remote._framed import FramedServer
 
 # These tests load engines with test-only options (injected crashes, aborts and delays), as the
@@ -169,3 +170,20 @@ def remote() -> Iterator[RemoteFactory]:
     yield factory
     for engine in engines:
         engine.close()
+
+
+def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
+    """(kind, call id, body) of the next frame a framed peer sends on ``sock``, read with the
+    transport's own header layout."""
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    length, kind, call_id = _framed._HEADER.unpack(exactly(_framed._HEADER.size))
+    return kind, call_id, exactly(length)

@@ -9,17 +9,25 @@ import contextlib
 import os
 import socket
 import stat
-import struct
 from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import RemoteFactory, ServeFactory, config, decode, prefill, wait_until
+from conftest import (
+    RemoteFactory,
+    ServeFactory,
+    config,
+    decode,
+    prefill,
+    read_frame,
+    wait_until,
+)
 
 import shard_engine_api as api
 from shard_engine_api import cli, wire
 from shard_engine_remote import EngineServer, ServerSecurity, Unauthenticated
 from shard_engine_remote._framed import (
+    _HEADER,
     ABANDON,
     CALL,
     CHUNK,
@@ -28,29 +36,11 @@ from shard_engine_remote._framed import (
     HELLO,
     REPLY,
     FramedServer,
+    _frame,
 )
 from shard_engine_remote._wire import decode_reply
 
 TOKEN = "framed-token"
-_HEADER = struct.Struct("<IBQ")
-
-
-def _frame(kind: int, call_id: int, body: bytes) -> bytes:
-    return _HEADER.pack(len(body), kind, call_id) + body
-
-
-def _read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise EOFError
-            data += chunk
-        return data
-
-    length, kind, call_id = _HEADER.unpack(exactly(_HEADER.size))
-    return kind, call_id, exactly(length)
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -75,11 +65,11 @@ class _Raw:
             raise
 
     def greeting(self) -> tuple[int, int, bytes]:
-        return _read_frame(self.sock)
+        return read_frame(self.sock)
 
     def call(self, body: bytes, kind: int = CALL, call_id: int = 7) -> api.ShardEngineError:
         self.sock.sendall(_frame(kind, call_id, body))
-        answer_kind, answer_id, answer = _read_frame(self.sock)
+        answer_kind, answer_id, answer = read_frame(self.sock)
         assert (answer_kind, answer_id) == (REPLY, call_id)
         return wire.decode_error(answer)
 
@@ -157,7 +147,7 @@ def test_bad_frames_get_typed_errors(framed: EngineServer, worker: api.ShardEngi
     for kind in (CHUNK, END, ABANDON):
         raw.sock.sendall(_frame(kind, 12345, b"junk"))
     raw.sock.sendall(_frame(CALL, 8, msgspec.msgpack.encode({"type": "health_query"})))
-    kind, call_id, body = _read_frame(raw.sock)
+    kind, call_id, body = read_frame(raw.sock)
     assert (kind, call_id) == (REPLY, 8)
     health = decode_reply(body)
     assert isinstance(health, api.Health)

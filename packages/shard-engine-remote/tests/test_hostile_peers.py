@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import tempfile
 import threading
 import tracemalloc
@@ -23,6 +22,7 @@ from conftest import (
     decode,
     delay,
     prefill,
+    read_frame,
     wait_until,
 )
 
@@ -36,27 +36,16 @@ from shard_engine_remote import (
     Unauthenticated,
     _framed,
 )
-from shard_engine_remote._framed import CALL, CHUNK, HELLO, IMPORT, REPLY, FramedServer
-
-_HEADER = struct.Struct("<IBQ")
-
-
-def _frame(kind: int, call_id: int, body: bytes) -> bytes:
-    return _HEADER.pack(len(body), kind, call_id) + body
-
-
-def _read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise EOFError
-            data += chunk
-        return data
-
-    length, kind, call_id = _HEADER.unpack(exactly(_HEADER.size))
-    return kind, call_id, exactly(length)
+from shard_engine_remote._framed import (
+    _HEADER,
+    CALL,
+    CHUNK,
+    HELLO,
+    IMPORT,
+    REPLY,
+    FramedServer,
+    _frame,
+)
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -215,14 +204,14 @@ def test_a_call_id_in_flight_cannot_be_reused(serve: ServeFactory) -> None:
     sock.connect(server.address.removeprefix("unix:"))
     try:
         sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
-        assert _read_frame(sock)[0] == HELLO
+        assert read_frame(sock)[0] == HELLO
         sock.sendall(_frame(CALL, 7, wire.encode(request)))
         wait_until(lambda: server.engine.health().in_flight == 1)
         other = msgspec.structs.replace(
             request, request_id="slow-2", session=api.SessionRef(session_id="t", epoch=1)
         )
         sock.sendall(_frame(CALL, 7, wire.encode(other)))
-        kind, call_id, body = _read_frame(sock)
+        kind, call_id, body = read_frame(sock)
         assert (kind, call_id) == (REPLY, 7)
         error = wire.decode_error(body)
         assert isinstance(error, api.InvalidRequest)
@@ -361,7 +350,7 @@ def test_import_chunks_sent_ahead_of_a_busy_server_are_bounded(
                 streaming.sendall(_frame(CHUNK, 2, chunk))
             # Answered by the reading thread once it handled every chunk before it.
             streaming.sendall(_frame(99, 3, b""))
-            assert _read_frame(streaming)[:2] == (REPLY, 3)
+            assert read_frame(streaming)[:2] == (REPLY, 3)
             held, _ = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -369,7 +358,7 @@ def test_import_chunks_sent_ahead_of_a_busy_server_are_bounded(
         gate.set()
         replies = {}
         while 2 not in replies:
-            _, call_id, body = _read_frame(streaming)
+            _, call_id, body = read_frame(streaming)
             replies[call_id] = body
         refused = wire.decode_error(replies[2])
         assert isinstance(refused, api.ResourceExhausted)
@@ -391,5 +380,5 @@ def _greeted(directory: Path) -> socket.socket:
     sock.settimeout(30)
     sock.connect(str(directory / "engine.sock"))
     sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
-    assert _read_frame(sock)[0] == HELLO
+    assert read_frame(sock)[0] == HELLO
     return sock
