@@ -18,6 +18,7 @@ import pytest
 from conftest import EngineFactory, decode, decode_request, logits_of, prefill, session
 
 import shard_engine_api as api
+from shard_engine_api._validation import health_problem, metrics_problem
 from shard_engine_api.engine import TEST_OPTIONS_ENV
 from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import (
@@ -273,6 +274,26 @@ def test_memory_pressure_rejects_new_work(make_engine: EngineFactory) -> None:
     assert engine.health().state == "ready"
     assert engine.health().kv_budget_tokens == 100
     decode(engine, session("small"), 4, 4)
+
+
+def test_memory_pressure_never_raises_the_budget_above_the_configured_one(
+    make_engine: EngineFactory,
+) -> None:
+    """A plan asking for more than the configured budget leaves the advertised one: health
+    never reports a budget or usage the capabilities do not allow (a ValidatingEngine would
+    call that MalformedOutput)."""
+    engine = make_engine(
+        kv_budget_tokens=8,
+        options=plan_of(FaultRule(action=MemoryPressure(kv_budget_tokens=1000), nth=1)),
+    )
+    prefill(engine, session("a"), 0, [1, 2, 3, 4, 5, 6, 7, 8])
+    health = engine.health()
+    assert (health.kv_budget_tokens, health.kv_used_tokens) == (8, 8)
+    with pytest.raises(api.ResourceExhausted):
+        prefill(engine, session("b"), 0, [1])
+    limits = engine.capabilities().limits
+    assert health_problem(engine.health(), limits) is None
+    assert metrics_problem(engine.metrics(), limits) is None
 
 
 def test_memory_pressure_with_lru_eviction(make_engine: EngineFactory) -> None:

@@ -277,10 +277,13 @@ class EngineCore(abc.ABC):
             _log.error("%s engine failed: %s", self.engine_name, detail)
 
     def _set_kv_budget(self, tokens: int) -> None:
-        """Change the KV budget (memory pressure). Sessions over it are evicted or new work is
-        refused on the next admission, per the eviction policy."""
+        """Change the KV budget (memory pressure) within ``[0, the configured budget]``: the
+        configured budget is the one advertised in ``Limits``, so pressure can only shrink it.
+        Sessions over it are evicted or new work is refused on the next admission, per the
+        eviction policy."""
         with self._state_lock:
-            self._kv_budget = max(0, tokens)
+            configured = self._config.kv_budget_tokens if self._config is not None else 0
+            self._kv_budget = min(max(0, tokens), configured)
 
     @property
     def config(self) -> LoadConfig:
