@@ -466,6 +466,13 @@ class MetricsNotCounting(ReferenceEngine):
         return msgspec.structs.replace(metrics, prefill_tokens=0, decode_tokens=0, errors={})
 
 
+class MetricsUnknownAsMinusOne(ReferenceEngine):
+    """Reports a counter it does not keep (dropped fences) as -1, "unknown"."""
+
+    def metrics(self) -> Metrics:
+        return msgspec.structs.replace(super().metrics(), fences_dropped=-1)
+
+
 # --------------------------------------------------------------------- more broken engines
 # Each is the reference engine with one bug a real engine author could make.
 
@@ -1843,6 +1850,15 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_batched_decode_metrics",
             "test_health_metrics_consistent",
             "test_migration_metrics_and_health",
+            *_MACHINE,
+        ),
+    ),
+    "metrics_unknown_as_minus_one": Broken(
+        MetricsUnknownAsMinusOne,
+        (
+            "test_health_metrics_consistent",
+            "test_health_states",
+            "test_wire_round_trip_of_every_returned_object",
             *_MACHINE,
         ),
     ),

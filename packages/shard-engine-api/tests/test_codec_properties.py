@@ -51,9 +51,11 @@ INT64 = st.integers(-(2**63), 2**63 - 1)
 COUNT = st.integers(0, 2**31)
 NAME = st.text(min_size=1, max_size=12)
 FINITE = st.floats(allow_nan=False, allow_infinity=False)
+DURATION = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False)
+"""Milliseconds: finite and >= 0 (the decoders refuse anything else)."""
 
 sessions = st.builds(SessionRef, session_id=NAME, epoch=st.integers(0, 2**63 - 1))
-timings = st.builds(Timings, queue_ms=FINITE, compute_ms=FINITE, total_ms=FINITE)
+timings = st.builds(Timings, queue_ms=DURATION, compute_ms=DURATION, total_ms=DURATION)
 
 
 @st.composite
@@ -164,7 +166,7 @@ def capabilities(draw: st.DrawFn) -> Capabilities:
             max_batch_tokens=draw(positive),
             kv_budget_tokens=draw(positive),
         ),
-        features=Features(cancel=draw(st.booleans()), cancel_latency_ms=draw(FINITE)),
+        features=Features(cancel=draw(st.booleans()), cancel_latency_ms=draw(DURATION)),
         determinism=Determinism(
             deterministic=draw(st.booleans()),
             split_exact=draw(st.booleans()),
@@ -222,7 +224,7 @@ messages: st.SearchStrategy[Any] = st.one_of(
         Metrics,
         requests=COUNT,
         decode_tokens=COUNT,
-        compute_ms=FINITE,
+        compute_ms=DURATION,
         errors=st.dictionaries(NAME, COUNT, max_size=3),
     ),
     error_infos,

@@ -50,6 +50,7 @@ from shard_engine_api import (
     ValidatingEngine,
 )
 from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
+from shard_engine_api.wire import decode_message, encode
 
 HIDDEN = 8
 VOCAB = 12
@@ -636,6 +637,7 @@ def _raise(error: Exception) -> Callable[[], Any]:
         ("metrics", _raise(RuntimeError("boom")), "exception_type"),
         ("metrics", lambda: Health(state="ready"), "result_type"),
         ("metrics", lambda: _unchecked(Metrics(), errors={"x": "1"}), "result_fields"),
+        ("health", _raise(InvalidRequest("health never raises")), "exception_type"),
         ("close", _raise(OSError("boom")), "exception_type"),
     ],
 )
@@ -649,6 +651,94 @@ def test_broken_health_metrics_and_close_are_caught(
     with pytest.raises(MalformedOutput) as caught:
         getattr(engine, method)()
     assert caught.value.details["check"] == check
+
+
+_HEALTH_LIES: list[tuple[dict[str, object], str]] = [
+    ({"sessions": -1}, "result_fields"),
+    ({"in_flight": -5}, "result_fields"),
+    ({"kv_used_tokens": 2**80}, "result_fields"),
+    ({"kv_budget_tokens": 2**63}, "result_fields"),
+    ({"sessions": True}, "result_fields"),
+    ({"sessions": 17}, "health_bounds"),  # max_sessions is 16
+    ({"kv_used_tokens": 16385}, "health_bounds"),  # the configured budget is 16384
+    ({"kv_budget_tokens": 1 << 20}, "health_bounds"),
+]
+_METRICS_LIES: list[tuple[dict[str, object], str]] = [
+    ({"requests": -1}, "result_fields"),
+    ({"decode_tokens": 2**80}, "result_fields"),
+    ({"fences_dropped": 2**64}, "result_fields"),
+    ({"compute_ms": math.nan}, "result_fields"),
+    ({"compute_ms": -1.0}, "result_fields"),
+    ({"compute_ms": math.inf}, "result_fields"),
+    ({"compute_ms": 2**70}, "result_fields"),
+    ({"errors": {"cache_miss": -2}}, "result_fields"),
+    ({"errors": {"": 1}}, "result_fields"),
+    ({"errors": {f"code{i}": 1 for i in range(257)}}, "result_fields"),
+    ({"sessions_active": 17}, "metrics_bounds"),
+    ({"kv_used_tokens": 16385}, "metrics_bounds"),
+]
+
+
+@pytest.mark.parametrize(("fields", "check"), _HEALTH_LIES)
+def test_health_out_of_bounds_is_malformed(
+    monkeypatch: pytest.MonkeyPatch, fields: dict[str, object], check: str
+) -> None:
+    """A lying engine's health (a negative or beyond-64-bit count, more sessions than
+    max_sessions, a budget or usage above the configured KV budget) is MalformedOutput at the
+    wrapper, and the same values do not decode from the wire."""
+    engine, tamper = make(0, 2)
+    honest = tamper.health()
+    monkeypatch.setattr(tamper, "health", lambda: _unchecked(honest, **fields))
+    with pytest.raises(MalformedOutput) as caught:
+        engine.health()
+    assert caught.value.details["check"] == check
+    lie = _encodable({"type": "health", "state": "ready", **fields})
+    if check == "result_fields" and fields != {"sessions": True} and lie is not None:
+        with pytest.raises(InvalidRequest):
+            decode_message(lie)
+
+
+@pytest.mark.parametrize(("fields", "check"), _METRICS_LIES)
+def test_metrics_out_of_bounds_are_malformed(
+    monkeypatch: pytest.MonkeyPatch, fields: dict[str, object], check: str
+) -> None:
+    """As for health: counters are non-negative 64-bit integers, compute_ms a finite duration,
+    error codes non-empty and few, and nothing exceeds the advertised limits."""
+    engine, tamper = make(0, 2)
+    monkeypatch.setattr(tamper, "metrics", lambda: _unchecked(Metrics(), **fields))
+    with pytest.raises(MalformedOutput) as caught:
+        engine.metrics()
+    assert caught.value.details["check"] == check
+    lie = _encodable({"type": "metrics", **fields})
+    if check == "result_fields" and lie is not None:
+        with pytest.raises(InvalidRequest):
+            decode_message(lie)
+
+
+def _encodable(message: dict[str, object]) -> bytes | None:
+    """``message`` as msgpack, or None when msgpack cannot carry it (beyond 64 bits)."""
+    try:
+        return msgspec.msgpack.encode(message)
+    except OverflowError:
+        return None
+
+
+def test_health_and_metrics_of_a_busy_engine_pass() -> None:
+    """An honest engine at its limits passes: a full KV budget, every session slot used."""
+    engine = ValidatingEngine(TinyEngine())
+    engine.load(LoadConfig(shard=ShardSpec(model="m", n_layers=N_LAYERS, start=0, end=N_LAYERS),
+                           max_sessions=2, kv_budget_tokens=6))  # fmt: skip
+    for n in range(2):
+        engine.prefill(
+            PrefillRequest(request_id=f"r{n}", session=session(f"s{n}"), start_pos=0,
+                           inputs=TokenInput(token_ids=(1, 2, 3)))
+        )  # fmt: skip
+    health = engine.health()
+    assert (health.sessions, health.kv_used_tokens, health.kv_budget_tokens) == (2, 6, 6)
+    metrics = engine.metrics()
+    assert (metrics.sessions_active, metrics.kv_used_tokens) == (2, 6)
+    assert decode_message(encode(health)) == health
+    assert decode_message(encode(metrics)) == metrics
 
 
 def test_a_payload_the_engine_can_still_write_is_copied_before_it_is_checked() -> None:

@@ -17,7 +17,8 @@ Rules, identical to what the msgpack decoders accept:
 
 - an ``int`` field takes exactly ``int`` (not ``bool``, not ``1.5`` or ``5.0``, not a numpy
   integer) within its bounds; every wire integer is within signed 64 bits;
-- a ``float`` field takes ``float`` or ``int`` (not ``bool``);
+- a ``float`` field takes ``float`` or a 64-bit ``int`` (not ``bool``) within its bounds
+  (durations: finite and >= 0, so NaN and infinities are refused);
 - a ``str`` field takes exactly ``str`` (not a subclass) within its length bounds and
   encodable as UTF-8 (no lone surrogates: the wire could not carry it); a literal takes one
   of its strings;
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import operator
 import reprlib
+import sys
 import threading
 from collections.abc import Callable
 from typing import Final
@@ -81,6 +83,7 @@ MAX_OPTION_ITEMS: Final = 4096
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 _UINT64_MAX: Final = 2**64 - 1
+_FLOAT_MAX: Final = sys.float_info.max
 _BUFFER_TYPES: Final = (bytes, bytearray, memoryview)
 _DTYPES: Final = BOUNDARY_DTYPES
 _EVIDENCE: Final = frozenset({"fixture", "real"})
@@ -161,12 +164,48 @@ def _int_checker(info: msgspec.inspect.IntType, limit: int = _INT64_MAX) -> _Che
 
 
 def _float_checker(info: msgspec.inspect.FloatType) -> _Check:
-    def check(value: object) -> None:
-        kind = type(value)
-        if kind is not float and kind is not int:
-            raise _Bad("float", value)
+    # An int stands for a float (msgpack carries it as an int: within 64 bits). Bounds are
+    # inclusive comparisons that NaN fails, as in msgspec's decoders.
+    low = info.ge if info.ge is not None else info.gt
+    high = info.le if info.le is not None else info.lt
+    if low is None and high is None:
 
-    return check
+        def check(value: object) -> None:
+            kind = type(value)
+            if kind is float:
+                return
+            if kind is not int or not _INT64_MIN <= value <= _UINT64_MAX:  # type: ignore[operator]
+                raise _Bad("float", value)
+
+        return check
+    strict_low, strict_high = info.gt is not None, info.lt is not None
+    expected = "float" + _float_bounds_text(low, high, strict_low, strict_high)
+
+    def check_bounded(value: object) -> None:
+        kind = type(value)
+        if kind is int:
+            if not _INT64_MIN <= value <= _UINT64_MAX:  # type: ignore[operator]
+                raise _Bad(expected, value)
+        elif kind is not float:
+            raise _Bad(expected, value)
+        number: float = value  # type: ignore[assignment]
+        if low is not None and not (number > low if strict_low else number >= low):
+            raise _Bad(expected, value)
+        if high is not None and not (number < high if strict_high else number <= high):
+            raise _Bad(expected, value)
+
+    return check_bounded
+
+
+def _float_bounds_text(
+    low: float | None, high: float | None, strict_low: bool, strict_high: bool
+) -> str:
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if strict_low else '>='} {low}")
+    if high is not None:
+        parts.append("finite" if high == _FLOAT_MAX else f"{'<' if strict_high else '<='} {high}")
+    return " " + ", ".join(parts)
 
 
 def _str_checker(info: msgspec.inspect.StrType) -> _Check:
@@ -672,6 +711,10 @@ def _result_head_ok(result: BoundaryResult | LogitsResult) -> bool:
         and type(timings.queue_ms) is float
         and type(timings.compute_ms) is float
         and type(timings.total_ms) is float
+        # Comparisons false for NaN: durations are finite and >= 0.
+        and 0.0 <= timings.queue_ms <= _FLOAT_MAX
+        and 0.0 <= timings.compute_ms <= _FLOAT_MAX
+        and 0.0 <= timings.total_ms <= _FLOAT_MAX
     )
 
 

@@ -8,6 +8,7 @@ New fields get defaults; tags are never reused.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Annotated, Final, Literal, TypeAlias
 
 import msgspec
@@ -140,6 +141,15 @@ TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Identifier: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 """A non-empty id of at most MAX_ID_CHARS characters."""
 Fingerprint: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+FLOAT_MAX: Final = sys.float_info.max
+"""The largest finite float."""
+Milliseconds: TypeAlias = Annotated[float, msgspec.Meta(ge=0.0, le=FLOAT_MAX)]
+"""A duration: finite and >= 0 (NaN and infinities are refused, on the wire and at the edge)."""
+MAX_ERROR_CODES: Final = 256
+"""The most distinct error codes ``Metrics.errors`` may hold (the contract defines fewer than
+twenty)."""
+ErrorCode: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+"""An error's stable code, as a key of ``Metrics.errors``."""
 
 
 def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.generic]:
@@ -451,9 +461,9 @@ class ImportSessionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="impor
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
     """Wall-clock milliseconds: waiting for the shard, computing, and the whole call."""
 
-    queue_ms: float = 0.0
-    compute_ms: float = 0.0
-    total_ms: float = 0.0
+    queue_ms: Milliseconds = 0.0
+    compute_ms: Milliseconds = 0.0
+    total_ms: Milliseconds = 0.0
 
 
 class BoundaryResult(msgspec.Struct, frozen=True, kw_only=True, tag="boundary_result"):
@@ -567,7 +577,7 @@ class Features(msgspec.Struct, frozen=True, kw_only=True):
     """Optional behaviours and their bounds."""
 
     cancel: bool = True
-    cancel_latency_ms: float = 50.0
+    cancel_latency_ms: Milliseconds = 50.0
     batched_decode: bool = True
     truncate: bool = True
     eviction: bool = True
@@ -714,14 +724,21 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, tag="load"):
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
-    """The engine's state now. Ready and degraded serve requests; the others raise."""
+    """The engine's state now. Ready and degraded serve requests; the others raise.
+
+    Every count is a non-negative 64-bit integer (the decoders refuse anything else). Against
+    the engine's capabilities (checked by ``ValidatingEngine`` and the conformance suite):
+    ``sessions <= limits.max_sessions``, and ``kv_budget_tokens`` and ``kv_used_tokens`` are at
+    most ``limits.kv_budget_tokens`` (the configured budget). ``kv_budget_tokens`` is the budget
+    now: memory pressure may shrink it below ``kv_used_tokens`` until the next admission
+    evicts or refuses, so ``kv_used_tokens <= kv_budget_tokens`` is not an invariant."""
 
     state: LifecycleState
     detail: str = ""
-    sessions: int = 0
-    in_flight: int = 0
-    kv_used_tokens: int = 0
-    kv_budget_tokens: int = 0
+    sessions: Count = 0
+    in_flight: Count = 0
+    kv_used_tokens: Count = 0
+    kv_budget_tokens: Count = 0
 
 
 class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
@@ -734,22 +751,29 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
     ``decode_requests`` counts single decodes only (a batch counts in ``batch_requests``).
     ``errors`` counts, by code, every error a caller received: raised by any operation
     (release included) or returned as an item of a batch result. ``fences_dropped`` counts
-    tombstones forgotten early (their old epochs would be accepted again)."""
+    tombstones forgotten early (their old epochs would be accepted again).
 
-    requests: int = 0
-    prefill_requests: int = 0
-    decode_requests: int = 0
-    batch_requests: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    cancelled: int = 0
-    evictions: int = 0
-    releases: int = 0
-    exports: int = 0
-    imports: int = 0
-    sessions_active: int = 0
-    tombstones: int = 0
-    fences_dropped: int = 0
-    kv_used_tokens: int = 0
-    compute_ms: float = 0.0
-    errors: dict[str, int] = msgspec.field(default_factory=dict)
+    Every counter is a non-negative 64-bit integer, ``compute_ms`` is finite and >= 0, and
+    ``errors`` maps at most MAX_ERROR_CODES non-empty codes to counts (the decoders refuse
+    anything else). Against the capabilities: ``sessions_active <= limits.max_sessions`` and
+    ``kv_used_tokens <= limits.kv_budget_tokens``."""
+
+    requests: Count = 0
+    prefill_requests: Count = 0
+    decode_requests: Count = 0
+    batch_requests: Count = 0
+    prefill_tokens: Count = 0
+    decode_tokens: Count = 0
+    cancelled: Count = 0
+    evictions: Count = 0
+    releases: Count = 0
+    exports: Count = 0
+    imports: Count = 0
+    sessions_active: Count = 0
+    tombstones: Count = 0
+    fences_dropped: Count = 0
+    kv_used_tokens: Count = 0
+    compute_ms: Milliseconds = 0.0
+    errors: Annotated[dict[ErrorCode, Count], msgspec.Meta(max_length=MAX_ERROR_CODES)] = (
+        msgspec.field(default_factory=dict)
+    )

@@ -52,6 +52,7 @@ from shard_engine_api._types import (
     Health,
     ImportSessionRequest,
     ImportSessionResult,
+    Limits,
     LoadConfig,
     LogitsMode,
     LogitsResult,
@@ -65,7 +66,7 @@ from shard_engine_api._types import (
     ShardResult,
 )
 
-__all__ = ["ValidatingEngine"]
+__all__ = ["ValidatingEngine", "health_problem", "metrics_problem"]
 
 _MAX_SNAPSHOT_BYTES: Final = 1 << 36
 """The largest snapshot state this wrapper hashes (the engine's own limit is usually lower)."""
@@ -219,8 +220,10 @@ class ValidatingEngine:
     >= 0. A batch result must
     echo the batch's request id and hold one entry per item, in item order.
 
-    Cancel and release results, health and metrics must be well typed (and a cancel result
-    says ``cancelled`` exactly when it counts a stopped request).
+    Cancel and release results, health and metrics must be well typed and within their bounds
+    (a cancel result says ``cancelled`` exactly when it counts a stopped request; health and
+    metrics never report more sessions than ``max_sessions`` nor more KV positions than the
+    configured budget: see :func:`health_problem` and :func:`metrics_problem`).
 
     Every violation raises :class:`~shard_engine_api.MalformedOutput`; so does any exception
     of the inner engine that is not a :class:`~shard_engine_api.ShardEngineError` (the protocol
@@ -299,10 +302,10 @@ class ValidatingEngine:
         try:
             health = self._inner.health()
         except Exception as error:
-            raise self._foreign_error("health", error) from error
-        if type(health) is not Health:
-            _violation("result_type", f"expected Health, got {type(health).__name__}")
-        _check_fields(health, Health, "health")
+            raise self._query_error("health", error) from error
+        problem = health_problem(health, self._loaded_limits())
+        if problem is not None:
+            _violation(*problem)
         return health
 
     def metrics(self) -> Metrics:
@@ -311,10 +314,10 @@ class ValidatingEngine:
         try:
             metrics = self._inner.metrics()
         except Exception as error:
-            raise self._foreign_error("metrics", error) from error
-        if type(metrics) is not Metrics:
-            _violation("result_type", f"expected Metrics, got {type(metrics).__name__}")
-        _check_fields(metrics, Metrics, "metrics")
+            raise self._query_error("metrics", error) from error
+        problem = metrics_problem(metrics, self._loaded_limits())
+        if problem is not None:
+            _violation(*problem)
         return metrics
 
     def close(self) -> None:
@@ -580,6 +583,22 @@ class ValidatingEngine:
         assert self._contract is not None
         return self._contract
 
+    def _loaded_limits(self) -> Limits | None:
+        """The limits health and metrics are held to: those of the capabilities seen, if any
+        (health and metrics never raise, so they do not ask for them)."""
+        contract = self._contract
+        return None if contract is None else contract.capabilities.limits
+
+    @classmethod
+    def _query_error(cls, operation: str, error: Exception) -> MalformedOutput:
+        if isinstance(error, ShardEngineError):
+            return MalformedOutput(
+                f"exception_type: {operation} raised {type(error).__name__} ({error.message}); "
+                f"{operation} never raises",
+                details={"check": "exception_type"},
+            )
+        return cls._foreign_error(operation, error)
+
     @staticmethod
     def _foreign_error(operation: str, error: Exception) -> MalformedOutput:
         return MalformedOutput(
@@ -615,6 +634,8 @@ class ValidatingEngine:
             try:
                 check_request(result, expected)
             except InvalidRequest as error:
+                if ".timings." in str(error.details.get("field", "")):
+                    _violation("timings", f"result timings are not finite, >= 0: {error}")
                 _violation("result_fields", f"result has a field of the wrong type: {error}")
         if contract.emits_logits:
             if type(result) is not LogitsResult:
@@ -705,6 +726,64 @@ def _frozen(payload: memoryview | bytes | bytearray) -> memoryview:
         return memoryview(bytes(payload))
     except ValueError as error:  # a released buffer
         _violation("result_fields", f"result payload is unreadable: {error}")
+
+
+def health_problem(health: object, limits: Limits | None) -> tuple[str, str] | None:
+    """What is wrong with ``health`` as an engine's answer, as (check, message), or None:
+    not a Health, a field of the wrong type or out of its bounds (counts are non-negative
+    64-bit integers), or, given the engine's ``limits``, more sessions than ``max_sessions``
+    or a budget or a usage above the configured ``kv_budget_tokens``."""
+    if type(health) is not Health:
+        return "result_type", f"expected Health, got {type(health).__name__}"
+    try:
+        check_request(health, Health)
+    except InvalidRequest as error:
+        return "result_fields", f"health has a field of the wrong type: {error}"
+    if limits is None:
+        return None
+    if health.sessions > limits.max_sessions:
+        return (
+            "health_bounds",
+            f"health reports {health.sessions} sessions, max_sessions is {limits.max_sessions}",
+        )
+    for name in ("kv_used_tokens", "kv_budget_tokens"):
+        value = getattr(health, name)
+        if value > limits.kv_budget_tokens:
+            return (
+                "health_bounds",
+                f"health reports {name}={value}, over the configured KV budget of "
+                f"{limits.kv_budget_tokens}",
+            )
+    return None
+
+
+def metrics_problem(metrics: object, limits: Limits | None) -> tuple[str, str] | None:
+    """What is wrong with ``metrics`` as an engine's answer, as (check, message), or None:
+    not a Metrics, a field of the wrong type or out of its bounds (counters are non-negative
+    64-bit integers, ``compute_ms`` finite and >= 0, error codes non-empty), or, given the
+    engine's ``limits``, more active sessions than ``max_sessions`` or more cached positions
+    than the configured ``kv_budget_tokens``."""
+    if type(metrics) is not Metrics:
+        return "result_type", f"expected Metrics, got {type(metrics).__name__}"
+    try:
+        check_request(metrics, Metrics)
+    except InvalidRequest as error:
+        return "result_fields", f"metrics has a field of the wrong type: {error}"
+    if limits is None:
+        return None
+    if metrics.sessions_active > limits.max_sessions:
+        return (
+            "metrics_bounds",
+            f"metrics report {metrics.sessions_active} active sessions, max_sessions is "
+            f"{limits.max_sessions}",
+        )
+    if metrics.kv_used_tokens > limits.kv_budget_tokens:
+        return (
+            "metrics_bounds",
+            f"metrics report kv_used_tokens={metrics.kv_used_tokens}, over the configured KV "
+            f"budget of {limits.kv_budget_tokens}",
+        )
+    return None
 
 
 def _check_fields(result: object, expected: type, what: str) -> None:

@@ -82,6 +82,7 @@ from shard_engine_api._types import (
     DecodeBatchRequest,
     DecodeRequest,
     EvictionPolicy,
+    Limits,
     LogitsResult,
     Metrics,
     MtpState,
@@ -91,6 +92,7 @@ from shard_engine_api._types import (
     ShardResult,
     TokenInput,
 )
+from shard_engine_api._validation import health_problem, metrics_problem
 from shard_engine_api.conformance._harness import (
     Canceller,
     EngineUnderTest,
@@ -501,15 +503,20 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         assert result.n_rows == 1, "the engine must still serve after a refused second load"
 
     def test_health_states(self) -> None:
-        """Health goes unloaded -> ready -> closed and reports occupancy consistently.
+        """Health goes unloaded -> ready -> closed and reports occupancy consistently; health
+        and metrics are well typed and within bounds in every state (non-negative 64-bit
+        counts, finite compute_ms, no more sessions or KV positions than advertised).
 
-        Fix: keep Health.state in step with the lifecycle; count sessions and KV positions."""
+        Fix: keep Health.state in step with the lifecycle; count sessions and KV positions;
+        report counts as plain non-negative ints (never -1 for "unknown")."""
         h = self.harness
         engine = h.new_engine()
         assert engine.health().state == "unloaded"
+        _assert_health_metrics_within(engine, None)
         caps = engine.load(h.config())
         h.note_capabilities(caps)
         health = engine.health()
+        _assert_health_metrics_within(engine, caps.limits)
         assert health.state == "ready", f"after load health must be 'ready', got {health.state!r}"
         assert health.sessions == 0
         assert health.in_flight == 0
@@ -519,6 +526,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         )
         engine.close()
         assert engine.health().state == "closed"
+        _assert_health_metrics_within(engine, None)
 
     def test_capabilities_fields(self) -> None:
         """Capabilities name the engine, speak this contract version, carry a valid evidence
@@ -1781,6 +1789,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         metrics = engine.metrics()
         _assert_counters_grew(start, metrics)
         health = engine.health()
+        _assert_health_metrics_within(engine, engine.capabilities().limits)
         expected = {
             "requests": 5,
             "prefill_requests": 3,
@@ -1833,8 +1842,22 @@ _CUMULATIVE: Final = (
 )
 
 
+def _assert_health_metrics_within(engine: ShardEngine, limits: Limits | None) -> None:
+    """Health and metrics are well typed, within their wire bounds (non-negative 64-bit
+    counts, a finite compute_ms, non-empty error codes) and, once loaded, within the
+    advertised limits (sessions, KV positions)."""
+    for problem in (
+        health_problem(engine.health(), limits),
+        metrics_problem(engine.metrics(), limits),
+    ):
+        assert problem is None, f"{problem[0]}: {problem[1]}"
+
+
 def _assert_counters_grew(before: Metrics, after: Metrics) -> None:
     """Counters since load never go back, and time spent computing is a finite number."""
+    for metrics in (before, after):
+        problem = metrics_problem(metrics, None)
+        assert problem is None, f"metrics break the contract: {problem[1]}"
     duration = after.compute_ms
     assert math.isfinite(duration), f"metrics.compute_ms is {duration}: a duration is finite"
     assert duration >= 0.0, f"metrics.compute_ms is {duration}: a duration is not negative"
