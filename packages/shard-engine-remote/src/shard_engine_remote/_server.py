@@ -9,7 +9,9 @@ messages over the size limit get ResourceExhausted (not retryable; beyond twice 
 refuses them itself), a client over its rate limit gets a retryable ResourceExhausted with
 ``retry_after_s`` (per client: others keep their own budget), compute calls beyond the server's
 slots get a retryable ResourceExhausted (cancel, release, health and metrics always have a
-thread), calls without the bearer token are refused before decoding. Each of these is counted
+thread), calls without the bearer token are refused before decoding, calls whose request
+message is late or that hold a waiting thread newer calls need are cut off (``stalled``), and
+connections are bounded in number, handshake time and idle time. Each of these is counted
 in :attr:`EngineServer.counters`, which clients read as :class:`ServerStats`
 (``RemoteEngine.server_stats()``).
 
@@ -20,6 +22,7 @@ the engine is ready or degraded, NOT_SERVING otherwise and while draining.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import signal
@@ -27,6 +30,7 @@ import threading
 import time
 import traceback
 import typing
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -82,15 +86,25 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 
 _SERVING_STATES: Final = ("ready", "degraded")
 _HEALTH_SERVICE: Final = "grpc.health.v1.Health"
-_HEALTH_SLOTS: Final = 2
-"""Threads health checks may hold at once (a Watch holds one for as long as it lasts)."""
+_HEALTH_SLOTS: Final = 4
+"""Threads health checks may hold at once, waiting for their request or watching (a Watch
+holds one for as long as it lasts); a check finding them all taken evicts the oldest holder."""
 _HEALTH_REQUEST_S: Final = 5.0
 """How long a health check's request message may take to arrive."""
+DEFAULT_MAX_CONNECTIONS: Final = 1000
+"""Connections a gRPC server holds at once (never more than half the process's descriptors):
+gRPC closes any beyond it as soon as it is accepted."""
+DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 10.0
+"""How long a new gRPC connection may take to complete its (TLS and HTTP/2) handshake."""
+DEFAULT_CONNECTION_IDLE_S: Final = 300.0
+"""How long a gRPC connection without calls stays open (its client reconnects when it next
+calls)."""
 DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
 """The largest session state an import stream may announce (the engine core's own default)."""
 DEFAULT_STREAM_IDLE_S: Final = 30.0
 """How long an import stream may wait for its next message before it is cut off."""
 _Result = TypeVar("_Result")
+_Message = TypeVar("_Message")
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
 
@@ -147,6 +161,7 @@ class ServerCounters:
     rate_limited: int = 0
     busy: int = 0
     transport_cancels: int = 0
+    stalled: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -173,6 +188,7 @@ class ServerCounters:
                 rate_limited=self.rate_limited,
                 busy=self.busy,
                 transport_cancels=self.transport_cancels,
+                stalled=self.stalled,
                 rate_limited_clients=rate_limited_clients,
                 threading={name: os.environ[name] for name in THREADING_ENV if name in os.environ},
             )
@@ -216,9 +232,15 @@ class EngineServer:
     reading would otherwise hold a thread no slot accounts for), at most half of them are
     streams, and an import stream whose next message does not arrive within
     ``stream_idle_s`` is cut off (Cancelled; nothing imported), as is an export whose client
-    does not take its next message within it. ``rate_limit`` bounds each client's
-    calls (cancel is never limited: a client must always be able to stop its own work);
-    ``clock`` is the rate limiter's (tests).
+    does not take its next message within it. A call's request message too must arrive
+    within ``stream_idle_s``; calls waiting for theirs hold threads of their own (beyond
+    ``max_workers``), a bounded number of them: when all are taken, the call that has waited
+    longest is cut off (counted as ``stalled``), so calls whose message never comes cannot
+    stop the server serving anyone else. ``rate_limit`` bounds each client's calls (cancel is
+    never limited: a client must always be able to stop its own work); ``clock`` is the rate
+    limiter's (tests). At most ``max_connections`` gRPC connections are held at once (others
+    are closed as they are accepted); one that has not completed its handshake within
+    ``handshake_timeout_s``, or has had no call for ``connection_idle_s``, is closed.
     """
 
     def __init__(
@@ -233,11 +255,22 @@ class EngineServer:
         clock: Callable[[], float] = time.monotonic,
         max_snapshot_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES,
         stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
     ) -> None:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
         if not stream_idle_s > 0:
             raise api.InvalidRequest(f"stream_idle_s must be > 0, got {stream_idle_s}")
+        if max_connections < 1:
+            raise api.InvalidRequest(f"max_connections must be >= 1, got {max_connections}")
+        for name, seconds in (
+            ("handshake_timeout_s", handshake_timeout_s),
+            ("connection_idle_s", connection_idle_s),
+        ):
+            if not seconds > 0:
+                raise api.InvalidRequest(f"{name} must be > 0, got {seconds}")
         self.stream_idle_s = stream_idle_s
         self.engine = engine
         self.max_workers = max_workers
@@ -251,6 +284,12 @@ class EngineServer:
         self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
         self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
         self._in_flight = _InFlight()
+        self._waiting = _Waiting(
+            max(4, max_workers // 2), stream_idle_s, functools.partial(self.counters.add, "stalled")
+        )
+        self._health_waiting = _Waiting(
+            _HEALTH_SLOTS, _HEALTH_REQUEST_S, functools.partial(self.counters.add, "stalled")
+        )
         self._health = health.HealthServicer()
         self._health_status: int | None = None
         self._health_lock = threading.Lock()
@@ -261,8 +300,9 @@ class EngineServer:
                     self.security.token, functools.partial(self.counters.add, "unauthenticated")
                 )
             )
+        threads = max_workers + self._waiting.capacity + self._health_waiting.capacity
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"),
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engine-rpc"),
             interceptors=interceptors,
             options=[
                 # Up to twice the limit reaches the deserializer, which refuses (and counts)
@@ -274,16 +314,24 @@ class EngineServer:
                     if option[0] != "grpc.max_receive_message_length"
                 ),
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_allowed_incoming_connections", _connection_limit(max_connections)),
+                ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", round(connection_idle_s * 1000)),
+                # One connection's calls beyond this wait in its client, not on the server.
+                ("grpc.max_concurrent_streams", 2 * max_workers),
             ],
             maximum_concurrent_rpcs=max_workers * 8,
         )
-        handler = grpc.unary_unary_rpc_method_handler(
-            self._call,
+        # Request-streaming handlers for unary calls (the same on the wire): the wait for
+        # the request message is ours, bounded (see _Waiting).
+        handler: grpc.RpcMethodHandler[RemoteRequest | Rejected, RemoteReply]
+        handler = grpc.stream_unary_rpc_method_handler(
+            self._grpc_call,
             request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
             response_serializer=encode_reply,
         )
         export: grpc.RpcMethodHandler[RemoteRequest | Rejected, bytes]
-        export = grpc.unary_stream_rpc_method_handler(
+        export = grpc.stream_stream_rpc_method_handler(
             self._grpc_export,
             request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
         )
@@ -299,7 +347,6 @@ class EngineServer:
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, methods),)
         )
-        self._health_slots = threading.BoundedSemaphore(_HEALTH_SLOTS)
         check: grpc.RpcMethodHandler[typing.Any, typing.Any]
         check = grpc.stream_unary_rpc_method_handler(
             self._health_check,
@@ -339,6 +386,8 @@ class EngineServer:
             self.address = listen
         else:
             self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
+        self._waiting.start()
+        self._health_waiting.start()
         self._server.start()
         self._refresh_health()
         return self.address
@@ -348,6 +397,8 @@ class EngineServer:
         are cancelled, which cancels their engine work), and return. The engine stays open."""
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        self._waiting.stop()
+        self._health_waiting.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stopped; False on timeout."""
@@ -359,6 +410,28 @@ class EngineServer:
         """The server's counters now (what ``RemoteEngine.server_stats()`` returns)."""
         limiter = self._limiter
         return self.counters.stats(0 if limiter is None else len(limiter))
+
+    def _grpc_call(
+        self, requests: Iterator[RemoteRequest | Rejected], context: grpc.ServicerContext
+    ) -> RemoteReply:
+        return self._call(self._request(requests, context, self._waiting), context)
+
+    def _request(
+        self, requests: Iterator[_Message], context: grpc.ServicerContext, waiting: _Waiting
+    ) -> _Message:
+        """A call's one request message, waited for as one of ``waiting`` (cut off when it is
+        late or older waiters must make room: the call ends CANCELLED). A stream that ends
+        without it is INVALID_ARGUMENT; messages after it are not read."""
+        ticket = waiting.enter(context)
+        try:
+            request = next(requests, None)
+        except grpc.RpcError:
+            request = None
+        finally:
+            waiting.leave(ticket)
+        if request is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
+        return request
 
     def _call(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
         self.counters.call_started()
@@ -491,7 +564,7 @@ class EngineServer:
             self.counters.call_ended()
 
     def _grpc_export(
-        self, request: RemoteRequest | Rejected, context: grpc.ServicerContext
+        self, requests: Iterator[RemoteRequest | Rejected], context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         """gRPC waits without a timeout for the client to take each message (flow control):
         one that stops reading would hold the stream's slots for good. A timer cancels the
@@ -501,7 +574,7 @@ class EngineServer:
             self.counters.add("transport_cancels")
             context.cancel()
 
-        messages = self._export(request, context)
+        messages = self._export(self._request(requests, context, self._waiting), context)
         try:
             for message in messages:
                 timer = threading.Timer(self.stream_idle_s, cut_off)
@@ -705,50 +778,40 @@ class EngineServer:
             if not slot_held:
                 self._compute_slots.release()
 
-    # grpc.health.v1 answers without a token. Its handlers are registered request-streaming:
-    # gRPC's sync server waits for a unary request's message on a pool thread, without a
-    # timeout, so anyone able to connect could hold every thread with calls whose message
-    # never comes. Here the wait is ours: bounded in time, and in threads.
+    # grpc.health.v1 answers without a token. Its handlers are request-streaming too, so
+    # their wait for the request is bounded (its own _Waiting: health callers cannot evict
+    # token holders' calls). Only the services this server serves are answered: the
+    # servicer keeps an entry per service watched, which names made up would grow for ever.
 
     def _health_request(
         self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
     ) -> health_pb2.HealthCheckRequest:
-        """The request's one message, once a health slot is free (else RESOURCE_EXHAUSTED)
-        and within ``_HEALTH_REQUEST_S`` (else CANCELLED). The caller releases the slot."""
-        if not self._health_slots.acquire(blocking=False):
-            self.counters.add("busy")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "health checks are busy; retry")
-        timer = threading.Timer(_HEALTH_REQUEST_S, context.cancel)
-        timer.daemon = True
-        timer.start()
-        try:
-            request = next(requests, None)
-        except grpc.RpcError:
-            request = None
-        finally:
-            timer.cancel()
-        if request is None:
-            self._health_slots.release()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no health check request arrived")
-        return request
+        return self._request(requests, context, self._health_waiting)
 
     def _health_check(
         self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
         request = self._health_request(requests, context)
-        try:
-            return self._health.Check(request, context)
-        finally:
-            self._health_slots.release()
+        if request.service not in _HEALTH_SERVICES:
+            context.abort(grpc.StatusCode.NOT_FOUND, "this server serves no such service")
+        return self._health.Check(request, context)
 
     def _health_watch(
         self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
     ) -> Iterator[health_pb2.HealthCheckResponse]:
         request = self._health_request(requests, context)
+        if request.service not in _HEALTH_SERVICES:
+            yield health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            )
+            return
+        # A watch holds its thread for as long as it lasts: it stays one of the waiting
+        # (no time limit), the first to be evicted when a newer health call needs room.
+        ticket = self._health_waiting.enter(context, timed=False)
         try:
             yield from self._health.Watch(request, context)
         finally:
-            self._health_slots.release()
+            self._health_waiting.leave(ticket)
 
     def _refresh_health(self) -> None:
         state = self.engine.health().state
@@ -764,6 +827,22 @@ class EngineServer:
             self._health.set("", status)
             self._health.set(SERVICE_NAME, status)
 
+
+def _connection_limit(wanted: int) -> int:
+    """``wanted``, capped at half the descriptors this process may open (the rest stay for
+    the engine, its files and the calls' own needs)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return wanted
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft // 2))
+
+
+_HEALTH_SERVICES: Final = frozenset(("", SERVICE_NAME))
 
 _Compute: TypeAlias = (
     api.PrefillRequest
@@ -791,6 +870,87 @@ def _cancel_keys(request: _Compute) -> tuple[_CancelKey, ...]:
             )
         case _:
             return (("request", request.request_id), ("session", request.session.session_id))
+
+
+class _Waiting:
+    """Calls that hold one of the server's threads while they wait on their peer (for their
+    request message, or a health Watch for as long as it lasts): at most ``capacity`` at once,
+    for at most ``limit_s`` each (a Watch: no limit).
+
+    gRPC's sync server gives each call a pool thread as it starts and waits there for the
+    request message, without a timeout. Here that wait is bounded: a call whose message is
+    ``limit_s`` late is cancelled, and a call finding ``capacity`` others waiting cancels the
+    one that has waited longest. A well-behaved client's message follows its headers at once,
+    so it is never the oldest for long: whoever keeps calls waiting loses them first. One
+    sweeper thread (started with the server) enforces the time limit; entering and leaving
+    cost a lock and a dict update, no thread or timer per call."""
+
+    def __init__(self, capacity: int, limit_s: float, on_cut: Callable[[], None]) -> None:
+        self.capacity = capacity
+        self.limit_s = limit_s
+        self._on_cut = on_cut
+        self._condition = threading.Condition()
+        # ticket -> (deadline, context); oldest first.
+        self._waiting: OrderedDict[int, tuple[float, grpc.ServicerContext]] = OrderedDict()
+        self._tickets = itertools.count()
+        self._running = False
+        self._sweeper: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def enter(self, context: grpc.ServicerContext, *, timed: bool = True) -> int:
+        """Count ``context`` as waiting (evicting the oldest waiter when full); returns the
+        ticket :meth:`leave` takes."""
+        deadline = time.monotonic() + self.limit_s if timed else float("inf")
+        evicted: grpc.ServicerContext | None = None
+        ticket = next(self._tickets)
+        with self._condition:
+            if len(self._waiting) >= self.capacity:
+                evicted = self._waiting.popitem(last=False)[1][1]
+            self._waiting[ticket] = (deadline, context)
+        if evicted is not None:
+            self._cut(evicted)
+        return ticket
+
+    def leave(self, ticket: int) -> None:
+        with self._condition:
+            self._waiting.pop(ticket, None)
+
+    def _cut(self, context: grpc.ServicerContext) -> None:
+        self._on_cut()
+        context.cancel()
+
+    def start(self) -> None:
+        with self._condition:
+            if self._running:
+                return
+            self._running = True
+        self._sweeper = threading.Thread(target=self._sweep, name="engine-rpc-waiting", daemon=True)
+        self._sweeper.start()
+
+    def stop(self) -> None:
+        with self._condition:
+            self._running = False
+            self._condition.notify_all()
+        if self._sweeper is not None:
+            self._sweeper.join()
+
+    def _sweep(self) -> None:
+        while True:
+            with self._condition:
+                if not self._running:
+                    return
+                now = time.monotonic()
+                late = [ticket for ticket, (due, _) in self._waiting.items() if due <= now]
+                expired = [self._waiting.pop(ticket)[1] for ticket in late]
+                # A waiter entering later is due no earlier than now + limit_s: sleeping
+                # until the earliest deadline known (or limit_s) never oversleeps one.
+                due = min((due for due, _ in self._waiting.values()), default=now + self.limit_s)
+                if not expired:
+                    self._condition.wait(min(due, now + self.limit_s) - now)
+            for context in expired:
+                self._cut(context)
 
 
 class _InFlight:
