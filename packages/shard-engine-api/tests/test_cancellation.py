@@ -1,6 +1,8 @@
-"""Cancellation that means it: an asyncio task cancelled at a random moment either changed
-nothing (CancelledError, session and backend cache rolled back) or gets the committed result;
-``cancel()`` answers True only for an operation that will not commit.
+"""Cancellation that means it: an asyncio task cancelled at a random moment ends cancelled, and
+either changed nothing (session and backend cache rolled back) or left its committed result
+with the adapter; ``cancel()`` answers True only for an operation that will not commit. The
+cancellation reaches asyncio.timeout(), TaskGroup and plain ``task.cancel()`` callers as they
+expect.
 
 Bounded to seconds by default; ``SHARD_ENGINE_DEEP_TESTS=1`` runs many more cases."""
 
@@ -29,6 +31,7 @@ from shard_engine_api import (
     DecodeRequest,
     EngineCrashed,
     LoadConfig,
+    LogitsResult,
     MalformedOutput,
     NotReady,
     OutcomeUnknown,
@@ -128,9 +131,25 @@ async def _drive_session(
             await task
         except asyncio.CancelledError:
             tally.counts["cancelled"] += 1
+            assert task.cancelled()
             now = _committed(engine, sid)
-            if now != before:
-                tally.failures.append(f"{kind} {sid}: CancelledError but {before} -> {now}")
+            if kind == "release":
+                if now is not None and now != before:
+                    tally.failures.append(f"release {sid}: CancelledError, {before} -> {now}")
+                if now is None:  # it ran: the epoch is fenced
+                    tally.counts["committed_then_cancelled"] += 1
+                    epoch += 1
+                continue
+            outcome = adapter.take_outcome(f"{sid}-{case}")
+            if outcome is None:
+                if now != before:
+                    tally.failures.append(f"{kind} {sid}: nothing recorded but {before} -> {now}")
+            else:
+                tally.counts["committed_then_cancelled"] += 1
+                if not isinstance(outcome.result, LogitsResult) or now != after:
+                    tally.failures.append(f"{kind} {sid}: recorded {outcome}, {before} -> {now}")
+                elif outcome.result.session.session_id != sid:
+                    tally.failures.append(f"{kind} {sid}: recorded another session's result")
             continue
         tally.counts["result_stands"] += 1
         now = _committed(engine, sid)
@@ -143,9 +162,10 @@ async def _drive_session(
 
 
 def test_async_cancellation_stress() -> None:
-    """Hundreds of tasks cancelled at random moments (queued, running, just finished):
-    after every CancelledError the session and its cache are exactly as before; otherwise the
-    operation committed and its result was returned."""
+    """Hundreds of tasks cancelled at random moments (queued, running, just finished): a
+    cancelled task always ends cancelled; after a CancelledError the session and its cache are
+    exactly as before unless the adapter recorded the call's committed result (and then the
+    session holds it); a task that finished before the cancel returned its result."""
     engine = _loaded(SlowHistory())
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     adapter = AsyncShardEngine(engine, executor=executor)
@@ -166,7 +186,7 @@ def test_async_cancellation_stress() -> None:
         executor.shutdown(wait=True)
     assert tally.failures == [], tally.failures[:5]
     assert tally.counts["cancelled"] > 0
-    assert tally.counts["result_stands"] > 0
+    assert tally.counts["committed_then_cancelled"] > 0
     assert engine.health().in_flight == 0
     print(f"async cancellation cases: {dict(tally.counts)}, failures: {len(tally.failures)}")
 
@@ -297,23 +317,23 @@ class CommitsThenFails(SlowHistory):
 
 
 @pytest.mark.parametrize(
-    ("error", "reported"),
+    ("error", "recorded"),
     [
-        (OutcomeUnknown("the link broke"), OutcomeUnknown),
-        (MalformedOutput("bad result"), MalformedOutput),
-        (EngineCrashed("gone"), EngineCrashed),
-        (RuntimeError("not in the taxonomy"), RuntimeError),
-        (Cancelled("rolled back"), asyncio.CancelledError),
-        (CacheMiss("refused", committed_length=0, reason="r"), asyncio.CancelledError),
+        (OutcomeUnknown("the link broke"), True),
+        (MalformedOutput("bad result"), True),
+        (EngineCrashed("gone"), True),
+        (RuntimeError("not in the taxonomy"), True),
+        (Cancelled("rolled back"), False),
+        (CacheMiss("refused", committed_length=0, reason="r"), False),
     ],
-    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else value.__name__,
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value),
 )
 def test_cancellation_never_hides_an_error_that_may_have_changed_state(
-    error: Exception, reported: type[BaseException]
+    error: Exception, recorded: bool
 ) -> None:
-    """A task cancelled while its call ends in an error: CancelledError ("nothing changed")
-    only for an error that says the call rolled back or was refused; one that says it may have
-    run, or may have committed, reaches the caller as it is."""
+    """A task cancelled while its call ends in an error ends cancelled. An error that says the
+    call rolled back or was refused leaves nothing behind; one that says it may have run, or may
+    have committed, is the CancelledError's cause and is kept for ``take_outcome``."""
     engine = CommitsThenFails(error)
     _loaded(engine)
     session = SessionRef(session_id="s", epoch=1)
@@ -323,7 +343,7 @@ def test_cancellation_never_hides_an_error_that_may_have_changed_state(
         )
     )
 
-    async def scenario() -> BaseException | None:
+    async def scenario() -> tuple[BaseException | None, AsyncShardEngine]:
         adapter = AsyncShardEngine(engine)
         task = asyncio.ensure_future(
             adapter.decode(
@@ -340,11 +360,21 @@ def test_cancellation_never_hides_an_error_that_may_have_changed_state(
         try:
             await task
         except BaseException as raised:  # noqa: BLE001 (the outcome is what is tested)
-            return raised
-        return None
+            assert task.cancelled()
+            return raised, adapter
+        return None, adapter
 
-    raised = asyncio.run(scenario())
-    assert type(raised) is reported
+    raised, adapter = asyncio.run(scenario())
+    assert type(raised) is asyncio.CancelledError
+    outcome = adapter.take_outcome("d")
+    if recorded:
+        assert outcome is not None
+        assert outcome.error is error
+        assert outcome.result is None
+        assert raised.__cause__ is error
+    else:
+        assert outcome is None
+    assert adapter.take_outcome("d") is None  # taken once
     assert _committed(engine, "s") == 2  # the decode did commit
 
 
@@ -410,14 +440,15 @@ class CancelExplodes(SlowHistory):
 
 
 def test_a_cancel_that_raises_does_not_end_the_wait_for_the_running_call() -> None:
-    """The task still waits for the running prefill to end (its result stands: the cancel
-    never reached it), so the caller never races a half-finished operation."""
+    """The task still waits for the running prefill to end (it commits: the cancel never
+    reached it), so the caller never races a half-finished operation; then the task ends
+    cancelled and the committed result is kept for ``take_outcome``."""
     engine = CancelExplodes()
     _loaded(engine)
     engine.row_delay = 0.01
     session = SessionRef(session_id="s", epoch=1)
 
-    async def scenario() -> ShardResult:
+    async def scenario() -> AsyncShardEngine:
         adapter = AsyncShardEngine(engine)
         task = asyncio.ensure_future(
             adapter.prefill(
@@ -431,9 +462,248 @@ def test_a_cancel_that_raises_does_not_end_the_wait_for_the_running_call() -> No
         )
         await asyncio.sleep(0.02)
         task.cancel()
-        return await task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return adapter
 
-    result = asyncio.run(scenario())
-    assert result.session == session
+    adapter = asyncio.run(scenario())
+    outcome = adapter.take_outcome("p")
+    assert outcome is not None
+    assert isinstance(outcome.result, LogitsResult)
+    assert outcome.result.session == session
     assert engine.health().in_flight == 0
     assert _committed(engine, "s") == 8
+
+
+# ----------------------------------------------------------------------------- asyncio's own
+# cancellation machinery: a cancellation that arrives once the call has committed is delivered
+# all the same, and the committed step is not lost.
+
+
+class GatedCommit(SlowHistory):
+    """A decode that commits, signals ``committed``, then returns once ``proceed`` is set:
+    the cancellation lands after the commit point, while the call is still running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed = threading.Event()
+        self.proceed = threading.Event()
+
+    def decode(self, request: DecodeRequest) -> ShardResult:
+        result = super().decode(request)
+        self.committed.set()
+        self.proceed.wait(10)
+        return result
+
+
+def _gated(prefix: int = 3) -> tuple[GatedCommit, SessionRef]:
+    engine = GatedCommit()
+    _loaded(engine)
+    session = SessionRef(session_id="s", epoch=1)
+    engine.prefill(
+        PrefillRequest(
+            request_id="p",
+            session=session,
+            start_pos=0,
+            inputs=TokenInput(token_ids=tuple(range(1, prefix + 1))),
+        )
+    )
+    return engine, session
+
+
+def _decode_at(session: SessionRef, pos: int, request_id: str = "d") -> DecodeRequest:
+    return DecodeRequest(
+        request_id=request_id, session=session, pos=pos, inputs=TokenInput(token_ids=(5,))
+    )
+
+
+async def _release_after_commit(engine: GatedCommit) -> None:
+    await asyncio.to_thread(engine.committed.wait, 10)
+    await asyncio.sleep(0.01)
+    engine.proceed.set()
+
+
+def test_timeout_expiring_after_the_commit_raises_timeout_error_at_the_block() -> None:
+    """``asyncio.timeout()`` whose deadline passes while a committed decode is finishing: the
+    block ends with TimeoutError (nothing after the call inside it runs), the task is not left
+    cancelled, and the committed step is the adapter's recorded outcome and the session's new
+    length (the next decode at the old position gets CacheMiss carrying it)."""
+    engine, session = _gated()
+    ran_on: list[str] = []
+
+    async def scenario() -> AsyncShardEngine:
+        adapter = AsyncShardEngine(engine)
+        helper = asyncio.ensure_future(_release_after_commit(engine))
+
+        async def in_block() -> None:
+            await asyncio.to_thread(engine.committed.wait, 10)
+
+        async def block() -> None:
+            async with asyncio.timeout(None) as deadline:
+                call = asyncio.ensure_future(adapter.decode(_decode_at(session, 3)))
+                await in_block()
+                deadline.reschedule(asyncio.get_running_loop().time())  # expires now
+                await call
+                ran_on.append("after the call")
+
+        with pytest.raises(TimeoutError):
+            await block()
+        await helper
+        task = asyncio.current_task()
+        assert task is not None
+        assert task.cancelling() == 0
+        await asyncio.sleep(0)  # no stray cancellation left pending
+        return adapter
+
+    adapter = asyncio.run(scenario())
+    assert ran_on == []
+    outcome = adapter.take_outcome("d")
+    assert outcome is not None
+    assert isinstance(outcome.result, LogitsResult)
+    assert outcome.result.first_pos == 3
+    assert _committed(engine, "s") == 4
+    with pytest.raises(CacheMiss) as caught:
+        engine.decode(_decode_at(session, 3, "again"))
+    assert caught.value.committed_length == 4
+
+
+def test_timeout_around_the_awaited_call_itself() -> None:
+    """The common shape, ``async with asyncio.timeout(t): await adapter.decode(...)``, whose
+    deadline falls after the commit: TimeoutError, and the result is not lost."""
+    engine, session = _gated()
+
+    async def scenario() -> AsyncShardEngine:
+        adapter = AsyncShardEngine(engine)
+        helper = asyncio.ensure_future(_release_after_commit(engine))
+        loop = asyncio.get_running_loop()
+
+        async def block() -> None:
+            async with asyncio.timeout(None) as deadline:
+                loop.call_soon(lambda: loop.create_task(_expire_after_commit(engine, deadline)))
+                await adapter.decode(_decode_at(session, 3))
+
+        with pytest.raises(TimeoutError):
+            await block()
+        await helper
+        return adapter
+
+    adapter = asyncio.run(scenario())
+    outcome = adapter.take_outcome("d")
+    assert outcome is not None
+    assert outcome.result is not None
+    assert _committed(engine, "s") == 4
+
+
+async def _expire_after_commit(engine: GatedCommit, deadline: asyncio.Timeout) -> None:
+    await asyncio.to_thread(engine.committed.wait, 10)
+    deadline.reschedule(asyncio.get_running_loop().time())
+
+
+def test_task_group_cancelling_a_committed_call_ends_cleanly() -> None:
+    """A sibling's failure cancels a TaskGroup child whose decode already committed: the
+    group ends with the sibling's error only (the child ends cancelled, not with a result
+    the group would wait on), and the committed step is recorded."""
+    engine, session = _gated()
+
+    async def scenario() -> tuple[AsyncShardEngine, asyncio.Task[ShardResult]]:
+        adapter = AsyncShardEngine(engine)
+        helper = asyncio.ensure_future(_release_after_commit(engine))
+
+        async def failing_sibling() -> None:
+            await asyncio.to_thread(engine.committed.wait, 10)
+            raise LookupError("sibling failed")
+
+        children: list[asyncio.Task[ShardResult]] = []
+
+        async def group_of_two() -> None:
+            async with asyncio.TaskGroup() as group:
+                children.append(group.create_task(adapter.decode(_decode_at(session, 3))))
+                group.create_task(failing_sibling())
+
+        with pytest.raises(ExceptionGroup) as caught:
+            await group_of_two()
+        assert [type(e) for e in caught.value.exceptions] == [LookupError]
+        (child,) = children
+        await helper
+        return adapter, child
+
+    adapter, child = asyncio.run(scenario())
+    assert child.cancelled()
+    outcome = adapter.take_outcome("d")
+    assert outcome is not None
+    assert outcome.result is not None
+    assert _committed(engine, "s") == 4
+
+
+def test_plain_cancel_after_the_commit_is_delivered() -> None:
+    """``task.cancel()`` landing after the commit: the task ends cancelled (the caller's own
+    code after the call never runs), the result is recorded, and the session advanced."""
+    engine, session = _gated()
+    ran_on: list[str] = []
+
+    async def scenario() -> AsyncShardEngine:
+        adapter = AsyncShardEngine(engine)
+
+        async def worker() -> None:
+            await adapter.decode(_decode_at(session, 3))
+            ran_on.append("after the call")
+            await asyncio.sleep(10)
+
+        task = asyncio.ensure_future(worker())
+        await asyncio.to_thread(engine.committed.wait, 10)
+        task.cancel("stop")
+        await asyncio.sleep(0.01)
+        assert not task.done()  # it waits for the running call
+        engine.proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+        return adapter
+
+    adapter = asyncio.run(scenario())
+    assert ran_on == []
+    outcome = adapter.take_outcome("d")
+    assert outcome is not None
+    assert outcome.result is not None
+    assert _committed(engine, "s") == 4
+
+
+def test_repeated_cancels_while_waiting_are_all_accounted_for() -> None:
+    """Two cancellations of a task waiting for its running call (a timeout and a TaskGroup,
+    say): the task ends cancelled once the call ended, and an enclosing timeout that did not
+    cause the cancellation does not turn it into TimeoutError."""
+    engine, session = _gated()
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine)
+
+        async def worker() -> None:
+            async with asyncio.timeout(None) as deadline:
+                call = asyncio.ensure_future(adapter.decode(_decode_at(session, 3)))
+                await asyncio.to_thread(engine.committed.wait, 10)
+                deadline.reschedule(asyncio.get_running_loop().time())
+                await call
+
+        task = asyncio.ensure_future(worker())
+        await asyncio.to_thread(engine.committed.wait, 10)
+        await asyncio.sleep(0.01)
+        task.cancel()  # a second, outer cancellation
+        engine.proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert _committed(engine, "s") == 4
+
+
+def test_outcomes_are_bounded() -> None:
+    """The adapter keeps at most MAX_OUTCOMES recorded outcomes, the oldest forgotten first."""
+    from shard_engine_api._asyncio import MAX_OUTCOMES, CallOutcome
+
+    adapter = AsyncShardEngine(_loaded(SlowHistory()))
+    for index in range(MAX_OUTCOMES + 5):
+        adapter._record(CallOutcome(f"r{index}", error=RuntimeError("x")))
+    assert adapter.take_outcome("r0") is None
+    assert adapter.take_outcome(f"r{MAX_OUTCOMES + 4}") is not None
+    assert AsyncShardEngine.Outcome is CallOutcome
+    asyncio.run(adapter.close())

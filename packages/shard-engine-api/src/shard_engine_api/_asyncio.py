@@ -1,34 +1,43 @@
 """An asyncio adapter: runs any engine's blocking calls on a thread pool, and makes task
 cancellation mean what it says.
 
-Cancelling a task that awaits one of the adapter's calls:
+A cancelled task always ends cancelled, and never before its call has ended:
 
 - a call still queued in the executor is withdrawn before it runs: ``CancelledError``, nothing
   happened;
 - a running prefill, decode, batch, export or import is cancelled in the engine (by request id),
-  and the task waits until the call has ended, so the caller never races a half-finished operation.
-  If it rolled back (or failed with a contract error, which rolls back), the task ends with
-  ``CancelledError``; if it committed before the cancel reached it, **the result stands and is
-  returned**: the cancellation is absorbed rather than reported as a rollback that did not
-  happen. An error that does not say "nothing changed" is raised as it is, never turned into
-  ``CancelledError``: OutcomeUnknown (a transport lost the request, which may have committed),
-  MalformedOutput (a validating wrapper refused the result of a step that committed),
-  EngineCrashed, and any exception outside the taxonomy;
+  and the task waits until the call has ended, so the caller never races a half-finished
+  operation; then it ends with ``CancelledError``, whatever the call did. A call that rolled
+  back (or failed with a contract error that says nothing changed) leaves no trace. A call that
+  committed before the cancel reached it, or ended in an error that does not say "nothing
+  changed" (OutcomeUnknown, MalformedOutput, EngineCrashed, any exception outside the taxonomy),
+  is recorded: :meth:`AsyncShardEngine.take_outcome` with its request id returns the committed
+  result or that error (which is also the ``CancelledError``'s ``__cause__``). Its effect is in
+  the engine either way: a committed step advanced the session, so the next decode at the old
+  position gets CacheMiss carrying the committed length;
 - a running call that has no request id (``release``, ``load``, ``close``) cannot be stopped:
-  the task waits for it and returns its result (a release that ran says so), or ends with
-  ``CancelledError`` if it failed.
+  the task waits for it, then ends with ``CancelledError``; what it did is visible in the
+  engine (a released session answers a repeated release with ``released=False``).
 
-So ``CancelledError`` always means "this call changed nothing".
+This is asyncio's own rule for work that cannot be interrupted (``asyncio.shield``,
+``asyncio.to_thread``): a cancellation is never swallowed. Absorbing it and returning the
+result would lose it: ``asyncio.timeout()`` would let its block run on past the deadline with
+no TimeoutError, ``TaskGroup`` would wait for a task it had cancelled, and ``task.cancel()``
+would have no effect. So ``CancelledError`` from a call means "the call has ended; it changed
+nothing unless ``take_outcome`` says what it did".
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import dataclasses
+import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Final, Self, TypeVar
+from typing import ClassVar, Final, Self, TypeAlias, TypeVar, cast
 
 from shard_engine_api._errors import (
     EngineCrashed,
@@ -58,11 +67,26 @@ from shard_engine_api._types import (
     ShardResult,
 )
 
-__all__ = ["AsyncShardEngine"]
+__all__ = ["AsyncShardEngine", "CallOutcome"]
 
 _T = TypeVar("_T")
 _MAY_HAVE_CHANGED: Final = (OutcomeUnknown, MalformedOutput, EngineCrashed)
 """The contract errors that do not mean "the call changed nothing" (see the module docstring)."""
+MAX_OUTCOMES: Final = 1024
+"""How many outcomes of cancelled calls an adapter keeps for :meth:`AsyncShardEngine.take_outcome`
+(the oldest is forgotten first)."""
+
+CommittedResult: TypeAlias = ShardResult | DecodeBatchResult | SessionSnapshot | ImportSessionResult
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallOutcome:
+    """What a call did although its task was cancelled: it committed (``result``), or it ended
+    in an error that may have changed state (``error``). Exactly one of the two is set."""
+
+    request_id: str
+    result: CommittedResult | None = None
+    error: BaseException | None = None
 
 
 class AsyncShardEngine:
@@ -72,11 +96,15 @@ class AsyncShardEngine:
     engine at once (the engine serialises compute). ``async with`` closes the engine on exit.
     """
 
+    Outcome: ClassVar[type[CallOutcome]] = CallOutcome
+
     def __init__(
         self, engine: ShardEngine, *, executor: concurrent.futures.Executor | None = None
     ) -> None:
         self.engine = engine
         self._closed = False
+        self._outcomes: collections.OrderedDict[str, CallOutcome] = collections.OrderedDict()
+        self._outcomes_lock = threading.Lock()
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix=f"shard-engine-{engine.name}"
@@ -104,7 +132,7 @@ class AsyncShardEngine:
         future = asyncio.wrap_future(submitted)
         try:
             return await asyncio.shield(future)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as cancelled:
             if submitted.cancel():
                 raise  # still queued: withdrawn before it ran
             if request_id is not None:
@@ -118,12 +146,32 @@ class AsyncShardEngine:
                 raise
             error = future.exception()
             if error is None:
-                # It committed before the cancel could stop it: the result stands.
-                return future.result()
+                # It committed before the cancel could stop it: the result stands (recorded),
+                # and the cancellation is delivered all the same.
+                if request_id is not None:
+                    result = cast(CommittedResult, future.result())
+                    self._record(CallOutcome(request_id, result=result))
+                raise
             if isinstance(error, ShardEngineError) and not isinstance(error, _MAY_HAVE_CHANGED):
                 raise  # rolled back, or refused: nothing changed
-            # It may have changed something: CancelledError would say it did not.
-            raise error from None
+            # It may have changed something: recorded, and the cancellation's cause.
+            if request_id is not None:
+                self._record(CallOutcome(request_id, error=error))
+            raise cancelled from error
+
+    def take_outcome(self, request_id: str) -> CallOutcome | None:
+        """What the call ``request_id`` did although its task was cancelled (and forget it):
+        its committed result, or an error that may have changed state. None when it changed
+        nothing (or is older than the last MAX_OUTCOMES recorded). Thread-safe."""
+        with self._outcomes_lock:
+            return self._outcomes.pop(request_id, None)
+
+    def _record(self, outcome: CallOutcome) -> None:
+        with self._outcomes_lock:
+            self._outcomes.pop(outcome.request_id, None)
+            self._outcomes[outcome.request_id] = outcome
+            while len(self._outcomes) > MAX_OUTCOMES:
+                self._outcomes.popitem(last=False)
 
     async def load(self, config: LoadConfig) -> Capabilities:
         """Await ShardEngine.load on the executor."""
@@ -147,12 +195,12 @@ class AsyncShardEngine:
 
     async def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
         """Await ShardEngine.export_session; cancelling the task cancels the export (see
-        above: a snapshot taken before the cancel reached it is returned)."""
+        above: a snapshot taken before the cancel reached it is kept for ``take_outcome``)."""
         return await self._run(lambda: self.engine.export_session(request), request.request_id)
 
     async def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
         """Await ShardEngine.import_session; cancelling the task cancels the import (see
-        above: ``CancelledError`` means nothing was installed)."""
+        above: after ``CancelledError``, ``take_outcome`` says whether it was installed)."""
         return await self._run(lambda: self.engine.import_session(request), request.request_id)
 
     async def cancel(self, request: CancelRequest) -> CancelResult:
@@ -162,7 +210,8 @@ class AsyncShardEngine:
 
     async def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Await ShardEngine.release on the executor. A cancelled release is withdrawn if still
-        queued; once running it completes and its result is returned."""
+        queued; once running it completes, then the task ends with ``CancelledError`` (a
+        repeated release says whether it ran: ``released=False``, "already released")."""
         return await self._run(lambda: self.engine.release(request))
 
     async def health(self) -> Health:
