@@ -2,7 +2,8 @@
 
 It builds the named engine (unloaded), serves it on the given private unix socket with the
 bearer token from ``$SHARD_ENGINE_REMOTE_TOKEN``, lets the first call load it, prints one line
-``ready <address>`` (or ``error <message>``) on stdout, and serves until SIGTERM or until its
+``ready <address>`` (or ``error <message>``) on stdout (later output to stdout goes to stderr),
+and serves until SIGTERM or until its
 stdin closes (the supervising process died), then drains and exits. Given
 ``--private-directory`` (the supervisor's directory holding the socket and its stderr), a
 child whose supervisor died removes it on the way out: no one else is left to.
@@ -76,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         target=_watch_stdin, args=(stop, orphaned), daemon=True, name="parent-watch"
     ).start()
     print(f"ready {address}", flush=True)
+    # No one reads stdout past that line: an engine printing there would fill the pipe and
+    # block for good. Whatever it prints goes to stderr (the supervisor's log) instead.
+    os.dup2(2, 1)
     serve_until_signalled(serving, drain_seconds=args.drain_seconds, stop=stop)
     if orphaned.is_set() and args.private_directory is not None:
         shutil.rmtree(args.private_directory, ignore_errors=True)

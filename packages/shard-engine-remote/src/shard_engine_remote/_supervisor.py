@@ -35,6 +35,8 @@ from shard_engine_remote._security import TOKEN_ENV_VAR
 __all__ = ["ChildProcess", "describe_exit"]
 
 _STDERR_TAIL_BYTES: Final = 4096
+_MAX_FIRST_LINE_BYTES: Final = 64 * 1024
+"""The longest first line (``ready ADDRESS`` or ``error CODE MESSAGE``) read from a child."""
 _SIGNAL_NOTES: Final = {
     signal.SIGABRT: "aborted: an assertion in native code (e.g. GGML_ASSERT) or abort()",
     signal.SIGKILL: "killed: kill -9 or the out-of-memory killer",
@@ -44,6 +46,9 @@ _SIGNAL_NOTES: Final = {
 
 
 _TELLING_MARKERS: Final = ("GGML_ASSERT", "Assertion", "assert", "Fatal", "Error", "error")
+
+
+_TOO_LONG: Final = "\0first line too long"
 
 
 def _last_words(tail: str) -> str:
@@ -157,6 +162,13 @@ class ChildProcess:
         if line.startswith("ready "):
             return self.address
         self.stop(grace=1.0)
+        if line is _TOO_LONG:
+            raise api.NotReady(
+                f"the {self.engine_name} engine process wrote more than "
+                f"{_MAX_FIRST_LINE_BYTES} bytes without ending its first line (ready or "
+                "error); it was stopped",
+                retryable=False,
+            )
         if line.startswith("error "):
             _, code, message = [*line.split(" ", 2), "", ""][:3]
             if code == api.UnknownEngine.code:
@@ -172,6 +184,8 @@ class ChildProcess:
         )
 
     def _first_line(self) -> str:
+        """The child's first stdout line; "" when it did not come within the start-up
+        timeout, :data:`_TOO_LONG` when it is longer than any ready or error line."""
         process = self._process
         assert process is not None
         assert process.stdout is not None
@@ -187,6 +201,8 @@ class ChildProcess:
                 if not chunk:
                     return buffer.decode(errors="replace")
                 buffer += chunk
+                if len(buffer) > _MAX_FIRST_LINE_BYTES and b"\n" not in buffer:
+                    return _TOO_LONG
         return buffer.split(b"\n", 1)[0].decode(errors="replace")
 
     def _wait(self) -> None:
