@@ -30,6 +30,7 @@ from shard_engine_api import (
     CancelResult,
     DecodeRequest,
     EngineCrashed,
+    InvalidRequest,
     LoadConfig,
     LogitsResult,
     MalformedOutput,
@@ -707,3 +708,20 @@ def test_outcomes_are_bounded() -> None:
     assert adapter.take_outcome(f"r{MAX_OUTCOMES + 4}") is not None
     assert AsyncShardEngine.Outcome is CallOutcome
     asyncio.run(adapter.close())
+
+
+@pytest.mark.parametrize("bad", [None, 5, "prefill", object()], ids=repr)
+@pytest.mark.parametrize(
+    "method", ["prefill", "decode", "decode_batch", "export_session", "import_session"]
+)
+def test_a_non_request_is_invalid_request_not_attribute_error(method: str, bad: object) -> None:
+    """The adapter read ``request.request_id`` before the engine's edge checked the request:
+    a non-request raised AttributeError. It is the engine's InvalidRequest now."""
+    engine = _loaded(SlowHistory())
+
+    async def scenario() -> None:
+        async with AsyncShardEngine(engine) as adapter:
+            with pytest.raises(InvalidRequest):
+                await getattr(adapter, method)(bad)
+
+    asyncio.run(scenario())

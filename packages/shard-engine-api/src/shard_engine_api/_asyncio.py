@@ -183,25 +183,25 @@ class AsyncShardEngine:
 
     async def prefill(self, request: PrefillRequest) -> ShardResult:
         """Await ShardEngine.prefill; cancelling the task cancels the request (see above)."""
-        return await self._run(lambda: self.engine.prefill(request), request.request_id)
+        return await self._run(lambda: self.engine.prefill(request), _request_id(request))
 
     async def decode(self, request: DecodeRequest) -> ShardResult:
         """Await ShardEngine.decode; cancelling the task cancels the request (see above)."""
-        return await self._run(lambda: self.engine.decode(request), request.request_id)
+        return await self._run(lambda: self.engine.decode(request), _request_id(request))
 
     async def decode_batch(self, request: DecodeBatchRequest) -> DecodeBatchResult:
         """Await ShardEngine.decode_batch; cancelling the task cancels the batch (see above)."""
-        return await self._run(lambda: self.engine.decode_batch(request), request.request_id)
+        return await self._run(lambda: self.engine.decode_batch(request), _request_id(request))
 
     async def export_session(self, request: ExportSessionRequest) -> SessionSnapshot:
         """Await ShardEngine.export_session; cancelling the task cancels the export (see
         above: a snapshot taken before the cancel reached it is kept for ``take_outcome``)."""
-        return await self._run(lambda: self.engine.export_session(request), request.request_id)
+        return await self._run(lambda: self.engine.export_session(request), _request_id(request))
 
     async def import_session(self, request: ImportSessionRequest) -> ImportSessionResult:
         """Await ShardEngine.import_session; cancelling the task cancels the import (see
         above: after ``CancelledError``, ``take_outcome`` says whether it was installed)."""
-        return await self._run(lambda: self.engine.import_session(request), request.request_id)
+        return await self._run(lambda: self.engine.import_session(request), _request_id(request))
 
     async def cancel(self, request: CancelRequest) -> CancelResult:
         """ShardEngine.cancel, called on the event loop's thread without an executor hop:
@@ -243,6 +243,17 @@ class AsyncShardEngine:
                 self._closed = True
                 if self._owns_executor:
                     self._executor.shutdown(wait=False)
+
+
+def _request_id(request: object) -> str | None:
+    """The request id to cancel by, read without trusting ``request``: anything but a request
+    with a str id gives None, and the engine's own edge refuses it (InvalidRequest) when the
+    call runs, instead of an AttributeError here."""
+    try:
+        request_id = getattr(request, "request_id", None)
+    except Exception:  # noqa: BLE001 (a hostile __getattr__: the engine refuses the request)
+        return None
+    return request_id if type(request_id) is str else None
 
 
 async def _settled(future: asyncio.Future[_T]) -> None:
