@@ -423,6 +423,33 @@ def test_examples_option_needs_a_positive_count(pytester: pytest.Pytester, count
     result.stderr.fnmatch_lines(["*--shard-engine-examples*"])
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_engine_name_is_a_usage_error(pytester: pytest.Pytester, name: str) -> None:
+    """``--shard-engine "$ENGINE"`` with the variable unset used to run nothing: a certification
+    run that never ran must not look like one that passed."""
+    result = pytester.runpytest("--shard-engine", name)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--shard-engine needs an engine name*"])
+
+
+@pytest.mark.parametrize("kind", ["directory", "under a file", "empty"])
+def test_a_report_path_that_cannot_be_written_is_refused_before_any_test(
+    pytester: pytest.Pytester, kind: str
+) -> None:
+    """The report is written when the run ends: a path that could never be written (a
+    directory, a path under a regular file) used to fail with an OSError after the whole run."""
+    blocker = pytester.path / "file.json"
+    blocker.write_text("{}")
+    path = {
+        "directory": str(pytester.path),
+        "under a file": str(blocker / "report.json"),
+        "empty": "",
+    }[kind]
+    result = pytester.runpytest("--shard-engine-report", path)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--shard-engine-report*"])
+
+
 def test_pytest_arguments() -> None:
     base = [
         "-p",

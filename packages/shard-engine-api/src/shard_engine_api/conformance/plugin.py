@@ -159,11 +159,42 @@ def _check_installed(name: str) -> None:
         )
 
 
+def _check_report_option(report: str) -> None:
+    """Stop the run with one line, before any test, when the report could not be written at
+    its end (a directory, a device, a path under a file): a certification run must not spend
+    minutes and then lose its report to an OSError."""
+    path = Path(report)
+    if not report.strip() or path.is_dir():
+        raise pytest.UsageError(
+            f"--shard-engine-report: {report!r} is not a file name; name a JSON file"
+        )
+    if path.exists() and not path.is_file():
+        raise pytest.UsageError(f"--shard-engine-report: {report!r} is not a regular file")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise pytest.UsageError(
+                    f"--shard-engine-report: {str(parent)!r} is not a directory"
+                )
+            break
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[RECORDER_KEY] = Recorder()
-    if not config.getoption("shard_engine"):
+    report = config.getoption("shard_engine_report")
+    if report is not None:
+        _check_report_option(str(report))
+    selected = config.getoption("shard_engine")
+    if selected is None:
         return
-    _check_installed(str(config.getoption("shard_engine")))
+    if not str(selected).strip():
+        # An empty name (an unset shell variable) would otherwise run nothing and pass.
+        raise pytest.UsageError(
+            "--shard-engine needs an engine name, got an empty one (installed: "
+            + ", ".join(e.name for e in installed_engines(ShardEngineConformance.plugin_manager()))
+            + ")"
+        )
+    _check_installed(str(selected))
     suite_path = _suite_path()
     target = SUITE_MODULE if config.option.pyargs else str(suite_path)
     if config.args_source != pytest.Config.ArgsSource.ARGS:
