@@ -600,6 +600,7 @@ def _unchecked(struct: Any, **fields: object) -> Any:
         ({"cancelled": 1, "n_requests": 1}, "result_fields"),
         ({"cancelled": True, "n_requests": 0}, "cancel_count"),
         ({"cancelled": False, "n_requests": 3}, "cancel_count"),
+        ({"cancelled": True, "n_requests": 2}, "cancel_count"),  # one request id, two stopped
     ],
 )
 def test_broken_cancel_results_are_caught(fields: dict[str, object], check: str) -> None:
@@ -608,6 +609,13 @@ def test_broken_cancel_results_are_caught(fields: dict[str, object], check: str)
     with pytest.raises(MalformedOutput) as caught:
         engine.cancel(CancelRequest(request_id="x"))
     assert caught.value.details["check"] == check
+
+
+def test_a_session_cancel_may_stop_several_requests() -> None:
+    """Cancelling by session stops each of its in-flight requests: any count is honest."""
+    engine, tamper = make(0, 2)
+    tamper.mutate = lambda r: _unchecked(r, cancelled=True, n_requests=3)
+    assert engine.cancel(CancelRequest(session_id="s")).n_requests == 3
 
 
 @pytest.mark.parametrize("fields", [{"released": "no"}, {"detail": None}, {"detail": 5}])

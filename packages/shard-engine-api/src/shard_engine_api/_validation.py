@@ -221,7 +221,8 @@ class ValidatingEngine:
     echo the batch's request id and hold one entry per item, in item order.
 
     Cancel and release results, health and metrics must be well typed and within their bounds
-    (a cancel result says ``cancelled`` exactly when it counts a stopped request; health and
+    (a cancel result says ``cancelled`` exactly when it counts a stopped request, and at most
+    one for a request id; health and
     metrics never report more sessions than ``max_sessions`` nor more KV positions than the
     configured budget: see :func:`health_problem` and :func:`metrics_problem`).
 
@@ -448,6 +449,12 @@ class ValidatingEngine:
                 "cancel_count",
                 f"cancel result says cancelled={result.cancelled} for "
                 f"{result.n_requests} stopped requests",
+            )
+        if request.request_id is not None and result.n_requests > 1:
+            # Request ids are unique among in-flight requests (a batch is one request).
+            _violation(
+                "cancel_count",
+                f"cancelling one request id stopped {result.n_requests} requests",
             )
         return result
 
