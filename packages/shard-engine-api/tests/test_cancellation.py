@@ -14,7 +14,7 @@ import os
 import random
 import threading
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 import numpy as np
@@ -725,3 +725,103 @@ def test_a_non_request_is_invalid_request_not_attribute_error(method: str, bad: 
                 await getattr(adapter, method)(bad)
 
     asyncio.run(scenario())
+
+
+class LateRegistration(SlowHistory):
+    """An engine whose calls take a while to reach the point where cancel() can find them
+    (a remote engine's request on the wire, a wrapper doing work first)."""
+
+    def prefill(self, request: PrefillRequest) -> ShardResult:
+        threading.Event().wait(0.01)
+        return super().prefill(request)
+
+
+def test_a_cancel_that_comes_before_the_call_reaches_the_engine_still_stops_it() -> None:
+    """The first cancel finds no such request (it is not in flight yet) and used to be the
+    only one: the call then committed although its task was cancelled long before its commit
+    point. The adapter repeats the cancel while the call runs, so it rolls back."""
+    engine = LateRegistration()
+    _loaded(engine)
+    engine.row_delay = 0.01
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> AsyncShardEngine:
+        adapter = AsyncShardEngine(engine)
+        task = asyncio.ensure_future(
+            adapter.prefill(
+                PrefillRequest(
+                    request_id="late",
+                    session=session,
+                    start_pos=0,
+                    inputs=TokenInput(token_ids=tuple(range(1, 9))),
+                )
+            )
+        )
+        await asyncio.sleep(0.002)  # running in a worker, not yet in the engine
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return adapter
+
+    adapter = asyncio.run(scenario())
+    assert adapter.take_outcome("late") is None
+    assert _committed(engine, "s") is None
+    assert engine.metrics().cancelled == 1
+
+
+class StartsLate(concurrent.futures.Executor):
+    """An executor whose worker has taken each call (so it can no longer be withdrawn) but
+    runs it only once ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def submit(  # type: ignore[override]
+        self, fn: Callable[[], object]
+    ) -> concurrent.futures.Future[object]:
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+
+        def work() -> None:
+            self.go.wait(10)
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # noqa: BLE001 (handed to the future)
+                future.set_exception(error)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        self.threads.append(thread)
+        return future
+
+
+def test_a_call_taken_by_a_worker_after_the_cancel_never_starts() -> None:
+    """A worker that picks the call up after its task was cancelled does not start it."""
+    engine = _loaded(SlowHistory())
+    executor = StartsLate()
+    session = SessionRef(session_id="s", epoch=1)
+
+    async def scenario() -> AsyncShardEngine:
+        adapter = AsyncShardEngine(engine, executor=executor)
+        task = asyncio.ensure_future(
+            adapter.prefill(
+                PrefillRequest(
+                    request_id="p", session=session, start_pos=0, inputs=TokenInput(token_ids=(1,))
+                )
+            )
+        )
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        executor.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return adapter
+
+    adapter = asyncio.run(scenario())
+    for thread in executor.threads:
+        thread.join()
+    assert adapter.take_outcome("p") is None
+    assert _committed(engine, "s") is None
+    assert engine.metrics().requests == 0

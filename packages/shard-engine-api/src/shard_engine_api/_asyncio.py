@@ -3,10 +3,11 @@ cancellation mean what it says.
 
 A cancelled task always ends cancelled, and never before its call has ended:
 
-- a call still queued in the executor is withdrawn before it runs: ``CancelledError``, nothing
-  happened;
-- a running prefill, decode, batch, export or import is cancelled in the engine (by request id),
-  and the task waits until the call has ended, so the caller never races a half-finished
+- a call still queued in the executor is withdrawn before it runs, and one a worker picks up
+  after the cancellation never starts: ``CancelledError``, nothing happened;
+- a running prefill, decode, batch, export or import is cancelled in the engine (by request id;
+  a cancel that finds no such request yet, because the call is still on its way to the engine,
+  is repeated for ~30 ms until one stops it or the call ends), and the task waits until the call has ended, so the caller never races a half-finished
   operation; then it ends with ``CancelledError``, whatever the call did. A call that rolled
   back (or failed with a contract error that says nothing changed) leaves no trace. A call that
   committed before the cancel reached it, or ended in an error that does not say "nothing
@@ -76,6 +77,14 @@ MAX_OUTCOMES: Final = 1024
 """How many outcomes of cancelled calls an adapter keeps for :meth:`AsyncShardEngine.take_outcome`
 (the oldest is forgotten first)."""
 
+_CANCEL_ATTEMPTS: Final = 5
+_CANCEL_RETRY_SECONDS: Final = 0.001
+
+
+class _Withdrawn(Exception):
+    """A call a worker picked up after its task was cancelled: it never started."""
+
+
 CommittedResult: TypeAlias = ShardResult | DecodeBatchResult | SessionSnapshot | ImportSessionResult
 
 
@@ -122,8 +131,17 @@ class AsyncShardEngine:
         await self.close()
 
     async def _run(self, call: Callable[[], _T], request_id: str | None = None) -> _T:
+        withdrawn = threading.Event()
+
+        def guarded() -> _T:
+            # A worker may pick the call up after the task was cancelled (the executor's own
+            # cancel then fails): it must not start it.
+            if withdrawn.is_set():
+                raise _Withdrawn
+            return call()
+
         try:
-            submitted = self._executor.submit(call)
+            submitted = self._executor.submit(guarded)
         except RuntimeError:  # the executor was shut down (by close(), or by its owner)
             raise NotReady(
                 "the engine is closed: AsyncShardEngine.close() shut its executor down",
@@ -133,14 +151,11 @@ class AsyncShardEngine:
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError as cancelled:
+            withdrawn.set()
             if submitted.cancel():
                 raise  # still queued: withdrawn before it ran
             if request_id is not None:
-                # A failed engine ends the call by itself; a cancel that fails in any other way
-                # (a third-party engine's bug) must not end the wait either: the call is still
-                # running, and the caller must not race it.
-                with contextlib.suppress(Exception):
-                    self.engine.cancel(CancelRequest(request_id=request_id))
+                await self._stop(request_id, submitted, future)
             await _settled(future)
             if future.cancelled():
                 raise
@@ -152,12 +167,42 @@ class AsyncShardEngine:
                     result = cast(CommittedResult, future.result())
                     self._record(CallOutcome(request_id, result=result))
                 raise
-            if isinstance(error, ShardEngineError) and not isinstance(error, _MAY_HAVE_CHANGED):
-                raise  # rolled back, or refused: nothing changed
+            if isinstance(error, _Withdrawn) or (
+                isinstance(error, ShardEngineError) and not isinstance(error, _MAY_HAVE_CHANGED)
+            ):
+                raise  # never started, rolled back, or refused: nothing changed
             # It may have changed something: recorded, and the cancellation's cause.
             if request_id is not None:
                 self._record(CallOutcome(request_id, error=error))
             raise cancelled from error
+
+    async def _stop(
+        self,
+        request_id: str,
+        submitted: concurrent.futures.Future[_T],
+        future: asyncio.Future[_T],
+    ) -> None:
+        """Cancel ``request_id`` in the engine while the call runs. A cancel that finds no
+        such request may have come before the call reached the engine (a worker that just
+        picked it up, a remote engine's request still on the wire): it is repeated, a few
+        times over ~30 ms, until one stops the request or the call ends."""
+        delay = _CANCEL_RETRY_SECONDS
+        for _ in range(_CANCEL_ATTEMPTS):
+            # A failed engine ends the call by itself; a cancel that fails in any other way
+            # (a third-party engine's bug) must not end the wait either: the call is still
+            # running, and the caller must not race it.
+            try:
+                if self.engine.cancel(CancelRequest(request_id=request_id)).cancelled is True:
+                    return
+            except Exception:  # noqa: BLE001 (see above)
+                pass
+            if submitted.done():
+                return
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future], timeout=delay)
+            if submitted.done():
+                return
+            delay *= 2
 
     def take_outcome(self, request_id: str) -> CallOutcome | None:
         """What the call ``request_id`` did although its task was cancelled (and forget it):
