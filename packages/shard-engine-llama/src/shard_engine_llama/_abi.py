@@ -27,7 +27,7 @@ import importlib.util
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -107,7 +107,12 @@ def _check_version() -> str:
 LLAMA_CPP_PYTHON_VERSION = _check_version()
 
 # libgomp reads its spin count when llama_cpp loads it: the default must be in place first.
-from shard_engine_llama._threading import apply_threading_defaults  # noqa: E402
+from shard_engine_llama._threading import (  # noqa: E402
+    COMPUTE_THREADS_ENV,
+    ComputeThreads,
+    apply_threading_defaults,
+    record_compute_threads,
+)
 
 apply_threading_defaults()
 
@@ -232,6 +237,66 @@ def _load_native() -> _NativeCallbacks | None:
 
 
 _native = _load_native()
+
+
+@dataclass(frozen=True)
+class _Compute:
+    """How ``llama_decode`` reaches a compute thread (see ``_threading``)."""
+
+    mode: str  # "native", "python" or "caller"
+    decode: Callable[[object, llama_cpp.llama_batch], int] | None
+    counts: Callable[[], tuple[int, int]]
+
+
+def _load_compute() -> _Compute:
+    """The native ``shard_engine_decode`` when the extension is built, else ``ComputeThreads``;
+    calls on the caller's thread when ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0``."""
+    if os.environ.get(COMPUTE_THREADS_ENV, "1") == "0":
+        return _Compute("caller", None, lambda: (0, 0))
+    decode_address = _address(llama_cpp.llama_cpp._lib.llama_decode)
+    spec = importlib.util.find_spec("shard_engine_llama._native")
+    if _native is not None and spec is not None and spec.origin is not None:
+        try:
+            library = ctypes.CDLL(spec.origin)
+            function = library.shard_engine_decode
+            counter = library.shard_engine_compute_threads
+        except (OSError, AttributeError):
+            pass
+        else:
+            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            function.restype = ctypes.c_int32
+            counter.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
+            counter.restype = None
+
+            def native(context: object, batch: llama_cpp.llama_batch) -> int:
+                return int(function(decode_address, context, ctypes.byref(batch)))
+
+            def native_counts() -> tuple[int, int]:
+                alive, started = ctypes.c_int32(0), ctypes.c_int32(0)
+                counter(ctypes.byref(alive), ctypes.byref(started))
+                return int(alive.value), int(started.value)
+
+            return _Compute("native", native, native_counts)
+    threads = ComputeThreads()
+    decode = llama_cpp.llama_decode
+
+    def python(context: object, batch: llama_cpp.llama_batch) -> int:
+        return threads.run(lambda: int(decode(context, batch)))
+
+    return _Compute("python", python, lambda: (threads.alive(), threads.started))
+
+
+_compute = _load_compute()
+_compute_decode = _compute.decode
+record_compute_threads(_compute.mode)
+
+
+def compute_threads() -> tuple[str, int, int]:
+    """Where ``llama_decode`` runs ("native" or "python" compute threads, or the "caller"'s
+    thread), how many compute threads run now and how many this process started."""
+    alive, started = _compute.counts()
+    return _compute.mode, alive, started
+
 
 # llama_get_logits_ith(ctx, i) returning the row's address as an int (None for NULL): a
 # function object of our own over the same symbol, so llama_cpp's is left as it is.
@@ -825,7 +890,11 @@ class ShardRuntime:
                     state.rows = 0
                     state.error = 0
                     state.calls = 0
-            status = int(llama_cpp.llama_decode(context, batch))
+            status = (
+                int(llama_cpp.llama_decode(context, batch))
+                if _compute_decode is None
+                else _compute_decode(context, batch)
+            )
             if staged is not None:
                 _set_field(batch, "embd", None)  # no pointer to a freed array stays behind
             if status != 0:

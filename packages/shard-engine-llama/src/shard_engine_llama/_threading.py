@@ -31,25 +31,46 @@ The defaults (``apply_threading_defaults``, called by ``_abi`` before it imports
   is not used), so engines called from one thread share one team.
 * no affinity: ``OMP_PROC_BIND`` and ``GOMP_CPU_AFFINITY`` are left unset, because pinning the
   threads of several processes to the same cores makes them queue there while others idle.
+* compute threads: every ``llama_decode`` of the process runs on a compute thread, the
+  lowest-numbered idle one (:class:`ComputeThreads`; in C in ``_native.c`` when that extension
+  is built). libgomp keeps one team per thread that ever ran a parallel region, and once the
+  process holds more team threads than CPUs it cuts every barrier's spin to 100 iterations, so
+  a graph's threads sleep and are woken at almost every node. Calls made one after another,
+  from whichever threads (a server's thread pool, an asyncio executor), all run on compute
+  thread 0 and its one team; only calls that overlap get more threads, which end after
+  :data:`COMPUTE_IDLE_EXIT_S` without work. ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0`` runs each
+  call on its caller's thread instead (for comparisons).
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 __all__ = [
+    "COMPUTE_IDLE_EXIT_S",
+    "COMPUTE_THREADS_ENV",
     "DEFAULT_SPIN_COUNT",
     "SPIN_COUNT_ENV",
+    "ComputeThreads",
     "apply_threading_defaults",
     "libgomp_loaded",
+    "record_compute_threads",
     "threading_report",
 ]
 
 SPIN_COUNT_ENV: Final = "GOMP_SPINCOUNT"
 WAIT_POLICY_ENV: Final = "OMP_WAIT_POLICY"
 DEFAULT_SPIN_COUNT: Final = 10_000
+COMPUTE_THREADS_ENV: Final = "SHARD_ENGINE_LLAMA_COMPUTE_THREADS"
+COMPUTE_IDLE_EXIT_S: Final = 2.0
+"""How long a compute thread other than the first waits for work before it ends (IDLE_EXIT_S
+of ``_native.c``)."""
 
 _applied: dict[str, object] = {}
 
@@ -76,6 +97,12 @@ def apply_threading_defaults() -> None:
         _applied["source"] = "shard-engine default"
 
 
+def record_compute_threads(mode: str) -> None:
+    """``_abi`` says where llama_decode runs: "native" or "python" compute threads, or the
+    "caller"'s thread."""
+    _applied["compute_threads"] = mode
+
+
 def threading_report() -> dict[str, object]:
     """What is in force: the spin count and wait policy the environment holds, who set them,
     and whether libgomp was loaded before the default could be applied (then it had no
@@ -86,4 +113,95 @@ def threading_report() -> dict[str, object]:
         "source": _applied.get("source", "not applied"),
         "libgomp_loaded_before": _applied.get("libgomp_loaded_before"),
         "libgomp_loaded": libgomp_loaded(),
+        "compute_threads": _applied.get("compute_threads", "not loaded"),
     }
+
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Job(Generic[_T]):
+    call: Callable[[], _T]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: _T | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Slot:
+    index: int
+    jobs: queue.SimpleQueue[_Job[object]] = field(default_factory=queue.SimpleQueue)
+    alive: bool = False
+    busy: bool = False
+
+
+class ComputeThreads:
+    """Runs each call on the lowest-numbered idle compute thread and returns its result (or
+    raises its exception) in the caller. The Python form of ``shard_engine_decode`` in
+    ``_native.c``, used when that extension is not built; see the module docstring for why."""
+
+    def __init__(self, idle_exit_s: float = COMPUTE_IDLE_EXIT_S) -> None:
+        self._idle_exit_s = idle_exit_s
+        self._lock = threading.Lock()
+        self._slot_free = threading.Condition(self._lock)
+        self._slots: list[_Slot] = []
+        self._pid = os.getpid()
+        self.started = 0
+        """Threads started (since construction, or since this process forked)."""
+
+    def alive(self) -> int:
+        with self._lock:
+            return sum(slot.alive for slot in self._slots)
+
+    def run(self, call: Callable[[], _T]) -> _T:
+        job: _Job[_T] = _Job(call)
+        slot = self._claim()
+        try:
+            slot.jobs.put(job)  # type: ignore[arg-type]
+            job.done.wait()
+        finally:
+            with self._lock:
+                slot.busy = False
+                self._slot_free.notify()
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[return-value]
+
+    def _claim(self) -> _Slot:
+        with self._lock:
+            if os.getpid() != self._pid:  # forked: the threads stayed in the parent
+                self._slots, self._pid, self.started = [], os.getpid(), 0
+            while True:
+                slot = next((slot for slot in self._slots if not slot.busy), None)
+                if slot is None and len(self._slots) < 64:
+                    slot = _Slot(len(self._slots))
+                    self._slots.append(slot)
+                if slot is not None:
+                    if not slot.alive:
+                        threading.Thread(
+                            target=self._serve, args=(slot,), daemon=True, name="llama-compute"
+                        ).start()
+                        slot.alive = True
+                        self.started += 1
+                    slot.busy = True
+                    return slot
+                self._slot_free.wait()
+
+    def _serve(self, slot: _Slot) -> None:
+        timeout = None if slot.index == 0 else self._idle_exit_s
+        while True:
+            try:
+                job = slot.jobs.get(timeout=timeout)
+            except queue.Empty:
+                with self._lock:
+                    if not slot.busy and slot.jobs.empty():
+                        slot.alive = False
+                        return
+                continue
+            try:
+                job.result = job.call()
+            except BaseException as error:  # noqa: BLE001  (the caller re-raises it)
+                job.error = error
+            finally:
+                job.done.set()
