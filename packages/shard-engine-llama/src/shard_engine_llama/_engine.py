@@ -923,10 +923,12 @@ def _declared_determinism(
     - F32/F64 weights: generated llama 7.4e-7 (logits) / 5.1e-7 (hidden), generated gemma3
       3.6e-5 / 2.2e-5 -> relative 2e-4 for both;
     - F16/BF16: generated llama 7.6e-4 / 4.9e-4, generated gemma3 4.9e-4 / 1.2e-4 -> 5e-3;
-    - quantized: gemma3-270m Q4_K_M (6 sequences, 3,654 rows) 0.205 / 0.095 — llama.cpp's own
-      ``Llama.eval`` shows the same differences between batch sizes (10.79 at the same logits
-      row), so they are the backend's, not the engine's; generated Q8_0 0 / 0 -> logits 0.4,
-      hidden 0.2.
+    - quantized: gemma3-270m Q4_K_M 0.205 / 0.095 on one x86-64 host (6 sequences, 3,654 rows)
+      and 0.506 / 0.207 on an AMD EPYC host (12 sequences, 7,308 rows; the logits maximum is
+      one low-magnitude row: 6.85 of 13.5) — llama.cpp's own ``Llama.eval`` shows the same
+      differences between batch sizes (the same 6.85 at the same row), so they are the
+      backend's and its kernels', not the engine's; generated Q8_0 0 / 0 -> logits 1.0,
+      hidden 0.4.
 
     ``explicit`` (the ``tolerance`` option) declares one absolute bound for both kinds instead,
     as before per-kind tolerances existed."""
@@ -941,8 +943,8 @@ def _declared_determinism(
     elif types <= _FLOAT_TYPES | _HALF_TYPES:
         logits = hidden = Tolerance(absolute=1e-3, relative=5e-3)
     else:
-        logits = Tolerance(absolute=1e-2, relative=0.4)
-        hidden = Tolerance(absolute=1e-2, relative=0.2)
+        logits = Tolerance(absolute=1e-2, relative=1.0)
+        hidden = Tolerance(absolute=1e-2, relative=0.4)
     boundary = _BOUNDARY_TOLERANCE[boundary_dtype]
     rounding = _BOUNDARY_ROUNDING[boundary_dtype]
     return Determinism(
