@@ -14,13 +14,36 @@ from pathlib import Path
 from typing import cast
 
 import grpc
+import msgspec
 import pytest
-from conftest import Background, RemoteFactory, ServeFactory, config, decode, prefill, wait_until
+from conftest import (
+    Background,
+    RemoteFactory,
+    ServeFactory,
+    config,
+    decode,
+    prefill,
+    read_frame,
+    ref,
+    wait_until,
+)
 from grpc_health.v1 import health_pb2
 
 import shard_engine_api as api
+from shard_engine_api import wire
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._wire import CALL_METHOD, EXPORT_METHOD, SERVICE_NAME
+from shard_engine_remote._framed import CHUNK, HELLO, IMPORT, REPLY, _frame
+from shard_engine_remote._wire import (
+    CALL_METHOD,
+    EXPORT_METHOD,
+    IMPORT_METHOD,
+    SERVICE_NAME,
+    ImportHeader,
+    SnapshotHeader,
+    decode_export_header,
+    encode_header,
+    encode_request,
+)
 
 TOKEN = "holder-token"
 IDLE_S = 0.5
@@ -222,3 +245,117 @@ def test_thousands_of_silent_connections_cost_bounded_descriptors(
     finally:
         for sock in flood:
             sock.close()
+
+
+def _trickle(header: bytes, chunks: int, every_s: float) -> Iterator[bytes]:
+    yield header
+    for _ in range(chunks):
+        time.sleep(every_s)
+        yield bytes(10_000)
+
+
+def test_a_trickled_import_holds_its_slot_only_as_long_as_its_size_allows(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """An import announcing 1 MiB in 100 chunks, sending one every 0.4 s (just inside the
+    0.5 s idle limit, 40 s in all): it moves slower than ``min_stream_bytes_per_s`` and is
+    cut off once ``stream_idle_s + size / rate`` (1.5 s) passed, Cancelled, counted as
+    stalled, nothing imported; it held one stream slot that long, not forty seconds."""
+    server = serve(config(), transport=transport, max_workers=5, stream_idle_s=IDLE_S)
+    assert server.address is not None
+    worker = remote(config(target=server.address, transport=transport))
+    prefill(worker)
+    snapshot = worker.export_session(api.ExportSessionRequest(request_id="e", session=ref()))
+    announced = msgspec.structs.replace(snapshot, state_bytes=1 << 20, chunks=())
+    header = encode_header(
+        ImportHeader(
+            request=api.ImportSessionRequest(request_id="i", snapshot=announced), n_chunks=100
+        )
+    )
+    started = time.monotonic()
+    if transport == "grpc":
+        with grpc.insecure_channel(server.address) as channel:
+            stream: grpc.StreamUnaryMultiCallable[bytes, bytes]
+            stream = channel.stream_unary(IMPORT_METHOD)
+            answer = stream(_trickle(header, 100, 0.4), timeout=60)
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(60)
+        sock.connect(server.address.removeprefix("unix:"))
+        sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
+        assert read_frame(sock)[0] == HELLO
+        sock.sendall(_frame(IMPORT, 1, b""))
+        replied: list[bytes] = []
+
+        def feed() -> None:
+            for message in _trickle(header, 100, 0.4):
+                if replied:
+                    return
+                sock.sendall(_frame(CHUNK, 1, message))
+
+        feeding = threading.Thread(target=feed, daemon=True)
+        feeding.start()
+        kind, call_id, answer = read_frame(sock)
+        replied.append(answer)
+        assert (kind, call_id) == (REPLY, 1)
+        feeding.join(5)
+        sock.close()
+    assert time.monotonic() - started < 5
+    refused = wire.decode_error(answer)
+    assert isinstance(refused, api.Cancelled)
+    assert refused.details["reason"] == "too_slow"
+    assert server.stats().stalled == 1
+    assert server.engine.metrics().imports == 0
+
+
+def test_an_export_taken_slowly_holds_its_slot_only_as_long_as_its_size_allows(
+    serve: ServeFactory, remote: RemoteFactory
+) -> None:
+    """A gRPC client taking an export's chunks one every 1.2 s (inside the 2 s idle limit)
+    moves its ~4.6 MB slower than ``min_stream_bytes_per_s`` (4 MB/s here): the server ends
+    the stream DEADLINE_EXCEEDED once ``stream_idle_s + size / rate`` passed, counted as
+    stalled, instead of holding its stream slot for as long as the client cares to read."""
+    load = api.LoadConfig(shard=config().shard, max_context=8192)
+    server = serve(load, max_workers=5, stream_idle_s=2.0, min_stream_bytes_per_s=4_000_000)
+    assert server.address is not None
+    worker = remote(api.LoadConfig(shard=load.shard, options={"target": server.address}))
+    session = api.SessionRef(session_id="big", epoch=1)
+    for start in range(0, 5988, 499):
+        worker.prefill(
+            api.PrefillRequest(
+                request_id=f"p{start}",
+                session=session,
+                start_pos=start,
+                inputs=api.TokenInput(token_ids=tuple(i % 500 for i in range(499))),
+            )
+        )
+    request = api.ExportSessionRequest(request_id="e", session=session)
+    channel = grpc.insecure_channel(
+        server.address, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    )
+    try:
+        export: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(EXPORT_METHOD)
+        stream = export(encode_request(request), timeout=60)
+        header = wire_header(next(stream))
+        assert header.n_chunks >= 4
+        taken: list[bytes] = []
+        with pytest.raises(grpc.RpcError) as cut:
+            _take_slowly(stream, taken)
+        assert cast(grpc.Call, cut.value).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len(taken) < header.n_chunks
+        assert server.stats().stalled == 1
+        assert worker.export_session(request).state_bytes == header.snapshot.state_bytes
+    finally:
+        channel.close()
+
+
+def _take_slowly(stream: Iterator[bytes], taken: list[bytes]) -> None:
+    for chunk in stream:
+        taken.append(chunk)
+        time.sleep(1.2)
+
+
+def wire_header(message: bytes) -> SnapshotHeader:
+    header = decode_export_header(message)
+    assert isinstance(header, SnapshotHeader)
+    return header

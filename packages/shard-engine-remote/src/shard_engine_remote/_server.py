@@ -59,6 +59,7 @@ from shard_engine_remote._wire import (
     ServerStats,
     ServerStatsQuery,
     SnapshotHeader,
+    decode_export_header,
     decode_import_header,
     decode_request,
     encode_header,
@@ -69,6 +70,7 @@ __all__ = [
     "CALLER_METADATA_KEY",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
+    "DEFAULT_MIN_STREAM_BYTES_PER_S",
     "DEFAULT_STREAM_IDLE_S",
     "CallContext",
     "EngineServer",
@@ -103,6 +105,9 @@ DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
 """The largest session state an import stream may announce (the engine core's own default)."""
 DEFAULT_STREAM_IDLE_S: Final = 30.0
 """How long an import stream may wait for its next message before it is cut off."""
+DEFAULT_MIN_STREAM_BYTES_PER_S: Final = 1 << 20
+"""The slowest a snapshot stream may move its bytes, on average: a stream of ``n`` bytes
+holds its slot for at most ``stream_idle_s + n / min_stream_bytes_per_s`` seconds."""
 _Result = TypeVar("_Result")
 _Message = TypeVar("_Message")
 _LOG: Final = logging.getLogger("shard_engine.remote")
@@ -232,7 +237,9 @@ class EngineServer:
     reading would otherwise hold a thread no slot accounts for), at most half of them are
     streams, and an import stream whose next message does not arrive within
     ``stream_idle_s`` is cut off (Cancelled; nothing imported), as is an export whose client
-    does not take its next message within it. A call's request message too must arrive
+    does not take its next message within it; nor may a stream, as a whole, move its bytes
+    slower than ``min_stream_bytes_per_s`` (a message every ``stream_idle_s`` would otherwise
+    keep a slot for as many times that as it has chunks). A call's request message too must arrive
     within ``stream_idle_s``; calls waiting for theirs hold threads of their own (beyond
     ``max_workers``), a bounded number of them: when all are taken, the call that has waited
     longest is cut off (counted as ``stalled``), so calls whose message never comes cannot
@@ -258,6 +265,7 @@ class EngineServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
+        min_stream_bytes_per_s: float = DEFAULT_MIN_STREAM_BYTES_PER_S,
     ) -> None:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
@@ -268,10 +276,12 @@ class EngineServer:
         for name, seconds in (
             ("handshake_timeout_s", handshake_timeout_s),
             ("connection_idle_s", connection_idle_s),
+            ("min_stream_bytes_per_s", min_stream_bytes_per_s),
         ):
             if not seconds > 0:
                 raise api.InvalidRequest(f"{name} must be > 0, got {seconds}")
         self.stream_idle_s = stream_idle_s
+        self.min_stream_bytes_per_s = min_stream_bytes_per_s
         self.engine = engine
         self.max_workers = max_workers
         self.max_message_bytes = max_message_bytes
@@ -575,8 +585,19 @@ class EngineServer:
             context.cancel()
 
         messages = self._export(self._request(requests, context, self._waiting), context)
+        due: float | None = None
         try:
             for message in messages:
+                if due is None:
+                    header = decode_export_header(message)
+                    size = header.snapshot.state_bytes if isinstance(header, SnapshotHeader) else 0
+                    due = self._stream_due(size)
+                elif time.monotonic() > due:
+                    self.counters.add("stalled")
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the client takes the export slower than {self._rate_words()}",
+                    )
                 timer = threading.Timer(self.stream_idle_s, cut_off)
                 timer.daemon = True
                 timer.start()
@@ -642,6 +663,16 @@ class EngineServer:
                 self._release_stream_slots()
             self.counters.call_ended()
 
+    def _stream_due(self, size: int) -> float:
+        """When a stream of ``size`` bytes starting now must have ended."""
+        return time.monotonic() + self.stream_idle_s + size / self.min_stream_bytes_per_s
+
+    def _rate_words(self) -> str:
+        return (
+            f"{self.min_stream_bytes_per_s:g} bytes/s on average (after {self.stream_idle_s:g} "
+            "s of grace)"
+        )
+
     def _take_stream_slots(self) -> api.ErrorInfo | None:
         """Take a stream's slot and the compute slot it holds throughout; else the busy
         refusal (retryable)."""
@@ -705,7 +736,15 @@ class EngineServer:
             )
         chunks: list[bytes] = []
         total = 0
+        due = self._stream_due(snapshot.state_bytes)
         for index in range(n_chunks):
+            if time.monotonic() > due:
+                self.counters.add("stalled")
+                raise api.Cancelled(
+                    f"the import stream moved {total} bytes in {index} chunk(s), slower than "
+                    f"{self._rate_words()}; nothing was imported",
+                    details={"received_bytes": total, "reason": "too_slow"},
+                )
             chunk = self._next_message(messages, index + 1)
             if chunk is None:
                 raise api.InvalidRequest(
