@@ -46,6 +46,7 @@ from shard_engine_api.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Codec,
     decode_bundle,
+    decode_error,
     decode_message,
     decode_reply,
     decode_request,
@@ -564,3 +565,74 @@ def test_large_payloads_land_aligned_and_the_padding_is_ignored(fingerprint: str
         carried = decoded.inputs if isinstance(decoded, PrefillRequest) else decoded
         assert isinstance(carried, BoundaryBundle)
         assert carried.payload.obj is buf
+
+
+_NOT_BUFFERS: list[object] = [
+    "\x81\xa4type\xa6health",
+    None,
+    5,
+    [0x81],
+    memoryview(b"\x81\xa4type\xa6health" * 2)[::2],
+]
+
+
+@pytest.mark.parametrize("buf", _NOT_BUFFERS, ids=lambda value: type(value).__name__)
+@pytest.mark.parametrize(
+    "decoder",
+    [
+        decode_message,
+        decode_request,
+        decode_reply,
+        decode_bundle,
+        decode_error,
+        Codec().decode_bundle,
+    ],
+)
+def test_decoding_what_is_not_a_contiguous_buffer_is_invalid_request(
+    decoder: Any, buf: object
+) -> None:
+    """A str, None or a strided view used to fail with TypeError or BufferError."""
+    with pytest.raises(InvalidRequest):
+        decoder(buf)
+
+
+def test_a_released_buffer_is_invalid_request() -> None:
+    view = memoryview(bytearray(encode(Health(state="ready"))))
+    view.release()
+    with pytest.raises(InvalidRequest):
+        decode_message(view)
+
+
+@pytest.mark.parametrize(
+    "value", ["text", None, 5, SessionRef(session_id="s", epoch=1), TokenInput(token_ids=(1,))]
+)
+def test_encoding_what_is_not_a_wire_message_is_invalid_request(value: object) -> None:
+    """``encode(5)`` used to return bytes that no decoder accepts (and nested types such as
+    TokenInput do not travel alone)."""
+    with pytest.raises(InvalidRequest):
+        encode(value)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest):
+        encode_bundle(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["boom", None, RuntimeError("boom")])
+def test_encode_error_of_what_is_not_a_shard_engine_error_is_invalid_request(value: object) -> None:
+    with pytest.raises(InvalidRequest):
+        encode_error(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"expected_fingerprint": 5},
+        {"expected_layer": "2"},
+        {"expected_layer": -1},
+        {"expected_layer": True},
+        {"expected_hidden_size": 0},
+        {"expected_hidden_size": 8.0},
+    ],
+)
+def test_a_codec_policy_of_the_wrong_type_is_refused(policy: dict[str, Any]) -> None:
+    """An expectation of the wrong type would refuse every bundle as ShardMismatch."""
+    with pytest.raises(InvalidRequest):
+        Codec(**policy)

@@ -7,8 +7,9 @@ A cancelled task always ends cancelled, and never before its call has ended:
   after the cancellation never starts: ``CancelledError``, nothing happened;
 - a running prefill, decode, batch, export or import is cancelled in the engine (by request id;
   a cancel that finds no such request yet, because the call is still on its way to the engine,
-  is repeated for ~30 ms until one stops it or the call ends), and the task waits until the call has ended, so the caller never races a half-finished
-  operation; then it ends with ``CancelledError``, whatever the call did. A call that rolled
+  is repeated for ~30 ms until one stops it or the call ends), and the task waits until the
+  call has ended, so the caller never races a half-finished operation; then it ends with
+  ``CancelledError``, whatever the call did. A call that rolled
   back (or failed with a contract error that says nothing changed) leaves no trace. A call that
   committed before the cancel reached it, or ended in an error that does not say "nothing
   changed" (OutcomeUnknown, MalformedOutput, EngineCrashed, any exception outside the taxonomy),

@@ -203,6 +203,7 @@ def _wire_load_config() -> type[msgspec.Struct]:
 
 
 _WireLoadConfig: Final = _wire_load_config()
+_WIRE_TYPES: Final[frozenset[type]] = frozenset(WireMessage.__args__)
 _OPTIONS_DECODER: Final = msgspec.msgpack.Decoder(dict[str, object])
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
@@ -364,9 +365,28 @@ def _refuse_bulky_structure(buf: Buffer, size: int) -> None:
         )
 
 
+def _buffer_size(buf: object) -> int:
+    """The byte length of ``buf``; InvalidRequest for anything but a contiguous buffer (a str,
+    None, a strided view), which msgspec would refuse with TypeError or BufferError."""
+    if type(buf) is bytes:
+        return len(buf)
+    try:
+        view = memoryview(buf)  # type: ignore[arg-type]
+        contiguous = view.c_contiguous
+    except TypeError:
+        raise InvalidRequest(
+            f"can only decode bytes, bytearray or memoryview, got {type(buf).__name__}"
+        ) from None
+    except ValueError:  # a released view
+        raise InvalidRequest("can only decode a live buffer, got a released memoryview") from None
+    if not contiguous:
+        raise InvalidRequest("can only decode a contiguous buffer, got a strided view")
+    return view.nbytes
+
+
 def _decode(decoder: msgspec.msgpack.Decoder[_T], buf: Buffer, max_bytes: int) -> _T:
     """``decoder.decode(buf)`` within the size bounds, every failure typed."""
-    size = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
+    size = _buffer_size(buf)
     if size > max_bytes:
         raise _message_too_large(size, max_bytes)
     if size > MAX_STRUCTURE_BYTES:
@@ -519,11 +539,23 @@ class Codec:
         expected_layer: int | None = None,
         expected_hidden_size: int | None = None,
     ) -> None:
-        """Raises InvalidRequest for a non-positive size limit or an unknown policy."""
+        """Raises InvalidRequest for a non-positive size limit, an unknown policy, or an
+        expectation of the wrong type (a fingerprint that is not a str, a negative layer, a
+        hidden size below 1)."""
         if type(max_payload_bytes) is not int or max_payload_bytes < 1:
             raise InvalidRequest(f"max_payload_bytes must be >= 1, got {max_payload_bytes!r}")
         if nonfinite not in ("reject", "allow"):
             raise InvalidRequest(f"nonfinite must be 'reject' or 'allow', got {nonfinite!r}")
+        if expected_fingerprint is not None and type(expected_fingerprint) is not str:
+            raise InvalidRequest(
+                f"expected_fingerprint must be a str or None, got {expected_fingerprint!r}"
+            )
+        for name, value, low in (
+            ("expected_layer", expected_layer, 0),
+            ("expected_hidden_size", expected_hidden_size, 1),
+        ):
+            if value is not None and (type(value) is not int or value < low):
+                raise InvalidRequest(f"{name} must be an integer >= {low} or None, got {value!r}")
         self.max_payload_bytes = max_payload_bytes
         self.max_message_bytes = max_payload_bytes + MESSAGE_OVERHEAD_BYTES
         self.nonfinite: NonFinitePolicy = nonfinite
@@ -550,8 +582,14 @@ class Codec:
 
     @staticmethod
     def encode(message: WireMessage) -> bytes:
-        """Encode any wire message. Raises InvalidRequest when a value cannot be encoded
-        (an integer beyond 64 bits, a value of a type the wire does not carry)."""
+        """Encode any wire message. Raises InvalidRequest for anything but a wire message
+        (whose bytes no decoder would accept) and when a value cannot be encoded (an integer
+        beyond 64 bits, a value of a type the wire does not carry)."""
+        if type(message) not in _WIRE_TYPES:
+            raise InvalidRequest(
+                f"cannot encode {type(message).__name__}: not a wire message "
+                f"({', '.join(sorted(cls.__name__ for cls in _WIRE_TYPES))})"
+            )
         try:
             return _encode_aligned(message)
         except (msgspec.MsgspecError, TypeError, ValueError, OverflowError) as error:
@@ -566,9 +604,14 @@ class Codec:
 
     @staticmethod
     def encode_error(error: ShardEngineError) -> bytes:
-        """Encode an error as its :class:`ErrorInfo` wire form. Never raises: a detail the wire
-        cannot carry (an integer beyond 64 bits, a value that is not a scalar) travels as its
-        string form, and an over-long message is cut."""
+        """Encode an error as its :class:`ErrorInfo` wire form. Never raises for a
+        ShardEngineError: a detail the wire cannot carry (an integer beyond 64 bits, a value
+        that is not a scalar) travels as its string form, and an over-long message is cut.
+        Raises InvalidRequest for anything else (no error code could be given to it)."""
+        if not isinstance(error, ShardEngineError):
+            raise InvalidRequest(
+                f"encode_error takes a ShardEngineError, got {type(error).__name__}"
+            )
         info = error.to_info()
         if all(map(_wire_detail, info.details.values())):
             try:
@@ -591,7 +634,7 @@ class Codec:
         """
         # _decode and verify_bundle inlined: a decode step's bundle is small, so the calls
         # are a visible part of its cost.
-        size = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
+        size = len(buf) if type(buf) is bytes else _buffer_size(buf)
         if size > self.max_message_bytes:
             raise _message_too_large(size, self.max_message_bytes)
         try:
