@@ -33,6 +33,7 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, ServerSecurity
 from shard_engine_remote._framed import CHUNK, HELLO, IMPORT, REPLY, _frame
+from shard_engine_remote._server import _Waiting
 from shard_engine_remote._wire import (
     CALL_METHOD,
     EXPORT_METHOD,
@@ -359,3 +360,37 @@ def wire_header(message: bytes) -> SnapshotHeader:
     header = decode_export_header(message)
     assert isinstance(header, SnapshotHeader)
     return header
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_waiter_cut_off_never_goes_on() -> None:
+    """A call evicted from the waiting (or past its time) is cancelled, and its handler is
+    told so when it stops waiting, even if its message arrived in between: it never starts
+    work its client will see cancelled. Waiters are evicted oldest first."""
+    cut: list[int] = []
+    waiting = _Waiting(2, 60.0, lambda: cut.append(1))
+    contexts = [_Context() for _ in range(3)]
+    tickets = [waiting.enter(cast(grpc.ServicerContext, context)) for context in contexts]
+    assert [context.cancelled for context in contexts] == [True, False, False]
+    assert len(cut) == 1
+    assert not waiting.leave(tickets[0])
+    assert waiting.leave(tickets[1])
+    assert waiting.leave(tickets[2])
+    assert len(waiting) == 0
+    timed = _Waiting(4, 0.2, lambda: cut.append(1))
+    timed.start()
+    try:
+        late = _Context()
+        ticket = timed.enter(cast(grpc.ServicerContext, late))
+        wait_until(lambda: late.cancelled, timeout=5)
+        assert not timed.leave(ticket)
+        assert len(cut) == 2
+    finally:
+        timed.stop()

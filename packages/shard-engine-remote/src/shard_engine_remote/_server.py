@@ -433,12 +433,15 @@ class EngineServer:
         late or older waiters must make room: the call ends CANCELLED). A stream that ends
         without it is INVALID_ARGUMENT; messages after it are not read."""
         ticket = waiting.enter(context)
+        kept = False
         try:
             request = next(requests, None)
         except grpc.RpcError:
             request = None
         finally:
-            waiting.leave(ticket)
+            kept = waiting.leave(ticket)
+        if not kept:
+            context.abort(grpc.StatusCode.CANCELLED, "the call waited too long for its request")
         if request is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
         return request
@@ -952,9 +955,11 @@ class _Waiting:
             self._cut(evicted)
         return ticket
 
-    def leave(self, ticket: int) -> None:
+    def leave(self, ticket: int) -> bool:
+        """Stop counting a waiter; False when it was cut off already (it is being cancelled:
+        the call must not go on, even when its message arrived meanwhile)."""
         with self._condition:
-            self._waiting.pop(ticket, None)
+            return self._waiting.pop(ticket, None) is not None
 
     def _cut(self, context: grpc.ServicerContext) -> None:
         self._on_cut()
