@@ -825,3 +825,15 @@ def test_a_call_taken_by_a_worker_after_the_cancel_never_starts() -> None:
     assert adapter.take_outcome("p") is None
     assert _committed(engine, "s") is None
     assert engine.metrics().requests == 0
+
+
+@pytest.mark.parametrize(
+    ("engine", "executor"), [(None, None), ("fake", None), ("engine", 5), ("engine", "pool")]
+)
+def test_an_adapter_of_what_is_not_an_engine_or_executor_is_invalid_request(
+    engine: object, executor: object
+) -> None:
+    """They used to fail with AttributeError, at construction or at the first call."""
+    given = _loaded(SlowHistory()) if engine == "engine" else engine
+    with pytest.raises(InvalidRequest):
+        AsyncShardEngine(given, executor=executor)  # type: ignore[arg-type]

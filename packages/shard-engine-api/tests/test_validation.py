@@ -889,3 +889,10 @@ def test_requests_are_checked_for_an_engine_that_does_not_check_them() -> None:
         engine.decode_batch(DecodeBatchRequest(request_id="b", items=None))  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="session"):
         engine.release(ReleaseRequest(session=None))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("inner", [None, "fake", object()])
+def test_wrapping_what_is_not_an_engine_is_invalid_request(inner: object) -> None:
+    """It used to be accepted, then every call ended as MalformedOutput."""
+    with pytest.raises(InvalidRequest):
+        ValidatingEngine(inner)  # type: ignore[arg-type]

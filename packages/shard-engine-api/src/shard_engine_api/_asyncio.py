@@ -43,6 +43,7 @@ from typing import ClassVar, Final, Self, TypeAlias, TypeVar, cast
 
 from shard_engine_api._errors import (
     EngineCrashed,
+    InvalidRequest,
     MalformedOutput,
     NotReady,
     OutcomeUnknown,
@@ -111,6 +112,18 @@ class AsyncShardEngine:
     def __init__(
         self, engine: ShardEngine, *, executor: concurrent.futures.Executor | None = None
     ) -> None:
+        """Raises InvalidRequest for an ``engine`` that is not a ShardEngine or an
+        ``executor`` that is not a ``concurrent.futures.Executor``."""
+        given: object = engine
+        if not isinstance(given, ShardEngine):
+            raise InvalidRequest(
+                f"AsyncShardEngine wraps a ShardEngine, got {type(given).__name__}"
+            )
+        pool: object = executor
+        if pool is not None and not isinstance(pool, concurrent.futures.Executor):
+            raise InvalidRequest(
+                f"executor must be a concurrent.futures.Executor, got {type(pool).__name__}"
+            )
         self.engine = engine
         self._closed = False
         self._outcomes: collections.OrderedDict[str, CallOutcome] = collections.OrderedDict()

@@ -235,7 +235,13 @@ class ValidatingEngine:
     """
 
     def __init__(self, inner: ShardEngine, *, nonfinite: NonFinitePolicy = "reject") -> None:
-        """Wrap ``inner``. Raises InvalidRequest for an unknown policy."""
+        """Wrap ``inner``. Raises InvalidRequest for an unknown policy or an ``inner`` that is
+        not a ShardEngine."""
+        given: object = inner
+        if not isinstance(given, ShardEngine):
+            raise InvalidRequest(
+                f"ValidatingEngine wraps a ShardEngine, got {type(given).__name__}"
+            )
         if nonfinite not in ("reject", "allow"):
             raise InvalidRequest(f"nonfinite must be 'reject' or 'allow', got {nonfinite!r}")
         self._inner = inner
