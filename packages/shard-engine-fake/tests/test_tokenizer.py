@@ -35,3 +35,15 @@ def test_ids_past_the_bytes_render_as_one_character_each() -> None:
     tokenizer = load_tokenizer("fake", "fake")
     assert tokenizer is not None
     assert len(tokenizer.decode([256, 300, 2**31 - 1])) == 3
+
+
+@pytest.mark.parametrize("model", ["fake:layers=x", "fake:bogus=1", "fake:hidden=0", "/m.gguf"])
+def test_a_reference_that_names_no_fake_model_is_invalid(model: str) -> None:
+    """A typo in the model reference used to answer "this model has no tokenizer" (None), so
+    worker code went on without one; loading the same reference is InvalidRequest."""
+    with pytest.raises(InvalidRequest):
+        load_tokenizer("fake", model)
+
+
+def test_a_small_vocabulary_has_no_tokenizer() -> None:
+    assert load_tokenizer("fake", "fake:vocab=100") is None

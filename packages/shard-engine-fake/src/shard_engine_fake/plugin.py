@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from shard_engine_api import InvalidRequest, OptionValue
+from shard_engine_api import OptionValue
 from shard_engine_api.engine import EngineDescription, ModelFixture, Tokenizer, hookimpl
 from shard_engine_fake._engine import FakeEngine
 from shard_engine_fake._model import DEFAULT_MODEL, FakeModelSpec, parse_model_reference
@@ -92,11 +92,10 @@ def _describe_model(model: str) -> ModelFixture:
 
 
 def _tokenizer(model: str) -> Tokenizer | None:
-    """The byte tokenizer, for models whose vocabulary holds every byte."""
-    try:
-        spec = _spec_of(model)
-    except InvalidRequest:
-        return None
+    """The byte tokenizer, for models whose vocabulary holds every byte; None for a smaller
+    vocabulary. A reference that names no fake model is InvalidRequest, as for loading it:
+    a typo is not "a model without a tokenizer"."""
+    spec = _spec_of(model)
     return _ByteTokenizer() if spec.vocab_size >= BYTE_VOCAB_SIZE else None
 
 
