@@ -417,6 +417,17 @@ class ResultsSayFixture(_MislabelsResults):
         return msgspec.structs.replace(info, evidence="real")
 
 
+class NumpyPositionsInLongRuns(_RewritesResults):
+    """Computes the first position of a long run (more than 8 rows) with numpy: an
+    ``np.int64`` equal to the right position, so every comparison passes, but a worker's
+    ValidatingEngine refuses the result and the codec cannot encode it."""
+
+    def _rewrite(self, result: _Result, built: _Built) -> _Result:
+        if len(built.rows) <= 8:
+            return result
+        return msgspec.structs.replace(result, first_pos=np.int64(result.first_pos))
+
+
 class _ReleasesForgotten(FenceTable):
     def get(self, session_id: str) -> Fence | None:
         fence = super().get(session_id)
@@ -1820,6 +1831,15 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "results_say_real": Broken(
         ResultsSayReal,
         ("test_evidence_class", *_MACHINE),
+    ),
+    "numpy_positions_in_long_runs": Broken(
+        NumpyPositionsInLongRuns,
+        (
+            "test_chunked_prefill",
+            "test_long_prefill_vs_chunked_and_decode",
+            "test_migration_continues_exactly_every_role",
+            *_MACHINE,
+        ),
     ),
     "results_say_fixture": Broken(
         ResultsSayFixture,

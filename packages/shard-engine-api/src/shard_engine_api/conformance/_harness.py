@@ -16,7 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import payload_checksum
-from shard_engine_api._errors import Cancelled
+from shard_engine_api._edge import check_request, result_ok
+from shard_engine_api._errors import Cancelled, InvalidRequest
 from shard_engine_api._hookspecs import ModelFixture
 from shard_engine_api._pipeline import Pipeline
 from shard_engine_api._protocol import ShardEngine
@@ -54,6 +55,7 @@ __all__ = [
     "assert_cancelled",
     "assert_matches",
     "assert_timings",
+    "assert_well_typed",
     "split_ranges",
 ]
 
@@ -111,6 +113,24 @@ def assert_cancelled(error: Cancelled, what: str) -> None:
     assert type(error) is Cancelled, f"{what}: raised {type(error).__name__}, not Cancelled"
     assert error.code == Cancelled.code, f"{what}: Cancelled with code {error.code!r}"
     assert error.retryable, f"{what}: Cancelled.retryable is False; the contract says True"
+
+
+def assert_well_typed(result: object, what: str) -> None:
+    """``result`` is exactly a BoundaryResult or LogitsResult whose every field has its
+    declared type and bounds: what ``ValidatingEngine`` and the codec's decoders require of
+    it. A numpy scalar where an int or float belongs (``np.float64`` timings, ``np.int64``
+    positions), a str subclass, a bool position compare equal to the right values, so no other
+    check sees them; a worker's ValidatingEngine refuses every such result as MalformedOutput."""
+    kind = type(result)
+    assert kind in (BoundaryResult, LogitsResult), (
+        f"{what} is a {kind.__name__}, not exactly a BoundaryResult or LogitsResult"
+    )
+    if result_ok(result):
+        return
+    try:
+        check_request(result, kind)
+    except InvalidRequest as error:
+        raise AssertionError(f"{what} has a field of the wrong type: {error.message}") from None
 
 
 def assert_timings(timings: Timings, what: str) -> None:
@@ -265,7 +285,9 @@ class Harness:
         return tuple((seed * 7919 + index * 104729 + 17) % vocab for index in range(n))
 
     def observe(self, result: ShardResult) -> ShardResult:
-        """Every result the suite sees feeds the report's evidence class."""
+        """Every result the suite sees is well typed (see :func:`assert_well_typed`) and feeds
+        the report's evidence class."""
+        assert_well_typed(result, "a result")
         self.record.add_result_evidence(result.evidence)
         return result
 
