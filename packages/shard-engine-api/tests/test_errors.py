@@ -107,7 +107,10 @@ def test_error_wire_round_trip(cls: type[ShardEngineError], retryable: bool | No
     assert type(back) is cls
     assert back.code == error.code
     assert back.message == error.message
-    assert back.retryable is error.retryable
+    if cls in (ResourceExhausted, NotReady, ShardEngineError) or issubclass(cls, NotReady):
+        assert back.retryable is error.retryable
+    else:  # the contract fixes it: a peer's other claim is not believed
+        assert back.retryable is cls.default_retryable
     assert back.details == error.details
     for key, value in details.items():
         assert back.details[key] == value
@@ -120,6 +123,19 @@ def test_decode_reply_raises_the_carried_error(cls: type[ShardEngineError]) -> N
         decode_reply(encode_error(error))
     assert type(caught.value) is cls
     assert caught.value.to_info() == error.to_info()
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_a_peer_cannot_flip_a_retryable_the_contract_fixes(cls: type[ShardEngineError]) -> None:
+    """A StaleEpoch or InvalidRequest claimed retryable would keep a worker's retry loop going
+    forever; a Cancelled or CacheMiss claimed final would make it give up. Only the classes whose
+    retryable the contract leaves to the engine keep the wire's."""
+    info = msgspec.structs.replace(_make(cls).to_info(), retryable=not cls.default_retryable)
+    back = decode_error(encode(info))
+    if cls in (ResourceExhausted, NotReady, ShardEngineError):
+        assert back.retryable is not cls.default_retryable
+    else:
+        assert back.retryable is cls.default_retryable
 
 
 def test_error_info_is_a_wire_message() -> None:

@@ -260,9 +260,24 @@ _BY_CODE: Final[dict[str, type[ShardEngineError]]] = {
 }
 
 
+_RETRYABLE_VARIES: Final[frozenset[type[ShardEngineError]]] = frozenset(
+    {ResourceExhausted, NotReady, ShardEngineError}
+)
+"""The classes whose ``retryable`` the contract lets an engine choose (occupancy or a context
+overflow; loading or closed; an unknown code). Every other class is retryable exactly when its
+default says so."""
+
+
 def error_from_info(info: ErrorInfo) -> ShardEngineError:
-    """Rebuild the typed error from its wire form; an unknown code gives the root class."""
+    """Rebuild the typed error from its wire form; an unknown code gives the root class.
+
+    ``retryable`` is the wire's only where the contract lets an engine choose it
+    (ResourceExhausted, NotReady, an unknown code); for every other class it is the class's
+    own: a peer claiming a retryable StaleEpoch or InvalidRequest would send a worker's retry
+    loop round forever, and a non-retryable Cancelled or CacheMiss would make it give up on a
+    request that can succeed."""
     cls = _BY_CODE.get(info.code, ShardEngineError)
+    retryable = info.retryable if cls in _RETRYABLE_VARIES else cls.default_retryable
     if cls is CacheMiss:
         length = info.details.get("committed_length")
         reason = info.details.get("reason")
@@ -272,10 +287,10 @@ def error_from_info(info: ErrorInfo) -> ShardEngineError:
             info.message,
             committed_length=length if type(length) is int and length >= 0 else 0,
             reason=reason if isinstance(reason, str) else "unknown",
-            retryable=info.retryable,
+            retryable=retryable,
             details=dict(info.details),
         )
-    error = cls(info.message, retryable=info.retryable, details=dict(info.details))
+    error = cls(info.message, retryable=retryable, details=dict(info.details))
     if cls is ShardEngineError and info.code != ShardEngineError.code:
         error.details.setdefault("unknown_code", info.code)
     return error
