@@ -28,6 +28,9 @@ llama.cpp, split in one process and batched, under the ``moe`` keys). ``_models`
 * the CPU time a process burns in the 50 ms after a decode returns, per spin count (OpenMP
   threads that keep spinning take the cores from the next shard; see
   ``shard_engine_llama._threading``);
+* decode time on a head shard when one thread, two threads taking turns or a 4-thread pool
+  make the calls, under each compute-thread policy (``SHARD_ENGINE_LLAMA_COMPUTE_THREADS``:
+  ``auto``, ``always``, ``0``), each in a fresh process;
 * 8 sessions decoded with one ``decode_batch`` per step vs 8 single decodes per step, every
   configuration and mode interleaved; the batched rate of a split next to the unsplit one;
 * peak RSS of every shard vs the full model, each in a fresh subprocess, above the RSS of a
@@ -41,6 +44,7 @@ machine teaches nothing, the numbers and the breakdown do.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -88,6 +92,7 @@ from shard_engine_api import (
 from shard_engine_api.engine import model_store
 from shard_engine_api.wire import payload_checksum
 from shard_engine_llama import (
+    COMPUTE_THREADS_ENV,
     DEFAULT_SPIN_COUNT,
     SPIN_COUNT_ENV,
     WAIT_POLICY_ENV,
@@ -798,6 +803,129 @@ def bench_spin(
 
 
 # --------------------------------------------------------------------------------------------
+# 1c. who calls: one thread, threads taking turns, a thread pool; compute threads on and off
+# --------------------------------------------------------------------------------------------
+
+CALLER_PATTERNS: Final = ("one thread", "2 threads taking turns", "pool of 4 threads")
+
+
+def callers_child(spec_json: str) -> int:
+    """Subprocess body: decode on one shard with every call made by one thread, by two threads
+    taking turns (a server's readers) or by a 4-thread pool (an asyncio executor, gRPC); prints
+    the median decode ms of each pattern."""
+    spec = json.loads(spec_json)
+    engine = _load_engine(
+        ShardSpec(
+            model=spec["model"], n_layers=spec["n_layers"], start=spec["start"], end=spec["end"]
+        ),
+        max_sessions=1,
+        max_context=512,
+    )
+    prompt = [int(token) for token in spec["prompt"]]
+    medians: dict[str, float] = {}
+    for index, pattern in enumerate(CALLER_PATTERNS):
+        session = SessionRef(session_id=f"callers-{index}", epoch=1)
+        engine.prefill(
+            PrefillRequest(
+                request_id=f"p{index}",
+                session=session,
+                start_pos=0,
+                inputs=TokenInput(token_ids=tuple(prompt)),
+            )
+        )
+
+        def decode(step: int, session: SessionRef = session, index: int = index) -> float:
+            started = time.perf_counter()
+            engine.decode(
+                DecodeRequest(
+                    request_id=f"d{index}-{step}",
+                    session=session,
+                    pos=len(prompt) + step,
+                    inputs=TokenInput(token_ids=(prompt[step % len(prompt)],)),
+                )
+            )
+            return (time.perf_counter() - started) * 1000.0
+
+        steps = range(spec["steps"])
+        if pattern == "one thread":
+            times = [decode(step) for step in steps]
+        else:
+            workers = 2 if pattern.startswith("2") else 4
+            pools = [concurrent.futures.ThreadPoolExecutor(max_workers=1) for _ in range(workers)]
+            if pattern.startswith("pool"):
+                shared = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+                times = [shared.submit(decode, step).result() for step in steps]
+                shared.shutdown()
+            else:
+                times = [pools[step % workers].submit(decode, step).result() for step in steps]
+            for pool in pools:
+                pool.shutdown()
+        engine.release(ReleaseRequest(session=session))
+        medians[pattern] = _median(times[2:])
+    engine.close()
+    print(json.dumps(medians))
+    return 0
+
+
+def bench_callers(model: BenchModel, settings: Settings, results: Recorder) -> None:
+    """Decode ms per calling pattern under each compute-thread policy (the default "auto",
+    "always", and every llama_decode on its caller's thread: SHARD_ENGINE_LLAMA_COMPUTE_THREADS
+    =0), each configuration in a fresh process, in rotating order over the repetitions."""
+    start, end = model.splits["3-way"][0]
+    print(
+        f"\n## {model.name}: who calls llama_decode (head shard [{start}:{end}), {N_THREADS} "
+        f"threads, {max(settings.decode_tokens, 16)} decodes per pattern, fresh process per "
+        f"configuration, {settings.repeat} repetitions, medians)"
+    )
+    spec = {
+        "model": str(model.path),
+        "n_layers": model.n_layers,
+        "start": start,
+        "end": end,
+        "prompt": model.prompt_source(8, 0),
+        "steps": max(settings.decode_tokens, 16),
+    }
+    policies = {"auto": "auto", "always": "always", "caller": "0"}
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {pattern: [] for pattern in CALLER_PATTERNS} for name in policies
+    }
+    for repetition in range(settings.repeat):
+        names = list(policies)
+        names = names[repetition % len(names) :] + names[: repetition % len(names)]
+        for name in names:
+            completed = subprocess.run(
+                [sys.executable, __file__, "--callers-child", json.dumps(spec)],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, COMPUTE_THREADS_ENV: policies[name]},
+            )
+            measured = json.loads(completed.stdout.strip().splitlines()[-1])
+            for pattern in CALLER_PATTERNS:
+                samples[name][pattern].append(float(measured[pattern]))
+    print(
+        f"{'pattern':<24} {'auto ms':>8} {'always ms':>10} {'caller ms':>10} "
+        f"{'caller/auto':>12} {'always/auto':>12}"
+    )
+    for pattern in CALLER_PATTERNS:
+        medians = {name: _median(samples[name][pattern]) for name in policies}
+        for name, value in medians.items():
+            results.record(_slug(f"callers_{pattern}_{name}_ms"), round(value, 3), "ms")
+        print(
+            f"{pattern:<24} {medians['auto']:>8.3f} {medians['always']:>10.3f} "
+            f"{medians['caller']:>10.3f} {medians['caller'] / medians['auto']:>12.2f} "
+            f"{medians['always'] / medians['auto']:>12.2f}"
+        )
+    print(
+        "auto (the default): calls on the caller's thread while it is the only caller, then on "
+        "the compute threads; always: on the compute threads from the first call; caller: on "
+        "the calling thread, a libgomp team per calling thread (libgomp throttles every "
+        "barrier's spin once the teams' threads outnumber the CPUs)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # 2. batched vs sequential decode
 # --------------------------------------------------------------------------------------------
 
@@ -1221,7 +1349,7 @@ def gemma3_model(path: Path) -> BenchModel:
     )
 
 
-SECTIONS: Final = ("raw", "split", "spin", "batched", "memory", "cancel", "hops")
+SECTIONS: Final = ("raw", "split", "spin", "callers", "batched", "memory", "cancel", "hops")
 MOE_SECTIONS: Final = frozenset({"raw", "split", "batched"})
 """What the mixture-of-experts model is measured on: the engine against llama.cpp, the split
 overhead in one process and batched decode (spin-wait, memory and cancellation do not depend
@@ -1245,6 +1373,8 @@ def run_sections(
         bench_split(model, settings, results, spin_counts, processes=processes)
     if "spin" in sections:
         bench_spin(model, settings, results, spin_counts)
+    if "callers" in sections:
+        bench_callers(model, settings, results)
     if "batched" in sections:
         bench_batched(model, settings, batched, results)
     if "memory" in sections:
@@ -1274,11 +1404,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_results_option(parser)
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--spin-child", help=argparse.SUPPRESS)
+    parser.add_argument("--callers-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
         return rss_child(args.rss_child)
     if args.spin_child:
         return spin_child(args.spin_child)
+    if args.callers_child:
+        return callers_child(args.callers_child)
     settings = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.repeat:
         settings = dataclasses.replace(settings, repeat=args.repeat)

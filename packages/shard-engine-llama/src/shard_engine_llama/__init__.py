@@ -5,7 +5,8 @@ The engine names load llama.cpp on first use, so that discovering the plugin (ev
 shard builder is public and needs no llama.cpp: :func:`inspect_gguf` describes a model and its
 shardability, :func:`parts_by_bytes` plans balanced ranges, :func:`split_model` writes the shard
 files and their :class:`Manifest`; :func:`write_tiny_model` generates small deterministic models
-of every supported family; :func:`threading_report` says which OpenMP spin setting applies.
+of every supported family; :func:`threading_report` says which OpenMP spin setting applies
+and where llama_decode runs.
 """
 
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from shard_engine_llama._gguf import (
     split_model,
 )
 from shard_engine_llama._threading import (
+    COMPUTE_THREADS_ENV,
     DEFAULT_SPIN_COUNT,
     SPIN_COUNT_ENV,
     WAIT_POLICY_ENV,
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from shard_engine_llama._engine import ENGINE_VERSION, LlamaEngine, LlamaOptions
 
 __all__ = [
+    "COMPUTE_THREADS_ENV",
     "DEFAULT_SPIN_COUNT",
     "ENGINE_VERSION",
     "SPIN_COUNT_ENV",
