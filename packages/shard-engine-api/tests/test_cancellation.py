@@ -837,3 +837,26 @@ def test_an_adapter_of_what_is_not_an_engine_or_executor_is_invalid_request(
     given = _loaded(SlowHistory()) if engine == "engine" else engine
     with pytest.raises(InvalidRequest):
         AsyncShardEngine(given, executor=executor)  # type: ignore[arg-type]
+
+
+def test_a_reused_request_id_does_not_inherit_an_earlier_outcome() -> None:
+    """An outcome left untaken for request id "d" must not answer for a later call "d" whose
+    task was cancelled and which changed nothing."""
+    engine, session = _gated()
+
+    async def scenario() -> AsyncShardEngine:
+        adapter = AsyncShardEngine(engine)
+        first = asyncio.ensure_future(adapter.decode(_decode_at(session, 3)))
+        await asyncio.to_thread(engine.committed.wait, 10)
+        first.cancel()
+        engine.proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # The same id again, at a position the engine refuses: nothing changes.
+        with pytest.raises(CacheMiss):
+            await adapter.decode(_decode_at(session, 3))
+        return adapter
+
+    adapter = asyncio.run(scenario())
+    assert adapter.take_outcome("d") is None
+    assert _committed(engine, "s") == 4

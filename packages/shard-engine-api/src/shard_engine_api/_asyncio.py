@@ -145,6 +145,10 @@ class AsyncShardEngine:
         await self.close()
 
     async def _run(self, call: Callable[[], _T], request_id: str | None = None) -> _T:
+        if request_id is not None and self._outcomes:
+            # An outcome recorded for an earlier call of this id must not be taken for this
+            # call's (which may change nothing).
+            self.take_outcome(request_id)
         withdrawn = threading.Event()
 
         def guarded() -> _T:
@@ -221,7 +225,8 @@ class AsyncShardEngine:
     def take_outcome(self, request_id: str) -> CallOutcome | None:
         """What the call ``request_id`` did although its task was cancelled (and forget it):
         its committed result, or an error that may have changed state. None when it changed
-        nothing (or is older than the last MAX_OUTCOMES recorded). Thread-safe."""
+        nothing (or is older than the last MAX_OUTCOMES recorded, or a later call reused the
+        id). Thread-safe."""
         with self._outcomes_lock:
             return self._outcomes.pop(request_id, None)
 
