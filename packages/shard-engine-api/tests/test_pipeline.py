@@ -14,11 +14,13 @@ from conformance_engines import ReferenceEngine, reference_fixture
 from shard_engine_api import (
     GREEDY,
     BoundaryResult,
+    CacheMiss,
     DecodeRequest,
     InvalidRequest,
     LogitsResult,
     MalformedOutput,
     Pipeline,
+    ResourceExhausted,
     Sampler,
     Sampling,
     SessionRef,
@@ -413,3 +415,44 @@ def test_a_sampler_takes_sampling_settings_and_rows_of_numbers() -> None:
         for row in ("abc", [object()], [[1.0], [2.0, 3.0]], None, [], [[1.0, 2.0]]):
             with pytest.raises(MalformedOutput, match="cannot sample"):
                 sampler(row)  # type: ignore[arg-type]
+
+
+class _RefusesOneDecode(ReferenceEngine):
+    """Refuses its next decode once (as a full KV budget would): nothing changes here."""
+
+    refuse = False
+
+    def decode(self, request: DecodeRequest) -> ShardResult:
+        if self.refuse:
+            self.refuse = False
+            raise ResourceExhausted("refused once", details={"resource": "kv"})
+        return super().decode(request)
+
+
+def test_a_decode_that_fails_at_a_later_shard_is_resumed_as_a_prefill(
+    fixture: ModelFixture,
+) -> None:
+    """The documented recovery: the head committed the step, the tail did not; a decode at
+    the same position is CacheMiss on the head, a prefill there realigns every shard and
+    gives the logits an unbroken run gives."""
+    session = SessionRef(session_id="s", epoch=1)
+    with _pipeline(fixture, 1) as whole:
+        whole.prefill(session, 0, (1, 2, 3))
+        expected = whole.decode(session, 3, 4).array()
+    engines: list[_RefusesOneDecode] = []
+
+    def factory() -> _RefusesOneDecode:
+        engines.append(_RefusesOneDecode())
+        return engines[-1]
+
+    with load_pipeline(factory, fixture, split_layers(fixture.n_layers, 2)) as split:
+        split.prefill(session, 0, (1, 2, 3))
+        engines[1].refuse = True
+        with pytest.raises(ResourceExhausted):
+            split.decode(session, 3, 4)
+        assert [e.health().kv_used_tokens for e in engines] == [4, 3]  # not atomic
+        with pytest.raises(CacheMiss):
+            split.decode(session, 3, 4)
+        resumed = split.prefill(session, 3, (4,))
+        assert [e.health().kv_used_tokens for e in engines] == [4, 4]
+    np.testing.assert_array_equal(resumed.array(), expected)

@@ -239,7 +239,12 @@ class Pipeline:
         """Run tokens at ``pos`` through every shard (a prefill, or with ``decode`` a decode
         of one token) and return the tail's logits with timings. Shard ``i`` gets request id
         ``f"{request_id}/{i}"``. Raises whatever a shard raises, and MalformedOutput when a
-        shard returns the wrong kind of result for its place."""
+        shard returns the wrong kind of result for its place.
+
+        A step is not atomic across shards: one that fails at shard ``i`` leaves shards before
+        ``i`` committed (the error's log line names the shard). Re-issue it as a prefill at the
+        same position, which truncates those shards first; a decode at the same position would
+        be CacheMiss on them."""
         base = request_id or self._request_id()
         current: ShardInput = (
             inputs if isinstance(inputs, TokenInput) else TokenInput(token_ids=tuple(inputs))
@@ -305,7 +310,9 @@ class Pipeline:
         """Decode one token at ``pos`` on every shard; the tail's logits. What
         ``step(session, pos, (token,), decode=True)`` does, without its timings: the step
         between two forwards is the engine's overhead, and each call and clock read costs
-        several microseconds there once the forward has evicted the caches."""
+        several microseconds there once the forward has evicted the caches. Not atomic across
+        shards (see :meth:`step`): after a failure, re-issue it as ``prefill(session, pos,
+        (token,))``."""
         base = f"{self._prefix}-{next(self._counter)}"
         current: ShardInput = TokenInput(token_ids=(token,))
         codecs = self._codecs
