@@ -381,6 +381,49 @@ def test_deselected_tests_prevent_certification(
     assert report.certification == "fixture-only"
 
 
+def test_a_standard_test_skipped_by_a_marker_is_not_verified(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conftest hook (or any marker) that skips a standard test used to count it as run, so
+    a real engine could skip the tests it fails and still be certified "real-model". Only the
+    suite's own skips (a feature the engine does not advertise) count as run."""
+    pytester.makeconftest(
+        """
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.name == "test_truncate":
+            item.add_marker(pytest.mark.skip(reason="known to fail"))
+"""
+    )
+    outcomes, report = _run_selected(pytester, monkeypatch, ReferencePlugin(evidence="real"))
+    assert outcomes["test_truncate"] == "skipped"
+    assert report.missing_standard_tests == ("test_truncate",)
+    assert report.certification == "fixture-only"
+
+
+@pytest.mark.parametrize(("skip", "verified"), [("suite_skip", True), ("pytest.skip", False)])
+def test_only_the_suites_own_skips_count_as_run(
+    pytester: pytest.Pytester, skip: str, verified: bool
+) -> None:
+    body = f"""
+    @conformance_override(reason="this engine has no truncation")
+    def test_truncate(self) -> None:
+        import pytest
+        from shard_engine_api.conformance._recorder import suite_skip
+
+        {skip}("engine declares features.truncate = False")
+"""
+    write_suite(pytester, body=body)
+    report_path = pytester.path / "report.json"
+    pytester.inline_run(*INNER_OPTIONS, f"--shard-engine-report={report_path}")
+    report = _read_report(report_path)
+    assert [t.outcome for t in report.tests if t.name == "test_truncate"] == ["skipped"]
+    assert report.missing_standard_tests == (() if verified else ("test_truncate",))
+
+
 def test_registered_fixture_engine_claiming_real_fails(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -108,7 +108,7 @@ from shard_engine_api.conformance._harness import (
     split_ranges,
 )
 from shard_engine_api.conformance._migration import MIGRATION_TESTS, MigrationTests
-from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder
+from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder, suite_skip
 from shard_engine_api.conformance._report import model_report
 from shard_engine_api.conformance._stateful import (
     MachineConfig,
@@ -946,7 +946,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         engine = h.load(kv_budget_tokens=10, eviction="reject")
         caps = engine.capabilities()
         if caps.limits.kv_budget_tokens != 10:
-            pytest.skip(f"engine lowered the KV budget to {caps.limits.kv_budget_tokens}")
+            suite_skip(f"engine lowered the KV budget to {caps.limits.kv_budget_tokens}")
         first = h.session("a")
         h.prefill(engine, first, 0, h.tokens(7, seed=1))
         _raises(
@@ -995,7 +995,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         engine = h.load(options=dict(h.target.cancel_load_options))
         caps = engine.capabilities()
         if not caps.features.cancel:
-            pytest.skip("engine does not advertise cancel")
+            suite_skip("engine does not advertise cancel")
         limits = caps.limits
         prefix = h.tokens(8, seed=1)
         follow = h.tokens(1, seed=2)[0]
@@ -1025,7 +1025,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         )
         assert engine.health().in_flight == 0
         if observed == 0:
-            pytest.skip(
+            suite_skip(
                 "no cancel landed while a prefill ran (every prefill finished first); "
                 "set cancel_load_options to slow the engine down"
             )
@@ -1142,7 +1142,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         h = self.harness
         first = h.load()
         if not first.capabilities().determinism.deterministic:
-            pytest.skip("engine declares determinism.deterministic = False")
+            suite_skip("engine declares determinism.deterministic = False")
         second = h.load()
         tokens = h.tokens(_PROMPT, seed=1)
         steps = h.tokens(2, seed=2)
@@ -1248,7 +1248,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         engine = h.load()
         caps = engine.capabilities()
         if not caps.features.truncate:
-            pytest.skip("engine declares features.truncate = False")
+            suite_skip("engine declares features.truncate = False")
         exact, tolerance = self._shape_exactness(caps)
         original = h.tokens(8, seed=1)
         replacement = h.tokens(3, seed=2)
@@ -1351,7 +1351,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         batched = h.load()
         caps = batched.capabilities()
         if not caps.features.batched_decode:
-            pytest.skip("engine declares features.batched_decode = False")
+            suite_skip("engine declares features.batched_decode = False")
         exact, tolerance = self._batch_exactness(caps)
         single = h.load()
         lengths = (3, 7, 5)
@@ -1399,7 +1399,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         engine = h.load()
         caps = engine.capabilities()
         if not caps.features.batched_decode:
-            pytest.skip("engine declares features.batched_decode = False")
+            suite_skip("engine declares features.batched_decode = False")
         good, wrong_pos, bad_token = h.session("good"), h.session("wrong"), h.session("bad")
         for session in (good, wrong_pos, bad_token):
             h.prefill(engine, session, 0, h.tokens(4, seed=1))
@@ -1513,7 +1513,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         engine = h.load(kv_budget_tokens=12, eviction="lru")
         caps = engine.capabilities()
         if not caps.features.eviction:
-            pytest.skip("engine does not support eviction (features.eviction is False)")
+            suite_skip("engine does not support eviction (features.eviction is False)")
         exact, tolerance = self._shape_exactness(caps)
         oldest, recent, newcomer = h.session("oldest"), h.session("recent"), h.session("new")
         h.prefill(engine, oldest, 0, h.tokens(5, seed=1))

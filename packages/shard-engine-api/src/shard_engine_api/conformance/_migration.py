@@ -16,7 +16,6 @@ from typing import Final
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import pytest
 
 from shard_engine_api import _codec
 from shard_engine_api._errors import (
@@ -55,6 +54,7 @@ from shard_engine_api.conformance._harness import (
     bundle_of,
     split_ranges,
 )
+from shard_engine_api.conformance._recorder import suite_skip
 
 __all__ = ["MIGRATION_TESTS", "MigrationTests"]
 
@@ -116,7 +116,7 @@ class MigrationTests:
     ) -> ShardEngine:
         engine = self.harness.load(start, end, **overrides)
         if not engine.capabilities().features.session_migration:
-            pytest.skip("engine does not advertise session migration (features.session_migration)")
+            suite_skip("engine does not advertise session migration (features.session_migration)")
         return engine
 
     def _feed(self, start: int, tokens: tuple[int, ...], **overrides: object) -> _Feed:
@@ -568,7 +568,7 @@ class MigrationTests:
         snapshot = self._export(source, session)
         engine = h.load(options=dict(h.target.cancel_load_options))
         if not engine.capabilities().features.cancel:
-            pytest.skip("engine does not advertise cancel")
+            suite_skip("engine does not advertise cancel")
         self._prefilled(engine, feed, session, _PROMPT)
         landed = 0
         for attempt, by in enumerate(("request_id", "session_id") * 3):
@@ -606,7 +606,7 @@ class MigrationTests:
         assert self._length(engine, session) == _PROMPT, "export (cancelled or not) changed it"
         assert engine.health().in_flight == 0
         if not landed:
-            pytest.skip("no cancel landed while an import waited (the engine was too fast)")
+            suite_skip("no cancel landed while an import waited (the engine was too fast)")
 
     def _behind_a_slow_prefill(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import pytest
 
@@ -21,7 +22,7 @@ from shard_engine_api.conformance._report import (
     TestResult,
 )
 
-__all__ = ["RECORDER_KEY", "Recorder", "SuiteRecord", "TestRecord"]
+__all__ = ["RECORDER_KEY", "Recorder", "SuiteRecord", "SuiteSkip", "TestRecord", "suite_skip"]
 
 
 @dataclass(slots=True)
@@ -80,6 +81,19 @@ class SuiteRecord:
             )
 
 
+class SuiteSkip(pytest.skip.Exception):  # type: ignore[name-defined,misc]
+    """A skip the suite itself decided (the engine does not advertise a feature, the fixture
+    cannot exercise a path): the only skips a certification accepts. A skip from anywhere
+    else (a marker, a conftest hook) leaves the test unverified."""
+
+    __module__ = "shard_engine_api.conformance"
+
+
+def suite_skip(reason: str) -> NoReturn:
+    """Skip the running standard test for ``reason`` as the suite's own decision."""
+    raise SuiteSkip(msg=reason)
+
+
 @dataclass(slots=True)
 class TestRecord:
     """The phases of one test folded into a single outcome."""
@@ -92,6 +106,8 @@ class TestRecord:
     duration_s: float = 0.0
     skip_reason: str = ""
     message: str = ""
+    suite_skip: bool = False
+    """The skip (if any) was the suite's own (:class:`SuiteSkip`)."""
 
     def freeze(self) -> TestResult:
         return TestResult(

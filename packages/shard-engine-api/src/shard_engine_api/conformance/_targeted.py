@@ -70,6 +70,7 @@ from shard_engine_api.conformance._harness import (
     replace_bundle,
     split_ranges,
 )
+from shard_engine_api.conformance._recorder import suite_skip
 from shard_engine_api.conformance._stateful import DEFAULT_EXAMPLES
 
 __all__ = ["TargetedTests"]
@@ -138,7 +139,7 @@ class TargetedTests:
 
     def _need_layers(self, n_layers: int, purpose: str) -> None:
         if self.harness.n_layers < n_layers:
-            pytest.skip(
+            suite_skip(
                 f"{purpose} needs a model fixture with >= {n_layers} layers; this one has "
                 f"{self.harness.n_layers}"
             )
@@ -324,7 +325,7 @@ class TargetedTests:
 
     def _need_batches(self, engine: ShardEngine) -> None:
         if not engine.capabilities().features.batched_decode:
-            pytest.skip("engine declares features.batched_decode = False")
+            suite_skip("engine declares features.batched_decode = False")
 
     def _committed_length(self, engine: ShardEngine, session: SessionRef) -> int:
         """The committed length as the engine reports it: a decode at a position the session
@@ -418,7 +419,7 @@ class TargetedTests:
         engine = self._slow()
         caps = engine.capabilities()
         if not caps.features.cancel:
-            pytest.skip("engine does not advertise cancel")
+            suite_skip("engine does not advertise cancel")
         limit_ms = 2.0 * caps.features.cancel_latency_ms + _CANCEL_LATENCY_SLACK_MS
         length = max(1, min(caps.limits.max_batch_tokens, caps.limits.max_context - 1, 64))
         best: float | None = None
@@ -459,7 +460,7 @@ class TargetedTests:
             if best <= limit_ms:
                 break
         if best is None:
-            pytest.skip("no cancel landed mid-operation; supply slower cancellation options")
+            suite_skip("no cancel landed mid-operation; supply slower cancellation options")
         assert best <= limit_ms, (
             f"cancel took {best:.1f} ms at best from cancel() to Cancelled; the engine "
             f"advertises {caps.features.cancel_latency_ms} ms (allowed {limit_ms:.1f} ms)"
@@ -507,10 +508,10 @@ class TargetedTests:
         engine = self._slow()
         caps = engine.capabilities()
         if not caps.features.cancel:
-            pytest.skip("engine does not advertise cancel")
+            suite_skip("engine does not advertise cancel")
         checked = [self._cancel_one_of_two(engine, by) for by in ("request_id", "session_id")]
         if not any(checked):
-            pytest.skip("the two prefills never overlapped in flight (the engine is too fast)")
+            suite_skip("the two prefills never overlapped in flight (the engine is too fast)")
 
     def _cancel_one_of_two(self, engine: ShardEngine, by: str) -> bool:
         """One round of :meth:`test_cancel_one_of_two_in_flight`, cancelling the first
@@ -604,7 +605,7 @@ class TargetedTests:
         engine = self._slow()
         caps = engine.capabilities()
         if not caps.features.cancel or not caps.features.batched_decode:
-            pytest.skip("engine does not advertise cancel and batched decode")
+            suite_skip("engine does not advertise cancel and batched decode")
         exact, tolerance = self._shape_exactness(caps)
         clean = h.load()
         landed = {"request id": 0, "session id": 0}
@@ -646,7 +647,7 @@ class TargetedTests:
             if all(landed.values()):
                 break
         if not any(landed.values()):
-            pytest.skip("no cancel landed while a batch ran; supply slower cancellation options")
+            suite_skip("no cancel landed while a batch ran; supply slower cancellation options")
         missed = [kind for kind, count in landed.items() if not count]
         assert not missed, (
             f"cancel by {missed[0]} never stopped a running batch while cancel by the other "
@@ -1096,7 +1097,7 @@ class TargetedTests:
         h = self.harness
         engine = h.load(kv_budget_tokens=10, eviction="reject")
         if engine.capabilities().limits.kv_budget_tokens != 10:
-            pytest.skip("engine lowered the KV budget")
+            suite_skip("engine lowered the KV budget")
         a, b = h.session("a"), h.session("b")
         h.prefill(engine, a, 0, h.tokens(6, seed=1))
         h.prefill(engine, b, 0, h.tokens(4, seed=2))
@@ -1418,7 +1419,7 @@ class TargetedTests:
         h = self.harness
         engine = h.load(kv_budget_tokens=20, max_sessions=8, eviction="lru")
         if not engine.capabilities().features.eviction:
-            pytest.skip("engine does not support eviction")
+            suite_skip("engine does not support eviction")
         big, small, middle = h.session("big"), h.session("small"), h.session("middle")
         h.prefill(engine, big, 0, h.tokens(8, seed=1))
         h.prefill(engine, small, 0, h.tokens(4, seed=2))
@@ -1791,7 +1792,7 @@ class TargetedTests:
         h = self.harness
         options = dict(h.fixture.crash_options)
         if not options:
-            pytest.skip("the model fixture supplies no crash_options")
+            suite_skip("the model fixture supplies no crash_options")
         engine = h.load(options=options)
         session = h.session("crash")
         calls: list[tuple[str, Callable[[], object]]] = [
@@ -1828,7 +1829,7 @@ class TargetedTests:
         Fix: as for the even splits; layer-index rules must hold for any boundary."""
         splits = self._split_boundaries()
         if not splits:
-            pytest.skip("the model fixture names no splits")
+            suite_skip("the model fixture names no splits")
         for boundaries in splits:
             self._check_split(len(boundaries) - 1, boundaries)
 

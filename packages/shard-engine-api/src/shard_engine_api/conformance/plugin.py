@@ -53,7 +53,13 @@ import pytest
 
 from shard_engine_api._plugins import installed_engines
 from shard_engine_api.conformance._base import STANDARD_TESTS, ShardEngineConformance
-from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder, SuiteRecord, TestRecord
+from shard_engine_api.conformance._recorder import (
+    RECORDER_KEY,
+    Recorder,
+    SuiteRecord,
+    SuiteSkip,
+    TestRecord,
+)
 from shard_engine_api.conformance._report import (
     ConformanceReport,
     OverrideRecord,
@@ -261,6 +267,8 @@ def pytest_runtest_makereport(
     elif report.skipped and record.outcome == "passed":
         record.outcome = "skipped"
         record.skip_reason = _skip_reason(report)
+        excinfo = call.excinfo
+        record.suite_skip = excinfo is not None and isinstance(excinfo.value, SuiteSkip)
     return report
 
 
@@ -278,7 +286,9 @@ def _totals(results: list[TestRecord]) -> Totals:
 def _report_of(record: SuiteRecord, recorder: Recorder, config: pytest.Config) -> ConformanceReport:
     results = [recorder.tests[nodeid] for nodeid in record.nodeids if nodeid in recorder.tests]
     totals = _totals(results)
-    ran = {result.name for result in results}
+    # A standard test skipped by anything but the suite itself (a skip marker, a conftest
+    # hook) verified nothing: it counts as missing, as a deselected one does.
+    ran = {result.name for result in results if result.outcome != "skipped" or result.suite_skip}
     missing = tuple(name for name in STANDARD_TESTS if name not in ran)
     sources = {
         "spec": tuple(record.spec_evidence),
