@@ -164,6 +164,32 @@ def test_deleting_a_standard_test_is_refused() -> None:
             test_truncate = None  # type: ignore[assignment]  # the deletion under test
 
 
+def test_a_mixin_cannot_replace_a_standard_test_unseen() -> None:
+    """A class listed before the suite wins the method lookup: its unmarked test_truncate
+    used to replace the standard one without a word."""
+
+    class Quiet:
+        def test_truncate(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="test_truncate replaces a standard conformance test"):
+
+        class TestMixedIn(Quiet, ShardEngineConformance):  # pragma: no cover - never created
+            engine_name = "x"
+
+
+def test_a_marked_override_from_a_mixin_is_recorded() -> None:
+    class Marked:
+        @conformance_override(reason="engine has no truncation yet")
+        def test_truncate(self) -> None:
+            pytest.skip("no truncation")
+
+    class TestMixedIn(Marked, ShardEngineConformance):
+        engine_name = "x"
+
+    assert TestMixedIn.conformance_overrides == {"test_truncate": "engine has no truncation yet"}
+
+
 def test_marked_override_is_recorded_and_inherited() -> None:
     class TestMarked(ShardEngineConformance):
         engine_name = "x"

@@ -248,10 +248,15 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         overrides = dict(cls.conformance_overrides)
+        suite_classes = frozenset(ShardEngineConformance.__mro__)
         for name in STANDARD_TESTS:
-            if name not in cls.__dict__:
+            # The class the test resolves to, not only this one's own namespace: a mixin
+            # listed before the suite (class TestMine(Mixin, ShardEngineConformance)) would
+            # otherwise replace a standard test unseen.
+            owner = next(klass for klass in cls.__mro__ if name in vars(klass))
+            if owner in suite_classes:
                 continue
-            value = cls.__dict__[name]
+            value = vars(owner)[name]
             reason = getattr(value, _OVERRIDE_ATTRIBUTE, None)
             if not callable(value) or not isinstance(reason, str):
                 raise TypeError(
