@@ -745,3 +745,12 @@ def test_report_shows_declared_tolerances_next_to_what_was_measured(
     assert logits.rows_compared == 3
     assert 0.0 < logits.max_relative_difference <= 1e-4
     assert 0.0 < logits.max_fraction_of_bound <= 1.0
+
+
+@pytest.mark.parametrize("internal", ["_need_layers", "_batch", "conformance_target"])
+def test_a_suite_internal_cannot_be_replaced(internal: str) -> None:
+    """Replacing a helper the standard tests rely on (``_need_layers`` returning without a
+    skip, ``_batch`` answering for the engine) would change what they check without touching
+    any test."""
+    with pytest.raises(TypeError, match=f"replaces {internal}, an internal"):
+        type("TestSneaky", (ShardEngineConformance,), {internal: lambda *args: None})

@@ -227,6 +227,33 @@ def _entry_point_manager() -> pluggy.PluginManager:
     return get_plugin_manager()
 
 
+_CUSTOMIZABLE: Final = (
+    "engine_name",
+    "cancel_load_options",
+    "make_engine",
+    "model_fixture",
+    "plugin_manager",
+)
+"""What a subclass may set or override (besides standard tests marked with
+``@conformance_override``; ``conformance_overrides`` is computed from those marks)."""
+
+
+@functools.cache
+def _internals() -> frozenset[str]:
+    """Every attribute of the suite's classes a subclass may not replace: helpers and fixtures
+    (not the standard tests, guarded on their own, nor the customization points)."""
+    return frozenset(
+        name
+        for klass in ShardEngineConformance.__mro__
+        if klass is not object
+        for name in vars(klass)
+        if not name.startswith("__")
+        and not name.startswith("test_")
+        and name not in _CUSTOMIZABLE
+        and name != "conformance_overrides"
+    )
+
+
 def _distribution_version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -249,6 +276,16 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         super().__init_subclass__(**kwargs)
         overrides = dict(cls.conformance_overrides)
         suite_classes = frozenset(ShardEngineConformance.__mro__)
+        for name in _internals():
+            owner = next(klass for klass in cls.__mro__ if name in vars(klass))
+            if owner not in suite_classes:
+                # A helper every standard test relies on (_batch, _need_layers, the harness
+                # fixture) would change what the tests check without replacing any of them.
+                raise TypeError(
+                    f"{cls.__qualname__} replaces {name}, an internal of the conformance suite; "
+                    f"only {', '.join(_CUSTOMIZABLE)} may be customized (and a standard test "
+                    "with @conformance_override)"
+                )
         for name in STANDARD_TESTS:
             # The class the test resolves to, not only this one's own namespace: a mixin
             # listed before the suite (class TestMine(Mixin, ShardEngineConformance)) would
