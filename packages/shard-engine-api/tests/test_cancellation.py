@@ -30,10 +30,12 @@ from shard_engine_api import (
     CancelResult,
     DecodeRequest,
     EngineCrashed,
+    Health,
     InvalidRequest,
     LoadConfig,
     LogitsResult,
     MalformedOutput,
+    Metrics,
     NotReady,
     OutcomeUnknown,
     PrefillRequest,
@@ -860,3 +862,49 @@ def test_a_reused_request_id_does_not_inherit_an_earlier_outcome() -> None:
     adapter = asyncio.run(scenario())
     assert adapter.take_outcome("d") is None
     assert _committed(engine, "s") == 4
+
+
+class SlowQueries(SlowHistory):
+    """An engine whose cancel, health and metrics take a round trip (a remote one)."""
+
+    def health(self) -> Health:
+        threading.Event().wait(0.05)
+        return super().health()
+
+    def metrics(self) -> Metrics:
+        threading.Event().wait(0.05)
+        return super().metrics()
+
+    def cancel(self, request: CancelRequest) -> CancelResult:
+        threading.Event().wait(0.05)
+        return super().cancel(request)
+
+
+def test_queries_and_cancels_never_block_the_event_loop() -> None:
+    """They ran on the event loop's thread: a peer that answers slowly stalled every task."""
+    engine = _loaded(SlowQueries())
+
+    async def scenario() -> int:
+        adapter = AsyncShardEngine(engine)
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        running = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        await asyncio.gather(
+            adapter.health(), adapter.metrics(), adapter.cancel(CancelRequest(request_id="x"))
+        )
+        during = ticks - before
+        stop.set()
+        await running
+        await adapter.close()
+        return during
+
+    assert asyncio.run(scenario()) >= 10

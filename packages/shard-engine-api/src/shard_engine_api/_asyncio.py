@@ -80,6 +80,7 @@ MAX_OUTCOMES: Final = 1024
 (the oldest is forgotten first)."""
 
 _CANCEL_ATTEMPTS: Final = 5
+_CONTROL_WORKERS: Final = 4
 _CANCEL_RETRY_SECONDS: Final = 0.001
 
 
@@ -131,6 +132,13 @@ class AsyncShardEngine:
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix=f"shard-engine-{engine.name}"
+        )
+        # cancel, health and metrics never wait for compute, but an engine reached over a
+        # transport answers them with a round trip: run on the event loop's thread, a stalled
+        # peer would stall every task. Their own small pool keeps them off the loop and out of
+        # the queue of the work they cancel.
+        self._control = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_CONTROL_WORKERS, thread_name_prefix=f"shard-engine-{engine.name}-control"
         )
 
     async def __aenter__(self) -> Self:
@@ -205,14 +213,17 @@ class AsyncShardEngine:
         picked it up, a remote engine's request still on the wire): it is repeated, a few
         times over ~30 ms, until one stops the request or the call ends."""
         delay = _CANCEL_RETRY_SECONDS
+        cancel = CancelRequest(request_id=request_id)
         for _ in range(_CANCEL_ATTEMPTS):
             # A failed engine ends the call by itself; a cancel that fails in any other way
             # (a third-party engine's bug) must not end the wait either: the call is still
-            # running, and the caller must not race it.
+            # running, and the caller must not race it. Nor may another cancellation of the
+            # task: it is delivered once the call has ended.
             try:
-                if self.engine.cancel(CancelRequest(request_id=request_id)).cancelled is True:
+                answer = await self._control_call(lambda: self.engine.cancel(cancel))
+                if answer.cancelled is True:
                     return
-            except Exception:  # noqa: BLE001 (see above)
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 (see above)
                 pass
             if submitted.done():
                 return
@@ -268,9 +279,10 @@ class AsyncShardEngine:
         return await self._run(lambda: self.engine.import_session(request), _request_id(request))
 
     async def cancel(self, request: CancelRequest) -> CancelResult:
-        """ShardEngine.cancel, called on the event loop's thread without an executor hop:
-        it never waits for compute, so it cannot be stuck behind the work it cancels."""
-        return self.engine.cancel(request)
+        """Await ShardEngine.cancel on the adapter's control threads: never behind the work
+        it cancels, never on the event loop's thread (a remote engine's cancel is a round
+        trip)."""
+        return await self._control_call(lambda: self.engine.cancel(request))
 
     async def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Await ShardEngine.release on the executor. A cancelled release is withdrawn if still
@@ -279,12 +291,19 @@ class AsyncShardEngine:
         return await self._run(lambda: self.engine.release(request))
 
     async def health(self) -> Health:
-        """ShardEngine.health, called on the event loop's thread (it never blocks)."""
-        return self.engine.health()
+        """Await ShardEngine.health on the control threads (see :meth:`cancel`)."""
+        return await self._control_call(self.engine.health)
 
     async def metrics(self) -> Metrics:
-        """ShardEngine.metrics, called on the event loop's thread (it never blocks)."""
-        return self.engine.metrics()
+        """Await ShardEngine.metrics on the control threads (see :meth:`cancel`)."""
+        return await self._control_call(self.engine.metrics)
+
+    async def _control_call(self, call: Callable[[], _T]) -> _T:
+        try:
+            submitted = self._control.submit(call)
+        except RuntimeError:  # closed: what is left to ask answers at once
+            return call()
+        return await asyncio.wrap_future(submitted)
 
     async def close(self) -> None:
         """Close the engine, then the private executor; a second close does nothing. Once
@@ -305,6 +324,7 @@ class AsyncShardEngine:
         finally:
             if ran:
                 self._closed = True
+                self._control.shutdown(wait=False)
                 if self._owns_executor:
                     self._executor.shutdown(wait=False)
 
