@@ -456,3 +456,24 @@ def test_a_decode_that_fails_at_a_later_shard_is_resumed_as_a_prefill(
         resumed = split.prefill(session, 3, (4,))
         assert [e.health().kv_used_tokens for e in engines] == [4, 4]
     np.testing.assert_array_equal(resumed.array(), expected)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"observe": 5},
+        {"wire": "yes"},
+        {"request_prefix": 5},
+        {"request_prefix": ""},
+        {"request_prefix": "x" * 300},
+    ],
+)
+def test_pipeline_options_of_the_wrong_type_are_refused_before_any_step(
+    fixture: ModelFixture, options: dict[str, object]
+) -> None:
+    """A non-callable observer failed with TypeError after the first shard had committed the
+    step; an over-long prefix failed every step."""
+    with _pipeline(fixture, 2) as built:
+        with pytest.raises(InvalidRequest):
+            Pipeline(built.engines, **options)  # type: ignore[arg-type]
+        assert _sessions(built.engines) == [0, 0]

@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from types import TracebackType
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 import numpy as np
@@ -33,6 +33,7 @@ from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._sampling import GREEDY, Sampler, Sampling
 from shard_engine_api._types import (
     INT32_MAX,
+    MAX_ID_CHARS,
     BoundaryBundle,
     BoundaryResult,
     DecodeBatchRequest,
@@ -63,6 +64,10 @@ _LOG = logging.getLogger("shard_engine.pipeline")
 
 FinishReason = Literal["stop", "length"]
 """Why a generation ended: a stop token was drawn, or ``max_new_tokens`` were generated."""
+
+
+_MAX_PREFIX_CHARS: Final = MAX_ID_CHARS - 40
+"""The longest request prefix: a step's ids append "-<counter>/<shard index>"."""
 
 
 def split_layers(n_layers: int, n_parts: int) -> list[tuple[int, int]]:
@@ -159,6 +164,19 @@ class Pipeline:
             )
         if not engines:
             raise InvalidRequest("a pipeline needs at least one engine")
+        # Checked now: a bad observer would fail after the first shard committed a step.
+        if type(wire) is not bool:
+            raise InvalidRequest(f"wire must be a bool, got {wire!r}")
+        if observe is not None and not callable(observe):
+            raise InvalidRequest(f"observe must be callable or None, got {observe!r}")
+        prefix: object = request_prefix
+        if prefix is not None and (
+            type(prefix) is not str or not 0 < len(prefix) <= _MAX_PREFIX_CHARS
+        ):
+            raise InvalidRequest(
+                f"request_prefix must be a str of 1 to {_MAX_PREFIX_CHARS} characters (request "
+                f"ids add a counter and a shard index), got {prefix!r}"
+            )
         for index, engine in enumerate(engines):
             if not isinstance(engine, ShardEngine):
                 raise InvalidRequest(
