@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import shard_engine_api as api
 from shard_engine_remote import SERVICE_NAME, OutcomeUnknown, RemoteEngine, RemoteUnavailable
+from shard_engine_remote._wire import CALL_METHOD, decode_reply, encode_request
 
 
 def _in_flight(engine: api.ShardEngine) -> bool:
@@ -445,3 +446,28 @@ def _health_then_prefill(engine: RemoteEngine) -> str:
     wait_until(lambda: engine.health().state == "degraded")
     prefill(engine, session="fresh")
     return "restarted"
+
+
+def test_a_long_call_survives_the_clients_keepalive_pings(serve: ServeFactory) -> None:
+    """A client pings while it waits for a reply (every 20 s by default: it must notice a
+    server that vanished). gRPC's default server policy takes more than one ping per 5
+    minutes without data for abuse and drops the connection after two, which ended any
+    call computing longer than about a minute with UNAVAILABLE (OutcomeUnknown). Here a
+    client pinging every 1.2 s (dropped after 6 s before) waits out an 8 s prefill and gets
+    its result."""
+    server = serve(config(faults=delay("prefill", 8000)))
+    assert server.address is not None
+    options = [
+        ("grpc.keepalive_time_ms", 1200),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    request = api.PrefillRequest(
+        request_id="long", session=ref(), start_pos=0, inputs=api.TokenInput(token_ids=(1, 2))
+    )
+    with grpc.insecure_channel(server.address, options=options) as channel:
+        call: grpc.UnaryUnaryMultiCallable[bytes, object]
+        call = channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
+        reply = call(encode_request(request), timeout=60)
+    assert isinstance(reply, api.LogitsResult)

@@ -329,6 +329,11 @@ class EngineServer:
                 ("grpc.max_connection_idle_ms", round(connection_idle_s * 1000)),
                 # One connection's calls beyond this wait in its client, not on the server.
                 ("grpc.max_concurrent_streams", 2 * max_workers),
+                # Clients ping every 20 s (channel_options) to find a vanished server; gRPC's
+                # default policy takes pings more often than every 5 minutes while no data
+                # flows as abuse and ends the connection after two, which killed every call
+                # computing longer than about a minute. Faster than once a second still is.
+                ("grpc.http2.min_ping_interval_without_data_ms", 1000),
             ],
             maximum_concurrent_rpcs=max_workers * 8,
         )
