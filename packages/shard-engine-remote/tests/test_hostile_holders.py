@@ -108,17 +108,23 @@ def _worker(server: EngineServer, remote: RemoteFactory, tmp_path: Path) -> api.
 def test_a_token_holders_silent_calls_do_not_stop_service(
     guarded: EngineServer, remote: RemoteFactory, tmp_path: Path
 ) -> None:
-    """A client holding the token opens forty calls and ten exports whose request never comes
-    (gRPC's sync server would wait for each on one of its 8 threads, without a timeout).
+    """A client holding the token opens forty calls and ten exports whose request never comes,
+    and a hundred more over six other connections (gRPC's sync server would wait for each on
+    one of its 8 threads, without a timeout).
     Another token holder's decodes are answered at once throughout; each silent call is cut
     off (counted as stalled) within the idle limit or refused, with no success."""
     worker = _worker(guarded, remote, tmp_path)
     prefill(worker)
     assert guarded.address is not None
-    silent = _Silent(guarded.address, (("authorization", f"Bearer {TOKEN}"),))
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    silent = _Silent(guarded.address, metadata)
+    # Over more connections than the server takes calls at once (64 here) in all.
+    others = [_Silent(guarded.address, metadata) for _ in range(6)]
     try:
         silent.open(CALL_METHOD, 40)
         silent.open(EXPORT_METHOD, 10)
+        for other in others:
+            other.open(CALL_METHOD, 16)
         time.sleep(0.3)
         for position in range(3, 13):
             started = time.monotonic()
@@ -138,6 +144,8 @@ def test_a_token_holders_silent_calls_do_not_stop_service(
         assert guarded.engine.metrics().exports == 0
     finally:
         silent.close()
+        for other in others:
+            other.close()
 
 
 def _check(address: str, service: str = "", timeout: float = 5.0) -> int:
