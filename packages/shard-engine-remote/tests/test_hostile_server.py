@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -20,12 +21,24 @@ from pathlib import Path
 import grpc
 import msgspec
 import pytest
-from conftest import RemoteFactory, ServeFactory, config, prefill, ref
+from conftest import Background, RemoteFactory, ServeFactory, config, prefill, ref
 
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, OutcomeUnknown, RemoteEngine, RemoteUnavailable
-from shard_engine_remote._framed import _HEADER, CALL, END, ERROR, HELLO, ITEM, REPLY, _frame
+from shard_engine_remote._framed import (
+    _HEADER,
+    CALL,
+    END,
+    ERROR,
+    HELLO,
+    ITEM,
+    NOT_SENT,
+    REPLY,
+    FramedLink,
+    FramedLinkError,
+    _frame,
+)
 from shard_engine_remote._wire import SERVICE_NAME
 
 _Mutation = Callable[[api.ShardResult], api.ShardResult]
@@ -409,3 +422,34 @@ def test_a_grpc_reply_with_oversized_metadata_is_outcome_unknown(remote: RemoteF
     finally:
         server.stop(None)
         server.engine.close()
+
+
+def test_a_call_waits_for_another_callers_greeting_no_longer_than_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """A framed server that accepts and never answers the greeting holds the first caller
+    until its connect gives up; a second caller, with a shorter deadline, waiting for that
+    connection gets DEADLINE_EXCEEDED (not sent) at its own deadline, not the first's."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    path = private / "engine.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    link = FramedLink(path, token=None, max_message_bytes=1 << 20)
+    query = msgspec.msgpack.encode({"type": "health_query"})
+    try:
+        first = Background(lambda: link.call(query, 8.0))
+        accepted, _ = listener.accept()  # the first caller is greeting now
+        started = time.monotonic()
+        with pytest.raises(FramedLinkError) as late:
+            link.call(query, 0.5)
+        assert time.monotonic() - started < 2.0
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert NOT_SENT in late.value.details()
+        accepted.close()
+        with pytest.raises(FramedLinkError):
+            first.result(15)
+    finally:
+        link.close()
+        listener.close()

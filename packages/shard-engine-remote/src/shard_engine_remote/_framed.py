@@ -444,7 +444,14 @@ class FramedLink:
         connection = self._connection
         if connection is not None and connection.broken is None:
             return connection
-        with self._lock:
+        # Another caller may be connecting (a greeting may take its whole deadline): wait
+        # for it no longer than this call's own deadline.
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise FramedLinkError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"deadline passed waiting for a connection to {self.target}; {NOT_SENT}",
+            )
+        try:
             connection = self._connection
             if connection is not None and connection.broken is None:
                 return connection
@@ -460,6 +467,8 @@ class FramedLink:
                 self._connection = None
             self._connection = self._connect(deadline)
             return self._connection
+        finally:
+            self._lock.release()
 
     def _connect(self, deadline: float) -> _Connection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
