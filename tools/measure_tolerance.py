@@ -12,8 +12,10 @@ rows of a 3-session ``decode_batch``: exactly the comparisons of the conformance
 
 Per output row ``e`` (expected) and ``a`` (other shape) it reports ``max|a - e|`` and that
 divided by ``max|e|`` (the row's magnitude); the maxima per output kind (logits, hidden states)
-are what the engine's declared ``Tolerance(absolute, relative)`` must cover with a margin.
-Prints one JSON document.
+are what the engine's declared ``Tolerance(absolute, relative)`` must cover with a margin, and
+``absolute_needed`` gives, for relative parts of 0.1 to 0.5, the smallest absolute part that
+covers every row (a row of small magnitude can differ by more than half of it while no row
+differs by much in absolute terms). Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -68,10 +70,22 @@ class Kind:
     max_relative: float = 0.0
     max_magnitude: float = 0.0
     worst: dict[str, object] = field(default_factory=dict)
+    gaps: list[float] = field(default_factory=list)
+    magnitudes: list[float] = field(default_factory=list)
+
+    def absolute_needed(self, relative: float) -> float:
+        """The smallest absolute part of a ``Tolerance(absolute, relative)`` that covers every
+        row seen: max over rows of ``gap - relative * magnitude`` (0 when none exceeds)."""
+        if not self.gaps:
+            return 0.0
+        gaps, magnitudes = np.asarray(self.gaps), np.asarray(self.magnitudes)
+        return max(0.0, float((gaps - relative * magnitudes).max()))
 
     def add(self, got: Rows, want: Rows, what: str) -> None:
         gap = np.abs(got - want).max(axis=1)
         magnitude = np.abs(want).max(axis=1)
+        self.gaps.extend(float(value) for value in gap)
+        self.magnitudes.extend(float(value) for value in magnitude)
         relative = gap / np.maximum(magnitude, np.finfo(np.float64).tiny)
         self.rows += len(gap)
         self.max_abs = max(self.max_abs, float(gap.max()))
@@ -252,7 +266,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "positions": LENGTH,
         "shapes": [f"chunks of {c}" for c in CHUNKS] + ["decode_batch of 3"],
         "shards": [list(shard) for shard in shards],
-        **{name: vars(kind) for name, kind in kinds.items()},
+        **{
+            name: {
+                "rows": kind.rows,
+                "max_abs": kind.max_abs,
+                "max_relative": kind.max_relative,
+                "max_magnitude": kind.max_magnitude,
+                "worst": kind.worst,
+                "absolute_needed": {
+                    f"relative {relative}": kind.absolute_needed(relative)
+                    for relative in (0.1, 0.2, 0.3, 0.4, 0.5)
+                },
+            }
+            for name, kind in kinds.items()
+        },
     }
     print(json.dumps(report, indent=1, default=str))
     return 0
