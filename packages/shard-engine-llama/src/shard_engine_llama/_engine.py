@@ -924,12 +924,13 @@ def _declared_determinism(
       3.6e-5 / 2.2e-5 -> relative 2e-4 for both;
     - F16/BF16: generated llama 7.6e-4 / 4.9e-4, generated gemma3 4.9e-4 / 1.2e-4 -> 5e-3;
     - quantized: gemma3-270m Q4_K_M 0.205 / 0.095 on one x86-64 host (6 sequences, 3,654 rows)
-      and 0.506 / 0.207 on an AMD EPYC host (12 sequences, 7,308 rows; the logits maximum is
-      one low-magnitude row: 6.85 of 13.5) — llama.cpp's own ``Llama.eval`` shows the same
-      differences between batch sizes (the same 6.85 at the same row), so they are the
-      backend's and its kernels', not the engine's; generated Q8_0 0 / 0 -> logits 0.8
-      (1.6x; a relative bound of 1 would accept any row, and ``Tolerance`` refuses it),
-      hidden 0.4.
+      and 0.506 / 0.207 on an AMD EPYC host (12 sequences, 7,308 rows) — llama.cpp's own
+      ``Llama.eval`` shows the same differences between batch sizes (the same 6.85 at the same
+      row), so they are the backend's and its kernels', not the engine's; generated Q8_0 0 / 0.
+      The logits maximum is one row of small magnitude (6.85 of 13.5): no relative bound a
+      wrong output can still fail (the conformance suite accepts at most 0.5) covers it, while
+      at a relative 0.4 an absolute 1.44 covers every row -> logits absolute 4.0 + relative
+      0.4 (9.4 at that row), hidden relative 0.4.
 
     ``explicit`` (the ``tolerance`` option) declares one absolute bound for both kinds instead,
     as before per-kind tolerances existed."""
@@ -944,7 +945,7 @@ def _declared_determinism(
     elif types <= _FLOAT_TYPES | _HALF_TYPES:
         logits = hidden = Tolerance(absolute=1e-3, relative=5e-3)
     else:
-        logits = Tolerance(absolute=1e-2, relative=0.8)
+        logits = Tolerance(absolute=4.0, relative=0.4)
         hidden = Tolerance(absolute=1e-2, relative=0.4)
     boundary = _BOUNDARY_TOLERANCE[boundary_dtype]
     rounding = _BOUNDARY_ROUNDING[boundary_dtype]
