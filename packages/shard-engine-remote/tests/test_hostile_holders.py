@@ -402,3 +402,17 @@ def test_a_waiter_cut_off_never_goes_on() -> None:
         assert len(cut) == 2
     finally:
         timed.stop()
+
+
+def test_a_connection_closed_for_idleness_costs_its_client_nothing(
+    serve: ServeFactory, remote: RemoteFactory
+) -> None:
+    """The server closes a connection without calls after ``connection_idle_s``; the remote
+    engine's next call reconnects and is served (no error, no lost session)."""
+    server = serve(config(), connection_idle_s=0.5)
+    assert server.address is not None
+    worker = remote(config(target=server.address))
+    prefill(worker)
+    for position in range(3, 6):
+        time.sleep(1.2)
+        assert decode(worker, position).first_pos == position
