@@ -120,10 +120,13 @@ def worker(guarded: EngineServer, remote: RemoteFactory, transport: str, tmp_pat
 def test_stalled_import_streams_pin_nothing_and_are_cut_off(
     guarded: EngineServer, worker: api.ShardEngine, transport: str
 ) -> None:
-    """Twenty import streams that never send: at most half the compute slots serve streams
-    (the rest are refused as busy, retryable), so every other client keeps being served; each
-    stalled stream is cut off once its next message is ``stream_idle_s`` late, and nothing
-    was imported."""
+    """Twenty import streams that never send. Over gRPC a stream's header is waited for as
+    a call's request is: they hold no stream slot, only waiting places, and are cut off
+    (stalled: evicted by one another, the last at the idle limit) while another client's
+    export is served. On the framed transport at most half the compute slots serve streams
+    (the rest are refused as busy, retryable), and the two served are cut off once their
+    next message is ``stream_idle_s`` late. Every other client keeps being served, and
+    nothing was imported."""
     assert guarded.address is not None
     stalled: _StalledGrpcImports | _StalledFramedImports
     if transport == "grpc":
@@ -131,12 +134,21 @@ def test_stalled_import_streams_pin_nothing_and_are_cut_off(
     else:
         stalled = _StalledFramedImports(guarded.address, 20)
     try:
-        wait_until(lambda: guarded.stats().busy >= 18)
+        if transport == "grpc":
+            wait_until(lambda: guarded.stats().stalled >= 16)
+            request = api.ExportSessionRequest(
+                request_id="e", session=api.SessionRef(session_id="s", epoch=1)
+            )
+            assert worker.export_session(request).length == 3
+            wait_until(lambda: guarded.stats().stalled == 20)
+        else:
+            wait_until(lambda: guarded.stats().busy >= 18)
         for position in range(3, 8):
             decode(worker, position)
-        # The two streams served are cut off at their idle limit.
+        # The streams waiting or served are cut off at their idle limit.
         wait_until(lambda: guarded.stats().in_flight == 0)
-        assert guarded.stats().transport_cancels >= 2
+        if transport == "framed":
+            assert guarded.stats().transport_cancels >= 2
         decode(worker, 8)
         metrics = guarded.engine.metrics()
         assert (metrics.imports, metrics.sessions_active) == (0, 1), "nothing was imported"

@@ -437,6 +437,16 @@ class EngineServer:
         """A call's one request message, waited for as one of ``waiting`` (cut off when it is
         late or older waiters must make room: the call ends CANCELLED). A stream that ends
         without it is INVALID_ARGUMENT; messages after it are not read."""
+        request = self._first(requests, context, waiting)
+        if request is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
+        return request
+
+    def _first(
+        self, requests: Iterator[_Message], context: grpc.ServicerContext, waiting: _Waiting
+    ) -> _Message | None:
+        """The stream's first message (None: it ended without one), waited for as one of
+        ``waiting``."""
         ticket = waiting.enter(context)
         kept = False
         try:
@@ -447,8 +457,6 @@ class EngineServer:
             kept = waiting.leave(ticket)
         if not kept:
             context.abort(grpc.StatusCode.CANCELLED, "the call waited too long for its request")
-        if request is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
         return request
 
     def _call(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
@@ -630,7 +638,11 @@ class EngineServer:
         )
 
     def _grpc_import(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> RemoteReply:
-        return self._import(self._watched(messages, context), context)
+        # The header is waited for as a call's request is, before the stream takes its slots:
+        # streams that never send one hold no slot, only a waiting place others may evict.
+        first = self._first(messages, context, self._waiting)
+        head = () if first is None else (first,)
+        return self._import(itertools.chain(head, self._watched(messages, context)), context)
 
     def _watched(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """gRPC's request iterator waits without a timeout: a timer cancels the RPC when the
