@@ -50,13 +50,15 @@ TOKEN = "holder-token"
 IDLE_S = 0.5
 _CHECK = "/grpc.health.v1.Health/Check"
 _WATCH = "/grpc.health.v1.Health/Watch"
+_OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+"""Channel options for a connection of its own (gRPC shares one between channels alike)."""
 
 
 class _Silent:
     """Request-streaming calls on one channel whose message never comes until ``close``."""
 
     def __init__(self, address: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=_OWN_CONNECTION)
         self.release = threading.Event()
         self.calls: list[grpc.Future] = []  # type: ignore[type-arg]
         self.streams: list[Iterator[bytes]] = []
@@ -149,7 +151,7 @@ def test_a_token_holders_silent_calls_do_not_stop_service(
 
 
 def _check(address: str, service: str = "", timeout: float = 5.0) -> int:
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=_OWN_CONNECTION) as channel:
         check: grpc.UnaryUnaryMultiCallable[health_pb2.HealthCheckRequest, object]
         check = channel.unary_unary(
             _CHECK,
@@ -162,10 +164,11 @@ def _check(address: str, service: str = "", timeout: float = 5.0) -> int:
 
 def test_one_client_cannot_keep_health_busy(guarded: EngineServer) -> None:
     """One client keeping a dozen health watches open and a dozen checks whose request never
-    comes: another client's health check is answered SERVING every time (the oldest holder
-    makes room), and each watch evicted ends with a status, not a hang."""
+    comes (beyond the server's places for them it is refused, retryable): another client's
+    health check is answered SERVING every time (the biggest holder's oldest call makes
+    room), and each watch evicted ends with a status, not a hang."""
     assert guarded.address is not None
-    holder = grpc.insecure_channel(guarded.address)
+    holder = grpc.insecure_channel(guarded.address, options=_OWN_CONNECTION)
     silent = _Silent(guarded.address)
     watches = []
     try:
@@ -175,10 +178,17 @@ def test_one_client_cannot_keep_health_busy(guarded: EngineServer) -> None:
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
+        refused: list[grpc.StatusCode] = []
         for _ in range(12):
             stream = watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=60)
-            next(stream)
-            watches.append(stream)
+            try:
+                next(stream)
+            except grpc.RpcError as error:
+                refused.append(cast(grpc.Call, error).code())
+            else:
+                watches.append(stream)
+        # One client holds at most every place, not more (retryable refusals).
+        assert refused.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 12 - 8
         silent.open(_CHECK, 12)
         for _ in range(10):
             assert _check(guarded.address) == health_pb2.HealthCheckResponse.SERVING
@@ -378,28 +388,43 @@ class _Context:
         self.cancelled = True
 
 
-def test_a_waiter_cut_off_never_goes_on() -> None:
-    """A call evicted from the waiting (or past its time) is cancelled, and its handler is
-    told so when it stops waiting, even if its message arrived in between: it never starts
-    work its client will see cancelled. Waiters are evicted oldest first."""
+def test_waiting_places_are_shared_between_peers_and_a_cut_waiter_never_goes_on() -> None:
+    """When every waiting place is taken, a peer holding fewer places than the biggest holder
+    takes that holder's oldest one (cancelled, counted); the biggest holder itself is refused
+    another. A waiter cut off (evicted or past its time) is told so when it stops waiting,
+    even if its message arrived in between: it never starts work its client will see
+    cancelled."""
     cut: list[int] = []
-    waiting = _Waiting(2, 60.0, lambda: cut.append(1))
-    contexts = [_Context() for _ in range(3)]
-    tickets = [waiting.enter(cast(grpc.ServicerContext, context)) for context in contexts]
-    assert [context.cancelled for context in contexts] == [True, False, False]
+    waiting = _Waiting(3, 60.0, lambda: cut.append(1))
+    hog = [_Context() for _ in range(3)]
+    tickets = [waiting.enter(cast(grpc.ServicerContext, context), "hog") for context in hog]
+    assert waiting.enter(cast(grpc.ServicerContext, _Context()), "hog") is None
+    other = _Context()
+    mine = waiting.enter(cast(grpc.ServicerContext, other), "other")
+    assert mine is not None
+    assert [context.cancelled for context in hog] == [True, False, False]
     assert len(cut) == 1
+    # Up to an equal share: "other" may take one more of the hog's, not a third place.
+    second = waiting.enter(cast(grpc.ServicerContext, _Context()), "other")
+    assert second is not None
+    assert [context.cancelled for context in hog] == [True, True, False]
+    assert waiting.enter(cast(grpc.ServicerContext, _Context()), "other") is None
+    assert tickets[0] is not None
+    assert tickets[2] is not None
     assert not waiting.leave(tickets[0])
-    assert waiting.leave(tickets[1])
     assert waiting.leave(tickets[2])
+    assert waiting.leave(mine)
+    assert waiting.leave(second)
     assert len(waiting) == 0
     timed = _Waiting(4, 0.2, lambda: cut.append(1))
     timed.start()
     try:
         late = _Context()
-        ticket = timed.enter(cast(grpc.ServicerContext, late))
+        ticket = timed.enter(cast(grpc.ServicerContext, late), "late")
+        assert ticket is not None
         wait_until(lambda: late.cancelled, timeout=5)
         assert not timed.leave(ticket)
-        assert len(cut) == 2
+        assert len(cut) == 3
     finally:
         timed.stop()
 

@@ -10,7 +10,8 @@ refuses them itself), a client over its rate limit gets a retryable ResourceExha
 ``retry_after_s`` (per client: others keep their own budget), compute calls beyond the server's
 slots get a retryable ResourceExhausted (cancel, release, health and metrics always have a
 thread), calls without the bearer token are refused before decoding, calls whose request
-message is late or that hold a waiting thread newer calls need are cut off (``stalled``), and
+message is late or that hold a waiting thread another peer's call needs are cut off
+(``stalled``), and
 connections are bounded in number, handshake time and idle time. Each of these is counted
 in :attr:`EngineServer.counters`, which clients read as :class:`ServerStats`
 (``RemoteEngine.server_stats()``).
@@ -88,9 +89,9 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 
 _SERVING_STATES: Final = ("ready", "degraded")
 _HEALTH_SERVICE: Final = "grpc.health.v1.Health"
-_HEALTH_SLOTS: Final = 4
+_HEALTH_SLOTS: Final = 8
 """Threads health checks may hold at once, waiting for their request or watching (a Watch
-holds one for as long as it lasts); a check finding them all taken evicts the oldest holder."""
+holds one for as long as it lasts), shared fairly between peers (see _Waiting)."""
 _HEALTH_REQUEST_S: Final = 5.0
 """How long a health check's request message may take to arrive."""
 DEFAULT_MAX_CONNECTIONS: Final = 1000
@@ -232,22 +233,24 @@ class EngineServer:
     private socket of a spawned child); a server started on a loaded engine refuses loads.
 
     ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
-    cancel, release, health and metrics are never starved. A snapshot stream holds one of
-    those compute slots from its first message to its last (a client that stops sending or
-    reading would otherwise hold a thread no slot accounts for), at most half of them are
-    streams, and an import stream whose next message does not arrive within
-    ``stream_idle_s`` is cut off (Cancelled; nothing imported), as is an export whose client
-    does not take its next message within it; nor may a stream, as a whole, move its bytes
-    slower than ``min_stream_bytes_per_s`` (a message every ``stream_idle_s`` would otherwise
-    keep a slot for as many times that as it has chunks). A call's request message too must arrive
-    within ``stream_idle_s``; calls waiting for theirs hold threads of their own (beyond
-    ``max_workers``), a bounded number of them: when all are taken, the call that has waited
-    longest is cut off (counted as ``stalled``), so calls whose message never comes cannot
-    stop the server serving anyone else. ``rate_limit`` bounds each client's calls (cancel is
-    never limited: a client must always be able to stop its own work); ``clock`` is the rate
-    limiter's (tests). At most ``max_connections`` gRPC connections are held at once (others
-    are closed as they are accepted); one that has not completed its handshake within
-    ``handshake_timeout_s``, or has had no call for ``connection_idle_s``, is closed.
+    cancel, release, health and metrics are never starved. A snapshot stream holds one of those
+    compute slots from its first message to its last (a client that stops sending or reading
+    would otherwise hold a thread no slot accounts for), at most half of them are streams, and
+    an import stream whose next message does not arrive within ``stream_idle_s`` is cut off
+    (Cancelled; nothing imported), as is an export whose client does not take its next message
+    within it; nor may a stream, as a whole, move its bytes slower than
+    ``min_stream_bytes_per_s`` (a message every ``stream_idle_s`` would otherwise keep a slot
+    for as many times that as it has chunks). A call's request message too must arrive within
+    ``stream_idle_s``; calls waiting for theirs hold threads of their own (beyond
+    ``max_workers``), ``2 * max_workers`` of them shared fairly between peers: when all are
+    taken, the biggest holder's oldest waiter is cut off (counted as ``stalled``) for a call
+    from a peer holding fewer, and a call from the biggest holder is refused (busy), so calls
+    whose message never comes cannot stop the server serving anyone else. ``rate_limit`` bounds
+    each client's calls (cancel is never limited: a client must always be able to stop its own
+    work); ``clock`` is the rate limiter's (tests). At most ``max_connections`` gRPC connections
+    are held at once (others are closed as they are accepted); one that has not completed its
+    handshake within ``handshake_timeout_s``, or has had no call for ``connection_idle_s``, is
+    closed.
     """
 
     def __init__(
@@ -295,7 +298,7 @@ class EngineServer:
         self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
         self._in_flight = _InFlight()
         self._waiting = _Waiting(
-            max(4, max_workers // 2), stream_idle_s, functools.partial(self.counters.add, "stalled")
+            2 * max_workers, stream_idle_s, functools.partial(self.counters.add, "stalled")
         )
         self._health_waiting = _Waiting(
             _HEALTH_SLOTS, _HEALTH_REQUEST_S, functools.partial(self.counters.add, "stalled")
@@ -447,7 +450,14 @@ class EngineServer:
     ) -> _Message | None:
         """The stream's first message (None: it ended without one), waited for as one of
         ``waiting``."""
-        ticket = waiting.enter(context)
+        ticket = waiting.enter(context, client_key(context))
+        if ticket is None:
+            self.counters.add("busy")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "this client has the most calls waiting for their request of a server that "
+                "holds no more; retry",
+            )
         kept = False
         try:
             request = next(requests, None)
@@ -866,7 +876,10 @@ class EngineServer:
             return
         # A watch holds its thread for as long as it lasts: it stays one of the waiting
         # (no time limit), the first to be evicted when a newer health call needs room.
-        ticket = self._health_waiting.enter(context, timed=False)
+        ticket = self._health_waiting.enter(context, client_key(context), timed=False)
+        if ticket is None:
+            self.counters.add("busy")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "health checks are busy; retry")
         try:
             yield from self._health.Watch(request, context)
         finally:
@@ -934,40 +947,55 @@ def _cancel_keys(request: _Compute) -> tuple[_CancelKey, ...]:
 class _Waiting:
     """Calls that hold one of the server's threads while they wait on their peer (for their
     request message, or a health Watch for as long as it lasts): at most ``capacity`` at once,
-    for at most ``limit_s`` each (a Watch: no limit).
+    for at most ``limit_s`` each (a Watch: no limit), shared fairly between peers.
 
     gRPC's sync server gives each call a pool thread as it starts and waits there for the
     request message, without a timeout. Here that wait is bounded: a call whose message is
-    ``limit_s`` late is cancelled, and a call finding ``capacity`` others waiting cancels the
-    one that has waited longest. A well-behaved client's message follows its headers at once,
-    so it is never the oldest for long: whoever keeps calls waiting loses them first. One
+    ``limit_s`` late is cancelled, and when ``capacity`` calls wait, a new call from a peer
+    holding fewer than the biggest holder cancels that holder's oldest waiter; a call from
+    the biggest holder itself is refused (None: the caller answers busy, retryable). A
+    well-behaved client's message follows its headers at once, so it holds few places for
+    little time: whoever keeps calls waiting loses them, and cannot crowd others out. One
     sweeper thread (started with the server) enforces the time limit; entering and leaving
-    cost a lock and a dict update, no thread or timer per call."""
+    cost a lock and dict updates, no thread or timer per call."""
 
     def __init__(self, capacity: int, limit_s: float, on_cut: Callable[[], None]) -> None:
         self.capacity = capacity
         self.limit_s = limit_s
         self._on_cut = on_cut
         self._condition = threading.Condition()
-        # ticket -> (deadline, context); oldest first.
-        self._waiting: OrderedDict[int, tuple[float, grpc.ServicerContext]] = OrderedDict()
+        # peer -> ticket -> (deadline, context), oldest first; and ticket -> peer.
+        self._peers: dict[str, OrderedDict[int, tuple[float, grpc.ServicerContext]]] = {}
+        self._owners: dict[int, str] = {}
         self._tickets = itertools.count()
         self._running = False
         self._sweeper: threading.Thread | None = None
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self._owners)
 
-    def enter(self, context: grpc.ServicerContext, *, timed: bool = True) -> int:
-        """Count ``context`` as waiting (evicting the oldest waiter when full); returns the
-        ticket :meth:`leave` takes."""
+    def enter(self, context: grpc.ServicerContext, peer: str, *, timed: bool = True) -> int | None:
+        """Count ``context`` as waiting for ``peer``; returns the ticket :meth:`leave` takes,
+        or None when the call is refused (``peer`` holds the most places of a full list)."""
         deadline = time.monotonic() + self.limit_s if timed else float("inf")
         evicted: grpc.ServicerContext | None = None
         ticket = next(self._tickets)
         with self._condition:
-            if len(self._waiting) >= self.capacity:
-                evicted = self._waiting.popitem(last=False)[1][1]
-            self._waiting[ticket] = (deadline, context)
+            mine = self._peers.get(peer)
+            if len(self._owners) >= self.capacity:
+                held = 0 if mine is None else len(mine)
+                biggest = max(self._peers, key=lambda key: len(self._peers[key]))
+                if held + 1 > len(self._peers[biggest]):
+                    return None
+                victims = self._peers[biggest]
+                victim, (_, evicted) = victims.popitem(last=False)
+                del self._owners[victim]
+                if not victims:
+                    del self._peers[biggest]
+            if mine is None:
+                mine = self._peers[peer] = OrderedDict()
+            mine[ticket] = (deadline, context)
+            self._owners[ticket] = peer
         if evicted is not None:
             self._cut(evicted)
         return ticket
@@ -976,7 +1004,17 @@ class _Waiting:
         """Stop counting a waiter; False when it was cut off already (it is being cancelled:
         the call must not go on, even when its message arrived meanwhile)."""
         with self._condition:
-            return self._waiting.pop(ticket, None) is not None
+            return self._pop(ticket) is not None
+
+    def _pop(self, ticket: int) -> grpc.ServicerContext | None:
+        peer = self._owners.pop(ticket, None)
+        if peer is None:
+            return None
+        waiters = self._peers[peer]
+        _, context = waiters.pop(ticket)
+        if not waiters:
+            del self._peers[peer]
+        return context
 
     def _cut(self, context: grpc.ServicerContext) -> None:
         self._on_cut()
@@ -999,17 +1037,27 @@ class _Waiting:
 
     def _sweep(self) -> None:
         while True:
+            expired: list[grpc.ServicerContext] = []
             with self._condition:
                 if not self._running:
                     return
                 now = time.monotonic()
-                late = [ticket for ticket, (due, _) in self._waiting.items() if due <= now]
-                expired = [self._waiting.pop(ticket)[1] for ticket in late]
+                due = now + self.limit_s
+                late: list[int] = []
+                for waiters in self._peers.values():
+                    for ticket, (deadline, _) in waiters.items():
+                        if deadline <= now:
+                            late.append(ticket)
+                        else:
+                            due = min(due, deadline)
+                for ticket in late:
+                    context = self._pop(ticket)
+                    if context is not None:
+                        expired.append(context)
                 # A waiter entering later is due no earlier than now + limit_s: sleeping
                 # until the earliest deadline known (or limit_s) never oversleeps one.
-                due = min((due for due, _ in self._waiting.values()), default=now + self.limit_s)
                 if not expired:
-                    self._condition.wait(min(due, now + self.limit_s) - now)
+                    self._condition.wait(due - now)
             for context in expired:
                 self._cut(context)
 
