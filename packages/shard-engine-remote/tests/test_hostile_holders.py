@@ -441,3 +441,23 @@ def test_a_connection_closed_for_idleness_costs_its_client_nothing(
     for position in range(3, 6):
         time.sleep(1.2)
         assert decode(worker, position).first_pos == position
+
+
+def test_a_burst_of_calls_is_served_whole(serve: ServeFactory) -> None:
+    """A hundred and sixty calls sent at once over ten connections, each with its message:
+    every one is answered (none cut off as stalled, none refused) even though far more of
+    them wait for gRPC to deliver their message than the server has waiting places."""
+    server = serve(config(), max_workers=8)
+    assert server.address is not None
+    query = msgspec.msgpack.encode({"type": "health_query"})
+    channels = [grpc.insecure_channel(server.address, options=_OWN_CONNECTION) for _ in range(10)]
+    try:
+        calls = []
+        for channel in channels:
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(CALL_METHOD)
+            calls += [call.future(query, timeout=30) for _ in range(16)]
+        assert all(isinstance(call.result(), bytes) for call in calls)
+        assert (server.stats().stalled, server.stats().busy) == (0, 0)
+    finally:
+        for channel in channels:
+            channel.close()
