@@ -206,14 +206,15 @@ static void compute_atfork_prepare(void) { pthread_mutex_lock(&compute_lock); }
 static void compute_atfork_parent(void) { pthread_mutex_unlock(&compute_lock); }
 static void compute_atfork_child(void)
 {
-    /* Only the forking thread survives: no compute thread runs in the child. */
-    pthread_mutex_init(&compute_lock, NULL);
+    /* Only the forking thread survives, holding the lock (prepare took it): no compute thread
+     * runs in the child and nobody waits on a condition. */
     pthread_cond_init(&compute_slot_free, NULL);
     memset(compute_slots, 0, sizeof(compute_slots));
     compute_initialized = 0;
     compute_threads_started = 0;
     compute_handing_off = compute_policy == POLICY_ALWAYS;
     compute_owner_set = 0;
+    pthread_mutex_unlock(&compute_lock);
 }
 
 static pthread_once_t compute_atfork_once = PTHREAD_ONCE_INIT;
