@@ -930,7 +930,9 @@ def _declared_determinism(
       The logits maximum is one row of small magnitude (6.85 of 13.5): no relative bound a
       wrong output can still fail (the conformance suite accepts at most 0.5) covers it, while
       at a relative 0.4 an absolute 1.44 covers every row -> logits absolute 4.0 + relative
-      0.4 (9.4 at that row), hidden relative 0.4.
+      0.4 (9.4 at that row). Hidden relative 0.25: gemma3's hidden rows are dominated by a few
+      huge channels (~4,000 at layer 9), so the first 6 positions of another prompt differ by
+      only 0.29-0.33 of a row at most; a bound must lie between that and the 0.207 measured.
 
     ``explicit`` (the ``tolerance`` option) declares one absolute bound for both kinds instead,
     as before per-kind tolerances existed."""
@@ -946,7 +948,7 @@ def _declared_determinism(
         logits = hidden = Tolerance(absolute=1e-3, relative=5e-3)
     else:
         logits = Tolerance(absolute=4.0, relative=0.4)
-        hidden = Tolerance(absolute=1e-2, relative=0.4)
+        hidden = Tolerance(absolute=1e-2, relative=0.25)
     boundary = _BOUNDARY_TOLERANCE[boundary_dtype]
     rounding = _BOUNDARY_ROUNDING[boundary_dtype]
     return Determinism(
