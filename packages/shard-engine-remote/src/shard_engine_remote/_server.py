@@ -91,7 +91,7 @@ _SERVING_STATES: Final = ("ready", "degraded")
 _HEALTH_SERVICE: Final = "grpc.health.v1.Health"
 _HEALTH_SLOTS: Final = 8
 """Threads health checks may hold at once, waiting for their request or watching (a Watch
-holds one for as long as it lasts), shared fairly between peers (see _Waiting)."""
+holds one for as long as it lasts), see _Waiting."""
 _HEALTH_REQUEST_S: Final = 5.0
 """How long a health check's request message may take to arrive."""
 DEFAULT_MAX_CONNECTIONS: Final = 1000
@@ -242,10 +242,10 @@ class EngineServer:
     ``min_stream_bytes_per_s`` (a message every ``stream_idle_s`` would otherwise keep a slot
     for as many times that as it has chunks). A call's request message too must arrive within
     ``stream_idle_s``; calls waiting for theirs hold threads of their own (beyond
-    ``max_workers``), ``2 * max_workers`` of them shared fairly between peers: when all are
-    taken, the biggest holder's oldest waiter is cut off (counted as ``stalled``) for a call
-    from a peer holding fewer, and a call from the biggest holder is refused (busy), so calls
-    whose message never comes cannot stop the server serving anyone else. ``rate_limit`` bounds
+    ``max_workers``), ``4 * max_workers`` of them: when all are taken, a new call cuts off
+    (counted as ``stalled``) the oldest waiter, of at least a second, of the peer holding the
+    most places, or is refused (busy, retryable) when there is none, so calls whose message
+    never comes cannot stop the server serving anyone else. ``rate_limit`` bounds
     each client's calls (cancel is never limited: a client must always be able to stop its own
     work); ``clock`` is the rate limiter's (tests). At most ``max_connections`` gRPC connections
     are held at once (others are closed as they are accepted); one that has not completed its
@@ -298,7 +298,7 @@ class EngineServer:
         self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
         self._in_flight = _InFlight()
         self._waiting = _Waiting(
-            2 * max_workers, stream_idle_s, functools.partial(self.counters.add, "stalled")
+            4 * max_workers, stream_idle_s, functools.partial(self.counters.add, "stalled")
         )
         self._health_waiting = _Waiting(
             _HEALTH_SLOTS, _HEALTH_REQUEST_S, functools.partial(self.counters.add, "stalled")
@@ -455,8 +455,8 @@ class EngineServer:
             self.counters.add("busy")
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "this client has the most calls waiting for their request of a server that "
-                "holds no more; retry",
+                "the server holds as many calls waiting for their request as it has threads "
+                "for; nothing ran; retry",
             )
         kept = False
         try:
@@ -947,25 +947,27 @@ def _cancel_keys(request: _Compute) -> tuple[_CancelKey, ...]:
 class _Waiting:
     """Calls that hold one of the server's threads while they wait on their peer (for their
     request message, or a health Watch for as long as it lasts): at most ``capacity`` at once,
-    for at most ``limit_s`` each (a Watch: no limit), shared fairly between peers.
+    for at most ``limit_s`` each (a Watch: no limit).
 
     gRPC's sync server gives each call a pool thread as it starts and waits there for the
     request message, without a timeout. Here that wait is bounded: a call whose message is
-    ``limit_s`` late is cancelled, and when ``capacity`` calls wait, a new call from a peer
-    holding fewer than the biggest holder cancels that holder's oldest waiter; a call from
-    the biggest holder itself is refused (None: the caller answers busy, retryable). A
-    well-behaved client's message follows its headers at once, so it holds few places for
-    little time: whoever keeps calls waiting loses them, and cannot crowd others out. One
-    sweeper thread (started with the server) enforces the time limit; entering and leaving
-    cost a lock and dict updates, no thread or timer per call."""
+    ``limit_s`` late is cancelled, and when ``capacity`` calls wait, a new call cancels the
+    oldest waiter of the peer holding the most places among those whose oldest has waited
+    ``grace_s`` (a message that late is not merely queued behind a burst of others); when
+    there is none, the new call is refused (None: the caller answers busy, retryable, nothing
+    ran). A well-behaved client's message follows its headers at once: whoever keeps calls
+    waiting loses them, and can keep others out only by opening ``capacity`` new calls every
+    ``grace_s``. One sweeper thread (started with the server) enforces the time limit;
+    entering and leaving cost a lock and dict updates, no thread or timer per call."""
 
     def __init__(self, capacity: int, limit_s: float, on_cut: Callable[[], None]) -> None:
         self.capacity = capacity
         self.limit_s = limit_s
+        self.grace_s = min(1.0, limit_s / 2)
         self._on_cut = on_cut
         self._condition = threading.Condition()
-        # peer -> ticket -> (deadline, context), oldest first; and ticket -> peer.
-        self._peers: dict[str, OrderedDict[int, tuple[float, grpc.ServicerContext]]] = {}
+        # peer -> ticket -> (entered, deadline, context), oldest first; and ticket -> peer.
+        self._peers: dict[str, OrderedDict[int, tuple[float, float, grpc.ServicerContext]]] = {}
         self._owners: dict[int, str] = {}
         self._tickets = itertools.count()
         self._running = False
@@ -976,25 +978,32 @@ class _Waiting:
 
     def enter(self, context: grpc.ServicerContext, peer: str, *, timed: bool = True) -> int | None:
         """Count ``context`` as waiting for ``peer``; returns the ticket :meth:`leave` takes,
-        or None when the call is refused (``peer`` holds the most places of a full list)."""
-        deadline = time.monotonic() + self.limit_s if timed else float("inf")
+        or None when the call is refused (every place taken, none by a waiter ``grace_s``
+        old)."""
+        now = time.monotonic()
+        deadline = now + self.limit_s if timed else float("inf")
         evicted: grpc.ServicerContext | None = None
         ticket = next(self._tickets)
         with self._condition:
-            mine = self._peers.get(peer)
             if len(self._owners) >= self.capacity:
-                held = 0 if mine is None else len(mine)
-                biggest = max(self._peers, key=lambda key: len(self._peers[key]))
-                if held + 1 > len(self._peers[biggest]):
+                stale = now - self.grace_s
+                holders = [
+                    key
+                    for key, waiters in self._peers.items()
+                    if next(iter(waiters.values()))[0] <= stale
+                ]
+                if not holders:
                     return None
+                biggest = max(holders, key=lambda key: len(self._peers[key]))
                 victims = self._peers[biggest]
-                victim, (_, evicted) = victims.popitem(last=False)
+                victim, (_, _, evicted) = victims.popitem(last=False)
                 del self._owners[victim]
                 if not victims:
                     del self._peers[biggest]
+            mine = self._peers.get(peer)
             if mine is None:
                 mine = self._peers[peer] = OrderedDict()
-            mine[ticket] = (deadline, context)
+            mine[ticket] = (now, deadline, context)
             self._owners[ticket] = peer
         if evicted is not None:
             self._cut(evicted)
@@ -1011,7 +1020,7 @@ class _Waiting:
         if peer is None:
             return None
         waiters = self._peers[peer]
-        _, context = waiters.pop(ticket)
+        _, _, context = waiters.pop(ticket)
         if not waiters:
             del self._peers[peer]
         return context
@@ -1045,7 +1054,7 @@ class _Waiting:
                 due = now + self.limit_s
                 late: list[int] = []
                 for waiters in self._peers.values():
-                    for ticket, (deadline, _) in waiters.items():
+                    for ticket, (_, deadline, _) in waiters.items():
                         if deadline <= now:
                             late.append(ticket)
                         else:

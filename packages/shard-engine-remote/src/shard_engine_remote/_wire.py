@@ -111,9 +111,9 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     """Compute calls whose RPC ended first (cancel, deadline, lost connection): engine.cancel."""
     stalled: int = 0
     """gRPC calls cut off (CANCELLED) while they held a thread waiting on their peer: their
-    request message was later than ``stream_idle_s`` (health checks: 5 s), or a call from a
-    peer holding fewer waiting threads needed one (the biggest holder's oldest goes first; a
-    health Watch counts as waiting)."""
+    request message was later than ``stream_idle_s`` (health checks: 5 s), or, over a second
+    late, another call needed its thread (the peer holding the most goes first; a health
+    Watch counts as waiting)."""
     rate_limited_clients: int = 0
     """Clients (peers) the rate limiter tracks now (bounded; the idlest are forgotten)."""
     threading: dict[str, str] = msgspec.field(default_factory=dict)
