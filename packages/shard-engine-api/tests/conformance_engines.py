@@ -64,6 +64,7 @@ from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._fences import Fence, FenceTable
 from shard_engine_api._ledger import Admission, LedgerLimits, Release, SessionEntry, SessionLedger
 from shard_engine_api._metrics import Counters
+from shard_engine_api.conformance import STANDARD_TESTS
 from shard_engine_api.engine import (
     CancelToken,
     EngineCore,
@@ -1236,7 +1237,8 @@ class KvBudgetOffByOne(ReferenceEngine):
 
     def load(self, config: LoadConfig) -> Capabilities:
         caps = super().load(config)
-        self._set_kv_budget(config.kv_budget_tokens + 1)
+        with self._state_lock:  # past the core's own setter, which never exceeds the config
+            self._kv_budget = config.kv_budget_tokens + 1
         return caps
 
     def health(self) -> Health:
@@ -1796,6 +1798,22 @@ class Broken(NamedTuple):
 _MACHINE: Final = ("test_state_machine_every_role", "test_state_machine_full_shard")
 """The model-based tests: they catch every bug that shows in outcomes, metrics or outputs."""
 
+_NO_RESULT: Final = (
+    "test_cache_miss_unknown_session",
+    "test_cancel_latency_within_advertised_bound",
+    "test_capabilities_fields",
+    "test_crash_is_permanent",
+    "test_health_states",
+    "test_not_ready_before_load",
+    "test_reserved_hooks_present_but_disabled",
+    "test_role_derived_from_shard",
+    "test_wrong_role_tokens_to_bundle_shard",
+)
+"""The standard tests that never see a prefill or decode result."""
+_EVERY_RESULT: Final = tuple(name for name in STANDARD_TESTS if name not in _NO_RESULT)
+"""The standard tests that check every result they see: all fail on an engine whose every
+result has a field of the wrong type."""
+
 BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "ignores_epochs": Broken(
         IgnoresEpochs,
@@ -1914,6 +1932,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "decode_skips_checksum": Broken(
         DecodeSkipsChecksum,
         ("test_boundary_checks_on_every_path",),
+        may_fail=("test_state_machine_every_role",),
     ),
     "decode_skips_fingerprint": Broken(
         DecodeSkipsFingerprint,
@@ -1958,6 +1977,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "fence_dropped_on_slot_reuse": Broken(
         FenceDroppedOnSlotReuse,
         ("test_fence_holds_after_slot_reuse",),
+        may_fail=_MACHINE,
     ),
     "double_release_frees_slot": Broken(
         DoubleReleaseFreesSlot,
@@ -1983,6 +2003,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_failed_first_prefill_leaves_nothing",
             "test_limit_max_batch_tokens",
         ),
+        may_fail=_MACHINE,
     ),
     "cancel_only_between_forwards": Broken(
         CancelOnlyBetweenForwards,
@@ -1993,8 +2014,9 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
         (
             "test_cancel_after_completion_result_stands",
             "test_cancel_unknown_or_finished",
-            *_MACHINE,
+            "test_state_machine_full_shard",
         ),
+        may_fail=("test_state_machine_every_role",),
     ),
     "cancel_stops_everything": Broken(
         CancelStopsEverything,
@@ -2029,7 +2051,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "numpy_scalar_timings": Broken(
         NumpyScalarTimings,
-        ("test_wire_round_trip_of_every_returned_object",),
+        _EVERY_RESULT,
     ),
     "capabilities_with_lists": Broken(
         CapabilitiesWithLists,
@@ -2121,11 +2143,13 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
         (
             "test_failed_first_prefill_leaves_nothing",
             "test_failed_request_is_atomic",
+            "test_health_states",  # its health says a budget of -1 before load
             "test_limit_kv_budget",
             "test_migration_atomic_under_budget_pressure",
             "test_resource_exhausted_kv_budget",
             "test_state_machine_full_shard",
         ),
+        may_fail=("test_state_machine_every_role",),
     ),
     "truncation_still_counted": Broken(
         TruncationStillCounted,
@@ -2192,10 +2216,12 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "batch_refuses_duplicates_whole": Broken(
         BatchRefusesDuplicatesWhole,
         ("test_batched_decode_same_session_twice", "test_state_machine_full_shard"),
+        may_fail=("test_state_machine_every_role",),
     ),
     "batch_refuses_every_duplicate": Broken(
         BatchRefusesEveryDuplicate,
         ("test_batched_decode_same_session_twice", "test_state_machine_full_shard"),
+        may_fail=("test_state_machine_every_role",),
     ),
     "batch_evicts_later_members": Broken(
         BatchEvictsLaterMembers,
@@ -2245,7 +2271,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "swapped_clock_timings": Broken(
         SwappedClockTimings,
-        ("test_result_fields",),
+        _EVERY_RESULT,
     ),
     "memoizes_prefills": Broken(
         MemoizesPrefills,
@@ -2262,6 +2288,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "results_keep_first_epoch": Broken(
         ResultsKeepFirstEpoch,
         ("test_stale_epoch",),
+        may_fail=_MACHINE,
     ),
     "cancels_by_session_prefix": Broken(
         CancelsBySessionPrefix,
@@ -2269,7 +2296,12 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "compute_time_goes_back": Broken(
         ComputeTimeGoesBack,
-        ("test_health_metrics_consistent",),
+        (
+            "test_health_metrics_consistent",
+            "test_health_states",
+            "test_wire_round_trip_of_every_returned_object",
+        ),
+        may_fail=_MACHINE,
     ),
     "exports_at_newer_epoch": Broken(
         ExportsAtNewerEpoch,
@@ -2277,7 +2309,8 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "batch_items_keep_first_epoch": Broken(
         BatchItemsKeepFirstEpoch,
-        ("test_batched_decode_matches_single", "test_state_machine_full_shard"),
+        ("test_batched_decode_matches_single",),
+        may_fail=("test_state_machine_full_shard",),
     ),
 }
 """Each broken engine and the standard tests that must fail on it (and no others)."""
