@@ -56,7 +56,7 @@ def test_an_engine_writing_to_stdout_does_not_hang_its_calls(
 ) -> None:
     """The child's stdout is a pipe its supervisor reads only for the ``ready`` line: an
     engine printing more than a pipe holds once serving would block there for good (its
-    calls past their deadline). What it prints goes to the child's stderr log instead."""
+    calls past their deadline). What it prints is discarded instead."""
     engine = remote(
         config(
             spawn="fake",

@@ -2,7 +2,7 @@
 
 It builds the named engine (unloaded), serves it on the given private unix socket with the
 bearer token from ``$SHARD_ENGINE_REMOTE_TOKEN``, lets the first call load it, prints one line
-``ready <address>`` (or ``error <message>``) on stdout (later output to stdout goes to stderr),
+``ready <address>`` (or ``error <message>``) on stdout (later output to stdout is discarded),
 and serves until SIGTERM or until its
 stdin closes (the supervising process died), then drains and exits. Given
 ``--private-directory`` (the supervisor's directory holding the socket and its stderr), a
@@ -78,8 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ).start()
     print(f"ready {address}", flush=True)
     # No one reads stdout past that line: an engine printing there would fill the pipe and
-    # block for good. Whatever it prints goes to stderr (the supervisor's log) instead.
-    os.dup2(2, 1)
+    # block for good. It goes nowhere instead (not to the stderr log, whose tail quotes a
+    # crash: ggml's abort backtrace, written to stdout, would push the assertion out of it).
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
     serve_until_signalled(serving, drain_seconds=args.drain_seconds, stop=stop)
     if orphaned.is_set() and args.private_directory is not None:
         shutil.rmtree(args.private_directory, ignore_errors=True)
