@@ -188,7 +188,7 @@ def test_one_client_cannot_keep_health_busy(guarded: EngineServer) -> None:
             else:
                 watches.append(stream)
         # One client holds at most every place, not more (retryable refusals).
-        assert refused.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 12 - 8
+        assert refused.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 12 - 4
         silent.open(_CHECK, 12)
         time.sleep(1.2)  # a holder's place goes to others once it is a second old
         for _ in range(10):

@@ -89,9 +89,10 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 
 _SERVING_STATES: Final = ("ready", "degraded")
 _HEALTH_SERVICE: Final = "grpc.health.v1.Health"
-_HEALTH_SLOTS: Final = 8
+_HEALTH_SLOTS: Final = 4
 """Threads health checks may hold at once, waiting for their request or watching (a Watch
-holds one for as long as it lasts), see _Waiting."""
+holds one for as long as it lasts), see _Waiting. Few: health needs no token, and a request
+may be as large as any message while it arrives."""
 _HEALTH_REQUEST_S: Final = 5.0
 """How long a health check's request message may take to arrive."""
 DEFAULT_MAX_CONNECTIONS: Final = 1000
