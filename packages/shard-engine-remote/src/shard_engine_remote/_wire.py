@@ -77,8 +77,10 @@ THREADING_ENV: Final = (
     "OMP_NUM_THREADS",
     "OMP_PROC_BIND",
     "GOMP_CPU_AFFINITY",
+    "SHARD_ENGINE_LLAMA_COMPUTE_THREADS",
 )
-"""Environment variables that decide how an engine's native threads spin, sleep and bind."""
+"""Environment variables that decide how an engine's native threads spin, sleep and bind, and
+which threads the llama engine computes on."""
 
 
 class ServerStatsQuery(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats_query"):
