@@ -1,5 +1,7 @@
 """llama.cpp itself: a model decoded through llama-cpp-python's raw batch API with the context
-settings the engine uses, the baseline the llama benchmark and profile compare the engine with."""
+settings the engine uses, the baseline the llama benchmark and profile compare the engine with.
+Its ``llama_decode`` calls run on the engine's compute thread (``shard_engine_llama._threading``),
+as a second engine's would: two libgomp teams in one process throttle each other's barriers."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 from typing import Final
 
 import numpy as np
+
+from shard_engine_llama._abi import decode_on_compute_thread
 
 N_UBATCH: Final = 512
 """The micro-batch (and batch) size of the raw context, and the engine's in the benchmarks."""
@@ -67,7 +71,9 @@ class RawLlama:
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = seq
             batch.logits[i] = 1 if i in wanted else 0
-        status = int(llama_cpp.llama_decode(self._context, batch))
+        # Where the engine runs its own llama_decode calls (its compute thread): one libgomp
+        # team for both, as for two engines in one process.
+        status = decode_on_compute_thread(self._context, batch)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
         tokens = []

@@ -29,8 +29,8 @@ llama.cpp, split in one process and batched, under the ``moe`` keys). ``_models`
   threads that keep spinning take the cores from the next shard; see
   ``shard_engine_llama._threading``);
 * decode time on a head shard when one thread, two threads taking turns or a 4-thread pool
-  make the calls, under each compute-thread policy (``SHARD_ENGINE_LLAMA_COMPUTE_THREADS``:
-  ``auto``, ``always``, ``0``), each in a fresh process;
+  make the calls, with the engine's compute threads and with every ``llama_decode`` on its
+  caller's thread (``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0``), each in a fresh process;
 * 8 sessions decoded with one ``decode_batch`` per step vs 8 single decodes per step, every
   configuration and mode interleaved; the batched rate of a split next to the unsplit one;
 * peak RSS of every shard vs the full model, each in a fresh subprocess, above the RSS of a
@@ -717,6 +717,19 @@ def bench_split(
 IDLE_WINDOW_S: Final = 0.05
 
 
+def _timed_decode(
+    engine: LlamaEngine, session: SessionRef, pos: int, token: int, request_id: str
+) -> float:
+    """One decode of ``token`` at ``pos``; its wall time in ms."""
+    started = time.perf_counter()
+    engine.decode(
+        DecodeRequest(
+            request_id=request_id, session=session, pos=pos, inputs=TokenInput(token_ids=(token,))
+        )
+    )
+    return (time.perf_counter() - started) * 1000.0
+
+
 def spin_child(spec_json: str) -> int:
     """Subprocess body: decode on the unsplit model; after each decode returns, measure the
     CPU time the whole process burns while this thread sleeps (spinning OpenMP threads)."""
@@ -736,16 +749,7 @@ def spin_child(spec_json: str) -> int:
     idle_cpu_ms: list[float] = []
     decode_ms: list[float] = []
     for step in range(spec["steps"]):
-        started = time.perf_counter()
-        engine.decode(
-            DecodeRequest(
-                request_id=f"d{step}",
-                session=session,
-                pos=len(prompt) + step,
-                inputs=TokenInput(token_ids=(prompt[-1],)),
-            )
-        )
-        decode_ms.append((time.perf_counter() - started) * 1000.0)
+        decode_ms.append(_timed_decode(engine, session, len(prompt) + step, prompt[-1], f"d{step}"))
         cpu = time.process_time()
         time.sleep(IDLE_WINDOW_S)
         idle_cpu_ms.append((time.process_time() - cpu) * 1000.0)
@@ -822,6 +826,16 @@ def callers_child(spec_json: str) -> int:
         max_context=512,
     )
     prompt = [int(token) for token in spec["prompt"]]
+    # Warm up (first decodes pay for buffers and page faults) before any pattern is timed.
+    warm = SessionRef(session_id="callers-warm-up", epoch=1)
+    engine.prefill(
+        PrefillRequest(
+            request_id="warm", session=warm, start_pos=0, inputs=TokenInput(token_ids=tuple(prompt))
+        )
+    )
+    for step in range(8):
+        _timed_decode(engine, warm, len(prompt) + step, prompt[0], f"warm-{step}")
+    engine.release(ReleaseRequest(session=warm))
     medians: dict[str, float] = {}
     for index, pattern in enumerate(CALLER_PATTERNS):
         session = SessionRef(session_id=f"callers-{index}", epoch=1)
@@ -835,16 +849,8 @@ def callers_child(spec_json: str) -> int:
         )
 
         def decode(step: int, session: SessionRef = session, index: int = index) -> float:
-            started = time.perf_counter()
-            engine.decode(
-                DecodeRequest(
-                    request_id=f"d{index}-{step}",
-                    session=session,
-                    pos=len(prompt) + step,
-                    inputs=TokenInput(token_ids=(prompt[step % len(prompt)],)),
-                )
-            )
-            return (time.perf_counter() - started) * 1000.0
+            token = prompt[step % len(prompt)]
+            return _timed_decode(engine, session, len(prompt) + step, token, f"d{index}-{step}")
 
         steps = range(spec["steps"])
         if pattern == "one thread":
@@ -868,9 +874,9 @@ def callers_child(spec_json: str) -> int:
 
 
 def bench_callers(model: BenchModel, settings: Settings, results: Recorder) -> None:
-    """Decode ms per calling pattern under each compute-thread policy (the default "auto",
-    "always", and every llama_decode on its caller's thread: SHARD_ENGINE_LLAMA_COMPUTE_THREADS
-    =0), each configuration in a fresh process, in rotating order over the repetitions."""
+    """Decode ms per calling pattern with the engine's compute threads (the default) and with
+    every llama_decode on its caller's thread (SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0), each
+    configuration in a fresh process, in alternating order over the repetitions."""
     start, end = model.splits["3-way"][0]
     print(
         f"\n## {model.name}: who calls llama_decode (head shard [{start}:{end}), {N_THREADS} "
@@ -885,7 +891,7 @@ def bench_callers(model: BenchModel, settings: Settings, results: Recorder) -> N
         "prompt": model.prompt_source(8, 0),
         "steps": max(settings.decode_tokens, 16),
     }
-    policies = {"auto": "auto", "always": "always", "caller": "0"}
+    policies = {"compute": "1", "caller": "0"}
     samples: dict[str, dict[str, list[float]]] = {
         name: {pattern: [] for pattern in CALLER_PATTERNS} for name in policies
     }
@@ -904,24 +910,20 @@ def bench_callers(model: BenchModel, settings: Settings, results: Recorder) -> N
             measured = json.loads(completed.stdout.strip().splitlines()[-1])
             for pattern in CALLER_PATTERNS:
                 samples[name][pattern].append(float(measured[pattern]))
-    print(
-        f"{'pattern':<24} {'auto ms':>8} {'always ms':>10} {'caller ms':>10} "
-        f"{'caller/auto':>12} {'always/auto':>12}"
-    )
+    print(f"{'pattern':<24} {'compute thread ms':>17} {'caller thread ms':>16} {'ratio':>6}")
     for pattern in CALLER_PATTERNS:
         medians = {name: _median(samples[name][pattern]) for name in policies}
         for name, value in medians.items():
             results.record(_slug(f"callers_{pattern}_{name}_ms"), round(value, 3), "ms")
         print(
-            f"{pattern:<24} {medians['auto']:>8.3f} {medians['always']:>10.3f} "
-            f"{medians['caller']:>10.3f} {medians['caller'] / medians['auto']:>12.2f} "
-            f"{medians['always'] / medians['auto']:>12.2f}"
+            f"{pattern:<24} {medians['compute']:>17.3f} {medians['caller']:>16.3f} "
+            f"{medians['caller'] / medians['compute']:>6.2f}"
         )
     print(
-        "auto (the default): calls on the caller's thread while it is the only caller, then on "
-        "the compute threads; always: on the compute threads from the first call; caller: on "
-        "the calling thread, a libgomp team per calling thread (libgomp throttles every "
-        "barrier's spin once the teams' threads outnumber the CPUs)"
+        "compute thread (the default): every llama_decode on the lowest idle compute thread; "
+        "caller thread: on the calling thread, a libgomp team per calling thread (libgomp "
+        "throttles every barrier's spin once the teams' threads outnumber the CPUs). ratio: "
+        "caller / compute; one thread shows what the hand-off costs"
     )
 
 

@@ -1,10 +1,8 @@
-"""Every llama_decode of a process runs in as few libgomp teams as possible: by the default
-"auto" policy on its caller's thread while one thread is the only caller, and from the first
-call by another thread on, on the lowest idle compute thread, so that calls made one after
-another share one compute thread and so one team; calls that overlap get another compute
-thread, which ends when idle. (With a team per calling thread, libgomp throttles its barriers
-once the process holds more team threads than CPUs: a head shard of gemma3-270m decoded 5x
-slower called from two alternating threads.)
+"""Every llama_decode of a process runs on the lowest idle compute thread, whichever thread
+calls the engine: calls made one after another share one compute thread and so one libgomp
+team; calls that overlap get another compute thread, which ends when idle. (With a team per
+calling thread, libgomp throttles its barriers once the process holds more team threads than
+CPUs: a head shard of gemma3-270m decoded 5x slower called from two alternating threads.)
 
 The probes run in fresh processes: libgomp teams live as long as the threads that made them."""
 
@@ -128,27 +126,21 @@ def _probe(model: Path, mode: str, **env: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_callers_taking_turns_share_one_compute_thread(tiny_model: Path, native: str) -> None:
-    """While one thread is the only caller its calls run on it (no compute thread, no
-    handoff); then four threads take turns at eight decodes (as a server's threads do): one
-    compute thread ever started (native C and the Python fallback alike), so one libgomp team,
-    not a team per caller. Fix: hand llama_decode to the compute threads in ShardRuntime."""
+    """The loading thread's calls, then four threads taking turns at eight decodes (as a
+    server's threads do): one compute thread ever started (native C and the Python fallback
+    alike), so one libgomp team, not a team per caller. Fix: hand llama_decode to the compute
+    threads in ShardRuntime."""
     report = _probe(tiny_model, "sequential", SHARD_ENGINE_LLAMA_NATIVE=native)
     mode = "native" if native == "1" else "python"
-    assert report["one_caller"] == [mode, 0, 0, False]
-    assert report["sequential"] == [mode, 1, 1, True]
-
-
-def test_always_hands_every_call_to_a_compute_thread(tiny_model: Path) -> None:
-    report = _probe(tiny_model, "sequential", SHARD_ENGINE_LLAMA_COMPUTE_THREADS="always")
-    assert report["one_caller"] == ["native", 1, 1, True]
-    assert report["sequential"] == ["native", 1, 1, True]
+    assert report["one_caller"] == [mode, 1, 1]
+    assert report["sequential"] == [mode, 1, 1]
 
 
 def test_compute_threads_can_be_turned_off(tiny_model: Path) -> None:
     """SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0 runs each call on its caller's thread (for
     comparisons): no compute thread starts."""
     report = _probe(tiny_model, "sequential", SHARD_ENGINE_LLAMA_COMPUTE_THREADS="0")
-    assert report["sequential"] == ["caller", 0, 0, False]
+    assert report["sequential"] == ["caller", 0, 0]
 
 
 def test_overlapping_calls_get_a_second_compute_thread_that_ends_when_idle(
@@ -157,22 +149,21 @@ def test_overlapping_calls_get_a_second_compute_thread_that_ends_when_idle(
     """Two engines decoding at the same time from two threads run at the same time (two
     compute threads); the second ends after its idle time, and compute thread 0 serves on."""
     report = _probe(tiny_model, "overlap")
-    mode, alive, started, handing_off = report["overlap"]
+    mode, alive, started = report["overlap"]
     assert mode == "native"
-    assert handing_off
     assert started == 2
     assert alive in (1, 2)
-    assert report["after_idle"] == ["native", 1, 2, True]
-    assert report["after_idle_decode"] == ["native", 1, 2, True]
+    assert report["after_idle"] == ["native", 1, 2]
+    assert report["after_idle_decode"] == ["native", 1, 2]
 
 
 def test_a_forked_child_starts_its_own_compute_thread(tiny_model: Path) -> None:
     """After fork() the child has none of the parent's compute threads: its first decode
     starts one there (instead of waiting forever for a thread that did not fork), and the
     parent's keeps serving."""
-    report = _probe(tiny_model, "fork", SHARD_ENGINE_LLAMA_COMPUTE_THREADS="always")
+    report = _probe(tiny_model, "fork")
     assert report["fork_child_status"] == 0
-    assert report["after_fork"] == ["native", 1, 1, True]
+    assert report["after_fork"] == ["native", 1, 1]
 
 
 def test_python_compute_threads_return_results_and_raise_errors_in_the_caller() -> None:
@@ -218,28 +209,3 @@ def test_python_compute_threads_return_results_and_raise_errors_in_the_caller() 
     while threads.alive() > 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threads.alive() == 1
-
-
-def test_auto_policy_hands_off_from_the_second_caller_on() -> None:
-    """The first caller runs its calls itself; once another thread calls, every call runs on
-    a compute thread and the first caller gives its team back once, at its next call."""
-    given_back: list[int] = []
-    threads = ComputeThreads(
-        idle_exit_s=0.2, always=False, give_back_team=lambda: given_back.append(1)
-    )
-    me = threading.get_ident()
-    assert threads.run(threading.get_ident) == me
-    assert threads.run(threading.get_ident) == me
-    assert (threads.handing_off, threads.started) == (False, 0)
-    ran_on: list[int] = []
-    other = threading.Thread(target=lambda: ran_on.append(threads.run(threading.get_ident)))
-    other.start()
-    other.join()
-    assert (threads.handing_off, threads.started) == (True, 1)
-    assert ran_on[0] not in (me, other.ident)
-    assert given_back == []
-    assert threads.run(threading.get_ident) == ran_on[0]
-    assert given_back == [1]
-    assert threads.run(threading.get_ident) == ran_on[0]
-    assert given_back == [1]
-    assert threads.started == 1

@@ -110,7 +110,7 @@ LLAMA_CPP_PYTHON_VERSION = _check_version()
 from shard_engine_llama._threading import (  # noqa: E402
     ComputeThreads,
     apply_threading_defaults,
-    compute_policy,
+    compute_threads_enabled,
     record_compute_threads,
 )
 
@@ -244,87 +244,66 @@ class _Compute:
     """How ``llama_decode`` reaches a compute thread (see ``_threading``)."""
 
     mode: str  # "native", "python" or "caller"
-    policy: str  # "auto", "always" or "caller"
     decode: Callable[[object, llama_cpp.llama_batch], int] | None
-    counts: Callable[[], tuple[int, int, bool]]
-
-
-def _omp_pause_address() -> int | None:
-    """libgomp's ``omp_pause_resource_all`` (the first caller gives its team back with it), or
-    None when no OpenMP runtime with it is loaded."""
-    try:
-        return _address(ctypes.CDLL("libgomp.so.1").omp_pause_resource_all)
-    except (OSError, AttributeError):
-        return None
+    counts: Callable[[], tuple[int, int]]
 
 
 def _load_compute() -> _Compute:
-    """The native ``shard_engine_decode`` when the extension is built, else ``ComputeThreads``,
-    by the policy ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS`` names (see ``_threading``)."""
-    policy = compute_policy()
-    if policy == "caller":
-        return _Compute("caller", policy, None, lambda: (0, 0, False))
+    """The native ``shard_engine_decode`` when the extension is built, else ``ComputeThreads``;
+    the caller's thread when ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0``."""
+    if not compute_threads_enabled():
+        return _Compute("caller", None, lambda: (0, 0))
     decode_address = _address(llama_cpp.llama_cpp._lib.llama_decode)
-    pause = _omp_pause_address()
     spec = importlib.util.find_spec("shard_engine_llama._native")
     if _native is not None and spec is not None and spec.origin is not None:
         try:
             library = ctypes.CDLL(spec.origin)
             function = library.shard_engine_decode
             counter = library.shard_engine_compute_threads
-            setup = library.shard_engine_compute_setup
         except (OSError, AttributeError):
             pass
         else:
             function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             function.restype = ctypes.c_int32
-            counter.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 3
+            counter.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 2
             counter.restype = None
-            setup.argtypes = [ctypes.c_int32, ctypes.c_void_p]
-            setup.restype = None
-            setup(1 if policy == "always" else 0, pause)
 
             def native(context: object, batch: llama_cpp.llama_batch) -> int:
                 return int(function(decode_address, context, ctypes.byref(batch)))
 
-            def native_counts() -> tuple[int, int, bool]:
-                alive, started, handing_off = (ctypes.c_int32(0) for _ in range(3))
-                counter(ctypes.byref(alive), ctypes.byref(started), ctypes.byref(handing_off))
-                return int(alive.value), int(started.value), bool(handing_off.value)
+            def native_counts() -> tuple[int, int]:
+                alive, started = ctypes.c_int32(0), ctypes.c_int32(0)
+                counter(ctypes.byref(alive), ctypes.byref(started))
+                return int(alive.value), int(started.value)
 
-            return _Compute("native", policy, native, native_counts)
-    pause_function = (
-        ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(pause) if pause is not None else None
-    )
-    threads = ComputeThreads(
-        always=policy == "always",
-        give_back_team=(lambda: pause_function(1)) if pause_function is not None else None,
-    )
+            return _Compute("native", native, native_counts)
+    threads = ComputeThreads()
     decode = llama_cpp.llama_decode
 
     def python(context: object, batch: llama_cpp.llama_batch) -> int:
         return threads.run(lambda: int(decode(context, batch)))
 
-    return _Compute(
-        "python",
-        policy,
-        python,
-        lambda: (threads.alive(), threads.started, threads.handing_off),
-    )
+    return _Compute("python", python, lambda: (threads.alive(), threads.started))
 
 
 _compute = _load_compute()
 _compute_decode = _compute.decode
-record_compute_threads(f"{_compute.mode} ({_compute.policy})")
+record_compute_threads(_compute.mode)
 
 
-def compute_threads() -> tuple[str, int, int, bool]:
-    """Where ``llama_decode`` runs ("native" or "python" compute threads, or always the
-    "caller"'s thread), how many compute threads run now, how many this process started, and
-    whether calls are handed to them now (by the "auto" policy only once a second thread has
-    called)."""
-    alive, started, handing_off = _compute.counts()
-    return _compute.mode, alive, started, handing_off
+def compute_threads() -> tuple[str, int, int]:
+    """Where ``llama_decode`` runs ("native" or "python" compute threads, or the "caller"'s
+    thread), how many compute threads run now and how many this process started."""
+    alive, started = _compute.counts()
+    return _compute.mode, alive, started
+
+
+def decode_on_compute_thread(context: object, batch: llama_cpp.llama_batch) -> int:
+    """``llama_decode(context, batch)`` where the engine runs its own: for a baseline that
+    calls llama.cpp directly in the same process (a second libgomp team would throttle both)."""
+    if _compute_decode is None:
+        return int(llama_cpp.llama_decode(context, batch))
+    return _compute_decode(context, batch)
 
 
 # llama_get_logits_ith(ctx, i) returning the row's address as an int (None for NULL): a

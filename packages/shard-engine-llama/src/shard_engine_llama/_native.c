@@ -96,16 +96,14 @@ bool shard_engine_abort_flag(void *flag)
  * serves successive requests on different threads (a thread pool, turn-taking readers, an
  * asyncio executor) got exactly that: a gemma3-270m head shard decoded in 8.9 ms called from two
  * alternating threads against 1.8 ms from one (121 against 0 voluntary context switches per
- * decode).
- *
- * So, in the default "auto" policy: while one thread is the only one that ever called, its calls
- * run on it (no handoff). From the first call by another thread on, every call goes to a compute
- * thread, the lowest-numbered idle one, so that calls made one after another always run on
- * compute thread 0 and its one team; the first caller gives its own team back at its next call
- * (omp_pause_resource_all, when the OpenMP runtime has it). A call that overlaps a running one
- * gets compute thread 1 (and so on), which ends after IDLE_EXIT_S without work, taking its team
- * with it. The "always" policy hands every call to the compute threads from the start. The
- * caller waits without the GIL (ctypes releases it). After fork() the child starts afresh.
+ * decode). So every llama_decode goes to a compute thread, the lowest-numbered idle one: calls
+ * made one after another, from whichever threads, all run on compute thread 0 and its one team.
+ * A call that overlaps a running one gets compute thread 1 (and so on), which ends after
+ * IDLE_EXIT_S without work, taking its team with it. (Running a lone caller's calls on the
+ * caller until a second thread calls saves two wake-ups per call, but leaves the first caller's
+ * team behind whenever that thread stops calling — a server's loading thread does — and two
+ * teams are already throttled on two CPUs.) The caller waits without the GIL (ctypes releases
+ * it). After fork() the child starts with no compute threads.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -141,16 +139,7 @@ struct compute_slot {
     int32_t result;
 };
 
-enum compute_policy { POLICY_AUTO = 0, POLICY_ALWAYS = 1 };
-typedef int (*omp_pause_fn)(int kind);
-#define OMP_PAUSE_SOFT 1
-
 static pthread_mutex_t compute_lock = PTHREAD_MUTEX_INITIALIZER;
-static int compute_policy = POLICY_AUTO;
-static int compute_handing_off;     /* auto: a second thread has called */
-static int compute_owner_set;       /* auto: `compute_owner` ran calls on its own team */
-static pthread_t compute_owner;
-static omp_pause_fn compute_omp_pause;
 static pthread_cond_t compute_slot_free = PTHREAD_COND_INITIALIZER;
 static struct compute_slot compute_slots[MAX_COMPUTE_THREADS];
 static int compute_initialized;
@@ -212,8 +201,6 @@ static void compute_atfork_child(void)
     memset(compute_slots, 0, sizeof(compute_slots));
     compute_initialized = 0;
     compute_threads_started = 0;
-    compute_handing_off = compute_policy == POLICY_ALWAYS;
-    compute_owner_set = 0;
     pthread_mutex_unlock(&compute_lock);
 }
 
@@ -254,46 +241,12 @@ static int compute_claim_locked(void)
     }
 }
 
-/* The policy (POLICY_AUTO or POLICY_ALWAYS) and libgomp's omp_pause_resource_all (or NULL);
- * called once, before the first decode. */
-void shard_engine_compute_setup(int32_t policy, void *omp_pause)
-{
-    pthread_mutex_lock(&compute_lock);
-    compute_policy = policy == POLICY_ALWAYS ? POLICY_ALWAYS : POLICY_AUTO;
-    compute_handing_off = compute_policy == POLICY_ALWAYS;
-    compute_omp_pause = (omp_pause_fn)omp_pause;
-    pthread_mutex_unlock(&compute_lock);
-}
-
-/* llama_decode(context, *batch) by the policy above; returns its status. */
+/* llama_decode(context, *batch) on a compute thread; returns its status. */
 int32_t shard_engine_decode(void *fn, void *context, const struct llama_batch_abi *batch)
 {
     pthread_once(&compute_atfork_once, compute_register_atfork);
-    const pthread_t self = pthread_self();
     pthread_mutex_lock(&compute_lock);
     compute_init_locked();
-    if (!compute_handing_off) {
-        if (!compute_owner_set) {
-            compute_owner = self;
-            compute_owner_set = 1;
-        }
-        if (pthread_equal(compute_owner, self)) {
-            pthread_mutex_unlock(&compute_lock);
-            return ((llama_decode_fn)fn)(context, *batch);
-        }
-        compute_handing_off = 1; /* a second calling thread: hand off from now on */
-    }
-    if (compute_owner_set && pthread_equal(compute_owner, self)) {
-        /* The first caller's own team: give it back (once; libgomp makes it again only if
-         * this thread runs a parallel region itself, which it no longer does). */
-        compute_owner_set = 0;
-        omp_pause_fn pause = compute_omp_pause;
-        pthread_mutex_unlock(&compute_lock);
-        if (pause != NULL) {
-            pause(OMP_PAUSE_SOFT);
-        }
-        pthread_mutex_lock(&compute_lock);
-    }
     const int index = compute_claim_locked();
     if (index < 0) {
         pthread_mutex_unlock(&compute_lock);
@@ -316,9 +269,8 @@ int32_t shard_engine_decode(void *fn, void *context, const struct llama_batch_ab
     return result;
 }
 
-/* How many compute threads run now, how many were started, and whether calls are handed off
- * (tests and diagnostics). */
-void shard_engine_compute_threads(int32_t *alive, int32_t *started, int32_t *handing_off)
+/* How many compute threads run now and how many were started (tests and diagnostics). */
+void shard_engine_compute_threads(int32_t *alive, int32_t *started)
 {
     pthread_mutex_lock(&compute_lock);
     int32_t count = 0;
@@ -327,7 +279,6 @@ void shard_engine_compute_threads(int32_t *alive, int32_t *started, int32_t *han
     }
     *alive = count;
     *started = compute_threads_started;
-    *handing_off = compute_handing_off;
     pthread_mutex_unlock(&compute_lock);
 }
 

@@ -35,15 +35,12 @@ The defaults (``apply_threading_defaults``, called by ``_abi`` before it imports
   the process holds more team threads than CPUs it cuts every barrier's spin to 100
   iterations, so a graph's threads sleep and are woken at almost every node. A server that
   serves successive calls on different threads (a thread pool, turn-taking readers, an asyncio
-  executor) got exactly that. So by the default policy ``auto`` (``SHARD_ENGINE_LLAMA_COMPUTE_
-  THREADS``): while one thread is the only one that ever called ``llama_decode``, its calls
-  run on it; from the first call by another thread on, every call goes to a compute thread,
-  the lowest-numbered idle one (:class:`ComputeThreads`; in C in ``_native.c`` when that
-  extension is built), so calls made one after another all run on compute thread 0 and its
-  one team, and the first caller gives its own team back (``omp_pause_resource_all``). Only
-  calls that overlap get more compute threads, which end after :data:`COMPUTE_IDLE_EXIT_S`
-  without work. ``always`` hands every call to the compute threads from the start; ``0`` runs
-  every call on its caller's thread (for comparisons).
+  executor) got exactly that. So every ``llama_decode`` of the process runs on a compute
+  thread, the lowest-numbered idle one (:class:`ComputeThreads`; in C in ``_native.c`` when
+  that extension is built): calls made one after another, from whichever threads, all run on
+  compute thread 0 and its one team. Only calls that overlap get more compute threads, which
+  end after :data:`COMPUTE_IDLE_EXIT_S` without work. ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0``
+  runs every call on its caller's thread instead (for comparisons).
 """
 
 from __future__ import annotations
@@ -63,7 +60,7 @@ __all__ = [
     "SPIN_COUNT_ENV",
     "ComputeThreads",
     "apply_threading_defaults",
-    "compute_policy",
+    "compute_threads_enabled",
     "libgomp_loaded",
     "record_compute_threads",
     "threading_report",
@@ -102,13 +99,10 @@ def apply_threading_defaults() -> None:
         _applied["source"] = "shard-engine default"
 
 
-COMPUTE_POLICIES: Final = {"auto": "auto", "always": "always", "1": "always", "0": "caller"}
-
-
-def compute_policy() -> str:
-    """The compute-thread policy the environment names: "auto" (default or an unknown value),
-    "always" or "caller"."""
-    return COMPUTE_POLICIES.get(os.environ.get(COMPUTE_THREADS_ENV, "auto").strip(), "auto")
+def compute_threads_enabled() -> bool:
+    """False when ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0`` asks for calls on the caller's
+    thread."""
+    return os.environ.get(COMPUTE_THREADS_ENV, "1").strip() != "0"
 
 
 def record_compute_threads(mode: str) -> None:
@@ -151,31 +145,16 @@ class _Slot:
 
 
 class ComputeThreads:
-    """Runs calls by the compute-thread policy and returns each result (or raises its
-    exception) in the caller: the Python form of ``shard_engine_decode`` in ``_native.c``, used
-    when that extension is not built; see the module docstring for why.
+    """Runs each call on the lowest-numbered idle compute thread and returns its result (or
+    raises its exception) in the caller. The Python form of ``shard_engine_decode`` in
+    ``_native.c``, used when that extension is not built; see the module docstring for why."""
 
-    ``always=False`` (the "auto" policy): the first thread to call runs its calls itself until
-    another thread calls; from then on every call runs on the lowest-numbered idle compute
-    thread, and the first caller runs ``give_back_team`` once, at its next call."""
-
-    def __init__(
-        self,
-        idle_exit_s: float = COMPUTE_IDLE_EXIT_S,
-        *,
-        always: bool = True,
-        give_back_team: Callable[[], object] | None = None,
-    ) -> None:
+    def __init__(self, idle_exit_s: float = COMPUTE_IDLE_EXIT_S) -> None:
         self._idle_exit_s = idle_exit_s
-        self._always = always
-        self._give_back_team = give_back_team
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
         self._slots: list[_Slot] = []
         self._pid = os.getpid()
-        self._owner: int | None = None
-        self.handing_off = always
-        """Whether calls go to the compute threads now."""
         self.started = 0
         """Threads started (since construction, or since this process forked)."""
 
@@ -184,27 +163,6 @@ class ComputeThreads:
             return sum(slot.alive for slot in self._slots)
 
     def run(self, call: Callable[[], _T]) -> _T:
-        me = threading.get_ident()
-        with self._lock:
-            if os.getpid() != self._pid:  # forked: the threads stayed in the parent
-                self._slots, self._pid, self.started = [], os.getpid(), 0
-                self._owner, self.handing_off = None, self._always
-            if not self.handing_off:
-                if self._owner is None:
-                    self._owner = me
-                if self._owner == me:
-                    inline = True
-                else:
-                    inline, self.handing_off = False, True
-            else:
-                inline = False
-            give_back = self.handing_off and self._owner == me
-            if give_back:
-                self._owner = None
-        if inline:
-            return call()
-        if give_back and self._give_back_team is not None:
-            self._give_back_team()
         job: _Job[_T] = _Job(call)
         slot = self._claim()
         try:
@@ -220,6 +178,8 @@ class ComputeThreads:
 
     def _claim(self) -> _Slot:
         with self._lock:
+            if os.getpid() != self._pid:  # forked: the threads stayed in the parent
+                self._slots, self._pid, self.started = [], os.getpid(), 0
             while True:
                 slot = next((slot for slot in self._slots if not slot.busy), None)
                 if slot is None and len(self._slots) < 64:
