@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 import shard_engine_api as api
@@ -58,6 +59,28 @@ def prefill(
             start_pos=0,
             inputs=api.TokenInput(token_ids=tokens),
         )
+    )
+
+
+def fill(engine: api.ShardEngine, session: api.SessionRef, positions: int) -> None:
+    """Prefill ``session`` with ``positions`` positions, 499 a request (a session whose
+    snapshot spans several chunks)."""
+    for start in range(0, positions, 499):
+        engine.prefill(
+            api.PrefillRequest(
+                request_id=f"p{start}",
+                session=session,
+                start_pos=start,
+                inputs=api.TokenInput(token_ids=tuple(i % 500 for i in range(499))),
+            )
+        )
+
+
+def slow_reader_channel(address: str) -> grpc.Channel:
+    """A gRPC channel that grants almost no flow-control window: a client that barely reads
+    what the server streams."""
+    return grpc.insecure_channel(
+        address, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
     )
 
 

@@ -24,7 +24,9 @@ from conftest import (
     config,
     decode,
     delay,
+    fill,
     prefill,
+    slow_reader_channel,
     wait_until,
 )
 
@@ -283,19 +285,9 @@ def test_an_export_the_client_stops_reading_is_cut_off(
     assert server.address is not None
     worker = remote(config(target=server.address))
     session = api.SessionRef(session_id="big", epoch=1)
-    for start in range(0, 1497, 499):
-        worker.prefill(
-            api.PrefillRequest(
-                request_id=f"p{start}",
-                session=session,
-                start_pos=start,
-                inputs=api.TokenInput(token_ids=tuple(i % 500 for i in range(499))),
-            )
-        )
+    fill(worker, session, 1497)
     request = api.ExportSessionRequest(request_id="e", session=session)
-    channel = grpc.insecure_channel(
-        server.address, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
-    )
+    channel = slow_reader_channel(server.address)
     try:
         export: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(EXPORT_METHOD)
         stalled = export(encode_request(request), timeout=60)

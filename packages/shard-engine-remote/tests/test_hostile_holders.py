@@ -22,9 +22,11 @@ from conftest import (
     ServeFactory,
     config,
     decode,
+    fill,
     prefill,
     read_frame,
     ref,
+    slow_reader_channel,
     wait_until,
 )
 from grpc_health.v1 import health_pb2
@@ -340,19 +342,9 @@ def test_an_export_taken_slowly_holds_its_slot_only_as_long_as_its_size_allows(
     assert server.address is not None
     worker = remote(api.LoadConfig(shard=load.shard, options={"target": server.address}))
     session = api.SessionRef(session_id="big", epoch=1)
-    for start in range(0, 5988, 499):
-        worker.prefill(
-            api.PrefillRequest(
-                request_id=f"p{start}",
-                session=session,
-                start_pos=start,
-                inputs=api.TokenInput(token_ids=tuple(i % 500 for i in range(499))),
-            )
-        )
+    fill(worker, session, 5988)
     request = api.ExportSessionRequest(request_id="e", session=session)
-    channel = grpc.insecure_channel(
-        server.address, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
-    )
+    channel = slow_reader_channel(server.address)
     try:
         export: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(EXPORT_METHOD)
         stream = export(encode_request(request), timeout=60)

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import msgspec
 import pytest
-from conftest import Background, RemoteFactory, ServeFactory, ref, shard, wait_until
+from conftest import Background, RemoteFactory, ServeFactory, fill, ref, shard, wait_until
 
 import shard_engine_api as api
 from shard_engine_api import wire
@@ -342,15 +342,7 @@ def test_export_streams_cut_after_any_message_are_malformed(
     assert server.address is not None
     engine = remote(config(target=server.address, transport=transport))
     session = ref("s")
-    for start in range(0, 1497, 499):
-        engine.prefill(
-            api.PrefillRequest(
-                request_id=f"p{start}",
-                session=session,
-                start_pos=start,
-                inputs=api.TokenInput(token_ids=tuple(i % 500 for i in range(499))),
-            )
-        )
+    fill(engine, session, 1497)
     server.keep = 1 << 30
     n_messages = 1 + len(_export(engine, "s").chunks)
     assert n_messages >= 3
