@@ -442,6 +442,33 @@ class CancelExplodes(SlowHistory):
         raise RuntimeError("cancel is broken")
 
 
+def _cancelled_prefill(
+    engine: SlowHistory, session: SessionRef, request_id: str, *, after_s: float
+) -> AsyncShardEngine:
+    """An 8-token prefill through a new adapter whose task is cancelled ``after_s`` after it
+    started; the task must end CancelledError. Returns the adapter (for ``take_outcome``)."""
+
+    async def scenario() -> AsyncShardEngine:
+        adapter = AsyncShardEngine(engine)
+        task = asyncio.ensure_future(
+            adapter.prefill(
+                PrefillRequest(
+                    request_id=request_id,
+                    session=session,
+                    start_pos=0,
+                    inputs=TokenInput(token_ids=tuple(range(1, 9))),
+                )
+            )
+        )
+        await asyncio.sleep(after_s)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return adapter
+
+    return asyncio.run(scenario())
+
+
 def test_a_cancel_that_raises_does_not_end_the_wait_for_the_running_call() -> None:
     """The task still waits for the running prefill to end (it commits: the cancel never
     reached it), so the caller never races a half-finished operation; then the task ends
@@ -450,26 +477,7 @@ def test_a_cancel_that_raises_does_not_end_the_wait_for_the_running_call() -> No
     _loaded(engine)
     engine.row_delay = 0.01
     session = SessionRef(session_id="s", epoch=1)
-
-    async def scenario() -> AsyncShardEngine:
-        adapter = AsyncShardEngine(engine)
-        task = asyncio.ensure_future(
-            adapter.prefill(
-                PrefillRequest(
-                    request_id="p",
-                    session=session,
-                    start_pos=0,
-                    inputs=TokenInput(token_ids=tuple(range(1, 9))),
-                )
-            )
-        )
-        await asyncio.sleep(0.02)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return adapter
-
-    adapter = asyncio.run(scenario())
+    adapter = _cancelled_prefill(engine, session, "p", after_s=0.02)
     outcome = adapter.take_outcome("p")
     assert outcome is not None
     assert isinstance(outcome.result, LogitsResult)
@@ -746,26 +754,8 @@ def test_a_cancel_that_comes_before_the_call_reaches_the_engine_still_stops_it()
     _loaded(engine)
     engine.row_delay = 0.01
     session = SessionRef(session_id="s", epoch=1)
-
-    async def scenario() -> AsyncShardEngine:
-        adapter = AsyncShardEngine(engine)
-        task = asyncio.ensure_future(
-            adapter.prefill(
-                PrefillRequest(
-                    request_id="late",
-                    session=session,
-                    start_pos=0,
-                    inputs=TokenInput(token_ids=tuple(range(1, 9))),
-                )
-            )
-        )
-        await asyncio.sleep(0.002)  # running in a worker, not yet in the engine
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return adapter
-
-    adapter = asyncio.run(scenario())
+    # Cancelled while running in a worker, not yet in the engine.
+    adapter = _cancelled_prefill(engine, session, "late", after_s=0.002)
     assert adapter.take_outcome("late") is None
     assert _committed(engine, "s") is None
     assert engine.metrics().cancelled == 1
