@@ -730,6 +730,21 @@ def _timed_decode(
     return (time.perf_counter() - started) * 1000.0
 
 
+def _run_child(flag: str, spec: Mapping[str, object], env: Mapping[str, str]) -> dict[str, float]:
+    """Run this benchmark's ``flag`` subprocess body on ``spec`` with ``env``; the JSON object
+    it prints last."""
+    completed = subprocess.run(
+        [sys.executable, __file__, flag, json.dumps(spec)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(env),
+    )
+    measured: dict[str, float] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return measured
+
+
 def spin_child(spec_json: str) -> int:
     """Subprocess body: decode on the unsplit model; after each decode returns, measure the
     CPU time the whole process burns while this thread sleeps (spinning OpenMP threads)."""
@@ -782,15 +797,7 @@ def bench_spin(
                 env.pop(key, None)
             else:
                 env[key] = value
-        completed = subprocess.run(
-            [sys.executable, __file__, "--spin-child", json.dumps(spec)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-        )
-        measured = json.loads(completed.stdout.strip().splitlines()[-1])
+        measured = _run_child("--spin-child", spec, env)
         label = "OMP_WAIT_POLICY=PASSIVE" if spin == "passive" else f"{SPIN_COUNT_ENV}={spin}"
         if spin == str(DEFAULT_SPIN_COUNT):
             label += " (the default)"
@@ -899,15 +906,9 @@ def bench_callers(model: BenchModel, settings: Settings, results: Recorder) -> N
         names = list(policies)
         names = names[repetition % len(names) :] + names[: repetition % len(names)]
         for name in names:
-            completed = subprocess.run(
-                [sys.executable, __file__, "--callers-child", json.dumps(spec)],
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env={**os.environ, COMPUTE_THREADS_ENV: policies[name]},
+            measured = _run_child(
+                "--callers-child", spec, {**os.environ, COMPUTE_THREADS_ENV: policies[name]}
             )
-            measured = json.loads(completed.stdout.strip().splitlines()[-1])
             for pattern in CALLER_PATTERNS:
                 samples[name][pattern].append(float(measured[pattern]))
     print(f"{'pattern':<24} {'compute thread ms':>17} {'caller thread ms':>16} {'ratio':>6}")
