@@ -216,15 +216,28 @@ def _address(function: object) -> int:
     return int(value)
 
 
-def _load_native() -> _NativeCallbacks | None:
-    """The built ``_native`` extension's callbacks, or None (not built, or disabled)."""
+def _load_native_library() -> ctypes.CDLL | None:
+    """The built ``_native`` extension as a library, or None (not built, or disabled)."""
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
     spec = importlib.util.find_spec("shard_engine_llama._native")
     if spec is None or spec.origin is None:
         return None
     try:
-        library = ctypes.CDLL(spec.origin)
+        return ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+
+
+_native_library = _load_native_library()
+
+
+def _load_native() -> _NativeCallbacks | None:
+    """The built ``_native`` extension's callbacks, or None (not built, or disabled)."""
+    library = _native_library
+    if library is None:
+        return None
+    try:
         return _NativeCallbacks(
             capture_eval=_address(library.shard_engine_capture_eval),
             abort_flag=_address(library.shard_engine_abort_flag),
@@ -244,25 +257,28 @@ class _Compute:
     """How ``llama_decode`` reaches a compute thread (see ``_threading``)."""
 
     mode: str  # "native", "python" or "caller"
-    decode: Callable[[object, llama_cpp.llama_batch], int] | None
+    decode: Callable[[object, llama_cpp.llama_batch], int]
     counts: Callable[[], tuple[int, int]]
 
 
+def _decode_here(context: object, batch: llama_cpp.llama_batch) -> int:
+    return int(llama_cpp.llama_decode(context, batch))
+
+
 def _load_compute() -> _Compute:
-    """The native ``shard_engine_decode`` when the extension is built, else ``ComputeThreads``;
-    the caller's thread when ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0``."""
+    """The native ``shard_engine_decode`` when the extension is built (and its callbacks
+    load), else ``ComputeThreads``; the caller's thread when
+    ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0``."""
     if not compute_threads_enabled():
-        return _Compute("caller", None, lambda: (0, 0))
-    decode_address = _address(llama_cpp.llama_cpp._lib.llama_decode)
-    spec = importlib.util.find_spec("shard_engine_llama._native")
-    if _native is not None and spec is not None and spec.origin is not None:
+        return _Compute("caller", _decode_here, lambda: (0, 0))
+    if _native is not None and _native_library is not None:
         try:
-            library = ctypes.CDLL(spec.origin)
-            function = library.shard_engine_decode
-            counter = library.shard_engine_compute_threads
-        except (OSError, AttributeError):
+            function = _native_library.shard_engine_decode
+            counter = _native_library.shard_engine_compute_threads
+        except AttributeError:
             pass
         else:
+            decode_address = _address(llama_cpp.llama_cpp._lib.llama_decode)
             function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             function.restype = ctypes.c_int32
             counter.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 2
@@ -278,17 +294,20 @@ def _load_compute() -> _Compute:
 
             return _Compute("native", native, native_counts)
     threads = ComputeThreads()
-    decode = llama_cpp.llama_decode
 
     def python(context: object, batch: llama_cpp.llama_batch) -> int:
-        return threads.run(lambda: int(decode(context, batch)))
+        return threads.run(lambda: _decode_here(context, batch))
 
     return _Compute("python", python, lambda: (threads.alive(), threads.started))
 
 
 _compute = _load_compute()
-_compute_decode = _compute.decode
 record_compute_threads(_compute.mode)
+
+decode_on_compute_thread: Final = _compute.decode
+"""``llama_decode(context, batch)`` where the engine runs its own (``ShardRuntime`` and a
+baseline that calls llama.cpp directly in the same process: a second libgomp team would
+throttle both)."""
 
 
 def compute_threads() -> tuple[str, int, int]:
@@ -296,14 +315,6 @@ def compute_threads() -> tuple[str, int, int]:
     thread), how many compute threads run now and how many this process started."""
     alive, started = _compute.counts()
     return _compute.mode, alive, started
-
-
-def decode_on_compute_thread(context: object, batch: llama_cpp.llama_batch) -> int:
-    """``llama_decode(context, batch)`` where the engine runs its own: for a baseline that
-    calls llama.cpp directly in the same process (a second libgomp team would throttle both)."""
-    if _compute_decode is None:
-        return int(llama_cpp.llama_decode(context, batch))
-    return _compute_decode(context, batch)
 
 
 # llama_get_logits_ith(ctx, i) returning the row's address as an int (None for NULL): a
@@ -898,11 +909,7 @@ class ShardRuntime:
                     state.rows = 0
                     state.error = 0
                     state.calls = 0
-            status = (
-                int(llama_cpp.llama_decode(context, batch))
-                if _compute_decode is None
-                else _compute_decode(context, batch)
-            )
+            status = decode_on_compute_thread(context, batch)
             if staged is not None:
                 _set_field(batch, "embd", None)  # no pointer to a freed array stays behind
             if status != 0:

@@ -70,6 +70,8 @@ SPIN_COUNT_ENV: Final = "GOMP_SPINCOUNT"
 WAIT_POLICY_ENV: Final = "OMP_WAIT_POLICY"
 DEFAULT_SPIN_COUNT: Final = 10_000
 COMPUTE_THREADS_ENV: Final = "SHARD_ENGINE_LLAMA_COMPUTE_THREADS"
+MAX_COMPUTE_THREADS: Final = 64
+"""At most this many calls run at once (MAX_COMPUTE_THREADS of ``_native.c``); more wait."""
 COMPUTE_IDLE_EXIT_S: Final = 2.0
 """How long a compute thread other than the first waits for work before it ends (IDLE_EXIT_S
 of ``_native.c``)."""
@@ -182,7 +184,7 @@ class ComputeThreads:
                 self._slots, self._pid, self.started = [], os.getpid(), 0
             while True:
                 slot = next((slot for slot in self._slots if not slot.busy), None)
-                if slot is None and len(self._slots) < 64:
+                if slot is None and len(self._slots) < MAX_COMPUTE_THREADS:
                     slot = _Slot(len(self._slots))
                     self._slots.append(slot)
                 if slot is not None:
