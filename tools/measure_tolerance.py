@@ -63,12 +63,10 @@ Rows = npt.NDArray[np.float64]
 
 @dataclass
 class Kind:
-    """The largest differences seen for one output kind."""
+    """Every row's difference and magnitude seen for one output kind, and the row with the
+    largest relative difference."""
 
-    rows: int = 0
-    max_abs: float = 0.0
     max_relative: float = 0.0
-    max_magnitude: float = 0.0
     worst: dict[str, object] = field(default_factory=dict)
     gaps: list[float] = field(default_factory=list)
     magnitudes: list[float] = field(default_factory=list)
@@ -81,15 +79,25 @@ class Kind:
         gaps, magnitudes = np.asarray(self.gaps), np.asarray(self.magnitudes)
         return max(0.0, float((gaps - relative * magnitudes).max()))
 
+    def summary(self) -> dict[str, object]:
+        return {
+            "rows": len(self.gaps),
+            "max_abs": max(self.gaps, default=0.0),
+            "max_relative": self.max_relative,
+            "max_magnitude": max(self.magnitudes, default=0.0),
+            "worst": self.worst,
+            "absolute_needed": {
+                f"relative {relative}": self.absolute_needed(relative)
+                for relative in (0.1, 0.2, 0.3, 0.4, 0.5)
+            },
+        }
+
     def add(self, got: Rows, want: Rows, what: str) -> None:
         gap = np.abs(got - want).max(axis=1)
         magnitude = np.abs(want).max(axis=1)
         self.gaps.extend(float(value) for value in gap)
         self.magnitudes.extend(float(value) for value in magnitude)
         relative = gap / np.maximum(magnitude, np.finfo(np.float64).tiny)
-        self.rows += len(gap)
-        self.max_abs = max(self.max_abs, float(gap.max()))
-        self.max_magnitude = max(self.max_magnitude, float(magnitude.max()))
         index = int(relative.argmax())
         if float(relative[index]) > self.max_relative:
             self.max_relative = float(relative[index])
@@ -266,20 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "positions": LENGTH,
         "shapes": [f"chunks of {c}" for c in CHUNKS] + ["decode_batch of 3"],
         "shards": [list(shard) for shard in shards],
-        **{
-            name: {
-                "rows": kind.rows,
-                "max_abs": kind.max_abs,
-                "max_relative": kind.max_relative,
-                "max_magnitude": kind.max_magnitude,
-                "worst": kind.worst,
-                "absolute_needed": {
-                    f"relative {relative}": kind.absolute_needed(relative)
-                    for relative in (0.1, 0.2, 0.3, 0.4, 0.5)
-                },
-            }
-            for name, kind in kinds.items()
-        },
+        **{name: kind.summary() for name, kind in kinds.items()},
     }
     print(json.dumps(report, indent=1, default=str))
     return 0
