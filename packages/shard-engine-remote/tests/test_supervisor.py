@@ -200,3 +200,26 @@ def test_a_terminal_interrupt_does_not_reach_the_child(remote: RemoteFactory) ->
     assert pid is not None
     assert os.getpgid(pid) != os.getpgid(0)
     assert decode(engine, 3).first_pos == 3
+
+
+def test_a_burst_of_sigterms_ends_the_child_at_once(transport: str) -> None:
+    """SIGTERM upon SIGTERM (a supervisor asks, then stops; an operator repeats a kill) runs
+    the child's handler inside itself: it must take no lock, or the child hangs until the
+    supervisor's grace runs out and kills it."""
+    for _ in range(5):
+        engine = RemoteEngine()
+        engine.load(config(spawn="fake", transport=transport))
+        prefill(engine)
+        child = engine._child
+        assert child is not None
+        assert child._process is not None
+        process = child._process
+        for _ in range(300):
+            try:
+                os.kill(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+        try:
+            assert process.wait(4.0) == 0, "the child did not drain and exit cleanly"
+        finally:
+            engine.close()

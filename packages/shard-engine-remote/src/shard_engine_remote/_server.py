@@ -1117,6 +1117,10 @@ class _InFlight:
             return (client, key) in self._held
 
 
+_SIGNAL_POLL_S: Final = 0.05
+"""How often the serving loop looks for a signal its handler recorded."""
+
+
 def serve_until_signalled(
     server: Serving,
     *,
@@ -1127,18 +1131,26 @@ def serve_until_signalled(
     """Block until SIGTERM or SIGINT (or ``stop`` is set), then drain in-flight calls for up to
     ``drain_seconds``, close the engine and return. Call from the main thread."""
     stop = stop or threading.Event()
+    signalled: list[int] = []
 
     def handle(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        # No lock here (not even Event.set's): a second signal runs this handler again on
+        # the same thread, inside the first, and would wait for good on a lock it holds (a
+        # supervisor sends SIGTERM twice: once to ask, once from its stop).
+        signalled.append(signum)
 
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while not stop.wait(0.5):
+        while not signalled and not stop.wait(_SIGNAL_POLL_S):
             pass
         server.stop(drain_seconds)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        server.engine.close()
-        if on_stopped is not None:
-            on_stopped()
+        # The handlers stay until the engine is closed: a repeated SIGTERM must not kill the
+        # process halfway through closing it.
+        try:
+            server.engine.close()
+            if on_stopped is not None:
+                on_stopped()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
