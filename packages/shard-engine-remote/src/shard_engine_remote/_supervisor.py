@@ -3,8 +3,12 @@
 The socket lives in a fresh ``0700`` directory, and calls need a random bearer token handed to
 the child in its environment, so no other user (nor another process without the token) can
 drive the engine. The child's stderr is kept in that directory so a crash report can quote its
-last lines (a GGML_ASSERT message, a Python traceback). A waiter thread notices the child's exit
-at once; :meth:`exit_error` then describes it as EngineCrashed naming the signal or exit code.
+last lines (a GGML_ASSERT message, a Python traceback). It reaches the file through a pipe this
+process drains, so the file never holds more than :data:`STDERR_LOG_MAX_BYTES`: past that, the
+oldest half is dropped (a child, or a native library inside it, logging forever cannot fill the
+disk, and the end of the log, where a crash says why, is always kept). A waiter thread notices
+the child's exit at once; :meth:`exit_error` then describes it as EngineCrashed naming the
+signal or exit code.
 
 Environment: the child inherits this process's environment by default; ``env`` overrides
 (a None value removes a variable) and ``inherit_env=False`` starts from PATH alone. Threading
@@ -14,6 +18,7 @@ settings belong there: llama.cpp's OpenMP workers spin-wait between graphs (``GO
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import selectors
@@ -32,9 +37,15 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote._security import TOKEN_ENV_VAR
 
-__all__ = ["ChildProcess", "describe_exit"]
+__all__ = ["STDERR_LOG_MAX_BYTES", "ChildProcess", "describe_exit"]
 
 _STDERR_TAIL_BYTES: Final = 4096
+STDERR_LOG_MAX_BYTES: Final = 1 << 20
+"""The most of a child's stderr kept on disk (1 MiB); past it the oldest half is dropped."""
+_STDERR_READ_BYTES: Final = 64 * 1024
+_STDERR_DRAIN_S: Final = 2.0
+"""How long the exit waiter waits for the rest of a dead child's stderr (the pipe ends at once
+unless a process the child started holds it open) before reporting the exit anyway."""
 _MAX_FIRST_LINE_BYTES: Final = 64 * 1024
 """The longest first line (``ready ADDRESS`` or ``error CODE MESSAGE``) read from a child."""
 _SIGNAL_NOTES: Final = {
@@ -75,6 +86,100 @@ def describe_exit(returncode: int) -> tuple[str, dict[str, api.ErrorDetail]]:
     return f"exited with code {returncode}", {"exit_code": returncode}
 
 
+class _StderrLog:
+    """A child's stderr: a thread drains the pipe into ``path``, keeping at most ``limit`` bytes
+    (when a write would pass it, the file is rewritten with the newest ``limit // 2`` bytes).
+
+    Draining never stops before the pipe ends, even when the file cannot be written (the
+    directory removed, the disk full): a child blocked writing to a full pipe would hang."""
+
+    def __init__(self, path: Path, limit: int = STDERR_LOG_MAX_BYTES) -> None:
+        self.path = path
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._file: io.FileIO | None = io.FileIO(path, "w+")
+        self._size = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self, read_fd: int, name: str) -> None:
+        """Drain ``read_fd`` (which the log now owns and closes) in a daemon thread."""
+        self._thread = threading.Thread(target=self._drain, args=(read_fd,), daemon=True, name=name)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the pipe to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Stop writing the file (draining goes on until the pipe ends)."""
+        with self._lock:
+            file, self._file = self._file, None
+        if file is not None:
+            file.close()
+
+    def _drain(self, read_fd: int) -> None:
+        try:
+            while True:
+                try:
+                    chunk = os.read(read_fd, _STDERR_READ_BYTES)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                self._append(chunk)
+        finally:
+            os.close(read_fd)
+            self.close()
+
+    def _append(self, chunk: bytes) -> None:
+        with self._lock:
+            file = self._file
+            if file is None:
+                return
+            try:
+                if self._size + len(chunk) <= self._limit:
+                    file.seek(self._size)
+                    _write_all(file, chunk)
+                    self._size += len(chunk)
+                    return
+                keep = self._limit // 2
+                if len(chunk) >= keep:
+                    newest = chunk[-keep:]
+                else:
+                    older = keep - len(chunk)
+                    file.seek(self._size - older)
+                    newest = file.read(older) + chunk
+                file.seek(0)
+                file.truncate()
+                _write_all(file, newest)
+                self._size = len(newest)
+            except OSError:
+                # No room or no file any more: drop what cannot be kept, keep draining.
+                self._file = None
+                file.close()
+
+    def tail(self, n_bytes: int) -> bytes:
+        """The last ``n_bytes`` bytes written so far (b"" once the file is gone)."""
+        with self._lock:
+            try:
+                with self.path.open("rb") as file:
+                    file.seek(0, os.SEEK_END)
+                    file.seek(max(0, file.tell() - n_bytes))
+                    return file.read()
+            except OSError:
+                return b""
+
+
+def _write_all(file: io.FileIO, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if not written:
+            raise OSError("short write")
+        view = view[written:]
+
+
 class ChildProcess:
     """A child process serving ``engine_name`` (unloaded) on a private unix socket."""
 
@@ -101,6 +206,7 @@ class ChildProcess:
         self.socket_path = self._directory / "engine.sock"
         self.address = f"unix:{self.socket_path}"
         self._stderr_path = self._directory / "stderr.log"
+        self._stderr: _StderrLog | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._exited = threading.Event()
         self._stopping = False
@@ -138,25 +244,35 @@ class ChildProcess:
         command += ["--private-directory", str(self._directory)]
         if self._max_message_bytes is not None:
             command += ["--max-message-bytes", str(self._max_message_bytes)]
-        with self._start_lock, self._stderr_path.open("wb") as stderr:
+        with self._start_lock:
             if self._terminated:
                 raise api.NotReady(
                     f"the {self.engine_name} engine process was stopped before it started",
                     retryable=False,
                 )
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env=self.environment(),
-                close_fds=True,
-                # Out of this process's group: a terminal's Ctrl-C (SIGINT to the foreground
-                # group) would otherwise end every child at once, before the worker could
-                # drain or move its sessions. The child still ends with this process (its
-                # stdin closes).
-                start_new_session=True,
-            )
+            log = self._stderr = _StderrLog(self._stderr_path)
+            read_fd, write_fd = os.pipe()
+            try:
+                self._process = subprocess.Popen(
+                    command,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=write_fd,
+                    env=self.environment(),
+                    close_fds=True,
+                    # Out of this process's group: a terminal's Ctrl-C (SIGINT to the
+                    # foreground group) would otherwise end every child at once, before the
+                    # worker could drain or move its sessions. The child still ends with this
+                    # process (its stdin closes).
+                    start_new_session=True,
+                )
+            except BaseException:
+                os.close(read_fd)
+                log.close()
+                raise
+            finally:
+                os.close(write_fd)
+            log.start(read_fd, f"child-{self._process.pid}-stderr")
         threading.Thread(target=self._wait, daemon=True, name=f"child-{self.pid}").start()
         line = self._first_line()
         if line.startswith("ready "):
@@ -208,6 +324,9 @@ class ChildProcess:
     def _wait(self) -> None:
         assert self._process is not None
         self._process.wait()
+        # The crash report quotes the child's last words: let them reach the log first.
+        if self._stderr is not None:
+            self._stderr.join(_STDERR_DRAIN_S)
         self._exited.set()
 
     @property
@@ -240,14 +359,9 @@ class ChildProcess:
 
     def stderr_tail(self) -> str:
         """The last few KiB of the child's stderr."""
-        try:
-            with self._stderr_path.open("rb") as file:
-                file.seek(0, os.SEEK_END)
-                size = file.tell()
-                file.seek(max(0, size - _STDERR_TAIL_BYTES))
-                return file.read().decode(errors="replace")
-        except OSError:
+        if self._stderr is None:
             return ""
+        return self._stderr.tail(_STDERR_TAIL_BYTES).decode(errors="replace")
 
     def terminate(self) -> None:
         """Ask the child to stop (SIGTERM, and SIGCONT should it be stopped), or, when it has
@@ -287,4 +401,9 @@ class ChildProcess:
             process.stdout.close()
         if process is not None and process.stdin is not None and not process.stdin.closed:
             process.stdin.close()
+        if self._stderr is not None:
+            # The pipe ends with the child (unless a process it started holds it; draining
+            # then goes on, into no file, until that one ends too).
+            self._stderr.join(_STDERR_DRAIN_S if process is not None else 0.0)
+            self._stderr.close()
         shutil.rmtree(self._directory, ignore_errors=True)
