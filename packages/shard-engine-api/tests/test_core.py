@@ -40,7 +40,9 @@ from shard_engine_api import (
 )
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
+from shard_engine_api._types import MAX_DETAIL_CHARS
 from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
+from shard_engine_api.wire import decode_message, encode
 
 HIDDEN = 4
 VOCAB = 16
@@ -230,6 +232,27 @@ def test_failed_forward_rolls_back_and_crashes_engine() -> None:
     with pytest.raises(EngineCrashed):
         _decode(engine, S1, 2, 1)
     assert engine.metrics().errors["engine_crashed"] == 2
+
+
+def test_a_backend_failure_of_any_length_leaves_a_health_within_the_wire_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backend exception's message becomes the failed engine's health detail: cut to
+    MAX_DETAIL_CHARS (saying so), so the health still encodes and decodes."""
+    engine = _engine()
+    _prefill(engine, S1, [1, 2])
+
+    def explode(*args: object) -> npt.NDArray[np.float32]:
+        raise RuntimeError("x" * 100_000)
+
+    monkeypatch.setattr(engine, "_forward", explode)
+    with pytest.raises(EngineCrashed):
+        _prefill(engine, S1, [3], start=2)
+    health = engine.health()
+    assert health.state == "failed"
+    assert len(health.detail) == MAX_DETAIL_CHARS
+    assert health.detail.endswith("more characters cut]")
+    assert decode_message(encode(health)) == health
 
 
 def test_budget_rejects_or_evicts_lru() -> None:

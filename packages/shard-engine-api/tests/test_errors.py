@@ -211,3 +211,62 @@ def test_error_info_wire_shape_is_stable() -> None:
         "retryable": True,
         "details": {},
     }
+
+
+# ----------------------------------------------------------------------------- wire bounds
+
+
+def _peer_error(**fields: object) -> bytes:
+    return msgspec.msgpack.encode(
+        {"type": "error", "code": "x", "message": "m", "retryable": False, **fields}
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"message": "m" * (_errors.MAX_ERROR_MESSAGE_CHARS + 1)}, id="message"),
+        pytest.param({"code": "c" * (_errors.MAX_ERROR_CODE_CHARS + 1)}, id="code"),
+        pytest.param({"details": {"d": "v" * (_errors.MAX_ERROR_DETAIL_CHARS + 1)}}, id="detail"),
+        pytest.param({"details": {"k" * (_errors.MAX_ERROR_CODE_CHARS + 1): 1}}, id="name"),
+        pytest.param(
+            {"details": {f"d{i}": i for i in range(_errors.MAX_ERROR_DETAILS + 1)}}, id="details"
+        ),
+    ],
+)
+def test_a_peers_error_beyond_the_wire_bounds_does_not_decode(fields: dict[str, object]) -> None:
+    """An error a peer sends is bounded field by field (not only by the message size): a
+    longer message, code, detail name or string detail, or more details, is InvalidRequest,
+    never an error object of that size handed on to callers and logs."""
+    with pytest.raises(InvalidRequest):
+        decode_error(_peer_error(**fields))
+    with pytest.raises(InvalidRequest):
+        decode_reply(_peer_error(**fields))
+
+
+def test_errors_at_the_wire_bounds_round_trip_unchanged() -> None:
+    details: dict[str, _errors.ErrorDetail] = {
+        f"d{i}": "v" * _errors.MAX_ERROR_DETAIL_CHARS for i in range(2)
+    }
+    details.update({f"n{i}": i for i in range(_errors.MAX_ERROR_DETAILS - 2)})
+    error = EngineCrashed("m" * _errors.MAX_ERROR_MESSAGE_CHARS, details=details)
+    back = decode_error(encode_error(error))
+    assert back.message == error.message
+    assert back.details == error.details
+
+
+def test_a_long_local_error_is_cut_to_the_wire_bounds() -> None:
+    """This process's own error may be of any size; its wire form is cut to the bounds (saying
+    so), so a peer can always decode it."""
+    details: dict[str, _errors.ErrorDetail] = {"tail": "t" * 100_000, "k" * 1000: 1}
+    details.update({f"n{i}": i for i in range(100)})
+    error = InvalidRequest("m" * 100_000, details=details)
+    info = error.to_info()
+    assert len(info.message) == _errors.MAX_ERROR_MESSAGE_CHARS
+    assert info.message.endswith("more characters cut]")
+    assert len(info.details) == _errors.MAX_ERROR_DETAILS
+    assert len(str(info.details["tail"])) == _errors.MAX_ERROR_DETAIL_CHARS
+    assert all(len(name) <= _errors.MAX_ERROR_CODE_CHARS for name in info.details)
+    back = decode_error(encode_error(error))
+    assert isinstance(back, InvalidRequest)
+    assert back.message == info.message

@@ -520,6 +520,13 @@ BATCH_ITEM_BREAKAGES: list[tuple[str, Mutation, dict[int, str]]] = [
     ("bad error entry", _items(lambda items: (*items[:2], ErrorInfo(code="x", message="m",
                                                                      retryable="no"))),  # type: ignore[arg-type]
      {2: "error_fields"}),
+    ("endless error message", _items(lambda items: (*items[:2], ErrorInfo(
+        code="x", message="m" * 8193, retryable=False))), {2: "error_fields"}),
+    ("endless error detail", _items(lambda items: (*items[:2], ErrorInfo(
+        code="x", message="m", retryable=False, details={"d": "v" * 8193}))), {2: "error_fields"}),
+    ("too many error details", _items(lambda items: (*items[:2], ErrorInfo(
+        code="x", message="m", retryable=False, details={f"d{i}": i for i in range(65)}))),
+     {2: "error_fields"}),
 ]  # fmt: skip
 
 
@@ -618,7 +625,9 @@ def test_a_session_cancel_may_stop_several_requests() -> None:
     assert engine.cancel(CancelRequest(session_id="s")).n_requests == 3
 
 
-@pytest.mark.parametrize("fields", [{"released": "no"}, {"detail": None}, {"detail": 5}])
+@pytest.mark.parametrize(
+    "fields", [{"released": "no"}, {"detail": None}, {"detail": 5}, {"detail": "x" * 16385}]
+)
 def test_broken_release_results_are_caught(fields: dict[str, object]) -> None:
     engine, tamper = make(0, 2)
     engine.prefill(head_prefill())
@@ -667,6 +676,7 @@ _HEALTH_LIES: list[tuple[dict[str, object], str]] = [
     ({"kv_used_tokens": 2**80}, "result_fields"),
     ({"kv_budget_tokens": 2**63}, "result_fields"),
     ({"sessions": True}, "result_fields"),
+    ({"detail": "d" * 16385}, "result_fields"),
     ({"sessions": 17}, "health_bounds"),  # max_sessions is 16
     ({"kv_used_tokens": 16385}, "health_bounds"),  # the configured budget is 16384
     ({"kv_budget_tokens": 1 << 20}, "health_bounds"),
@@ -821,6 +831,9 @@ CAPABILITY_BREAKAGES: list[tuple[str, Callable[[Capabilities], Capabilities], st
         caps, features=Features(cancel_latency_ms=-5.0)), "cancel_latency"),
     ("infinite cancel latency", lambda caps: msgspec.structs.replace(
         caps, features=Features(cancel_latency_ms=math.inf)), "cancel_latency"),
+    ("endless engine name", _caps_change(engine="e" * 257), "capabilities_fields"),
+    ("endless engine version", _caps_change(engine_version="v" * 257), "capabilities_fields"),
+    ("endless dtype list", _caps_change(boundary_dtypes=("f32",) * 17), "capabilities_fields"),
 ]  # fmt: skip
 
 

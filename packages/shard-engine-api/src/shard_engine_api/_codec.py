@@ -57,12 +57,17 @@ from shard_engine_api._boundary import (
 )
 from shard_engine_api._edge import check_option_value
 from shard_engine_api._errors import (
+    MAX_ERROR_CODE_CHARS,
+    MAX_ERROR_DETAIL_CHARS,
+    MAX_ERROR_DETAILS,
+    MAX_ERROR_MESSAGE_CHARS,
     ContractVersionMismatch,
     ErrorDetail,
     ErrorInfo,
     InvalidRequest,
     ResourceExhausted,
     ShardEngineError,
+    clamp_text,
     error_from_info,
 )
 from shard_engine_api._snapshot import verify_snapshot_integrity
@@ -753,9 +758,6 @@ class Codec:
                 pass
 
 
-_MAX_ERROR_MESSAGE_CHARS: Final = 4096
-
-
 def _wire_detail(value: object) -> bool:
     """Whether an error detail travels as is (the decoder's ErrorDetail types and ranges)."""
     kind = type(value)
@@ -767,12 +769,14 @@ def _wire_detail(value: object) -> bool:
 def _sanitized(info: ErrorInfo) -> ErrorInfo:
     """``info`` with every detail the wire carries as is, the others as strings."""
     details: dict[str, ErrorDetail] = {}
-    for key, value in info.details.items():
+    for key, value in list(info.details.items())[:MAX_ERROR_DETAILS]:
         carried: ErrorDetail = value if _wire_detail(value) else _safe_str(value)
-        details[_safe_str(key)[:256]] = carried
+        if type(carried) is str:
+            carried = clamp_text(carried, MAX_ERROR_DETAIL_CHARS)
+        details[clamp_text(_safe_str(key), MAX_ERROR_CODE_CHARS)] = carried
     return ErrorInfo(
-        code=_safe_str(info.code)[:256],
-        message=_safe_str(info.message)[:_MAX_ERROR_MESSAGE_CHARS],
+        code=_safe_str(info.code)[:MAX_ERROR_CODE_CHARS],
+        message=clamp_text(_safe_str(info.message), MAX_ERROR_MESSAGE_CHARS),
         retryable=info.retryable is True,
         details=details,
     )

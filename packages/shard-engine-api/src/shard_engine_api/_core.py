@@ -49,6 +49,7 @@ from shard_engine_api._errors import (
     NotReady,
     ShardEngineError,
     UnsupportedFeature,
+    clamp_text,
 )
 from shard_engine_api._fences import DEFAULT_GENERATION_SIZE
 from shard_engine_api._inputs import InputRows, batch_rows, check_reserved, decode_inputs, n_rows
@@ -63,6 +64,7 @@ from shard_engine_api._snapshot import (
     check_snapshot_target,
 )
 from shard_engine_api._types import (
+    MAX_DETAIL_CHARS,
     BoundaryResult,
     CancelRequest,
     CancelResult,
@@ -516,7 +518,9 @@ class EngineCore(abc.ABC):
                     if decision.slot is not None:
                         self._counters.releases += 1
                 if decision.slot is None:
-                    return ReleaseResult(released=False, detail=decision.detail)
+                    return ReleaseResult(
+                        released=False, detail=clamp_text(decision.detail, MAX_DETAIL_CHARS)
+                    )
                 self._drop(decision.slot)
                 return ReleaseResult(released=True, detail=f"freed {decision.length} positions")
 
@@ -636,7 +640,8 @@ class EngineCore(abc.ABC):
             detail = "; ".join(filter(None, (self._lifecycle.detail, self._ledger.fences.note)))
             return Health(
                 state=self._lifecycle.state,
-                detail=detail,
+                # A backend's failure message may be of any length; the wire's bound is not.
+                detail=clamp_text(detail, MAX_DETAIL_CHARS),
                 sessions=len(self._ledger.sessions),
                 in_flight=len(self._in_flight),
                 kv_used_tokens=self._ledger.kv_used,

@@ -29,11 +29,17 @@ an error crosses another hop's wire.
 
 Backend exceptions (llama.cpp return codes, ctypes failures) are mapped to these at the engine
 edge; ``msgspec.ValidationError`` becomes :class:`InvalidRequest` at the API edge.
+
+The wire form is bounded (a peer's error is at most a few hundred KiB of text, whatever it
+sends): a code of at most MAX_ERROR_CODE_CHARS, a message of at most MAX_ERROR_MESSAGE_CHARS,
+at most MAX_ERROR_DETAILS details with names of at most MAX_ERROR_CODE_CHARS and string values
+of at most MAX_ERROR_DETAIL_CHARS. The decoders refuse more; :meth:`ShardEngineError.to_info`
+cuts a longer message or detail of this process's own errors to fit, saying how much it cut.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Final
+from typing import Annotated, ClassVar, Final, TypeAlias
 
 import msgspec
 
@@ -61,14 +67,42 @@ __all__ = [
 
 ErrorDetail = str | int | float | bool | None
 
+MAX_ERROR_CODE_CHARS: Final = 256
+"""The longest error code, and the longest name of an error detail."""
+MAX_ERROR_MESSAGE_CHARS: Final = 8192
+"""The longest error message on the wire."""
+MAX_ERROR_DETAILS: Final = 64
+"""The most details one error carries on the wire."""
+MAX_ERROR_DETAIL_CHARS: Final = 8192
+"""The longest string value of an error detail on the wire (a crash's stderr tail is 4 KiB)."""
+
+_WireDetail: TypeAlias = (
+    Annotated[str, msgspec.Meta(max_length=MAX_ERROR_DETAIL_CHARS)] | int | float | bool | None
+)
+_DetailName: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CODE_CHARS)]
+
+
+def clamp_text(text: str, limit: int) -> str:
+    """``text``, or when it is longer than ``limit`` characters its start and a note of how
+    much was cut, ``limit`` characters in all."""
+    if len(text) <= limit:
+        return text
+    note = f" ... [{len(text) - limit} more characters cut]"
+    keep = max(0, limit - len(note))
+    note = f" ... [{len(text) - keep} more characters cut]"
+    return (text[:keep] + note)[:limit]
+
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
-    """The wire form of a :class:`ShardEngineError` (also one item of a batched decode result)."""
+    """The wire form of a :class:`ShardEngineError` (also one item of a batched decode result).
+    Bounded: see the module docstring."""
 
-    code: str
-    message: str
+    code: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CODE_CHARS)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_MESSAGE_CHARS)]
     retryable: bool
-    details: dict[str, ErrorDetail] = msgspec.field(default_factory=dict)
+    details: Annotated[
+        dict[_DetailName, _WireDetail], msgspec.Meta(max_length=MAX_ERROR_DETAILS)
+    ] = msgspec.field(default_factory=dict)
 
 
 class ShardEngineError(Exception):
@@ -90,12 +124,22 @@ class ShardEngineError(Exception):
         self.details: dict[str, ErrorDetail] = dict(details or {})
 
     def to_info(self) -> ErrorInfo:
-        """The wire form: code, message, retryable and details."""
+        """The wire form: code, message, retryable and details, each within the wire's bounds
+        (a longer message or string detail is cut, saying so; details past
+        MAX_ERROR_DETAILS are left out)."""
+        details: dict[str, ErrorDetail] = {}
+        for name, value in list(self.details.items())[:MAX_ERROR_DETAILS]:
+            key = clamp_text(name, MAX_ERROR_CODE_CHARS) if isinstance(name, str) else name
+            details[key] = (
+                clamp_text(value, MAX_ERROR_DETAIL_CHARS) if isinstance(value, str) else value
+            )
         return ErrorInfo(
             code=self.code,
-            message=self.message,
+            message=clamp_text(self.message, MAX_ERROR_MESSAGE_CHARS)
+            if isinstance(self.message, str)
+            else self.message,
             retryable=self.retryable,
-            details=dict(self.details),
+            details=details,
         )
 
     def __repr__(self) -> str:

@@ -150,6 +150,13 @@ MAX_ERROR_CODES: Final = 256
 twenty)."""
 ErrorCode: TypeAlias = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 """An error's stable code, as a key of ``Metrics.errors``."""
+MAX_DETAIL_CHARS: Final = 16384
+"""The longest ``Health.detail`` or ``ReleaseResult.detail`` (room for a peer's longest error
+message and a note on it)."""
+Detail: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)]
+"""A human-readable explanation: at most MAX_DETAIL_CHARS characters."""
+MAX_BOUNDARY_DTYPES: Final = 16
+"""The most entries of ``Capabilities.boundary_dtypes`` (the contract defines three dtypes)."""
 
 
 def numpy_dtype(dtype: BoundaryDtype) -> np.dtype[np.generic]:
@@ -407,7 +414,7 @@ class ReleaseResult(msgspec.Struct, frozen=True, kw_only=True, tag="release_resu
     """Whether state was freed; ``detail`` says why not (unknown session, already released)."""
 
     released: bool
-    detail: str = ""
+    detail: Detail = ""
 
 
 class ExportSessionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="export_session"):
@@ -672,16 +679,18 @@ class ReservedHooks(msgspec.Struct, frozen=True, kw_only=True):
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True, tag="capabilities"):
     """What a loaded engine is and can do."""
 
-    engine: str
-    engine_version: str
-    contract_version: int
+    engine: Identifier
+    engine_version: Fingerprint
+    contract_version: Int64
     evidence: EvidenceClass
     shard: ShardSpec
     role: Role
     model_fingerprint: Fingerprint
     hidden_size: Count
     vocab_size: Count
-    boundary_dtypes: tuple[BoundaryDtype, ...]
+    boundary_dtypes: Annotated[
+        tuple[BoundaryDtype, ...], msgspec.Meta(max_length=MAX_BOUNDARY_DTYPES)
+    ]
     limits: Limits
     features: Features
     determinism: Determinism
@@ -734,7 +743,7 @@ class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
     evicts or refuses, so ``kv_used_tokens <= kv_budget_tokens`` is not an invariant."""
 
     state: LifecycleState
-    detail: str = ""
+    detail: Detail = ""
     sessions: Count = 0
     in_flight: Count = 0
     kv_used_tokens: Count = 0
