@@ -23,6 +23,7 @@ the engine is ready or degraded, NOT_SERVING otherwise and while draining.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -45,10 +46,12 @@ from grpc_health.v1 import health, health_pb2
 
 import shard_engine_api as api
 from shard_engine_api import wire
+from shard_engine_api._errors import clamp_text
 from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._wire import (
+    MAX_ENV_VALUE_CHARS,
     SERVICE_NAME,
     THREADING_ENV,
     CapabilitiesQuery,
@@ -197,7 +200,11 @@ class ServerCounters:
                 transport_cancels=self.transport_cancels,
                 stalled=self.stalled,
                 rate_limited_clients=rate_limited_clients,
-                threading={name: os.environ[name] for name in THREADING_ENV if name in os.environ},
+                threading={
+                    name: clamp_text(os.environ[name], MAX_ENV_VALUE_CHARS)
+                    for name in THREADING_ENV
+                    if name in os.environ
+                },
             )
 
     def snapshot(self) -> dict[str, int]:
@@ -225,8 +232,16 @@ def caller_key(context: CallContext) -> str:
     key = client_key(context)
     for name, value in context.invocation_metadata() or ():
         if name == CALLER_METADATA_KEY:
-            return f"{key}/{value if isinstance(value, str) else value.hex()}"
+            caller = value if isinstance(value, str) else value.hex()
+            if len(caller) > _MAX_CALLER_CHARS:
+                # Held for as long as the call runs: a long id costs its digest's size only.
+                caller = "sha256:" + hashlib.sha256(caller.encode("utf-8", "replace")).hexdigest()
+            return f"{key}/{caller}"
     return key
+
+
+_MAX_CALLER_CHARS: Final = 128
+"""The longest caller id kept as sent (a client draws 32 hex digits); longer ones are hashed."""
 
 
 class EngineServer:

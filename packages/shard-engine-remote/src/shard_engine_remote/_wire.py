@@ -20,7 +20,7 @@ import msgspec
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._types import MAX_SNAPSHOT_CHUNKS
+from shard_engine_api._types import MAX_ID_CHARS, MAX_SNAPSHOT_CHUNKS, Count
 
 __all__ = [
     "CALL_METHOD",
@@ -83,6 +83,14 @@ THREADING_ENV: Final = (
 which threads the llama engine computes on."""
 
 
+MAX_THREADING_ENTRIES: Final = 64
+"""The most entries of ``ServerStats.threading``."""
+MAX_ENV_VALUE_CHARS: Final = 4096
+"""The longest value of ``ServerStats.threading`` (a longer one is cut by the server)."""
+EnvName: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+EnvValue: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_ENV_VALUE_CHARS)]
+
+
 class ServerStatsQuery(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats_query"):
     """Ask for the server's own counters (not the engine's)."""
 
@@ -90,38 +98,42 @@ class ServerStatsQuery(msgspec.Struct, frozen=True, kw_only=True, tag="server_st
 class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats"):
     """What the server saw and refused since it started, apart from the engine's own metrics.
     Every refusal below was answered with a typed error (or, for ``unauthenticated``, the gRPC
-    status UNAUTHENTICATED) and changed nothing."""
+    status UNAUTHENTICATED) and changed nothing. Every count is a non-negative 64-bit integer
+    and ``threading`` is bounded (the decoder refuses anything else)."""
 
-    calls: int = 0
+    calls: Count = 0
     """Calls that reached dispatch (refused frames included, unauthenticated calls not)."""
-    in_flight: int = 0
+    in_flight: Count = 0
     """Calls being served at the moment of the query (this query included)."""
-    unauthenticated: int = 0
+    unauthenticated: Count = 0
     """Calls refused for a missing or wrong bearer token, before any decoding."""
-    rejected_frames: int = 0
+    rejected_frames: Count = 0
     """Request bytes that did not decode (InvalidRequest)."""
-    oversized: int = 0
+    oversized: Count = 0
     """Requests over the message limit (ResourceExhausted, not retryable). Over gRPC, beyond
     twice the limit gRPC refuses them before the server sees a byte, uncounted; the framed
     transport skips and counts every one."""
-    rate_limited: int = 0
+    rate_limited: Count = 0
     """Calls refused by the client's rate limit (ResourceExhausted with ``retry_after_s``)."""
-    busy: int = 0
+    busy: Count = 0
     """Compute calls refused because every compute thread was busy (retryable); on the framed
     transport also calls and connections beyond what the server queues."""
-    transport_cancels: int = 0
+    transport_cancels: Count = 0
     """Compute calls whose RPC ended first (cancel, deadline, lost connection): engine.cancel."""
-    stalled: int = 0
+    stalled: Count = 0
     """gRPC calls cut off (CANCELLED) while they held a thread waiting on their peer: their
     request message was later than ``stream_idle_s`` (health checks: 5 s), or, over a second
     late, another call needed its thread (the peer holding the most goes first; a health
     Watch counts as waiting)."""
-    rate_limited_clients: int = 0
+    rate_limited_clients: Count = 0
     """Clients (peers) the rate limiter tracks now (bounded; the idlest are forgotten)."""
-    threading: dict[str, str] = msgspec.field(default_factory=dict)
+    threading: Annotated[
+        dict[EnvName, EnvValue], msgspec.Meta(max_length=MAX_THREADING_ENTRIES)
+    ] = msgspec.field(default_factory=dict)
     """The OpenMP/threading variables in force in the serving process (of
     :data:`THREADING_ENV`, those set): whether a served engine got the same threading defaults
-    as one in the worker's process (llama sets ``GOMP_SPINCOUNT`` before it loads llama.cpp)."""
+    as one in the worker's process (llama sets ``GOMP_SPINCOUNT`` before it loads llama.cpp).
+    A value longer than MAX_ENV_VALUE_CHARS is cut to it."""
 
 
 class SnapshotHeader(msgspec.Struct, frozen=True, kw_only=True, tag="snapshot_header"):
