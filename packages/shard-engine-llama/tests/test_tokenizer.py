@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -19,6 +20,7 @@ from gguf_edit import array, rewrite, u32
 
 from shard_engine_api import InvalidRequest, load_tokenizer
 from shard_engine_llama._gguf import read_gguf_header, split_model
+from shard_engine_llama.plugin import ENCODE_BYTES_PER_TOKEN, MIN_ENCODE_CONTEXT, max_encode_bytes
 
 _STRING = gguf.GGUFValueType.STRING
 
@@ -152,3 +154,23 @@ def test_encode_and_decode_take_text_and_ids_of_the_vocabulary(tiny_model: Path)
             tokenizer.encode(text)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="not valid UTF-8"):
         tokenizer.encode("ab\udcffcd")
+
+
+def test_text_longer_than_the_models_context_can_hold_is_refused_at_once(
+    tiny_model: Path,
+) -> None:
+    """llama.cpp's tokenizer costs time in the square of the tokens it falls back to bytes
+    for (1 MB of text: minutes): text beyond what the model's context could hold
+    (``max_encode_bytes``) is InvalidRequest before llama.cpp sees it, in characters or, for
+    multi-byte text, in bytes; text up to the limit is still encoded."""
+    tokenizer = load_tokenizer("llama", str(tiny_model))
+    assert tokenizer is not None
+    limit = max_encode_bytes(read_gguf_header(tiny_model).get_int("llama.context_length"))
+    assert limit == MIN_ENCODE_CONTEXT * ENCODE_BYTES_PER_TOKEN  # the tiny model's is 512
+    started = time.monotonic()
+    for text in ("a" * 1_000_000, "\u2581" * (limit // 3 + 1), " " * (limit + 1)):
+        with pytest.raises(InvalidRequest, match="at most") as refused:
+            tokenizer.encode(text)
+        assert refused.value.details["limit_bytes"] == limit
+    assert time.monotonic() - started < 1.0
+    assert len(tokenizer.encode("ab " * (limit // 3))) >= limit // 3

@@ -7,7 +7,7 @@ import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
@@ -101,22 +101,54 @@ def _describe_model(model: str) -> ModelFixture:
     )
 
 
-class _VocabularyTokenizer:
-    """A GGUF model's own tokenizer, through llama.cpp (vocabulary only, no weights)."""
+ENCODE_BYTES_PER_TOKEN: Final = 4
+"""How many UTF-8 bytes of text :meth:`_VocabularyTokenizer.encode` takes per position of the
+model's context (English averages about four bytes a token): see :func:`max_encode_bytes`."""
+MIN_ENCODE_CONTEXT: Final = 8192
+"""The context assumed for a model that declares a shorter one (or none)."""
 
-    def __init__(self, vocabulary: Vocabulary) -> None:
+
+def max_encode_bytes(context_length: int) -> int:
+    """The longest text (UTF-8 bytes) the tokenizer of a model trained on ``context_length``
+    positions encodes: ``ENCODE_BYTES_PER_TOKEN`` bytes per position of that context (at least
+    MIN_ENCODE_CONTEXT), e.g. 128 KiB for gemma3's 32768. A prompt longer than that would not fit
+    an engine's context anyway, and llama.cpp's tokenizer costs time in the square of the
+    tokens it falls back to single bytes for (1 MB of text: minutes), so longer text is refused
+    before it reaches llama.cpp."""
+    return max(context_length, MIN_ENCODE_CONTEXT) * ENCODE_BYTES_PER_TOKEN
+
+
+class _VocabularyTokenizer:
+    """A GGUF model's own tokenizer, through llama.cpp (vocabulary only, no weights). Text
+    longer than ``max_text_bytes`` is InvalidRequest (see :func:`max_encode_bytes`)."""
+
+    def __init__(self, vocabulary: Vocabulary, max_text_bytes: int) -> None:
         self._vocabulary = vocabulary
+        self.max_text_bytes = max_text_bytes
 
     def encode(self, text: str) -> list[int]:
         if type(text) is not str:
             raise InvalidRequest(f"text to encode must be a str, got {type(text).__name__}")
+        # Every character is at least one byte: an over-long text is refused before it is even
+        # encoded.
+        if len(text) > self.max_text_bytes:
+            raise self._too_long(len(text), "characters")
         try:
-            text.encode("utf-8")
+            encoded = text.encode("utf-8")
         except UnicodeEncodeError as error:
             raise InvalidRequest(
                 f"text to encode is not valid UTF-8 (a lone surrogate at character {error.start})"
             ) from None
+        if len(encoded) > self.max_text_bytes:
+            raise self._too_long(len(encoded), "bytes")
         return self._vocabulary.tokenize(text)
+
+    def _too_long(self, size: int, unit: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"text to encode is {size} {unit} long; this model's tokenizer takes at most "
+            f"{self.max_text_bytes} bytes ({ENCODE_BYTES_PER_TOKEN} per position of its context)",
+            details={"text_size": size, "unit": unit, "limit_bytes": self.max_text_bytes},
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         ids = list(token_ids)
@@ -145,7 +177,11 @@ def _tokenizer(model: str) -> Tokenizer | None:
         raise InvalidRequest(f"model must be a GGUF path, got {model!r}")
     pins = _PinnedFiles()
     try:
-        pinned, _ = pins.open_validated(Path(model))
+        pinned, header = pins.open_validated(Path(model))
+        try:
+            context_length = header.get_int(f"{header.architecture}.context_length")
+        except GGUFValidationError:
+            context_length = 0
         vocabulary = Vocabulary(pinned)
     except GGUFValidationError as error:
         raise pins.refusal(error) from error
@@ -156,7 +192,9 @@ def _tokenizer(model: str) -> Tokenizer | None:
     finally:
         # llama.cpp holds its own descriptor by now.
         pins.close()
-    return _VocabularyTokenizer(vocabulary) if vocabulary.has_tokenizer else None
+    if not vocabulary.has_tokenizer:
+        return None
+    return _VocabularyTokenizer(vocabulary, max_encode_bytes(context_length))
 
 
 @hookimpl
