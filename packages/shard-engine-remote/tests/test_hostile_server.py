@@ -25,6 +25,7 @@ from conftest import Background, RemoteFactory, ServeFactory, config, prefill, r
 
 import shard_engine_api as api
 from shard_engine_api import wire
+from shard_engine_api._types import MAX_ID_CHARS
 from shard_engine_remote import EngineServer, OutcomeUnknown, RemoteEngine, RemoteUnavailable
 from shard_engine_remote._framed import (
     _HEADER,
@@ -174,6 +175,40 @@ def test_capabilities_that_break_the_contract_fail_the_load(
     assert server.address is not None
     with pytest.raises(api.MalformedOutput):
         remote(config(target=server.address, transport=transport))
+
+
+def test_a_served_engine_at_the_length_limits_loads_within_them(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """A served engine whose name and version take the contract's whole length each: the
+    remote engine's own version (naming both) is cut to the limit, and its capabilities still
+    round-trip the wire."""
+
+    class Server(EngineServer):
+        def __init__(self, engine: api.ShardEngine, **kwargs: object) -> None:
+            super().__init__(_LongNames(engine), **kwargs)  # type: ignore[arg-type]
+
+    server = serve(config(), transport=transport, server_type=Server)
+    assert server.address is not None
+    engine = remote(config(target=server.address, transport=transport))
+    capabilities = engine.capabilities()
+    assert capabilities.engine == "remote"
+    assert len(capabilities.engine_version) <= MAX_ID_CHARS
+    assert capabilities.engine_version.endswith("...)")
+    assert wire.decode_reply(wire.encode(capabilities)) == capabilities
+
+
+class _LongNames:
+    def __init__(self, inner: api.ShardEngine) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def capabilities(self) -> api.Capabilities:
+        return msgspec.structs.replace(
+            self._inner.capabilities(), engine="e" * MAX_ID_CHARS, engine_version="v" * MAX_ID_CHARS
+        )
 
 
 class _BadCapabilities:

@@ -44,7 +44,7 @@ import msgspec
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._snapshot import check_snapshot_integrity
-from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
+from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._framed import (
     NOT_SENT,
@@ -276,6 +276,15 @@ side's own request metadata is a few dozen bytes: never the cause)."""
 _NOT_SENT_MARKERS: Final = ("failed to connect to all addresses", "Connection refused", NOT_SENT)
 
 
+def _served_version(served: api.Capabilities) -> str:
+    """This package's version and the served engine's, within the contract's length limit
+    (the served engine's own name and version may each take all of it)."""
+    version = f"{ENGINE_VERSION} ({served.engine} {served.engine_version})"
+    if len(version) <= MAX_ID_CHARS:
+        return version
+    return version[: MAX_ID_CHARS - 4] + "...)"
+
+
 class RemoteEngine:
     """A ShardEngine served by another process or machine (see the module docstring)."""
 
@@ -368,7 +377,7 @@ class RemoteEngine:
             self._capabilities = msgspec.structs.replace(
                 served,
                 engine=self.engine_name,
-                engine_version=f"{ENGINE_VERSION} ({served.engine} {served.engine_version})",
+                engine_version=_served_version(served),
             )
             self._state = "ready"
             return self._capabilities
