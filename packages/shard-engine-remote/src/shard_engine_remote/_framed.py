@@ -30,9 +30,11 @@ kind InvalidRequest; each is counted, and the connection keeps serving.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import itertools
 import logging
+import math
 import os
 import queue
 import select
@@ -82,6 +84,14 @@ _READ_SIZE: Final = 1 << 16
 _LARGE_READ: Final = 1 << 20
 _COALESCE_BYTES: Final = 1 << 16
 """Bodies up to this size are sent in one buffer with their header (one system call)."""
+_SOCKET_BUFFER_BYTES: Final = 4 << 20
+"""Kernel buffer each way of a greeted connection (the kernel caps it at ``wmem_max`` and
+``rmem_max``): a tail's logits row (1 MiB for a 262k vocabulary) then crosses in one send and
+one receive instead of a sleep and a wake-up per default-sized (208 KiB) buffer. Only greeted
+connections get it: a connection that never authenticated holds the default."""
+_WATCH: Final = select.EPOLLIN | select.EPOLLONESHOT
+_UNWATCHED: Final = select.EPOLLONESHOT
+"""Registered, reporting nothing (but a hang-up, once)."""
 _HELLO_TIMEOUT_S: Final = 10.0
 """How long a greeting may take, each way, from the connection's first byte to its last."""
 _MAX_GREETING_BYTES: Final = 4096
@@ -205,6 +215,11 @@ class _Reader:
         del buffer[:length]
         return data
 
+    @property
+    def buffered(self) -> bool:
+        """Whether bytes already read from the socket wait in the buffer."""
+        return bool(self._buffer)
+
     def skip(self, length: int) -> None:
         """Drop ``length`` bytes without holding them."""
         while length:
@@ -261,6 +276,12 @@ def _send(
         lock.release()
 
 
+def _widen_buffers(sock: socket.socket) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+
+
 def _refuse_connection(sock: socket.socket, message: str) -> None:
     """Answer a connection the server will not serve with a retryable refusal (the client
     reads it as its greeting's answer) and close it, without ever blocking the caller."""
@@ -277,91 +298,208 @@ def _shutdown(sock: socket.socket) -> None:
 
 # ----------------------------------------------------------------- client
 
-_Arrival = tuple[int, bytes] | FramedLinkError
+
+class _ReplyFrames:
+    """The server's frames on a client connection, read by whichever caller is the reader at
+    the time (:class:`_Connection`). A read that reaches its caller's deadline mid-frame keeps
+    what it has for the next reader: the stream stays whole."""
+
+    def __init__(self, sock: socket.socket, max_reply_bytes: int) -> None:
+        self._sock = sock
+        self._max_reply_bytes = max_reply_bytes
+        self._buffer = bytearray()
+        self._header: tuple[int, int, int] | None = None
+        self._parts: list[bytes] = []
+        self._have = 0
+
+    def _recv(self, size: int, deadline: float) -> bytes:
+        """Some bytes, waiting no later than ``deadline`` (TimeoutError)."""
+        while True:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN)
+            remaining = deadline - time.monotonic()
+            if not poller.poll(max(0, math.ceil(remaining * 1000))):
+                raise TimeoutError
+            try:
+                chunk = self._sock.recv(size, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise _Closed
+            return chunk
+
+    def next(self, deadline: float) -> tuple[int, int, bytes]:
+        """(kind, call id, body) of the next frame. Raises TimeoutError at ``deadline`` (the
+        part read is kept), _Closed or OSError when the connection ended, FramedLinkError when
+        the server announces a reply over the limit."""
+        buffer = self._buffer
+        if self._header is None:
+            while len(buffer) < _HEADER.size:
+                buffer += self._recv(_READ_SIZE, deadline)
+            length, kind, call_id = _HEADER.unpack_from(buffer)
+            if length > self._max_reply_bytes:
+                # Not RESOURCE_EXHAUSTED: that says the server refused the request (it did
+                # not run); an oversized reply is a broken server whose call may have run.
+                raise FramedLinkError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"the server announced a {length}-byte reply, larger than max "
+                    f"{self._max_reply_bytes}; the connection was dropped",
+                )
+            del buffer[: _HEADER.size]
+            self._header = (length, kind, call_id)
+        length, kind, call_id = self._header
+        while self._have < length:
+            needed = length - self._have
+            if buffer:
+                taken = min(needed, len(buffer))
+                self._parts.append(bytes(buffer[:taken]))
+                del buffer[:taken]
+                self._have += taken
+            elif needed <= _READ_SIZE:
+                buffer += self._recv(_READ_SIZE, deadline)
+            else:
+                # Memory is taken as bytes arrive, never for what a header merely announces.
+                chunk = self._recv(min(needed, _LARGE_READ), deadline)
+                self._parts.append(chunk)
+                self._have += len(chunk)
+        parts, self._parts, self._have, self._header = self._parts, [], 0, None
+        return kind, call_id, b"".join(parts)
 
 
 class _Connection:
-    """One client connection: its socket, the calls waiting on it and the thread reading it."""
+    """One client connection: its socket and the calls waiting on it. It has no thread of its
+    own: a waiting caller reads the socket itself (one caller at a time, the *reader*), files
+    each frame under its call's id and wakes the other waiters; when its own frame has come, or
+    its deadline, it stops reading and one of the others takes over. A lone caller thus reads
+    its own reply, with no thread handing it over (on a 2-core machine, a wake-up per hop)."""
 
     def __init__(self, sock: socket.socket, max_reply_bytes: int) -> None:
         self.sock = sock
         self.send_lock = threading.Lock()
-        self._max_reply_bytes = max_reply_bytes
-        self._waiting: dict[int, queue.SimpleQueue[_Arrival]] = {}
-        self._waiting_lock = threading.Lock()
+        self._frames = _ReplyFrames(sock, max_reply_bytes)
+        self._condition = threading.Condition(threading.Lock())
+        self._arrived: dict[int, collections.deque[tuple[int, bytes]]] = {}
+        self._reading = False
         self._ids = itertools.count(1)
         self.broken: FramedLinkError | None = None
-        threading.Thread(target=self._read, daemon=True, name="framed-client").start()
 
-    def open_call(self) -> tuple[int, queue.SimpleQueue[_Arrival]]:
-        arrivals: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
+    def open_call(self) -> int:
         call_id = next(self._ids)
-        with self._waiting_lock:
+        with self._condition:
             if self.broken is not None:
                 raise FramedLinkError(self.broken.code(), f"{self.broken.details()}; {NOT_SENT}")
-            self._waiting[call_id] = arrivals
-        return call_id, arrivals
+            self._arrived[call_id] = collections.deque()
+        return call_id
 
     def close_call(self, call_id: int) -> None:
-        with self._waiting_lock:
-            self._waiting.pop(call_id, None)
+        with self._condition:
+            self._arrived.pop(call_id, None)
 
     def send(self, kind: int, call_id: int, body: bytes, deadline: float) -> None:
-        _send(self.sock, self.send_lock, kind, call_id, body, deadline)
+        try:
+            _send(self.sock, self.send_lock, kind, call_id, body, deadline)
+        except FramedLinkError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or NOT_SENT not in error.details():
+                # Nothing read this socket while no call waited: a send is where a dead
+                # server (or a frame cut in two) shows first.
+                self._fail(
+                    FramedLinkError(grpc.StatusCode.UNAVAILABLE, "connection lost while sending")
+                )
+            raise
 
-    def receive(
-        self, call_id: int, arrivals: queue.SimpleQueue[_Arrival], deadline: float
-    ) -> tuple[int, bytes]:
+    def alive(self) -> bool:
+        """False once the connection is known to be broken. When no one reads it, what the
+        socket holds now is read first (without waiting): a server that closed the connection
+        while no call waited is seen here, before a call is sent on it."""
+        with self._condition:
+            if self.broken is not None:
+                return False
+            if self._reading:
+                return True
+            self._reading = True
+        self._read_until(None, time.monotonic())
+        return self.broken is None
+
+    def answered(self, call_id: int) -> bool:
+        """Whether a frame of the call has arrived, reading what the socket holds now (without
+        waiting) when no one else reads it."""
+        with self._condition:
+            if self._arrived.get(call_id) or self.broken is not None:
+                return True
+            if self._reading:
+                return False
+            self._reading = True
+        self._read_until(None, time.monotonic())
+        with self._condition:
+            return bool(self._arrived.get(call_id)) or self.broken is not None
+
+    def receive(self, call_id: int, deadline: float) -> tuple[int, bytes]:
         """The next frame of a call; at its deadline the call is abandoned (the server cancels
         its engine work) and DEADLINE_EXCEEDED raised."""
+        while True:
+            with self._condition:
+                while True:
+                    arrived = self._arrived.get(call_id)
+                    if arrived:
+                        kind, body = arrived.popleft()
+                        if kind == ERROR:
+                            raise _error_frame(body)
+                        return kind, body
+                    if self.broken is not None:
+                        raise self.broken
+                    if arrived is None:
+                        raise FramedLinkError(grpc.StatusCode.CANCELLED, "the call was closed")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    self._condition.wait(remaining)
+            if remaining <= 0:
+                self.abandon(call_id)
+                raise FramedLinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+            self._read_until(call_id, deadline)
+
+    def _read_until(self, call_id: int | None, deadline: float) -> None:
+        """As the reader (``_reading`` set by the caller): file frames until one of
+        ``call_id`` came or ``deadline`` passed, then let another waiter read."""
         try:
-            arrival = arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            self.abandon(call_id)
-            raise FramedLinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-        if isinstance(arrival, FramedLinkError):
-            raise arrival
-        kind, body = arrival
-        if kind == ERROR:
-            raise _error_frame(body)
-        return kind, body
+            while True:
+                try:
+                    kind, frame_id, body = self._frames.next(deadline)
+                except TimeoutError:
+                    return
+                with self._condition:
+                    arrived = self._arrived.get(frame_id)
+                    if arrived is not None:
+                        arrived.append((kind, body))
+                        if frame_id == call_id:
+                            return
+                        self._condition.notify_all()
+        except (OSError, _Closed) as error:
+            reason = str(error) or "the server closed it"
+            self._fail(FramedLinkError(grpc.StatusCode.UNAVAILABLE, f"connection lost: {reason}"))
+        except FramedLinkError as error:
+            self._fail(error)
+        finally:
+            with self._condition:
+                self._reading = False
+                self._condition.notify_all()
 
     def abandon(self, call_id: int) -> None:
         self.close_call(call_id)
         with suppress(FramedLinkError):
             self.send(ABANDON, call_id, b"", time.monotonic() + _ABANDON_TIMEOUT_S)
 
-    def _read(self) -> None:
-        reader = _Reader(self.sock)
-        try:
-            while True:
-                length, kind, call_id = reader.header()
-                if length > self._max_reply_bytes:
-                    # Not RESOURCE_EXHAUSTED: that says the server refused the request (it did
-                    # not run); an oversized reply is a broken server whose call may have run.
-                    raise FramedLinkError(
-                        grpc.StatusCode.DATA_LOSS,
-                        f"the server announced a {length}-byte reply, larger than max "
-                        f"{self._max_reply_bytes}; the connection was dropped",
-                    )
-                body = reader.body(length)
-                arrivals = self._waiting.get(call_id)
-                if arrivals is not None:
-                    arrivals.put((kind, body))
-        except (OSError, _Closed) as error:
-            reason = str(error) or "the server closed it"
-            self._fail(FramedLinkError(grpc.StatusCode.UNAVAILABLE, f"connection lost: {reason}"))
-        except FramedLinkError as error:
-            self._fail(error)
-
     def _fail(self, error: FramedLinkError) -> None:
-        with self._waiting_lock:
-            self.broken = error
-            waiting, self._waiting = self._waiting, {}
-        # Shut down, not closed: a sender may still hold the socket (closed when dropped).
+        with self._condition:
+            if self.broken is None:
+                self.broken = error
+            self._condition.notify_all()
+        # Shut down, not closed: a sender or the reader may still hold the socket (closed
+        # when dropped).
         _shutdown(self.sock)
-        for arrivals in waiting.values():
-            arrivals.put(error)
 
     def close(self) -> None:
         _shutdown(self.sock)
@@ -388,12 +526,10 @@ class _FramedStream:
         self,
         connection: _Connection,
         call_id: int,
-        arrivals: queue.SimpleQueue[_Arrival],
         deadline: float,
     ) -> None:
         self._connection = connection
         self._call_id = call_id
-        self._arrivals = arrivals
         self._deadline = deadline
         self._done = False
 
@@ -404,7 +540,7 @@ class _FramedStream:
         if self._done:
             raise StopIteration
         try:
-            kind, body = self._connection.receive(self._call_id, self._arrivals, self._deadline)
+            kind, body = self._connection.receive(self._call_id, self._deadline)
         except FramedLinkError:
             self._done = True
             raise
@@ -442,7 +578,7 @@ class FramedLink:
 
     def _connected(self, deadline: float) -> _Connection:
         connection = self._connection
-        if connection is not None and connection.broken is None:
+        if connection is not None and connection.alive():
             return connection
         # Another caller may be connecting (a greeting may take its whole deadline): wait
         # for it no longer than this call's own deadline.
@@ -505,6 +641,7 @@ class FramedLink:
                 refused.code() if refused else grpc.StatusCode.UNAVAILABLE,
                 f"{refused.details() if refused else 'unexpected answer to HELLO'}; {NOT_SENT}",
             )
+        _widen_buffers(sock)
         return _Connection(sock, self._max_reply_bytes)
 
     def wait_ready(self, timeout: float) -> bool:
@@ -521,10 +658,10 @@ class FramedLink:
     def call(self, message: bytes, timeout: float | None) -> RemoteReply | Rejected:
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
-        call_id, arrivals = connection.open_call()
+        call_id = connection.open_call()
         try:
             connection.send(CALL, call_id, message, deadline)
-            _, body = connection.receive(call_id, arrivals, deadline)
+            _, body = connection.receive(call_id, deadline)
         finally:
             connection.close_call(call_id)
         return decode_reply(body)
@@ -532,23 +669,23 @@ class FramedLink:
     def export(self, message: bytes, timeout: float | None) -> _FramedStream:
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
-        call_id, arrivals = connection.open_call()
+        call_id = connection.open_call()
         try:
             connection.send(EXPORT, call_id, message, deadline)
         except FramedLinkError:
             connection.close_call(call_id)
             raise
-        return _FramedStream(connection, call_id, arrivals, deadline)
+        return _FramedStream(connection, call_id, deadline)
 
     def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
-        call_id, arrivals = connection.open_call()
+        call_id = connection.open_call()
         try:
             connection.send(IMPORT, call_id, b"", deadline)
             try:
                 for message in messages:
-                    if not arrivals.empty():
+                    if connection.answered(call_id):
                         break  # the server answered early (a refusal): the rest is not needed
                     connection.send(CHUNK, call_id, message, deadline)
                 else:
@@ -556,7 +693,7 @@ class FramedLink:
             except BaseException:
                 connection.abandon(call_id)  # the server must not wait for the rest
                 raise
-            _, body = connection.receive(call_id, arrivals, deadline)
+            _, body = connection.receive(call_id, deadline)
         finally:
             connection.close_call(call_id)
         return decode_reply(body)
@@ -623,8 +760,8 @@ ResourceExhausted instead of buffering whatever the client sends."""
 
 
 class _ServerConnection:
-    """One client's connection, served by two threads taking turns (see :meth:`_lead`); calls
-    that overlap on the connection run on the server's pool."""
+    """One client's connection, served by two threads taking turns (see :meth:`_lead` and
+    :meth:`_serve_here`); calls that overlap on the connection run on the server's pool."""
 
     def __init__(self, owner: FramedServer, sock: socket.socket, peer: str) -> None:
         self._owner = owner
@@ -639,6 +776,9 @@ class _ServerConnection:
         """Released to let the thread that is not reading read."""
         self._other_idle = True
         """Whether the thread that is not reading waits for its turn (else it serves a call)."""
+        self.watched = False
+        """While the reading thread serves a call: whether the server's watcher is to hand
+        the reading to the other thread when bytes arrive (see :meth:`_serve_here`)."""
         self._pooled = 0
         self._queued_bytes = 0
         """Import chunk bytes received on this connection and not yet taken (or dropped)."""
@@ -685,6 +825,7 @@ class _ServerConnection:
     def _close_down(self) -> None:
         """The connection ended: end its calls (which cancels their engine work), let the other
         thread go, close."""
+        self._owner.forget_socket(self)
         with self._lock:
             self._closing = True
             calls, self._calls = dict(self._calls), {}
@@ -720,17 +861,18 @@ class _ServerConnection:
             return False
         self.sock.settimeout(None)
         reader.deadline = None
+        _widen_buffers(self.sock)
         self.send(HELLO, 0, b"")
         self._reader = reader
         return True
 
     def _lead(self) -> bool:
-        """Read frames until a call arrives; then, when the other thread is idle, hand the
-        reading to it and serve the call here (True): the request reaches the engine and the
-        reply leaves without a thread handoff, which on a 2-core machine is a visible share of
-        a decode hop, while the other thread still sees the call's ABANDON and other calls.
-        A call arriving while both threads are busy goes to the pool. False when the
-        connection ended."""
+        """Read frames until a call arrives; then, when the other thread is idle, serve the
+        call here (:meth:`_serve_here`): the request reaches the engine and the reply leaves
+        without a thread handoff, which on a 2-core machine is a visible share of a decode
+        hop, while the other thread still sees the call's ABANDON and other calls. True when
+        the other thread took over the reading. A call arriving while both threads are busy
+        goes to the pool. False when the connection ended."""
         try:
             return self._read_frames()
         except (OSError, _Closed):
@@ -817,16 +959,45 @@ class _ServerConnection:
             )
             argument = stream if kind == IMPORT else body
             if hand_over:
-                self._turn.release()
-                self._run(call_id, context, serve, argument, pooled=False)
-                with self._lock:
-                    self._other_idle = True
+                if self._serve_here(call_id, context, serve, argument):
+                    continue
                 return True
             try:
                 pool.submit(self._run, call_id, context, serve, argument, pooled=True)
             except RuntimeError:  # the pool shut down: the server is stopping
                 self._unpool()
                 self._draining_error(call_id)
+
+    def _serve_here(
+        self,
+        call_id: int,
+        context: _CallContext,
+        serve: Callable[[int, _CallContext, typing.Any], None],
+        argument: object,
+    ) -> bool:
+        """Serve a call on the reading thread. Meanwhile the other thread reads only once bytes
+        arrive (the server's watcher wakes it): a lone caller's call then wakes no thread but
+        this one, while a call's ABANDON or another call is still read at once. True when
+        this thread is still the reader afterwards (nothing arrived while it served), False
+        when the other thread took over (this one then waits for its turn)."""
+        watched = not self._reader.buffered and self._owner.watch(self)
+        if not watched:
+            self._turn.release()
+        self._run(call_id, context, serve, argument, pooled=False)
+        with self._lock:
+            self._other_idle = True
+            still_reading, self.watched = watched and self.watched, False
+        if still_reading:
+            self._owner.unwatch(self)
+        return still_reading
+
+    def hand_over_reading(self) -> None:
+        """Bytes arrived while the reading thread serves a call: let the other thread read."""
+        with self._lock:
+            if not self.watched:
+                return  # the call ended first: its thread reads them
+            self.watched = False
+        self._turn.release()
 
     def _draining_error(self, call_id: int) -> None:
         message = f"the server is shutting down; {NOT_SENT} to its engine"
@@ -939,7 +1110,8 @@ class _ServerConnection:
 class FramedServer:
     """Serves an :class:`EngineServer`'s dispatch over the framed transport on a unix socket in
     a private directory. Threads: one accepting; two per connection, taking turns at reading
-    and serving the call just read; and a pool of the server's ``max_workers`` for calls that
+    and serving the call just read; one watching the sockets of connections whose reading
+    thread serves a call; and a pool of the server's ``max_workers`` for calls that
     overlap on a connection (compute calls are bounded by the server's slots, as over gRPC)."""
 
     def __init__(self, server: EngineServer, *, max_connections: int = 64) -> None:
@@ -965,6 +1137,67 @@ class FramedServer:
         self._greeting = 0
         """Connections accepted that have not greeted yet: bounded apart from the greeted
         ones, so connections that never greet cannot crowd out clients that did."""
+        self._watcher: select.epoll | None = None
+        self._watching: dict[int, _ServerConnection] = {}
+        self._stop_watching: int | None = None
+        """The write end of the pipe that ends the watcher thread."""
+
+    def watch(self, connection: _ServerConnection) -> bool:
+        """Arm the watcher for ``connection``'s socket (one event, then disarmed); False when
+        it cannot watch (the server is stopping: the caller hands the reading over itself)."""
+        fd = connection.sock.fileno()
+        with connection._lock:
+            connection.watched = True
+        try:
+            with self._lock:
+                if self._watcher is None or fd < 0:
+                    raise OSError("not watching")
+                if self._watching.get(fd) is not connection:
+                    self._watcher.register(fd, _WATCH)
+                    self._watching[fd] = connection
+                else:
+                    self._watcher.modify(fd, _WATCH)
+        except (OSError, ValueError):
+            with connection._lock:
+                connection.watched = False
+            return False
+        return True
+
+    def unwatch(self, connection: _ServerConnection) -> None:
+        fd = connection.sock.fileno()
+        with self._lock, suppress(OSError, ValueError):
+            if self._watcher is not None and self._watching.get(fd) is connection:
+                self._watcher.modify(fd, _UNWATCHED)
+
+    def forget_socket(self, connection: _ServerConnection) -> None:
+        """Before ``connection``'s socket closes (its descriptor may then be reused)."""
+        with self._lock:
+            fd = connection.sock.fileno()
+            if fd >= 0 and self._watching.get(fd) is connection:
+                del self._watching[fd]
+                with suppress(OSError, ValueError):
+                    if self._watcher is not None:
+                        self._watcher.unregister(fd)
+
+    def _watch(self, watcher: select.epoll, wake: int) -> None:
+        """The watcher thread: hands a connection's reading to its other thread when bytes
+        arrive while its reading thread serves a call."""
+        try:
+            while True:
+                events = watcher.poll()
+                for fd, _ in events:
+                    if fd == wake:
+                        return
+                    with self._lock:
+                        connection = self._watching.get(fd)
+                    if connection is not None:
+                        connection.hand_over_reading()
+        finally:
+            with self._lock:
+                self._watcher = None
+                self._watching.clear()
+            watcher.close()
+            os.close(wake)
 
     def admit(self) -> bool:
         return self._calls.acquire(blocking=False)
@@ -987,6 +1220,13 @@ class FramedServer:
         self._listener, self._path = listener, path
         self.address = f"unix:{path}"
         self.server._refresh_health()
+        watcher = select.epoll()
+        wake, self._stop_watching = os.pipe()
+        watcher.register(wake, select.EPOLLIN)
+        self._watcher = watcher
+        threading.Thread(
+            target=self._watch, args=(watcher, wake), daemon=True, name="framed-watch"
+        ).start()
         threading.Thread(target=self._accept, daemon=True, name="framed-accept").start()
         return self.address
 
@@ -1048,6 +1288,10 @@ class FramedServer:
         for connection in connections:
             _shutdown(connection.sock)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        stop_watching, self._stop_watching = self._stop_watching, None
+        if stop_watching is not None:
+            os.write(stop_watching, b"x")
+            os.close(stop_watching)
         self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
