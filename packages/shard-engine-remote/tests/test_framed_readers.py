@@ -7,6 +7,7 @@ lost while callers wait fails them all at once."""
 
 from __future__ import annotations
 
+import functools
 import queue
 import socket
 import threading
@@ -35,6 +36,7 @@ from shard_engine_remote._framed import (
     ABANDON,
     CALL,
     HELLO,
+    NOT_SENT,
     REPLY,
     FramedLink,
     FramedLinkError,
@@ -267,3 +269,49 @@ def test_one_callers_calls_are_served_on_one_thread(
         decode(engine, pos)
     assert len(recording[0].threads) == 20
     assert len(set(recording[0].threads)) == 1
+
+
+def test_closing_the_link_under_waiting_callers_fails_them_typed(script: _Script) -> None:
+    """close() from another thread while callers wait (one reading, others waiting for it),
+    at varying moments: every caller gets a FramedLinkError, never another exception, and no
+    caller waits out its deadline."""
+    for attempt in range(20):
+        link = FramedLink(script.path, token=None, max_message_bytes=1 << 20)
+        calls = [Background(functools.partial(link.call, QUERY, 30.0)) for _ in range(3)]
+        for _ in calls:
+            script.next_call()
+        time.sleep(0.001 * (attempt % 5))
+        started = time.monotonic()
+        link.close()
+        for call in calls:
+            with pytest.raises(FramedLinkError):
+                call.result(5)
+        assert time.monotonic() - started < 3.0
+
+
+def test_a_caller_reading_after_the_socket_closed_gets_a_link_error(
+    script: _Script, link: FramedLink
+) -> None:
+    """The socket closed just before a waiting caller starts reading it (close() between two
+    of its steps): a FramedLinkError (connection lost), not the socket's ValueError."""
+    assert _detail(_call_answered(script, link, "first")) == "first"
+    connection = link._connection
+    assert connection is not None
+    call_id = connection.open_call()
+    connection.close()
+    with pytest.raises(FramedLinkError) as lost:
+        connection.receive(call_id, time.monotonic() + 5.0)
+    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_send_on_a_closed_connection_is_a_link_error(script: _Script, link: FramedLink) -> None:
+    """A send after the connection's socket closed (another thread closed the link): a
+    FramedLinkError saying the request was not sent, never the socket's own exception."""
+    assert _detail(_call_answered(script, link, "first")) == "first"
+    connection = link._connection
+    assert connection is not None
+    connection.close()
+    with pytest.raises(FramedLinkError) as lost:
+        connection.send(CALL, 99, b"x" * (1 << 20), time.monotonic() + 1.0)
+    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert NOT_SENT in lost.value.details()

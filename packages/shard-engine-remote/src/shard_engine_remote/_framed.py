@@ -263,7 +263,7 @@ def _send(
                     continue
                 sent_any = True
                 view = view[sent:]
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: closed meanwhile (no descriptor)
         raise FramedLinkError(
             grpc.StatusCode.UNAVAILABLE,
             f"connection lost while sending: {error}" + ("" if sent_any else f"; {NOT_SENT}"),
@@ -316,7 +316,10 @@ class _ReplyFrames:
         """Some bytes, waiting no later than ``deadline`` (TimeoutError)."""
         while True:
             poller = select.poll()
-            poller.register(self._sock, select.POLLIN)
+            try:
+                poller.register(self._sock, select.POLLIN)
+            except ValueError:  # the link was closed (the socket has no descriptor)
+                raise _Closed from None
             remaining = deadline - time.monotonic()
             if not poller.poll(max(0, math.ceil(remaining * 1000))):
                 raise TimeoutError
