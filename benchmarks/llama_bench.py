@@ -400,6 +400,92 @@ def _engine_batched(
     return len(prompts) * n_steps / elapsed, tuple(tokens)
 
 
+def _lockstep_single(
+    raw: RawLlama, driver: Driver, prompt: Sequence[int], n_decode: int, session_id: str
+) -> tuple[list[float], list[float], bool]:
+    """Raw llama.cpp and the engine decoding the same prompt in lockstep: each step of one
+    right before or after (alternating) the same step of the other, on the same compute
+    thread, so the machine's noise falls on both alike. Per-step seconds of each, and whether
+    their greedy tokens agreed throughout."""
+    raw.clear()
+    (raw_token,) = raw.prefill_rows(
+        [(0, pos, t) for pos, t in enumerate(prompt)], outputs=[len(prompt) - 1]
+    )
+    session = SessionRef(session_id=session_id, epoch=1)
+    engine_token = int(np.argmax(driver.prefill(session, 0, prompt).array()[-1]))
+    same = raw_token == engine_token
+    raw_times: list[float] = []
+    engine_times: list[float] = []
+    pos = len(prompt)
+    for step in range(n_decode):
+        for side in ("raw", "engine") if step % 2 else ("engine", "raw"):
+            started = time.perf_counter()
+            if side == "raw":
+                (raw_token,) = raw.decode([(0, pos, raw_token)])
+                raw_times.append(time.perf_counter() - started)
+            else:
+                engine_token = int(np.argmax(driver.decode(session, pos, engine_token).array()[-1]))
+                engine_times.append(time.perf_counter() - started)
+        same = same and raw_token == engine_token
+        pos += 1
+    driver.release(session)
+    return raw_times, engine_times, same
+
+
+def _lockstep_batched(
+    raw: RawLlama, driver: Driver, prompts: Sequence[Sequence[int]], n_steps: int, tag: str
+) -> tuple[list[float], list[float], bool]:
+    """:func:`_lockstep_single` for one batched step of every session."""
+    raw.clear()
+    raw_tokens = [
+        raw.prefill_rows([(seq, pos, t) for pos, t in enumerate(prompt)], [len(prompt) - 1])[0]
+        for seq, prompt in enumerate(prompts)
+    ]
+    sessions = [SessionRef(session_id=f"{tag}-{i}", epoch=1) for i in range(len(prompts))]
+    engine_tokens = [
+        int(np.argmax(driver.prefill(session, 0, prompt).array()[-1]))
+        for session, prompt in zip(sessions, prompts, strict=True)
+    ]
+    same = raw_tokens == engine_tokens
+    raw_times: list[float] = []
+    engine_times: list[float] = []
+    pos = len(prompts[0])
+    for step in range(n_steps):
+        for side in ("raw", "engine") if step % 2 else ("engine", "raw"):
+            started = time.perf_counter()
+            if side == "raw":
+                raw_tokens = raw.decode([(seq, pos, token) for seq, token in enumerate(raw_tokens)])
+                raw_times.append(time.perf_counter() - started)
+            else:
+                results = driver.decode_batch(sessions, [pos] * len(sessions), engine_tokens)
+                engine_tokens = [int(np.argmax(result.array()[-1])) for result in results]
+                engine_times.append(time.perf_counter() - started)
+        same = same and raw_tokens == engine_tokens
+        pos += 1
+    for session in sessions:
+        driver.release(session)
+    return raw_times, engine_times, same
+
+
+def _print_lockstep(
+    label: str,
+    raw_times: Sequence[float],
+    engine_times: Sequence[float],
+    key: str,
+    results: Recorder,
+) -> None:
+    raw_ms, engine_ms = _median(raw_times) * 1e3, _median(engine_times) * 1e3
+    ratio = raw_ms / engine_ms
+    results.record(f"{key}_raw_step_ms", round(raw_ms, 4), "ms")
+    results.record(f"{key}_engine_step_ms", round(engine_ms, 4), "ms")
+    results.record(f"{key}_of_raw", round(ratio, 3), "x")
+    print(
+        f"{label}, in lockstep ({len(raw_times)} steps each): raw {raw_ms:.3f} ms, engine "
+        f"{engine_ms:.3f} ms a step (medians), engine at {ratio:.3f} of raw "
+        f"({(engine_ms - raw_ms) * 1e3:+.0f} us a step)   {_ratio_mark(ratio, TARGET_RAW_RATIO)}"
+    )
+
+
 def _print_spread(
     name: str, engine: Sequence[float], raw: Sequence[float], key: str, results: Recorder
 ) -> None:
@@ -486,6 +572,27 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
                 run(name, rep)
+        # Whole runs above, one configuration after another: a noisy host moves a run's rate
+        # by more than the gap measured. The same comparison in lockstep, step by step:
+        lockstep: dict[str, tuple[list[float], list[float]]] = {
+            "single": ([], []),
+            "batched": ([], []),
+        }
+        lockstep_same = True
+        steps = min(4 * settings.decode_tokens, 512 - settings.prompt_tokens - 1)
+        batch_steps = min(4 * settings.batch_steps, 256 - settings.batch_prompt_tokens - 1)
+        for rep in range(settings.repeat):
+            raw_times, engine_times, same = _lockstep_single(
+                raw_single, drivers["engine"], prompt, steps, f"l{rep}"
+            )
+            lockstep["single"][0].extend(raw_times)
+            lockstep["single"][1].extend(engine_times)
+            raw_times, engine_times, same_batched = _lockstep_batched(
+                raw_batch, drivers["engine batched"], prompts, batch_steps, f"lb{rep}"
+            )
+            lockstep["batched"][0].extend(raw_times)
+            lockstep["batched"][1].extend(engine_times)
+            lockstep_same = lockstep_same and same and same_batched
     finally:
         for driver in drivers.values():
             driver.close()
@@ -522,6 +629,10 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
     )
     label = f"{n} sessions batched"
     _print_spread(label, batched["engine"], batched["raw"], "raw_cmp_batched_of_raw", results)
+    _print_lockstep("decode", *lockstep["single"], "raw_cmp_lockstep", results)
+    _print_lockstep(label, *lockstep["batched"], "raw_cmp_lockstep_batched", results)
+    results.record("raw_cmp_lockstep_tokens_identical", lockstep_same)
+    print(f"greedy tokens identical in lockstep (raw vs engine, single, batched): {lockstep_same}")
     same = (
         len(tokens["raw"] | tokens["engine"] | tokens["3-way"] | tokens["3-way python callbacks"])
         == 1
