@@ -782,6 +782,10 @@ class _ServerConnection:
         self.watched = False
         """While the reading thread serves a call: whether the server's watcher is to hand
         the reading to the other thread when bytes arrive (see :meth:`_serve_here`)."""
+        self._inline: int | None = None
+        """The id of the call the reading thread serves, if any."""
+        self._kept_reading = False
+        """Whether that call's thread stopped watching as its answer left (it reads next)."""
         self._pooled = 0
         self._queued_bytes = 0
         """Import chunk bytes received on this connection and not yet taken (or dropped)."""
@@ -789,6 +793,8 @@ class _ServerConnection:
         self._closing = False
 
     def send(self, kind: int, call_id: int, body: bytes) -> None:
+        if call_id == self._inline and kind in (REPLY, END):
+            self._keep_reading()
         try:
             _send(
                 self.sock,
@@ -986,13 +992,29 @@ class _ServerConnection:
         watched = not self._reader.buffered and self._owner.watch(self)
         if not watched:
             self._turn.release()
-        self._run(call_id, context, serve, argument, pooled=False)
+        self._inline, self._kept_reading = call_id, False
+        try:
+            self._run(call_id, context, serve, argument, pooled=False)
+        finally:
+            self._inline = None
         with self._lock:
             self._other_idle = True
-            still_reading, self.watched = watched and self.watched, False
-        if still_reading:
+            armed, self.watched = self.watched, False
+            still_reading = armed or self._kept_reading
+        if armed:
             self._owner.unwatch(self)
         return still_reading
+
+    def _keep_reading(self) -> None:
+        """The call served on the reading thread is answering: stop watching, so the caller's
+        next call (which may arrive before this thread is back at reading) waits for this
+        thread instead of waking the other one."""
+        with self._lock:
+            if not self.watched:
+                return  # bytes came meanwhile: the other thread reads now
+            self.watched = False
+            self._kept_reading = True
+        self._owner.unwatch(self)
 
     def hand_over_reading(self) -> None:
         """Bytes arrived while the reading thread serves a call: let the other thread read."""
