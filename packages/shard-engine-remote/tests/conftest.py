@@ -210,3 +210,33 @@ def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
 
     length, kind, call_id = _framed._HEADER.unpack(exactly(_framed._HEADER.size))
     return kind, call_id, exactly(length)
+
+
+class UnixPeer:
+    """A hand-written server on a unix socket at ``path``: accepts every connection and serves
+    each on its own thread with :meth:`serve` (what a test's scripted peer does)."""
+
+    def __init__(self, path: Path, backlog: int = 8) -> None:
+        self.path = path
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        self._listener.listen(backlog)
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections.append(sock)
+            threading.Thread(target=self.serve, args=(sock,), daemon=True).start()
+
+    def serve(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self.connections:
+            sock.close()

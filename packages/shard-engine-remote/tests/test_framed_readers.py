@@ -22,6 +22,7 @@ from conftest import (
     Background,
     RemoteFactory,
     ServeFactory,
+    UnixPeer,
     config,
     decode,
     prefill,
@@ -61,30 +62,16 @@ def _detail(reply: object) -> str:
     return reply.detail
 
 
-class _Script:
+class _Script(UnixPeer):
     """A framed server the test drives by hand: each accepted connection is greeted, and the
     frames it receives are put on ``frames`` as (connection, kind, call id)."""
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(mode=0o700)
-        self.path = directory / "engine.sock"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(self.path))
-        self._listener.listen(4)
         self.frames: queue.Queue[tuple[socket.socket, int, int]] = queue.Queue()
-        self.connections: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(directory / "engine.sock", backlog=4)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            self.connections.append(sock)
-            threading.Thread(target=self._read, args=(sock,), daemon=True).start()
-
-    def _read(self, sock: socket.socket) -> None:
+    def serve(self, sock: socket.socket) -> None:
         try:
             while True:
                 kind, call_id, _ = read_frame(sock)
@@ -100,11 +87,6 @@ class _Script:
             sock, got, call_id = self.frames.get(timeout=10)
             if got == kind:
                 return sock, call_id
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self.connections:
-            sock.close()
 
 
 @pytest.fixture
@@ -138,7 +120,7 @@ def test_a_lone_caller_reads_its_own_reply(
     def calling() -> tuple[int, object]:
         return threading.get_ident(), link.call(QUERY, 5.0)
 
-    before = threading.active_count()
+    before = set(threading.enumerate())
     for index in range(3):
         readers.clear()
         call = Background(calling)
@@ -149,7 +131,8 @@ def test_a_lone_caller_reads_its_own_reply(
         caller, reply = outcome
         assert _detail(reply) == f"reply {index}"
         assert readers == {caller}
-    assert threading.active_count() == before + 1  # the script's thread for the connection
+    started = [thread for thread in threading.enumerate() if thread not in before]
+    assert len(started) == 1  # the script's thread for the connection, none of the client's
 
 
 def _call_answered(script: _Script, link: FramedLink, tag: str) -> object:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -21,7 +20,7 @@ from pathlib import Path
 import grpc
 import msgspec
 import pytest
-from conftest import Background, RemoteFactory, ServeFactory, config, prefill, ref
+from conftest import Background, RemoteFactory, ServeFactory, UnixPeer, config, prefill, ref
 
 import shard_engine_api as api
 from shard_engine_api import wire
@@ -166,12 +165,7 @@ def test_capabilities_that_break_the_contract_fail_the_load(
 ) -> None:
     """A server whose capabilities break the contract (a full shard claiming a vocabulary of
     0) fails the load with MalformedOutput."""
-
-    class Server(EngineServer):
-        def __init__(self, engine: api.ShardEngine, **kwargs: object) -> None:
-            super().__init__(_BadCapabilities(engine), **kwargs)  # type: ignore[arg-type]
-
-    server = serve(config(), transport=transport, server_type=Server)
+    server = _serving_capabilities(serve, transport, vocab_size=0)
     assert server.address is not None
     with pytest.raises(api.MalformedOutput):
         remote(config(target=server.address, transport=transport))
@@ -183,12 +177,9 @@ def test_a_served_engine_at_the_length_limits_loads_within_them(
     """A served engine whose name and version take the contract's whole length each: the
     remote engine's own version (naming both) is cut to the limit, and its capabilities still
     round-trip the wire."""
-
-    class Server(EngineServer):
-        def __init__(self, engine: api.ShardEngine, **kwargs: object) -> None:
-            super().__init__(_LongNames(engine), **kwargs)  # type: ignore[arg-type]
-
-    server = serve(config(), transport=transport, server_type=Server)
+    server = _serving_capabilities(
+        serve, transport, engine="e" * MAX_ID_CHARS, engine_version="v" * MAX_ID_CHARS
+    )
     assert server.address is not None
     engine = remote(config(target=server.address, transport=transport))
     capabilities = engine.capabilities()
@@ -198,28 +189,27 @@ def test_a_served_engine_at_the_length_limits_loads_within_them(
     assert wire.decode_reply(wire.encode(capabilities)) == capabilities
 
 
-class _LongNames:
-    def __init__(self, inner: api.ShardEngine) -> None:
+def _serving_capabilities(serve: ServeFactory, transport: str, **changes: object) -> EngineServer:
+    """A fake engine served with its capabilities' fields ``changes`` replaced."""
+
+    class Server(EngineServer):
+        def __init__(self, engine: api.ShardEngine, **kwargs: object) -> None:
+            altered = _AlteredCapabilities(engine, changes)
+            super().__init__(altered, **kwargs)  # type: ignore[arg-type]
+
+    return serve(config(), transport=transport, server_type=Server)
+
+
+class _AlteredCapabilities:
+    def __init__(self, inner: api.ShardEngine, changes: dict[str, object]) -> None:
         self._inner = inner
+        self._changes = changes
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._inner, name)
 
     def capabilities(self) -> api.Capabilities:
-        return msgspec.structs.replace(
-            self._inner.capabilities(), engine="e" * MAX_ID_CHARS, engine_version="v" * MAX_ID_CHARS
-        )
-
-
-class _BadCapabilities:
-    def __init__(self, inner: api.ShardEngine) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
-
-    def capabilities(self) -> api.Capabilities:
-        return msgspec.structs.replace(self._inner.capabilities(), vocab_size=0)
+        return msgspec.structs.replace(self._inner.capabilities(), **self._changes)
 
 
 # ----------------------------------------------------------------- a framed server of bytes
@@ -227,29 +217,15 @@ class _BadCapabilities:
 Answer = Callable[[socket.socket, int], None]
 
 
-class _ByteServer:
+class _ByteServer(UnixPeer):
     """A framed server that greets every client and answers each CALL with ``answer``."""
 
     def __init__(self, answer: Answer) -> None:
         self._answer = answer
         self.directory = Path(tempfile.mkdtemp(prefix="shard-engine-test-"))
-        self.path = self.directory / "engine.sock"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(self.path))
-        self._listener.listen(8)
-        self._connections: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(self.directory / "engine.sock")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            self._connections.append(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
+    def serve(self, sock: socket.socket) -> None:
         with sock:
             try:
                 reader = sock.makefile("rb")
@@ -267,9 +243,7 @@ class _ByteServer:
                 return
 
     def close(self) -> None:
-        self._listener.close()
-        for sock in self._connections:
-            sock.close()
+        super().close()
         self.path.unlink(missing_ok=True)
         self.directory.rmdir()
 
