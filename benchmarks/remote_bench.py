@@ -83,7 +83,16 @@ def _fake_config(
     )
 
 
-ENGINE_KINDS: Final = ("in-process", "server grpc", "server framed", "child grpc", "child framed")
+ENGINE_KINDS: Final = (
+    "in-process",
+    "server grpc",
+    "server framed",
+    "child grpc",
+    "child framed",
+    "child socket",
+)
+"""``child socket``: the framed transport without its shared memory (every byte on the
+socket), beside ``child framed`` (large bodies in the shared memory)."""
 
 
 def _middle(kind: str, hidden: int, child_env: dict[str, str | None]) -> api.ShardEngine:
@@ -93,6 +102,8 @@ def _middle(kind: str, hidden: int, child_env: dict[str, str | None]) -> api.Sha
         return api.load_engine("fake", _fake_config(2, 4, hidden))
     where, transport = kind.split()
     options: dict[str, object] = {"transport": transport}
+    if transport == "socket":
+        options.update(transport="framed", shared_memory=False)
     if where == "server":
         options["in_process"] = "fake"
     else:
@@ -408,7 +419,12 @@ def _gemma3(explicit: str | None) -> PipelineModel | None:
 
 
 def _llama_engines(
-    model: PipelineModel, ranges: Sequence[tuple[int, int]], settings: Settings, *, spawn: bool
+    model: PipelineModel,
+    ranges: Sequence[tuple[int, int]],
+    settings: Settings,
+    *,
+    spawn: bool,
+    shared_memory: bool = True,
 ) -> list[api.ShardEngine]:
     engines: list[api.ShardEngine] = []
     max_context = settings.prompt_tokens + settings.decode_tokens + 8
@@ -416,7 +432,7 @@ def _llama_engines(
         for start, end in ranges:
             options: dict[str, object] = {"n_ubatch": 64}
             if spawn:
-                options.update(spawn="llama", env=settings.child_env)
+                options.update(spawn="llama", env=settings.child_env, shared_memory=shared_memory)
             config = api.LoadConfig(
                 shard=api.ShardSpec(
                     model=str(model.path), n_layers=model.n_layers, start=start, end=end
@@ -460,6 +476,9 @@ def bench_pipeline(settings: Settings, model: PipelineModel, results: Results) -
         ),
         "3 shards, 3 processes": lambda: _llama_engines(
             model, model.three_way, settings, spawn=True
+        ),
+        "3 processes, socket only": lambda: _llama_engines(
+            model, model.three_way, settings, spawn=True, shared_memory=False
         ),
     }
     loaded = {name: make() for name, make in configurations.items()}

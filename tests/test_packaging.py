@@ -147,6 +147,7 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "encode",
         "encode_bundle",
         "encode_error",
+        "encode_into",
         "error_from_info",
         "payload_checksum",
     ],

@@ -53,6 +53,7 @@ from shard_engine_api.wire import (
     encode,
     encode_bundle,
     encode_error,
+    encode_into,
     payload_checksum,
 )
 
@@ -154,6 +155,56 @@ def every_message() -> list[msgspec.Struct]:
 @pytest.mark.parametrize("message", every_message(), ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(message: Any) -> None:
     assert decode_message(encode(message)) == message
+
+
+def _large_messages() -> list[msgspec.Struct]:
+    """Messages whose payload the codec aligns (64 KiB and more), in every position."""
+    bundle = make_bundle(64, 512, seed=1)
+    return [
+        bundle,
+        make_bundle(300, 128, "f16", seed=2),
+        PrefillRequest(request_id="p", session=SESSION, start_pos=0, inputs=bundle),
+        DecodeRequest(request_id="d", session=SESSION, pos=7, inputs=make_bundle(40, 1024)),
+        BoundaryResult(
+            request_id="r",
+            session=SESSION,
+            first_pos=4,
+            n_tokens=64,
+            evidence="real",
+            bundle=bundle,
+        ),
+        logits_result(np.random.default_rng(3).standard_normal((1, 65536)).astype(np.float32)),
+        DecodeBatchResult(request_id="b", items=(logits_result(), logits_result())),
+    ]
+
+
+@pytest.mark.parametrize(
+    "message", every_message() + _large_messages(), ids=lambda m: type(m).__name__
+)
+def test_encode_into_writes_the_bytes_encode_returns(message: Any) -> None:
+    """Into a buffer with room to spare: the same bytes as encode(), the rest untouched; into
+    one byte too few: None and nothing written."""
+    expected = encode(message)
+    out = bytearray(b"\xaa" * (len(expected) + 100))
+    assert encode_into(message, memoryview(out)) == len(expected)
+    assert bytes(out[: len(expected)]) == expected
+    assert out[len(expected) :] == b"\xaa" * 100
+    assert decode_message(memoryview(out)[: len(expected)]) == message
+    short = bytearray(b"\xbb" * (len(expected) - 1))
+    assert encode_into(message, memoryview(short)) is None
+    assert short == b"\xbb" * (len(expected) - 1)
+
+
+def test_encode_into_refuses_what_encode_refuses_and_unwritable_buffers() -> None:
+    out = memoryview(bytearray(1 << 16))
+    with pytest.raises(InvalidRequest, match="not a wire message"):
+        encode_into(object(), out)  # type: ignore[arg-type]
+    for bad in (memoryview(bytes(1 << 16)), memoryview(bytearray(64)).cast("B", (8, 8))):
+        with pytest.raises(InvalidRequest, match="writable 1-dimensional byte buffer"):
+            encode_into(make_bundle(), bad)
+    floats = memoryview(np.zeros(1024, dtype=np.float32).data)
+    with pytest.raises(InvalidRequest, match="writable 1-dimensional byte buffer"):
+        encode_into(make_bundle(), floats)
 
 
 def test_requests_and_replies_have_their_own_decoders() -> None:

@@ -280,7 +280,7 @@ def test_a_caller_reading_after_the_socket_closed_gets_a_link_error(
     assert _detail(_call_answered(script, link, "first")) == "first"
     connection = link._connection
     assert connection is not None
-    call_id = connection.open_call()
+    call_id, _ = connection.open_call()
     connection.close()
     with pytest.raises(FramedLinkError) as lost:
         connection.receive(call_id, time.monotonic() + 5.0)

@@ -481,9 +481,16 @@ def _encode_aligned(message: WireMessage) -> bytes:
         payload = message.payload
         if type(payload) is memoryview and payload.nbytes < _ALIGN_FROM_BYTES:
             return _ENCODER.encode(message)
+    parts = _aligned_parts(message)
+    return _ENCODER.encode(message) if parts is None else b"".join(parts)
+
+
+def _aligned_parts(message: WireMessage) -> list[bytes | memoryview] | None:
+    """The pieces of :func:`_encode_aligned`'s bytes, in order, the payload among them
+    uncopied; None when the message has no large payload to align (or an unexpected layout)."""
     found = _large_payload(message)
     if found is None:
-        return _ENCODER.encode(message)
+        return None
     payload, emptied = found
     skeleton = _ENCODER.encode(emptied)
     tag = type(message).__struct_config__.tag
@@ -494,7 +501,7 @@ def _encode_aligned(message: WireMessage) -> bytes:
         or skeleton[1:header_end] != tag_entry
         or skeleton.count(_EMPTY_PAYLOAD_ENTRY) != 1
     ):
-        return _ENCODER.encode(message)
+        return None
     at = skeleton.index(_EMPTY_PAYLOAD_ENTRY)
     size = payload.nbytes
     payload_header = _PAYLOAD_KEY + b"\xc6" + size.to_bytes(4, "big")
@@ -502,19 +509,17 @@ def _encode_aligned(message: WireMessage) -> bytes:
     # entry's key and bin8 header, plus the payload key and bin32 header.
     unpadded = at + len(_PAD_KEY) + 2 + len(payload_header)
     pad = -unpadded % _ALIGNMENT
-    return b"".join(
-        (
-            bytes((skeleton[0] + 1,)),
-            skeleton[1:header_end],
-            _PAD_KEY,
-            bytes((0xC4, pad)),
-            bytes(pad),
-            skeleton[header_end:at],
-            payload_header,
-            payload,
-            skeleton[at + len(_EMPTY_PAYLOAD_ENTRY) :],
-        )
-    )
+    return [
+        bytes((skeleton[0] + 1,)),
+        skeleton[1:header_end],
+        _PAD_KEY,
+        bytes((0xC4, pad)),
+        bytes(pad),
+        skeleton[header_end:at],
+        payload_header,
+        payload,
+        skeleton[at + len(_EMPTY_PAYLOAD_ENTRY) :],
+    ]
 
 
 class Codec:
@@ -599,6 +604,30 @@ class Codec:
             return _encode_aligned(message)
         except (msgspec.MsgspecError, TypeError, ValueError, OverflowError) as error:
             raise InvalidRequest(f"cannot encode {type(message).__name__}: {error}") from error
+
+    @staticmethod
+    def encode_into(message: WireMessage, out: memoryview) -> int | None:
+        """Encode a wire message into the start of the writable byte buffer ``out`` (shared
+        memory, say), with the same bytes :meth:`encode` returns; the large payload is copied
+        once, straight into ``out``. Returns the bytes written, or None when the encoding is
+        larger than ``out`` (nothing written: use :meth:`encode`). Raises InvalidRequest like
+        :meth:`encode`, and for an ``out`` that is not a writable 1-dimensional byte buffer."""
+        if out.readonly or out.format not in ("B", "b", "c") or out.ndim != 1:
+            raise InvalidRequest("encode_into needs a writable 1-dimensional byte buffer")
+        if type(message) not in _WIRE_TYPES:
+            Codec.encode(message)  # raises its InvalidRequest
+        try:
+            parts = _aligned_parts(message)
+            views = [memoryview(part).cast("B") for part in (parts or [Codec.encode(message)])]
+        except (msgspec.MsgspecError, TypeError, ValueError, OverflowError) as error:
+            raise InvalidRequest(f"cannot encode {type(message).__name__}: {error}") from error
+        if sum(view.nbytes for view in views) > out.nbytes:
+            return None
+        at = 0
+        for view in views:
+            out[at : at + view.nbytes] = view
+            at += view.nbytes
+        return at
 
     @staticmethod
     def encode_bundle(bundle: BoundaryBundle) -> bytes:
@@ -829,6 +858,12 @@ def _cached_codec(
 def encode(message: WireMessage) -> bytes:
     """Encode any wire message to msgpack bytes. Raises InvalidRequest for unencodable values."""
     return Codec.encode(message)
+
+
+def encode_into(message: WireMessage, out: memoryview) -> int | None:
+    """Encode a wire message into the start of ``out``; the bytes written, or None when it does
+    not fit (see Codec.encode_into)."""
+    return Codec.encode_into(message, out)
 
 
 def encode_bundle(bundle: BoundaryBundle) -> bytes:

@@ -18,6 +18,7 @@ from shard_engine_api._codec import (
     encode,
     encode_bundle,
     encode_error,
+    encode_into,
 )
 from shard_engine_api._errors import ErrorInfo, error_from_info
 
@@ -39,6 +40,7 @@ __all__ = [
     "encode",
     "encode_bundle",
     "encode_error",
+    "encode_into",
     "error_from_info",
     "payload_checksum",
 ]

@@ -150,6 +150,9 @@ class RemoteOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     child, an in-process server, or a target ``unix:PATH`` served with ``--transport framed``.
     ``grpc``: the network transport (TLS, tokens, health). ``auto``: framed for ``spawn``,
     gRPC otherwise."""
+    shared_memory: bool = True
+    """Framed transport: lend the server shared memory (a sealed memfd, Linux) in which large
+    requests and replies (a tail's logits, a prefill's bundle) cross instead of the socket."""
 
     def __post_init__(self) -> None:
         chosen = [name for name in ("target", "spawn", "in_process") if getattr(self, name)]
@@ -397,6 +400,7 @@ class RemoteEngine:
                     Path(options.target.removeprefix("unix:")),
                     token=security.token,
                     max_message_bytes=options.max_message_bytes,
+                    shared_memory=options.shared_memory,
                 )
             else:
                 link = _Link(options.target, options.security(), options.max_message_bytes)
@@ -439,7 +443,10 @@ class RemoteEngine:
             self._local = (framed, directory)
             framed.start(path)
             link = self._link = FramedLink(
-                path, token=None, max_message_bytes=options.max_message_bytes
+                path,
+                token=None,
+                max_message_bytes=options.max_message_bytes,
+                shared_memory=options.shared_memory,
             )
         else:
             self._local = (server, directory)
@@ -466,7 +473,10 @@ class RemoteEngine:
         link: _AnyLink
         if options.framed:
             link = FramedLink(
-                child.socket_path, token=child.token, max_message_bytes=options.max_message_bytes
+                child.socket_path,
+                token=child.token,
+                max_message_bytes=options.max_message_bytes,
+                shared_memory=options.shared_memory,
             )
         else:
             link = _Link(address, ClientSecurity(token=child.token), options.max_message_bytes)

@@ -26,15 +26,31 @@ stream's messages (an ImportHeader, then the snapshot's chunks) as CHUNKs and an
 transport-level refusal: ``[status name, message]``). A body over the message limit is skipped
 unread and answered ResourceExhausted, a malformed body InvalidRequest, a frame of an unknown
 kind InvalidRequest; each is counted, and the connection keeps serving.
+
+Large bodies skip the socket. A client connection lends its server shared memory: a sealed
+``memfd`` (it can neither shrink nor grow, so neither side can be made to fault on it) of
+:data:`ARENA_SLOTS` slots, passed with HELLO (``SCM_RIGHTS``) and announced in it; the server
+answers HELLO saying whether it took it (a file that is not a sealed memory file of the announced
+size is refused and counted, and the connection is served over the socket alone). A call that
+holds a free slot goes as CALL_SLOT, body ``[slot u32, length u32]`` then the request when
+``length`` is 0, or ``length`` bytes of request in the slot; the server answers SLOT_REPLY
+``[length u32]`` with the reply in the slot when it is large, else REPLY. The slot is the
+call's until its answer has come, even after the caller gave up (the server answers every
+CALL_SLOT once, abandoned or not): it is never written by both sides at once. Each side copies
+what it reads out of the slot before decoding it (decoded payloads are views of their buffer).
+On this host a 1 MiB reply (a 262k-vocabulary logits row) crosses in ~0.17 ms this way and
+~0.74 ms through the socket (kernel copies each way, a wake-up per socket buffer).
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
 import hmac
 import itertools
 import logging
 import math
+import mmap
 import os
 import queue
 import select
@@ -61,7 +77,9 @@ from shard_engine_remote._wire import (
     decode_reply,
     decode_request,
     encode_reply,
+    encode_reply_into,
     oversized_error,
+    payload_bytes,
 )
 
 __all__ = ["FramedLink", "FramedLinkError", "FramedServer", "check_private_socket"]
@@ -76,6 +94,10 @@ ABANDON: Final = 7
 REPLY: Final = 8
 ITEM: Final = 9
 ERROR: Final = 10
+CALL_SLOT: Final = 11
+SLOT_REPLY: Final = 12
+_ANSWERS: Final = frozenset((REPLY, SLOT_REPLY, ERROR))
+"""The frames that end a call (what frees a slot the call held)."""
 
 _HEADER: Final = struct.Struct("<IBQ")
 _PEER_CREDENTIALS: Final = struct.Struct("3i")
@@ -92,6 +114,17 @@ connections get it: a connection that never authenticated holds the default."""
 _WATCH: Final = select.EPOLLIN | select.EPOLLONESHOT
 _UNWATCHED: Final = select.EPOLLONESHOT
 """Registered, reporting nothing (but a hang-up, once)."""
+_SLOT_CALL: Final = struct.Struct("<II")
+_SLOT_ANSWER: Final = struct.Struct("<I")
+ARENA_SLOTS: Final = 4
+"""Calls of one connection that may use its shared memory at once (more travel the socket)."""
+ARENA_SLOT_BYTES: Final = 16 << 20
+"""Largest body that crosses in a slot: 8 rows of a 262k-vocabulary tail's f32 logits, or a
+512-row f32 bundle of 4096-wide hidden states (pages are taken as slots are first used)."""
+_MAX_ARENA_BYTES: Final = 1 << 30
+_CLOSE_ON_EXEC: Final = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_SLOT_MIN_BYTES: Final = _COALESCE_BYTES
+"""A body up to this size travels in its frame (one system call already)."""
 _HELLO_TIMEOUT_S: Final = 10.0
 """How long a greeting may take, each way, from the connection's first byte to its last."""
 _MAX_GREETING_BYTES: Final = 4096
@@ -108,9 +141,20 @@ _LOG: Final = logging.getLogger("shard_engine.remote")
 
 class _Hello(msgspec.Struct, frozen=True, kw_only=True):
     token: str | None = None
+    arena_slots: int = 0
+    """Slots of the shared memory sent with this frame (0: none sent)."""
+    arena_slot_bytes: int = 0
+
+
+class _Welcome(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's answer to HELLO (an empty body is a welcome without shared memory)."""
+
+    arena: bool = False
+    """Whether the server took the shared memory the client sent."""
 
 
 _HELLO_DECODER: Final = msgspec.msgpack.Decoder(_Hello)
+_WELCOME_DECODER: Final = msgspec.msgpack.Decoder(_Welcome)
 _ERROR_DECODER: Final = msgspec.msgpack.Decoder(tuple[str, str])
 
 
@@ -173,6 +217,9 @@ class _Reader:
         self._sock = sock
         self._buffer = bytearray()
         self.deadline = deadline
+        self.fds: list[int] | None = None
+        """When a list: descriptors that arrive with the bytes are collected in it (the
+        greeting's shared memory); else the kernel drops them."""
 
     def _recv(self, size: int) -> bytes:
         if self.deadline is not None:
@@ -180,14 +227,23 @@ class _Reader:
             if remaining <= 0:
                 raise TimeoutError("the peer did not send a whole frame in time")
             self._sock.settimeout(remaining)
-        chunk = self._sock.recv(size)
+        if self.fds is not None:
+            chunk, fds, _, _ = socket.recv_fds(self._sock, size, 4, _CLOSE_ON_EXEC)
+            self.fds += fds
+        else:
+            chunk = self._sock.recv(size)
         if not chunk:
             raise _Closed
         return chunk
 
     def _fill(self, wanted: int) -> None:
         while len(self._buffer) < wanted:
-            self._buffer += self._recv(max(_READ_SIZE, wanted - len(self._buffer)))
+            missing = wanted - len(self._buffer)
+            # Collecting descriptors, read no byte past the frame: what comes with the next
+            # frame is not the greeting's.
+            self._buffer += self._recv(
+                missing if self.fds is not None else max(_READ_SIZE, missing)
+            )
 
     def header(self) -> tuple[int, int, int]:
         """(body length, kind, call id) of the next frame."""
@@ -296,6 +352,74 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+# ----------------------------------------------------------------- shared memory
+
+
+_ARENA_SEALS: Final = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
+SHARED_MEMORY: Final = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+"""Whether this platform can lend a server shared memory (Linux: sealed memfds)."""
+
+
+class _Arena:
+    """A connection's shared memory: ``slots`` slots of ``slot_bytes``, mapped by both ends."""
+
+    def __init__(self, memory: mmap.mmap, slots: int, slot_bytes: int) -> None:
+        self._view = memoryview(memory)
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> tuple[_Arena, int]:
+        """A new arena and its file (the caller sends, then closes it). Raises OSError."""
+        size = slots * slot_bytes
+        fd = os.memfd_create("shard-engine-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _ARENA_SEALS | fcntl.F_SEAL_SEAL)
+            return cls(mmap.mmap(fd, size), slots, slot_bytes), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def adopt(cls, fd: int, slots: int, slot_bytes: int) -> _Arena | None:
+        """The arena a client sent (``fd`` is closed here), or None when it is not one: a
+        regular memory file of exactly the announced size that can neither shrink nor grow.
+        An unsealed file could be cut short under the mapping, and touching the lost pages
+        would kill this process (SIGBUS)."""
+        try:
+            if not (0 < slots <= 64 and slot_bytes > 0 and slots * slot_bytes <= _MAX_ARENA_BYTES):
+                return None
+            status = os.fstat(fd)
+            size = slots * slot_bytes
+            if not stat.S_ISREG(status.st_mode) or status.st_size != size:
+                return None
+            if status.st_blksize != mmap.PAGESIZE:
+                # Not an ordinary memory file: hugetlbfs, say, whose pages a hole punched by
+                # the client may leave impossible to fault back in (SIGBUS).
+                return None
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _ARENA_SEALS != _ARENA_SEALS:
+                return None
+            return cls(mmap.mmap(fd, size), slots, slot_bytes)
+        except (OSError, ValueError, OverflowError):  # not sealable (no memory file), not mappable
+            return None
+        finally:
+            os.close(fd)
+
+    def slot(self, index: int) -> memoryview:
+        start = index * self.slot_bytes
+        return self._view[start : start + self.slot_bytes]
+
+    def put(self, index: int, body: bytes) -> None:
+        self._view[index * self.slot_bytes : index * self.slot_bytes + len(body)] = body
+
+    def take(self, index: int, length: int) -> bytes:
+        """A copy of the first ``length`` bytes of a slot (what decodes from it must not see
+        the slot written again)."""
+        start = index * self.slot_bytes
+        return bytes(self._view[start : start + length])
+
+
 # ----------------------------------------------------------------- client
 
 
@@ -376,27 +500,61 @@ class _Connection:
     its deadline, it stops reading and one of the others takes over. A lone caller thus reads
     its own reply, with no thread handing it over (on a 2-core machine, a wake-up per hop)."""
 
-    def __init__(self, sock: socket.socket, max_reply_bytes: int) -> None:
+    def __init__(
+        self, sock: socket.socket, max_reply_bytes: int, arena: _Arena | None = None
+    ) -> None:
         self.sock = sock
         self.send_lock = threading.Lock()
         self._frames = _ReplyFrames(sock, max_reply_bytes)
+        self._max_reply_bytes = max_reply_bytes
         self._condition = threading.Condition(threading.Lock())
         self._arrived: dict[int, collections.deque[tuple[int, bytes]]] = {}
         self._reading = False
         self._ids = itertools.count(1)
         self.broken: FramedLinkError | None = None
+        self.arena = arena
+        self._free_slots = list(range(arena.slots)) if arena is not None else []
+        self._slot_of: dict[int, int] = {}
+        """Slot of each call holding one: open calls, and closed ones whose answer has not
+        come (the server may still write their slot)."""
+        self._answered: set[int] = set()
+        """Open calls holding a slot whose answer has come (their slot is freed on close)."""
 
-    def open_call(self) -> int:
+    def open_call(self, slot: bool = False) -> tuple[int, int | None]:
+        """A new call's id, and its slot of the shared memory when ``slot`` is asked and one
+        is free."""
         call_id = next(self._ids)
         with self._condition:
             if self.broken is not None:
                 raise FramedLinkError(self.broken.code(), f"{self.broken.details()}; {NOT_SENT}")
             self._arrived[call_id] = collections.deque()
-        return call_id
+            index = self._free_slots.pop() if slot and self._free_slots else None
+            if index is not None:
+                self._slot_of[call_id] = index
+        return call_id, index
 
-    def close_call(self, call_id: int) -> None:
+    def close_call(self, call_id: int, sent: bool = True) -> None:
+        """The caller is done with the call. Its slot is free again when its answer came or
+        its request never left; else when the answer comes."""
         with self._condition:
             self._arrived.pop(call_id, None)
+            if call_id in self._slot_of and (call_id in self._answered or not sent):
+                self._answered.discard(call_id)
+                self._free_slots.append(self._slot_of.pop(call_id))
+
+    def slot_reply(self, slot: int, body: bytes) -> bytes:
+        """The reply a SLOT_REPLY frame announces, copied out of the call's slot."""
+        assert self.arena is not None
+        (length,) = _SLOT_ANSWER.unpack(body) if len(body) == _SLOT_ANSWER.size else (-1,)
+        if not 0 < length <= min(self.arena.slot_bytes, self._max_reply_bytes):
+            error = FramedLinkError(
+                grpc.StatusCode.DATA_LOSS,
+                f"the server announced a reply of {length} bytes in a shared-memory slot of "
+                f"{self.arena.slot_bytes}; the connection was dropped",
+            )
+            self.fail(error)
+            raise error
+        return self.arena.take(slot, length)
 
     def send(self, kind: int, call_id: int, body: bytes, deadline: float) -> None:
         try:
@@ -405,7 +563,7 @@ class _Connection:
             if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or NOT_SENT not in error.details():
                 # Nothing read this socket while no call waited: a send is where a dead
                 # server (or a frame cut in two) shows first.
-                self._fail(
+                self.fail(
                     FramedLinkError(grpc.StatusCode.UNAVAILABLE, "connection lost while sending")
                 )
             raise
@@ -475,6 +633,11 @@ class _Connection:
                     return
                 with self._condition:
                     arrived = self._arrived.get(frame_id)
+                    if kind in _ANSWERS and frame_id in self._slot_of:
+                        if arrived is not None:
+                            self._answered.add(frame_id)
+                        else:  # its caller gave up: the slot is free only now
+                            self._free_slots.append(self._slot_of.pop(frame_id))
                     if arrived is not None:
                         arrived.append((kind, body))
                         if frame_id == call_id:
@@ -482,9 +645,9 @@ class _Connection:
                         self._condition.notify_all()
         except (OSError, _Closed) as error:
             reason = str(error) or "the server closed it"
-            self._fail(FramedLinkError(grpc.StatusCode.UNAVAILABLE, f"connection lost: {reason}"))
+            self.fail(FramedLinkError(grpc.StatusCode.UNAVAILABLE, f"connection lost: {reason}"))
         except FramedLinkError as error:
-            self._fail(error)
+            self.fail(error)
         finally:
             with self._condition:
                 self._reading = False
@@ -495,7 +658,7 @@ class _Connection:
         with suppress(FramedLinkError):
             self.send(ABANDON, call_id, b"", time.monotonic() + _ABANDON_TIMEOUT_S)
 
-    def _fail(self, error: FramedLinkError) -> None:
+    def fail(self, error: FramedLinkError) -> None:
         with self._condition:
             if self.broken is None:
                 self.broken = error
@@ -569,8 +732,16 @@ class FramedLink:
     """The framed transport's client end, with the gRPC link's methods (see the module
     docstring). One connection, opened on first use and again after it broke."""
 
-    def __init__(self, path: Path, *, token: str | None, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        token: str | None,
+        max_message_bytes: int,
+        shared_memory: bool = True,
+    ) -> None:
         self.target = f"unix:{path}"
+        self._shared_memory = shared_memory and SHARED_MEMORY
         self._path = str(path)
         self._token = token
         self._max_reply_bytes = 2 * max_message_bytes
@@ -616,9 +787,7 @@ class FramedLink:
             sock.settimeout(max(0.001, greeting_deadline - time.monotonic()))
             sock.connect(self._path)
             _check_peer(sock, self.target)
-            # A server that refuses the connection may close first: read its answer anyway.
-            with suppress(BrokenPipeError, ConnectionResetError):
-                sock.sendall(_frame(HELLO, 0, _HELLO_ENCODER.encode(_Hello(token=self._token))))
+            arena = self._lend(sock)
             reader = _Reader(sock, deadline=greeting_deadline)
             length, kind, _ = reader.header()
             body = reader.body(length) if length <= _MAX_GREETING_BYTES else b""
@@ -644,8 +813,38 @@ class FramedLink:
                 refused.code() if refused else grpc.StatusCode.UNAVAILABLE,
                 f"{refused.details() if refused else 'unexpected answer to HELLO'}; {NOT_SENT}",
             )
+        try:
+            welcome = _WELCOME_DECODER.decode(body) if body else _Welcome()
+        except msgspec.MsgspecError:
+            welcome = _Welcome()
         _widen_buffers(sock)
-        return _Connection(sock, self._max_reply_bytes)
+        return _Connection(sock, self._max_reply_bytes, arena if welcome.arena else None)
+
+    def _lend(self, sock: socket.socket) -> _Arena | None:
+        """Send HELLO, with the connection's shared memory when there is to be one."""
+        arena: _Arena | None = None
+        fds: list[int] = []
+        hello = _Hello(token=self._token)
+        if self._shared_memory:
+            try:
+                arena, fd = _Arena.create(ARENA_SLOTS, ARENA_SLOT_BYTES)
+            except OSError as error:  # no memfd here, or no memory: the socket alone
+                _LOG.debug("no shared memory for %s: %s", self.target, error)
+            else:
+                fds.append(fd)
+                hello = _Hello(
+                    token=self._token, arena_slots=ARENA_SLOTS, arena_slot_bytes=ARENA_SLOT_BYTES
+                )
+        frame = _frame(HELLO, 0, _HELLO_ENCODER.encode(hello))
+        try:
+            # A server that refuses the connection may close first: read its answer anyway.
+            with suppress(BrokenPipeError, ConnectionResetError):
+                sent = socket.send_fds(sock, [frame], fds) if fds else 0
+                sock.sendall(frame[sent:])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return arena
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether a server answered within ``timeout``; a refusal (a wrong token) counts as an
@@ -661,18 +860,35 @@ class FramedLink:
     def call(self, message: bytes, timeout: float | None) -> RemoteReply | Rejected:
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
-        call_id = connection.open_call()
+        call_id, slot = connection.open_call(slot=connection.arena is not None)
+        sent = False
         try:
-            connection.send(CALL, call_id, message, deadline)
-            _, body = connection.receive(call_id, deadline)
+            if slot is None:
+                connection.send(CALL, call_id, message, deadline)
+            else:
+                assert connection.arena is not None
+                if _SLOT_MIN_BYTES < len(message) <= connection.arena.slot_bytes:
+                    connection.arena.put(slot, message)
+                    frame = _SLOT_CALL.pack(slot, len(message))
+                else:
+                    frame = _SLOT_CALL.pack(slot, 0) + message
+                connection.send(CALL_SLOT, call_id, frame, deadline)
+            sent = True
+            kind, body = connection.receive(call_id, deadline)
+            if kind == SLOT_REPLY and slot is not None:
+                body = connection.slot_reply(slot, body)
+            # Any other frame than a reply decodes as the malformed reply it is.
+        except FramedLinkError as error:
+            sent = sent or NOT_SENT not in error.details()
+            raise
         finally:
-            connection.close_call(call_id)
+            connection.close_call(call_id, sent=sent)
         return decode_reply(body)
 
     def export(self, message: bytes, timeout: float | None) -> _FramedStream:
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
-        call_id = connection.open_call()
+        call_id, _ = connection.open_call()
         try:
             connection.send(EXPORT, call_id, message, deadline)
         except FramedLinkError:
@@ -683,7 +899,7 @@ class FramedLink:
     def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
-        call_id = connection.open_call()
+        call_id, _ = connection.open_call()
         try:
             connection.send(IMPORT, call_id, b"", deadline)
             try:
@@ -791,9 +1007,11 @@ class _ServerConnection:
         """Import chunk bytes received on this connection and not yet taken (or dropped)."""
         """This connection's calls queued for or running on the server's pool."""
         self._closing = False
+        self.arena: _Arena | None = None
+        """The shared memory the client lent (see the module docstring)."""
 
     def send(self, kind: int, call_id: int, body: bytes) -> None:
-        if call_id == self._inline and kind in (REPLY, END):
+        if call_id == self._inline and kind in (REPLY, SLOT_REPLY, END):
             self._keep_reading()
         try:
             _send(
@@ -852,26 +1070,43 @@ class _ServerConnection:
         # The whole greeting by one deadline, not each read: a connection trickling its HELLO
         # a byte at a time would otherwise hold a greeting place for hours.
         reader = _Reader(self.sock, deadline=time.monotonic() + _HELLO_TIMEOUT_S)
-        length, kind, _ = reader.header()
-        if kind != HELLO or length > _MAX_GREETING_BYTES:
-            counters.add("rejected_frames")
-            return False
+        fds: list[int] = []
+        reader.fds = fds
         try:
-            hello = _HELLO_DECODER.decode(reader.body(length))
-        except msgspec.MsgspecError:
-            counters.add("rejected_frames")
-            return False
-        expected = self._server.security.token
-        if expected and not hmac.compare_digest((hello.token or "").encode(), expected.encode()):
-            counters.add("unauthenticated")
-            self.send(
-                ERROR, 0, _HELLO_ENCODER.encode(("UNAUTHENTICATED", "missing or wrong token"))
-            )
-            return False
+            length, kind, _ = reader.header()
+            if kind != HELLO or length > _MAX_GREETING_BYTES:
+                counters.add("rejected_frames")
+                return False
+            try:
+                hello = _HELLO_DECODER.decode(reader.body(length))
+            except msgspec.MsgspecError:
+                counters.add("rejected_frames")
+                return False
+            reader.fds = None
+            expected = self._server.security.token
+            if expected and not hmac.compare_digest(
+                (hello.token or "").encode(), expected.encode()
+            ):
+                counters.add("unauthenticated")
+                self.send(
+                    ERROR, 0, _HELLO_ENCODER.encode(("UNAUTHENTICATED", "missing or wrong token"))
+                )
+                return False
+            if hello.arena_slots or fds:
+                self.arena = (
+                    _Arena.adopt(fds.pop(0), hello.arena_slots, hello.arena_slot_bytes)
+                    if hello.arena_slots and len(fds) == 1
+                    else None
+                )
+                if self.arena is None:
+                    counters.add("refused_shared_memory")
+        finally:
+            for fd in fds:
+                os.close(fd)
         self.sock.settimeout(None)
         reader.deadline = None
         _widen_buffers(self.sock)
-        self.send(HELLO, 0, b"")
+        self.send(HELLO, 0, _HELLO_ENCODER.encode(_Welcome(arena=self.arena is not None)))
         self._reader = reader
         return True
 
@@ -929,7 +1164,7 @@ class _ServerConnection:
                 if context is not None:
                     context.end()
                 continue
-            if kind not in (CALL, EXPORT, IMPORT):
+            if kind not in (CALL, CALL_SLOT, EXPORT, IMPORT):
                 self._refuse(call_id, api.InvalidRequest(f"unknown frame kind {kind}"))
                 continue
             with self._lock:
@@ -964,7 +1199,13 @@ class _ServerConnection:
                 if kind == IMPORT:
                     stream = self._streams[call_id] = queue.SimpleQueue()
             serve: Callable[[int, _CallContext, typing.Any], None] = (
-                self._call if kind == CALL else self._export if kind == EXPORT else self._import
+                self._call
+                if kind == CALL
+                else self._call_slot
+                if kind == CALL_SLOT
+                else self._export
+                if kind == EXPORT
+                else self._import
             )
             argument = stream if kind == IMPORT else body
             if hand_over:
@@ -1088,6 +1329,49 @@ class _ServerConnection:
         reply = self._server._call(decode_request(body, max_bytes=limit), context)
         if not context.ended:
             self.send(REPLY, call_id, encode_reply(reply))
+
+    def _call_slot(self, call_id: int, context: _CallContext, body: bytes) -> None:
+        """A call holding a slot of the shared memory: its request may be there, its reply
+        goes there when large. Answered even when abandoned: the answer frees the slot."""
+        arena = self.arena
+        limit = self._server.max_message_bytes
+        if arena is None or len(body) < _SLOT_CALL.size:
+            self._refuse(
+                call_id,
+                api.InvalidRequest(
+                    "a CALL_SLOT frame on a connection without shared memory, or shorter than "
+                    "its slot header"
+                ),
+            )
+            return
+        slot, length = _SLOT_CALL.unpack_from(body)
+        if slot >= arena.slots or length > arena.slot_bytes or (length and len(body) > 8):
+            self._refuse(
+                call_id,
+                api.InvalidRequest(
+                    f"a CALL_SLOT frame naming {length} bytes in slot {slot}: the connection's "
+                    f"shared memory has {arena.slots} slots of {arena.slot_bytes} bytes"
+                ),
+            )
+            return
+        if length > limit:  # refused before a byte is copied, as a socket's body is skipped
+            self._refuse(call_id, oversized_error(length, limit))
+            return
+        request = arena.take(slot, length) if length else body[_SLOT_CALL.size :]
+        reply = self._server._call(decode_request(request, max_bytes=limit), context)
+        # A large reply straight into the slot (its payload copied once), unless it does not
+        # fit; a small one in its frame.
+        written = (
+            encode_reply_into(reply, arena.slot(slot))
+            if payload_bytes(reply) > _SLOT_MIN_BYTES
+            else None
+        )
+        if length or written is not None:
+            self._server.counters.add("shared_memory_calls")
+        if written is None:
+            self.send(REPLY, call_id, encode_reply(reply))
+        else:
+            self.send(SLOT_REPLY, call_id, _SLOT_ANSWER.pack(written))
 
     def _export(self, call_id: int, context: _CallContext, body: bytes) -> None:
         request = decode_request(body, max_bytes=self._server.max_message_bytes)
@@ -1217,6 +1501,9 @@ class FramedServer:
                         connection = self._watching.get(fd)
                     if connection is not None:
                         connection.hand_over_reading()
+                    # Hold no closed connection (nor the shared memory it maps) until the
+                    # next event.
+                    connection = None
         finally:
             with self._lock:
                 self._watcher = None
@@ -1285,6 +1572,7 @@ class FramedServer:
                 _refuse_connection(sock, "the server holds as many connections as it serves")
                 continue
             threading.Thread(target=connection.serve, daemon=True, name=f"framed-{number}").start()
+            del connection  # its thread holds it; held here, its end would wait for the next
 
     def greeted(self) -> None:
         """A connection's greeting ended (either way)."""

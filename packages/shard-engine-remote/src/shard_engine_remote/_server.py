@@ -172,6 +172,8 @@ class ServerCounters:
     busy: int = 0
     transport_cancels: int = 0
     stalled: int = 0
+    shared_memory_calls: int = 0
+    refused_shared_memory: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -198,6 +200,8 @@ class ServerCounters:
                 rate_limited=self.rate_limited,
                 busy=self.busy,
                 transport_cancels=self.transport_cancels,
+                shared_memory_calls=self.shared_memory_calls,
+                refused_shared_memory=self.refused_shared_memory,
                 stalled=self.stalled,
                 rate_limited_clients=rate_limited_clients,
                 threading={

@@ -125,6 +125,12 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     request message was later than ``stream_idle_s`` (health checks: 5 s), or, over a second
     late, another call needed its thread (the peer holding the most goes first; a health
     Watch counts as waiting)."""
+    shared_memory_calls: Count = 0
+    """Framed calls whose request or reply crossed in the shared memory their connection lent
+    the server (see ``_framed``) instead of the socket."""
+    refused_shared_memory: Count = 0
+    """Framed connections whose offered shared memory was refused (not a sealed memory file
+    of the announced size): they were served over the socket alone."""
     rate_limited_clients: Count = 0
     """Clients (peers) the rate limiter tracks now (bounded; the idlest are forgotten)."""
     threading: Annotated[
@@ -224,6 +230,31 @@ def encode_reply(message: RemoteReply) -> bytes:
     if isinstance(message, ServerStats):
         return _QUERY_ENCODER.encode(message)
     return wire.encode(message)
+
+
+def payload_bytes(message: RemoteReply) -> int:
+    """Bytes of the payloads a reply carries (what dominates its encoding; 0 for the rest)."""
+    match message:
+        case api.LogitsResult(payload=payload):
+            return payload.nbytes
+        case api.BoundaryResult(bundle=bundle):
+            return bundle.payload.nbytes
+        case api.DecodeBatchResult(items=items):
+            return sum(payload_bytes(item) for item in items)
+        case _:
+            return 0
+
+
+def encode_reply_into(message: RemoteReply, out: memoryview) -> int | None:
+    """Encode a reply into the start of ``out`` (shared memory): the bytes written, or None
+    when the reply does not fit (nothing written). The same bytes as :func:`encode_reply`."""
+    if isinstance(message, ServerStats):
+        encoded = _QUERY_ENCODER.encode(message)
+        if len(encoded) > out.nbytes:
+            return None
+        out[: len(encoded)] = encoded
+        return len(encoded)
+    return wire.encode_into(message, out)
 
 
 def decode_reply(buf: bytes) -> RemoteReply | Rejected:
