@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 import shard_engine_api as api
+from shard_engine_api import wire
 from shard_engine_api.engine import TEST_OPTIONS_ENV
 from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity, _framed
 from shard_engine_remote._framed import FramedServer
@@ -193,6 +194,20 @@ def remote() -> Iterator[RemoteFactory]:
     yield factory
     for engine in engines:
         engine.close()
+
+
+def _fake_capabilities() -> bytes:
+    engine = api.load_engine("fake", config())
+    try:
+        return wire.encode(engine.capabilities())
+    finally:
+        engine.close()
+
+
+CAPABILITIES = _fake_capabilities()
+"""The encoded capabilities of the built-in fake engine (what a scripted server answers a
+load with)."""
+HEALTH = wire.encode(api.Health(state="ready", detail="ok"))
 
 
 def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:

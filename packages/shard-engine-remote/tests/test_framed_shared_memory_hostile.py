@@ -29,6 +29,8 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import (
+    CAPABILITIES,
+    HEALTH,
     RemoteFactory,
     ServeFactory,
     UnixPeer,
@@ -120,6 +122,14 @@ def _mapped(names: set[str]) -> list[str]:
     a memfd as ``/memfd:NAME (deleted)``, as the maps do too)."""
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
         return [line for line in maps if line.rstrip("\n").endswith(tuple(names))]
+
+
+PREFILL = encode_request(
+    api.PrefillRequest(
+        request_id="p", session=ref(), start_pos=0, inputs=api.TokenInput(token_ids=(1, 2, 3))
+    )
+)
+"""A prefill of the served tail: its reply, a logits row, is large enough for a slot."""
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -505,14 +515,7 @@ def test_slot_calls_are_answered_small_in_a_reply_and_large_in_the_slot(
     kind, body = client.call(CALL_SLOT, _SLOT_CALL.pack(2, len(query)))
     assert kind == REPLY
     assert isinstance(decode_reply(body), api.Capabilities)
-    request = encode_request(
-        api.PrefillRequest(
-            request_id="p",
-            session=ref(),
-            start_pos=0,
-            inputs=api.TokenInput(token_ids=(1, 2, 3)),
-        )
-    )
+    request = PREFILL
     kind, body = client.call(CALL_SLOT, _SLOT_CALL.pack(3, 0) + request)
     assert kind == SLOT_REPLY
     (length,) = _SLOT_ANSWER.unpack(body)
@@ -551,14 +554,7 @@ def test_the_client_cannot_cut_the_arena_under_the_server(
     assert arena.take(0, len(query)) == bytes(len(query))
     error = client.refusal(_SLOT_CALL.pack(0, len(query)))
     assert type(error) is api.InvalidRequest
-    request = encode_request(
-        api.PrefillRequest(
-            request_id="p",
-            session=ref(),
-            start_pos=0,
-            inputs=api.TokenInput(token_ids=(1, 2, 3)),
-        )
-    )
+    request = PREFILL
     kind, body = client.call(CALL_SLOT, _SLOT_CALL.pack(1, 0) + request)
     assert kind == SLOT_REPLY
     assert isinstance(decode_reply(arena.take(1, *_SLOT_ANSWER.unpack(body))), api.LogitsResult)
@@ -665,16 +661,6 @@ def test_a_well_behaved_remote_engine_lends_memory_the_server_takes(
 # ----------------------------------------------------------------- hostile servers
 
 
-def _fake_capabilities() -> bytes:
-    engine = api.load_engine("fake", config())
-    try:
-        return wire.encode(engine.capabilities())
-    finally:
-        engine.close()
-
-
-CAPABILITIES = _fake_capabilities()
-HEALTH = wire.encode(api.Health(state="ready", detail="ok"))
 GARBAGE = b"\xc1\xff garbage in the slot"
 
 

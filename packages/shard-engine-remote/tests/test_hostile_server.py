@@ -20,7 +20,17 @@ from pathlib import Path
 import grpc
 import msgspec
 import pytest
-from conftest import Background, RemoteFactory, ServeFactory, UnixPeer, config, prefill, ref
+from conftest import (
+    CAPABILITIES,
+    HEALTH,
+    Background,
+    RemoteFactory,
+    ServeFactory,
+    UnixPeer,
+    config,
+    prefill,
+    ref,
+)
 
 import shard_engine_api as api
 from shard_engine_api import wire
@@ -259,18 +269,6 @@ def byte_server() -> Iterator[Callable[[Answer], _ByteServer]]:
     yield factory
     for server in servers:
         server.close()
-
-
-def _capabilities() -> bytes:
-    engine = api.load_engine("fake", config())
-    try:
-        return wire.encode(engine.capabilities())
-    finally:
-        engine.close()
-
-
-CAPABILITIES = _capabilities()
-HEALTH = wire.encode(api.Health(state="ready", detail="ok"))
 
 
 def _answering(second: Answer) -> Answer:
