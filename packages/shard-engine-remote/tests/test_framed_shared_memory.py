@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import RemoteFactory, ServeFactory, config, delay, ref, wait_until
+from conftest import RemoteFactory, ServeFactory, delay, ref, wait_until
 
 import shard_engine_api as api
 from shard_engine_remote import RemoteEngine, _framed
@@ -237,14 +236,19 @@ def test_a_large_request_alone_crosses_in_shared_memory(remote: RemoteFactory) -
 
 
 def test_an_abandoned_call_keeps_its_slot_until_the_server_answers(
-    serve: ServeFactory, remote: RemoteFactory, tmp_path: Path
+    serve: ServeFactory, remote: RemoteFactory
 ) -> None:
-    """A decode abandoned at its deadline while the engine still works on it: its slot stays
-    taken (the server may still write it) until the server's answer for that call has been
-    read; then it is free again, and the next calls are served right."""
-    server = serve(config(faults=delay("decode", 5_000, limit=1)), transport="framed")
+    """A tail's decode (a 512 KiB logits row: it holds a slot) abandoned at its deadline
+    while the engine still works on it: its slot stays taken (the server may still write it)
+    until the server's answer for that call has been read; then it is free again, and the
+    next calls are served right."""
+    server = serve(
+        _config(WIDE, 0, N_LAYERS, faults=delay("decode", 5_000, limit=1)), transport="framed"
+    )
     assert server.address is not None
-    engine = remote(config(target=server.address, transport="framed", timeout_s=0.3))
+    engine = remote(
+        _config(WIDE, 0, N_LAYERS, target=server.address, transport="framed", timeout_s=0.3)
+    )
     engine.prefill(
         api.PrefillRequest(
             request_id="p", session=ref(), start_pos=0, inputs=api.TokenInput(token_ids=(1, 2, 3))
@@ -269,3 +273,29 @@ def test_an_abandoned_call_keeps_its_slot_until_the_server_answers(
     )
     assert isinstance(again, api.LogitsResult)
     assert len(connection._free_slots) == ARENA_SLOTS
+
+
+def test_only_calls_with_a_large_body_hold_a_slot(
+    remote: RemoteFactory, wide: _Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The remote engine tells the link what a compute call's reply will carry (from the
+    served capabilities): a middle shard's decode row (2 KiB each way) goes without a slot;
+    its 256-row prefill, a tail's decode (a 512 KiB logits row) and queries (rare, their
+    size unknown) hold one."""
+    asked: list[bool] = []
+    open_call = _Connection.open_call
+
+    def recording(self: _Connection, slot: bool = False) -> tuple[int, int | None]:
+        asked.append(slot)
+        return open_call(self, slot)
+
+    middle = remote(_config(WIDE, 3, 5, in_process="fake", transport="framed"))
+    tail = remote(_config(WIDE, 3, 6, in_process="fake", transport="framed"))
+    prefill, step = wide.prefill("f"), wide.decode("f", 0)
+    monkeypatch.setattr(_Connection, "open_call", recording)
+    middle.prefill(prefill)
+    middle.decode(step)
+    middle.health()
+    tail.prefill(prefill)
+    tail.decode(step)
+    assert asked == [True, False, True, True, True]

@@ -29,7 +29,6 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import (
-    CAPABILITIES,
     HEALTH,
     RemoteFactory,
     ServeFactory,
@@ -721,6 +720,20 @@ class _Frames:
         return kind, call_id, body
 
 
+def _wide_capabilities() -> bytes:
+    wide = api.ShardSpec(model="fake:vocab=131072", n_layers=6, start=0, end=6)
+    engine = api.load_engine("fake", api.LoadConfig(shard=wide))
+    try:
+        return wire.encode(engine.capabilities())
+    finally:
+        engine.close()
+
+
+WIDE_CAPABILITIES = _wide_capabilities()
+"""A fake whose logits row is 512 KiB: the remote engine expects a prefill's reply to need a
+slot, so every call to the servers below holds one."""
+
+
 class _SlotServer(UnixPeer):
     """A framed server written by hand that takes the shared memory a client lends (maps
     it), welcomes with ``welcome``, answers the first call of all (the load's
@@ -789,9 +802,9 @@ class _SlotServer(UnixPeer):
             if next(self._calls) > 0:
                 self._later(call)
             elif self._capabilities_in_slot:
-                call.slot_reply(CAPABILITIES)
+                call.slot_reply(WIDE_CAPABILITIES)
             else:
-                call.answer(REPLY, CAPABILITIES)
+                call.answer(REPLY, WIDE_CAPABILITIES)
 
     def close(self) -> None:
         super().close()

@@ -242,7 +242,11 @@ class _Link:
     # grpcio raises ValueError for a call on a channel closed meanwhile (by close() from
     # another thread): said as the link error it is, so it maps like every other.
 
-    def call(self, message: bytes, timeout: float | None) -> RemoteReply | Rejected:
+    def call(
+        self, message: bytes, timeout: float | None, reply_bytes: int | None = None
+    ) -> RemoteReply | Rejected:
+        """``reply_bytes`` (what the reply is expected to carry) is the framed link's hint;
+        gRPC has no use for it."""
         try:
             return self._call(message, timeout=timeout, metadata=self._metadata)
         except ValueError as error:
@@ -789,7 +793,7 @@ class RemoteEngine:
     ) -> RemoteReply:
         encoded = self._encoded(encode_request(message))
         try:
-            reply = link.call(encoded, timeout)
+            reply = link.call(encoded, timeout, self._reply_bytes(message))
         except grpc.RpcError as error:
             raise self._transport_failure(error, link, mutating, timeout) from None
         if isinstance(reply, Rejected):
@@ -797,6 +801,31 @@ class RemoteEngine:
         if isinstance(reply, api.ErrorInfo):
             raise self._raised(reply, link)
         return reply
+
+    def _reply_bytes(self, message: RemoteRequest) -> int | None:
+        """The payload bytes a reply to ``message`` will carry, as the served capabilities
+        tell (at most: f32 rows), or None (unknown: before they are known, and for the rare
+        calls other than compute); the framed link lends a shared-memory slot only to calls
+        that may need one."""
+        capabilities = self._capabilities
+        if capabilities is None:
+            return None
+        tail = capabilities.role in ("tail", "full")
+        match message:
+            case api.DecodeRequest():
+                rows = 1
+            case api.DecodeBatchRequest(items=items):
+                rows = len(items)
+            case api.PrefillRequest(inputs=inputs, logits=logits):
+                n = (
+                    inputs.n_tokens
+                    if isinstance(inputs, api.BoundaryBundle)
+                    else len(inputs.token_ids)
+                )
+                rows = 1 if tail and logits == "last" else n
+            case _:
+                return None
+        return rows * 4 * (capabilities.vocab_size if tail else capabilities.hidden_size)
 
     def _encoded(self, encoded: bytes) -> bytes:
         """``encoded``, once it fits the message limit (else ResourceExhausted, not sent)."""

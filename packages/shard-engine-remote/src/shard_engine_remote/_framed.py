@@ -364,9 +364,18 @@ class _Arena:
     """A connection's shared memory: ``slots`` slots of ``slot_bytes``, mapped by both ends."""
 
     def __init__(self, memory: mmap.mmap, slots: int, slot_bytes: int) -> None:
+        self._memory = memory
         self._view = memoryview(memory)
         self.slots = slots
         self.slot_bytes = slot_bytes
+
+    def close(self) -> None:
+        """Unmap now, closing the descriptor the mapping holds, unless another thread is
+        copying (then when the last reference goes). Later reads and writes raise
+        ValueError."""
+        with suppress(BufferError):
+            self._view.release()
+            self._memory.close()
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> tuple[_Arena, int]:
@@ -554,7 +563,10 @@ class _Connection:
             )
             self.fail(error)
             raise error
-        return self.arena.take(slot, length)
+        try:
+            return self.arena.take(slot, length)
+        except ValueError:  # the link was closed meanwhile (the mapping is gone)
+            raise FramedLinkError(grpc.StatusCode.CANCELLED, "link closed") from None
 
     def send(self, kind: int, call_id: int, body: bytes, deadline: float) -> None:
         try:
@@ -670,6 +682,10 @@ class _Connection:
     def close(self) -> None:
         _shutdown(self.sock)
         self.sock.close()
+        if self.arena is not None:
+            # Now, not when the connection is collected: a broken connection's error holds
+            # a traceback that refers back to it, and the mapping holds a descriptor.
+            self.arena.close()
 
 
 def _error_frame(body: bytes) -> FramedLinkError:
@@ -857,10 +873,17 @@ class FramedLink:
             self._refusal = error
         return True
 
-    def call(self, message: bytes, timeout: float | None) -> RemoteReply | Rejected:
+    def call(
+        self, message: bytes, timeout: float | None, reply_bytes: int | None = None
+    ) -> RemoteReply | Rejected:
+        """One call. It holds a slot of the shared memory when its request or its reply
+        (``reply_bytes``, the payload bytes the caller expects; None: unknown) is large."""
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
-        call_id, slot = connection.open_call(slot=connection.arena is not None)
+        large = (
+            len(message) > _SLOT_MIN_BYTES or reply_bytes is None or reply_bytes > _SLOT_MIN_BYTES
+        )
+        call_id, slot = connection.open_call(slot=large and connection.arena is not None)
         sent = False
         try:
             if slot is None:
@@ -868,7 +891,12 @@ class FramedLink:
             else:
                 assert connection.arena is not None
                 if _SLOT_MIN_BYTES < len(message) <= connection.arena.slot_bytes:
-                    connection.arena.put(slot, message)
+                    try:
+                        connection.arena.put(slot, message)
+                    except ValueError:  # the link was closed meanwhile
+                        raise FramedLinkError(
+                            grpc.StatusCode.CANCELLED, f"link closed; {NOT_SENT}"
+                        ) from None
                     frame = _SLOT_CALL.pack(slot, len(message))
                 else:
                     frame = _SLOT_CALL.pack(slot, 0) + message
@@ -1063,6 +1091,8 @@ class _ServerConnection:
         for context in calls.values():
             context.end()
         self.sock.close()
+        if self.arena is not None:
+            self.arena.close()
         self._owner.forget(self)
 
     def _greet(self) -> bool:
@@ -1357,15 +1387,21 @@ class _ServerConnection:
         if length > limit:  # refused before a byte is copied, as a socket's body is skipped
             self._refuse(call_id, oversized_error(length, limit))
             return
-        request = arena.take(slot, length) if length else body[_SLOT_CALL.size :]
+        try:
+            request = arena.take(slot, length) if length else body[_SLOT_CALL.size :]
+        except ValueError:
+            return  # the connection ended: its shared memory is unmapped, no one listens
         reply = self._server._call(decode_request(request, max_bytes=limit), context)
         # A large reply straight into the slot (its payload copied once), unless it does not
         # fit; a small one in its frame.
-        written = (
-            encode_reply_into(reply, arena.slot(slot))
-            if payload_bytes(reply) > _SLOT_MIN_BYTES
-            else None
-        )
+        try:
+            written = (
+                encode_reply_into(reply, arena.slot(slot))
+                if payload_bytes(reply) > _SLOT_MIN_BYTES
+                else None
+            )
+        except ValueError:
+            return  # as above
         if length or written is not None:
             self._server.counters.add("shared_memory_calls")
         if written is None:
