@@ -531,7 +531,7 @@ class _Connection:
 
     def open_call(self, slot: bool = False) -> tuple[int, int | None]:
         """A new call's id, and its slot of the shared memory when ``slot`` is asked and one
-        is free."""
+        is free (never without shared memory: no slot is ever free then)."""
         call_id = next(self._ids)
         with self._condition:
             if self.broken is not None:
@@ -550,6 +550,18 @@ class _Connection:
             if call_id in self._slot_of and (call_id in self._answered or not sent):
                 self._answered.discard(call_id)
                 self._free_slots.append(self._slot_of.pop(call_id))
+
+    def slot_call(self, slot: int, request: bytes) -> bytes:
+        """The body of a CALL_SLOT frame for ``request``: a large one placed in the call's
+        slot, a small one inline."""
+        assert self.arena is not None
+        if not _SLOT_MIN_BYTES < len(request) <= self.arena.slot_bytes:
+            return _SLOT_CALL.pack(slot, 0) + request
+        try:
+            self.arena.put(slot, request)
+        except ValueError:  # the link was closed meanwhile (the mapping is gone)
+            raise FramedLinkError(grpc.StatusCode.CANCELLED, f"link closed; {NOT_SENT}") from None
+        return _SLOT_CALL.pack(slot, len(request))
 
     def slot_reply(self, slot: int, body: bytes) -> bytes:
         """The reply a SLOT_REPLY frame announces, copied out of the call's slot."""
@@ -883,24 +895,13 @@ class FramedLink:
         large = (
             len(message) > _SLOT_MIN_BYTES or reply_bytes is None or reply_bytes > _SLOT_MIN_BYTES
         )
-        call_id, slot = connection.open_call(slot=large and connection.arena is not None)
+        call_id, slot = connection.open_call(slot=large)
         sent = False
         try:
             if slot is None:
                 connection.send(CALL, call_id, message, deadline)
             else:
-                assert connection.arena is not None
-                if _SLOT_MIN_BYTES < len(message) <= connection.arena.slot_bytes:
-                    try:
-                        connection.arena.put(slot, message)
-                    except ValueError:  # the link was closed meanwhile
-                        raise FramedLinkError(
-                            grpc.StatusCode.CANCELLED, f"link closed; {NOT_SENT}"
-                        ) from None
-                    frame = _SLOT_CALL.pack(slot, len(message))
-                else:
-                    frame = _SLOT_CALL.pack(slot, 0) + message
-                connection.send(CALL_SLOT, call_id, frame, deadline)
+                connection.send(CALL_SLOT, call_id, connection.slot_call(slot, message), deadline)
             sent = True
             kind, body = connection.receive(call_id, deadline)
             if kind == SLOT_REPLY and slot is not None:
@@ -1375,7 +1376,8 @@ class _ServerConnection:
             )
             return
         slot, length = _SLOT_CALL.unpack_from(body)
-        if slot >= arena.slots or length > arena.slot_bytes or (length and len(body) > 8):
+        inline = len(body) > _SLOT_CALL.size
+        if slot >= arena.slots or length > arena.slot_bytes or (length and inline):
             self._refuse(
                 call_id,
                 api.InvalidRequest(
