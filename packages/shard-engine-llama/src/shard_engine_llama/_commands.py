@@ -14,6 +14,7 @@ from shard_engine_llama._gguf import (
     parts_by_bytes,
     split_model,
 )
+from shard_engine_llama._gguf.validation import describe_bytes
 
 __all__ = ["add_commands"]
 
@@ -63,6 +64,11 @@ def _command_inspect(args: argparse.Namespace) -> int:
         print(f"shard rules:   {', '.join(info.rules)}")
     else:
         print(f"shardable:     no — refused by rule: {info.refusal}")
+    if info.unspellable:
+        print(
+            f"tokenizer:     no token for {len(info.unspellable)} byte(s) "
+            f"({describe_bytes(info.unspellable)}): text containing one is refused"
+        )
     print("bytes per layer:")
     for index, size in enumerate(info.layer_bytes):
         print(f"  blk.{index:<4} {size:>14,}")

@@ -120,11 +120,16 @@ def max_encode_bytes(context_length: int) -> int:
 
 class _VocabularyTokenizer:
     """A GGUF model's own tokenizer, through llama.cpp (vocabulary only, no weights). Text
-    longer than ``max_text_bytes`` is InvalidRequest (see :func:`max_encode_bytes`)."""
+    longer than ``max_text_bytes`` is InvalidRequest (see :func:`max_encode_bytes`), and so is
+    text with a byte the vocabulary has no token for (``unspellable``), which llama.cpp would
+    drop without a word."""
 
-    def __init__(self, vocabulary: Vocabulary, max_text_bytes: int) -> None:
+    def __init__(
+        self, vocabulary: Vocabulary, max_text_bytes: int, unspellable: bytes = b""
+    ) -> None:
         self._vocabulary = vocabulary
         self.max_text_bytes = max_text_bytes
+        self.unspellable = unspellable
 
     def encode(self, text: str) -> list[int]:
         if type(text) is not str:
@@ -141,6 +146,16 @@ class _VocabularyTokenizer:
             ) from None
         if len(encoded) > self.max_text_bytes:
             raise self._too_long(len(encoded), "bytes")
+        if self.unspellable and len(encoded.translate(None, self.unspellable)) != len(encoded):
+            from shard_engine_llama._gguf.validation import describe_bytes
+
+            found = bytes(sorted(set(encoded) & set(self.unspellable)))
+            at = min(encoded.index(byte) for byte in found)
+            raise InvalidRequest(
+                f"text to encode holds byte(s) this model's vocabulary has no token for "
+                f"({describe_bytes(found)}, first at byte {at}); llama.cpp would drop them",
+                details={"unspellable_bytes": found.hex(), "offset": at},
+            )
         return self._vocabulary.tokenize(text)
 
     def _too_long(self, size: int, unit: str) -> InvalidRequest:
@@ -172,6 +187,7 @@ def _tokenizer(model: str) -> Tokenizer | None:
     from shard_engine_llama._abi import ModelLoadError, Vocabulary
     from shard_engine_llama._engine import _PinnedFiles
     from shard_engine_llama._gguf import GGUFValidationError
+    from shard_engine_llama._gguf.validation import unspellable_bytes
 
     if type(model) is not str or not model or "\x00" in model:
         raise InvalidRequest(f"model must be a GGUF path, got {model!r}")
@@ -194,7 +210,9 @@ def _tokenizer(model: str) -> Tokenizer | None:
         pins.close()
     if not vocabulary.has_tokenizer:
         return None
-    return _VocabularyTokenizer(vocabulary, max_encode_bytes(context_length))
+    return _VocabularyTokenizer(
+        vocabulary, max_encode_bytes(context_length), unspellable_bytes(header)
+    )
 
 
 @hookimpl

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shard_engine_llama._gguf.families import FAMILIES, GEMMA3_27B_LAYER_COUNT
 from shard_engine_llama._gguf.reader import GGUFHeader, layer_index
-from shard_engine_llama._gguf.validation import validate_gguf
+from shard_engine_llama._gguf.validation import unspellable_bytes, validate_gguf
 
 __all__ = [
     "ALLOWED_ARCHITECTURES",
@@ -62,6 +62,8 @@ class GGUFModelInfo:
     is_shard: bool
     # The per-shard rules (families.py) that make this family's shards exact, by name.
     rules: tuple[str, ...] = ()
+    # Bytes of UTF-8 text the vocabulary has no token for: the tokenizer refuses text with one.
+    unspellable: bytes = b""
 
     @property
     def total_layer_bytes(self) -> int:
@@ -128,6 +130,7 @@ def model_info(header: GGUFHeader) -> GGUFModelInfo:
         refusal=refusal,
         is_shard=header.is_shard,
         rules=_rules(header) if refusal is None else (),
+        unspellable=unspellable_bytes(header),
     )
 
 

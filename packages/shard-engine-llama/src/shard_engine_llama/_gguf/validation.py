@@ -205,42 +205,56 @@ def _check_vocabulary(header: GGUFHeader) -> None:
                 )
 
 
-def _check_byte_tokens(header: GGUFHeader) -> None:
-    """Every byte of UTF-8 text has a token to fall back on (after the family's tokenizer
-    checks, which name a more specific rule first)."""
-    path = header.path
+def unspellable_bytes(header: GGUFHeader) -> bytes:
+    """The bytes of UTF-8 text this file's vocabulary has no token for, in ascending order
+    (empty when it can spell every byte, or has no vocabulary llama.cpp tokenizes with).
+
+    Text reaches llama_tokenize as UTF-8, whose bytes a vocabulary must be able to spell.
+    SentencePiece ("llama") falls back to "<0xHH>" (then the byte itself) looked up with .at():
+    a byte with neither throws out of llama_tokenize and terminates the process. Byte-level BPE
+    ("gpt2") starts from one token per byte's printable stand-in and drops, without a word, any
+    piece it has no token for ("Hello" became no tokens at all)."""
     entry = header.metadata.get("tokenizer.ggml.tokens")
     if entry is None or not isinstance(entry.value, list):
-        return
-    names = [token or f"[EMPTY_{index}]" for index, token in enumerate(entry.value)]
+        return b""
+    present = {token or f"[EMPTY_{index}]" for index, token in enumerate(entry.value)}
     model = header.metadata.get("tokenizer.ggml.model")
     kind = model.value if model is not None else None
-    if kind in ("llama", "gpt2"):
-        # Text reaches llama_tokenize as UTF-8, whose bytes every vocabulary must be able to
-        # spell. SentencePiece falls back to "<0xHH>" (then the byte itself) looked up with
-        # .at(): a byte with neither throws out of llama_tokenize and terminates the process.
-        # Byte-level BPE (gpt2) starts from one token per byte's printable stand-in and drops,
-        # without a word, any piece it has no token for ("Hello" became no tokens at all).
-        present = set(names)
-        if kind == "llama":
-            missing = [
-                f"<0x{byte:02X}>"
-                for byte in _UTF8_BYTES
-                if f"<0x{byte:02X}>" not in present and not (byte < 128 and chr(byte) in present)
-            ]
-        else:
-            missing = [
-                _BYTE_LEVEL[byte] for byte in _UTF8_BYTES if _BYTE_LEVEL[byte] not in present
-            ]
-        if missing:
-            raise GGUFValidationError(
-                f"{path}: the {kind} vocabulary has no token for {len(missing)} byte(s) of UTF-8 "
-                f"text ({missing[:4]}{' ...' if len(missing) > 4 else ''}); llama.cpp "
-                + ("aborts tokenizing text" if kind == "llama" else "silently drops text")
-                + " that needs one",
-                rule="vocabulary-byte-tokens",
-                field="tokenizer.ggml.tokens",
-            )
+    if kind == "llama":
+        return bytes(
+            byte
+            for byte in _UTF8_BYTES
+            if f"<0x{byte:02X}>" not in present and not (byte < 128 and chr(byte) in present)
+        )
+    if kind == "gpt2":
+        return bytes(byte for byte in _UTF8_BYTES if _BYTE_LEVEL[byte] not in present)
+    return b""
+
+
+def _check_byte_tokens(header: GGUFHeader) -> None:
+    """A SentencePiece vocabulary can spell every byte of UTF-8 text (after the family's
+    tokenizer checks, which name a more specific rule first): llama.cpp aborts tokenizing text
+    with a byte it cannot spell. A byte-level BPE vocabulary that cannot spell some bytes is
+    accepted (SmolLM2's has no token for eight control bytes): llama.cpp would silently drop
+    them, so the model's tokenizer refuses text containing one (see :func:`unspellable_bytes`)."""
+    model = header.metadata.get("tokenizer.ggml.model")
+    if model is None or model.value != "llama":
+        return
+    missing = unspellable_bytes(header)
+    if missing:
+        raise GGUFValidationError(
+            f"{header.path}: the llama vocabulary has no token for {len(missing)} byte(s) of "
+            f"UTF-8 text ({describe_bytes(missing)}); llama.cpp aborts tokenizing text that "
+            "needs one",
+            rule="vocabulary-byte-tokens",
+            field="tokenizer.ggml.tokens",
+        )
+
+
+def describe_bytes(values: bytes, limit: int = 8) -> str:
+    """``0x04, 0x06, ... (+3 more)``: bytes named for a message."""
+    named = ", ".join(f"0x{byte:02X}" for byte in values[:limit])
+    return named + (f" (+{len(values) - limit} more)" if len(values) > limit else "")
 
 
 def validate_header(header: GGUFHeader) -> GGUFHeader:
