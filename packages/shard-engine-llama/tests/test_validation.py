@@ -1106,7 +1106,15 @@ def test_a_byte_level_vocabulary_missing_byte_tokens_loads_and_its_tokenizer_ref
     lack a few (SmolLM2-135M has no token for eight control bytes), so such a file is accepted,
     ``inspect`` names the bytes, and its tokenizer refuses text containing one instead of
     losing it."""
-    from shard_engine_api import InvalidRequest, load_tokenizer
+    from shard_engine_api import (
+        InvalidRequest,
+        LoadConfig,
+        Pipeline,
+        SessionRef,
+        ShardSpec,
+        load_engine,
+        load_tokenizer,
+    )
     from shard_engine_llama._abi import Vocabulary
     from shard_engine_llama._gguf.validation import _BYTE_LEVEL
 
@@ -1136,6 +1144,23 @@ def test_a_byte_level_vocabulary_missing_byte_tokens_loads_and_its_tokenizer_ref
             tokenizer.encode(text)
         assert raised.value.details["offset"] == offset
         assert raised.value.details["unspellable_bytes"] in ("04", "06", "f1", "0406")
+    # The model runs: a vocabulary missing byte tokens is no reason for llama.cpp to refuse it.
+    engine = load_engine(
+        "llama",
+        LoadConfig(
+            shard=ShardSpec(model=str(partial), n_layers=3, start=0, end=3),
+            max_sessions=1,
+            max_context=64,
+            options={"model_store": str(tmp_path / "store")},
+        ),
+    )
+    try:
+        prompt = tokenizer.encode("Hello world")
+        result = Pipeline([engine]).generate(prompt, 3, session=SessionRef(session_id="s", epoch=1))
+        assert len(result.token_ids) == 3
+        assert np.isfinite(result.logits()).all()
+    finally:
+        engine.close()
     # What the refusal prevents: llama.cpp itself loses the byte.
     vocabulary = Vocabulary(partial)
     try:
