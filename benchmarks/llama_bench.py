@@ -1,14 +1,17 @@
 """Benchmarks of the llama engine: split vs unsplit, batched decode, shard memory, cancellation.
 
     python benchmarks/llama_bench.py [--quick | --smoke] [--model GEMMA3.gguf] [--repeat N]
-        [--skip-gemma3] [--skip-moe] [--sections raw,split,...] [--spin-counts 300000,passive]
+        [--skip-gemma3] [--skip-smollm2] [--skip-moe] [--sections raw,split,...]
+        [--spin-counts 300000,passive]
         [--results PATH]
 
 Measured side by side in one process, on a generated model large enough for compute to dominate
 (n_embd 512, 8 layers, F16), on gemma3-270m when it is present (SHARD_ENGINE_LLAMA_MODEL or the
-model store's ``models/gemma-3-270m-q4_k_m.gguf``) and on a generated mixture-of-experts model
+model store's ``models/gemma-3-270m-q4_k_m.gguf``), on a generated mixture-of-experts model
 (qwen3moe of the same width and depth, as much feed-forward work per token; measured against
-llama.cpp, split in one process and batched, under the ``moe`` keys). ``_models`` makes them:
+llama.cpp, split in one process and batched, under the ``moe`` keys) and on SmolLM2-135M, a
+llama-family model, when ``nox -s certify`` has put it in the model store (against llama.cpp
+and split, under the ``smollm2`` keys). ``_models`` makes them:
 
 * the engine against llama.cpp itself: the same file decoded through llama-cpp-python's raw
   batch API (``llama_batch`` + ``llama_decode`` + a view of the logits, same threads, KV type,
@@ -67,6 +70,7 @@ from _models import (
     MODEL_ENV,
     GeneratedModel,
     find_gemma3,
+    find_smollm2,
     generated_model,
     generated_moe_model,
 )
@@ -1439,13 +1443,22 @@ _GEMMA3_TEXT = (
 
 
 def gemma3_model(path: Path) -> BenchModel:
+    return _real_model(path, "gemma3-270m Q4_K_M", [(0, 6), (6, 12), (12, 18)])
+
+
+def smollm2_model(path: Path) -> BenchModel:
+    return _real_model(path, "SmolLM2-135M-Instruct Q4_1", [(0, 10), (10, 20), (20, 30)])
+
+
+def _real_model(path: Path, title: str, three_way: Ranges) -> BenchModel:
+    """A real GGUF model measured on prompts cut from its own tokenization of a fixed text."""
     from shard_engine_api import load_tokenizer
 
     info = inspect_gguf(path)
     tokenizer = load_tokenizer("llama", str(path))
     ids = tokenizer.encode(_GEMMA3_TEXT * 40) if tokenizer is not None else []
     if not ids:
-        raise RuntimeError("the llama plugin returned no tokens for gemma3")
+        raise RuntimeError(f"the llama plugin returned no tokens for {title}")
 
     def prompt(n: int, seed: int) -> list[int]:
         offset = (seed * 37) % max(len(ids) - n, 1)
@@ -1453,10 +1466,10 @@ def gemma3_model(path: Path) -> BenchModel:
 
     store = model_store()
     return BenchModel(
-        name=f"gemma3-270m Q4_K_M ({info.n_layers} layers, n_embd {info.n_embd})",
+        name=f"{title} ({info.n_layers} layers, n_embd {info.n_embd})",
         path=path,
         n_layers=info.n_layers,
-        splits=_splits(info.n_layers, [(0, 6), (6, 12), (12, 18)]),
+        splits=_splits(info.n_layers, three_way),
         shard_dir=store / "shards" / "bench" / path.stem,
         vocab_size=info.vocab_size,
         prompt_source=prompt,
@@ -1465,6 +1478,9 @@ def gemma3_model(path: Path) -> BenchModel:
 
 SECTIONS: Final = ("raw", "split", "spin", "callers", "batched", "memory", "cancel", "hops")
 MOE_SECTIONS: Final = frozenset({"raw", "split", "batched"})
+REAL_SECOND_SECTIONS: Final = frozenset({"raw", "split"})
+"""What the second real model (SmolLM2-135M, llama family) is measured on: the engine against
+llama.cpp and the split overhead; gemma3-270m and the generated models measure the rest."""
 """What the mixture-of-experts model is measured on: the engine against llama.cpp, the split
 overhead in one process and batched decode (spin-wait, memory and cancellation do not depend
 on the feed-forward, and the dense model measures them)."""
@@ -1503,6 +1519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, help="repetitions of the split comparison")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
     parser.add_argument("--skip-gemma3", action="store_true")
+    parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument("--skip-moe", action="store_true", help="no mixture-of-experts model")
     parser.add_argument(
         "--sections",
@@ -1593,6 +1610,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             batched=["unsplit"],
             memory=["unsplit", "3-way"],
             spin_counts=spin_counts,
+        )
+    smollm2 = None if args.skip_smollm2 else find_smollm2()
+    results.record("smollm2_measured", smollm2 is not None)
+    real_sections = sections & REAL_SECOND_SECTIONS
+    if smollm2 is None or not real_sections:
+        print(
+            "\n## SmolLM2-135M: skipped (--skip-smollm2, none of "
+            f"{','.join(sorted(REAL_SECOND_SECTIONS))} in --sections, or not in the model store: "
+            "`nox -s certify` puts it there)"
+        )
+    else:
+        run_sections(
+            smollm2_model(smollm2),
+            settings,
+            real_sections,
+            Recorder(results, "smollm2"),
+            batched=["unsplit"],
         )
     total = time.perf_counter() - started
     results.record("total_seconds", round(total))
