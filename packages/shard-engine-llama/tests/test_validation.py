@@ -1080,7 +1080,9 @@ def test_phi3_has_no_rope_freqs_tensor(tmp_path: Path) -> None:
     assert (raised.value.rule, raised.value.field) == ("tensor-unexpected", "rope_freqs.weight")
 
 
-def _byte_level_vocabulary(llama: Path, tmp_path: Path, tokens: list[str]) -> Path:
+def _byte_level_vocabulary(
+    llama: Path, tmp_path: Path, tokens: list[str], merges: tuple[str, ...] = ("H e",)
+) -> Path:
     return rewrite(
         llama,
         tmp_path / "bpe.gguf",
@@ -1090,7 +1092,7 @@ def _byte_level_vocabulary(llama: Path, tmp_path: Path, tokens: list[str]) -> Pa
             "tokenizer.ggml.tokens": array(tokens, _STRING),
             "tokenizer.ggml.scores": None,
             "tokenizer.ggml.token_type": array([1] * len(tokens), gguf.GGUFValueType.INT32),
-            "tokenizer.ggml.merges": array(["H e"], _STRING),
+            "tokenizer.ggml.merges": array(list(merges), _STRING),
             "tokenizer.ggml.bos_token_id": u32(len(tokens) - 2),
             "tokenizer.ggml.eos_token_id": u32(len(tokens) - 1),
             "tokenizer.ggml.unknown_token_id": None,
@@ -1167,3 +1169,31 @@ def test_a_byte_level_vocabulary_missing_byte_tokens_loads_and_its_tokenizer_ref
         assert vocabulary.detokenize(vocabulary.tokenize("a\x04b", add_special=False)) == "ab"
     finally:
         vocabulary.close()
+
+
+def test_text_a_byte_level_merge_would_lose_is_refused(llama: Path, tmp_path: Path) -> None:
+    """A merge whose result is not a token: llama.cpp falls back to the merged piece's single
+    bytes, and the two bytes of the space's stand-in "Ġ" are no tokens, so "a w" encoded as
+    "a" "w". Every byte must be spelled by the tokens, or the text is refused."""
+    from shard_engine_api import InvalidRequest, load_tokenizer
+    from shard_engine_llama._abi import Vocabulary
+    from shard_engine_llama._gguf.validation import _BYTE_LEVEL
+
+    alphabet = [_BYTE_LEVEL[byte] for byte in range(256)]
+    path = _byte_level_vocabulary(
+        llama, tmp_path, [*alphabet, "xx", "yy", "<s>", "</s>"], merges=("\u0120 w",)
+    )
+    assert inspect_gguf(path).unspellable == b""
+    vocabulary = Vocabulary(path)
+    try:
+        lost = vocabulary.tokenize("a w", add_special=False)
+        assert vocabulary.detokenize(lost) == "aw"  # what llama.cpp does with it
+    finally:
+        vocabulary.close()
+    tokenizer = load_tokenizer("llama", str(path))
+    assert tokenizer is not None
+    with pytest.raises(InvalidRequest, match="spells 2 of the text's 3 bytes") as raised:
+        tokenizer.encode("a w")
+    assert raised.value.details == {"text_bytes": 3, "spelled_bytes": 2}
+    for text in ("aw", "a  x", "w a", "\u00e9 \U0001f600"):
+        assert tokenizer.decode(tokenizer.encode(text)) == text

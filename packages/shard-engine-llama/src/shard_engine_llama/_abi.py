@@ -1153,14 +1153,31 @@ class Vocabulary:
         self._model: int | None = int(model)
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        kind = int(llama_cpp.llama_vocab_type(self._vocab))
         # Shard files carry tokenizer "none": nameless tokens that nothing can encode into.
-        self.has_tokenizer = (
-            int(llama_cpp.llama_vocab_type(self._vocab)) != llama_cpp.LLAMA_VOCAB_TYPE_NONE
-        )
+        self.has_tokenizer = kind != llama_cpp.LLAMA_VOCAB_TYPE_NONE
+        # Byte-level BPE: every byte of encoded text comes back, in order, from the pieces of
+        # its tokens, unless llama.cpp dropped a piece it had no token for.
+        self.byte_level = kind == llama_cpp.LLAMA_VOCAB_TYPE_BPE
+        self._piece_lengths: npt.NDArray[np.int64] | None = None
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of ``text`` (with the model's BOS when ``add_special``)."""
         return _tokenize(self._vocab, text, add_special)
+
+    def piece_lengths(self) -> npt.NDArray[np.int64]:
+        """How many bytes of text each token stands for (0 for control tokens); computed on
+        first use, a llama_token_to_piece per token."""
+        if self._piece_lengths is None:
+            self._piece_lengths = np.fromiter(
+                (
+                    len(_token_piece(self._vocab, token, special=False))
+                    for token in range(self.n_vocab)
+                ),
+                dtype=np.int64,
+                count=self.n_vocab,
+            )
+        return self._piece_lengths
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (invalid UTF-8 replaced)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import msgspec
+import numpy as np
 
 from shard_engine_api import InvalidRequest, OptionValue, ShardEngine, UnsupportedFeature
 from shard_engine_api.engine import (
@@ -156,7 +157,20 @@ class _VocabularyTokenizer:
                 f"({describe_bytes(found)}, first at byte {at}); llama.cpp would drop them",
                 details={"unspellable_bytes": found.hex(), "offset": at},
             )
-        return self._vocabulary.tokenize(text)
+        tokens = self._vocabulary.tokenize(text)
+        if self._vocabulary.byte_level and tokens:
+            # Byte-level BPE also drops a merged piece that is not a token (a file whose merges
+            # make strings its vocabulary lacks): whatever the cause, the tokens must spell
+            # every byte of the text.
+            spelled = int(self._vocabulary.piece_lengths()[np.asarray(tokens)].sum())
+            if spelled != len(encoded):
+                raise InvalidRequest(
+                    f"this model's tokenizer spells {spelled} of the text's {len(encoded)} bytes "
+                    "(llama.cpp dropped pieces its vocabulary has no token for); refused rather "
+                    "than encoded short",
+                    details={"text_bytes": len(encoded), "spelled_bytes": spelled},
+                )
+        return tokens
 
     def _too_long(self, size: int, unit: str) -> InvalidRequest:
         return InvalidRequest(
