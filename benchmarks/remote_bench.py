@@ -16,7 +16,8 @@ Side by side in one run:
   and the same 3 shards in this process: prefill and decode tokens/s and their ratios
   (gemma3-270m when present, else a generated llama, n_embd 512, 8 layers, F16). Targets:
   >= 0.95 of unsplit decode, >= 0.97 of prefill. The configurations alternate within every
-  repetition so machine noise hits them alike.
+  repetition so machine noise hits them alike, and each configuration's ratio is also given per
+  repetition, against the unsplit run of the same repetition (median and range).
 
 Threads: llama.cpp's OpenMP workers spin-wait after each graph (``GOMP_SPINCOUNT``,
 ``OMP_WAIT_POLICY``), so an idle shard process keeps burning the cores the active one needs;
@@ -65,6 +66,7 @@ class Settings:
     decode_tokens: int
     threads: int
     child_env: dict[str, str | None]
+    pipeline_repeat: int = 1
 
 
 # ----------------------------------------------------------------- per-hop overhead
@@ -491,7 +493,7 @@ def bench_pipeline(settings: Settings, model: PipelineModel, results: Results) -
     prompt = [int(t) for t in rng.integers(3, min(vocab_size, 4096), size=settings.prompt_tokens)]
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in loaded}
     try:
-        for repetition in range(settings.repeat):
+        for repetition in range(settings.pipeline_repeat):
             names = list(loaded)
             if repetition % 2:
                 names.reverse()
@@ -506,31 +508,49 @@ def bench_pipeline(settings: Settings, model: PipelineModel, results: Results) -
     splits = " ".join(f"[{s}:{e})" for s, e in model.three_way)
     print(
         f"\nprocess per shard: {model.name}, splits {splits}, prompt {len(prompt)} tokens, "
-        f"{settings.decode_tokens} decode steps, {settings.repeat} repetitions (medians), "
+        f"{settings.decode_tokens} decode steps, {settings.pipeline_repeat} repetitions (medians), "
         f"threads {settings.threads or 'engine default'}, "
         f"child env {settings.child_env or 'inherited'}; threading in force in the children: "
         f"{child_threading[0] if len({str(t) for t in child_threading}) == 1 else child_threading}"
     )
     print(
         f"{'configuration':<24} {'prefill tok/s':>14} {'decode tok/s':>13} "
-        f"{'prefill x':>10} {'decode x':>9}"
+        f"{'prefill x':>10} {'decode x':>9}   paired x per repetition: prefill, decode "
+        "(median [min-max])"
     )
+    unsplit = samples[next(iter(samples))]
     baseline: tuple[float, float] | None = None
     for name, values in samples.items():
         prefill = statistics.median(v[0] for v in values)
         decode = statistics.median(v[1] for v in values)
         if baseline is None:
             baseline = (prefill, decode)
+        # Each repetition against the unsplit run of the same repetition: the host's speed
+        # drifts between repetitions, and a ratio of medians mixes those drifts in.
+        paired = [
+            [mine[i] / theirs[i] for mine, theirs in zip(values, unsplit, strict=True)]
+            for i in (0, 1)
+        ]
         print(
             f"{name:<24} {prefill:>14.1f} {decode:>13.1f} {prefill / baseline[0]:>10.3f} "
-            f"{decode / baseline[1]:>9.3f}"
+            f"{decode / baseline[1]:>9.3f}   {_spread(paired[0])}, {_spread(paired[1])}"
         )
         key = name.replace(",", "").replace(" ", "_")
         results.record(f"pipeline_{key}_prefill_tok_s", round(prefill, 1), "tok/s")
         results.record(f"pipeline_{key}_decode_tok_s", round(decode, 1), "tok/s")
         results.record(f"pipeline_{key}_prefill_x", round(prefill / baseline[0], 3), "x")
         results.record(f"pipeline_{key}_decode_x", round(decode / baseline[1], 3), "x")
+        for kind, ratios in zip(("prefill", "decode"), paired, strict=True):
+            results.record(
+                f"pipeline_{key}_{kind}_x_paired", round(statistics.median(ratios), 3), "x"
+            )
+            results.record(f"pipeline_{key}_{kind}_x_paired_min", round(min(ratios), 3), "x")
+            results.record(f"pipeline_{key}_{kind}_x_paired_max", round(max(ratios), 3), "x")
     print("targets: >= 0.97 of unsplit prefill, >= 0.95 of unsplit decode")
+
+
+def _spread(ratios: Sequence[float]) -> str:
+    return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
 
 
 # ----------------------------------------------------------------- main
@@ -576,9 +596,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeat=args.repeat or (1 if args.quick else 5),
         hop_calls=10 if args.quick else 200,
         prompt_tokens=16 if args.quick else 128,
-        decode_tokens=4 if args.quick else 32,
+        decode_tokens=4 if args.quick else 64,
         threads=args.threads,
         child_env=dict(args.child_env),
+        # The pipeline's ratios move by more than their gaps between runs on a noisy host:
+        # more repetitions, each compared with the unsplit run of the same repetition.
+        pipeline_repeat=args.repeat or (1 if args.quick else 9),
     )
     bench_hops(settings, results)
     if args.skip_llama:
