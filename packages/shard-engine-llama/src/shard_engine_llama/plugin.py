@@ -158,11 +158,12 @@ class _VocabularyTokenizer:
                 details={"unspellable_bytes": found.hex(), "offset": at},
             )
         tokens = self._vocabulary.tokenize(text)
-        if self._vocabulary.byte_level and tokens:
+        if self._vocabulary.byte_level:
             # Byte-level BPE also drops a merged piece that is not a token (a file whose merges
             # make strings its vocabulary lacks): whatever the cause, the tokens must spell
             # every byte of the text.
-            spelled = int(self._vocabulary.piece_lengths()[np.asarray(tokens)].sum())
+            lengths = self._vocabulary.piece_lengths()
+            spelled = int(lengths[np.asarray(tokens, dtype=np.intp)].sum())
             if spelled != len(encoded):
                 raise InvalidRequest(
                     f"this model's tokenizer spells {spelled} of the text's {len(encoded)} bytes "
