@@ -225,9 +225,10 @@ def _tokenizer(model: str) -> Tokenizer | None:
         pins.close()
     if not vocabulary.has_tokenizer:
         return None
-    return _VocabularyTokenizer(
-        vocabulary, max_encode_bytes(context_length), unspellable_bytes(header)
-    )
+    # Validation refused a SentencePiece vocabulary that cannot spell every byte: only a
+    # byte-level one can have bytes to refuse.
+    unspellable = unspellable_bytes(header) if vocabulary.byte_level else b""
+    return _VocabularyTokenizer(vocabulary, max_encode_bytes(context_length), unspellable)
 
 
 @hookimpl

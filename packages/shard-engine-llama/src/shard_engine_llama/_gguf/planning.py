@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shard_engine_llama._gguf.families import FAMILIES, GEMMA3_27B_LAYER_COUNT
@@ -62,7 +62,8 @@ class GGUFModelInfo:
     is_shard: bool
     # The per-shard rules (families.py) that make this family's shards exact, by name.
     rules: tuple[str, ...] = ()
-    # Bytes of UTF-8 text the vocabulary has no token for: the tokenizer refuses text with one.
+    # Bytes of UTF-8 text the vocabulary has no token for: the tokenizer refuses text with one
+    # (filled by inspect_gguf only: a load or a split has no use for it).
     unspellable: bytes = b""
 
     @property
@@ -130,7 +131,6 @@ def model_info(header: GGUFHeader) -> GGUFModelInfo:
         refusal=refusal,
         is_shard=header.is_shard,
         rules=_rules(header) if refusal is None else (),
-        unspellable=unspellable_bytes(header),
     )
 
 
@@ -140,8 +140,10 @@ def _rules(header: GGUFHeader) -> tuple[str, ...]:
 
 
 def inspect_gguf(path: str | os.PathLike[str]) -> GGUFModelInfo:
-    """Validate ``path`` and describe it (size per layer, shardability and the refusing rule)."""
-    return model_info(validate_gguf(path))
+    """Validate ``path`` and describe it (size per layer, shardability and the refusing rule,
+    and the bytes its vocabulary cannot spell)."""
+    header = validate_gguf(path)
+    return replace(model_info(header), unspellable=unspellable_bytes(header))
 
 
 def parts_by_bytes(info: GGUFModelInfo, n_parts: int) -> list[tuple[int, int]]:
