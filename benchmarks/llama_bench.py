@@ -1435,7 +1435,7 @@ def generated(model: GeneratedModel, directory: Path) -> BenchModel:
     )
 
 
-_GEMMA3_TEXT = (
+_PROMPT_TEXT = (
     "The history of the city begins with a small settlement on the river, where traders met "
     "to exchange grain, salt and cloth. Over the centuries the market grew into a town, the "
     "town into a city, and the city into the capital of a kingdom whose roads reached the sea. "
@@ -1456,7 +1456,7 @@ def _real_model(path: Path, title: str, three_way: Ranges) -> BenchModel:
 
     info = inspect_gguf(path)
     tokenizer = load_tokenizer("llama", str(path))
-    ids = tokenizer.encode(_GEMMA3_TEXT * 40) if tokenizer is not None else []
+    ids = tokenizer.encode(_PROMPT_TEXT * 40) if tokenizer is not None else []
     if not ids:
         raise RuntimeError(f"the llama plugin returned no tokens for {title}")
 
@@ -1478,12 +1478,12 @@ def _real_model(path: Path, title: str, three_way: Ranges) -> BenchModel:
 
 SECTIONS: Final = ("raw", "split", "spin", "callers", "batched", "memory", "cancel", "hops")
 MOE_SECTIONS: Final = frozenset({"raw", "split", "batched"})
-REAL_SECOND_SECTIONS: Final = frozenset({"raw", "split"})
-"""What the second real model (SmolLM2-135M, llama family) is measured on: the engine against
-llama.cpp and the split overhead; gemma3-270m and the generated models measure the rest."""
 """What the mixture-of-experts model is measured on: the engine against llama.cpp, the split
 overhead in one process and batched decode (spin-wait, memory and cancellation do not depend
 on the feed-forward, and the dense model measures them)."""
+REAL_SECOND_SECTIONS: Final = frozenset({"raw", "split"})
+"""What the second real model (SmolLM2-135M, llama family) is measured on: the engine against
+llama.cpp and the split overhead; gemma3-270m and the generated models measure the rest."""
 
 
 def run_sections(
@@ -1519,7 +1519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, help="repetitions of the split comparison")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
     parser.add_argument("--skip-gemma3", action="store_true")
-    parser.add_argument("--skip-smollm2", action="store_true")
+    parser.add_argument(
+        "--skip-smollm2", action="store_true", help="not SmolLM2-135M even when it is stored"
+    )
     parser.add_argument("--skip-moe", action="store_true", help="no mixture-of-experts model")
     parser.add_argument(
         "--sections",

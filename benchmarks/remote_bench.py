@@ -567,7 +567,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     add_size_options(parser, quick="tiny sizes: checks that it runs")
-    parser.add_argument("--repeat", type=int, help="repetitions (default 5, quick 1)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        help="repetitions (default 5 for the hops and 9 for the pipeline, quick 1)",
+    )
     parser.add_argument("--hidden", type=int, help="fake hidden size (default 2048, quick 64)")
     parser.add_argument("--model", help=f"gemma3-270m GGUF (default: ${MODEL_ENV} or the store)")
     parser.add_argument("--threads", type=int, default=0, help="threads per shard (0 = default)")
