@@ -522,6 +522,15 @@ def _aligned_parts(message: WireMessage) -> list[bytes | memoryview] | None:
     ]
 
 
+def _require_wire_type(message: object) -> None:
+    """InvalidRequest for anything but a wire message (whose bytes no decoder would accept)."""
+    if type(message) not in _WIRE_TYPES:
+        raise InvalidRequest(
+            f"cannot encode {type(message).__name__}: not a wire message "
+            f"({', '.join(sorted(cls.__name__ for cls in _WIRE_TYPES))})"
+        )
+
+
 class Codec:
     """A receiver's decoding policy: payload size limit, non-finite policy and, optionally,
     the model fingerprint, layer index and hidden size every received bundle must carry.
@@ -595,11 +604,7 @@ class Codec:
         """Encode any wire message. Raises InvalidRequest for anything but a wire message
         (whose bytes no decoder would accept) and when a value cannot be encoded (an integer
         beyond 64 bits, a value of a type the wire does not carry)."""
-        if type(message) not in _WIRE_TYPES:
-            raise InvalidRequest(
-                f"cannot encode {type(message).__name__}: not a wire message "
-                f"({', '.join(sorted(cls.__name__ for cls in _WIRE_TYPES))})"
-            )
+        _require_wire_type(message)
         try:
             return _encode_aligned(message)
         except (msgspec.MsgspecError, TypeError, ValueError, OverflowError) as error:
@@ -614,8 +619,7 @@ class Codec:
         :meth:`encode`, and for an ``out`` that is not a writable 1-dimensional byte buffer."""
         if out.readonly or out.format not in ("B", "b", "c") or out.ndim != 1:
             raise InvalidRequest("encode_into needs a writable 1-dimensional byte buffer")
-        if type(message) not in _WIRE_TYPES:
-            Codec.encode(message)  # raises its InvalidRequest
+        _require_wire_type(message)
         try:
             parts = _aligned_parts(message)
             views = [memoryview(part).cast("B") for part in (parts or [Codec.encode(message)])]

@@ -422,13 +422,12 @@ class _Arena:
         return self._view[start : start + self.slot_bytes]
 
     def put(self, index: int, body: bytes) -> None:
-        self._view[index * self.slot_bytes : index * self.slot_bytes + len(body)] = body
+        self.slot(index)[: len(body)] = body
 
     def take(self, index: int, length: int) -> bytes:
         """A copy of the first ``length`` bytes of a slot (what decodes from it must not see
         the slot written again)."""
-        start = index * self.slot_bytes
-        return bytes(self._view[start : start + length])
+        return bytes(self.slot(index)[:length])
 
 
 # ----------------------------------------------------------------- client
