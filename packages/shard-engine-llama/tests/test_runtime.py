@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from shard_engine_api.wire import payload_checksum
 from shard_engine_llama._abi import (
     AbortedError,
     BatchItem,
@@ -26,6 +27,7 @@ from shard_engine_llama._self_test import self_test
 from shard_engine_llama._tiny_model import write_tiny_model
 
 Logits = npt.NDArray[np.float32]
+_Digests = list[tuple[int, bool]]
 OPTIONS = ContextSettings(n_ctx=256, n_seq_max=4, n_threads=2, n_batch=64, n_ubatch=16)
 PREFILL_SIZES = (1, 7, 33, 45)
 N_DECODE = 4
@@ -204,6 +206,50 @@ def test_a_batch_of_one_is_the_single_row(f32_model: Path, f32_split: Manifest) 
             batched = runtime.run_batch([BatchItem(1, 3, token=8)])
             np.testing.assert_array_equal(batched, single)
             assert runtime.seq_pos_max(1) == 3
+
+
+def test_logits_rows_are_read_as_one_block(
+    f32_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several logits rows (a batch, or every row of a prefill) are read through one view of
+    llama.cpp's contiguous logits, with two address lookups instead of one per row, into the
+    same bits and digests as rows read one by one: a batch's digest per row in item order, a
+    prefill's one digest of all its rows."""
+
+    def read(runtime: ShardRuntime, block: bool) -> tuple[Logits, Logits, _Digests, _Digests, int]:
+        lookups = 0
+        lookup = runtime._logits_address
+
+        def counted(context: int, index: int) -> int:
+            nonlocal lookups
+            lookups += 1
+            return int(lookup(context, index))
+
+        runtime._logits_address = counted  # type: ignore[assignment]
+        if not block:
+            monkeypatch.setattr(runtime, "_logits_block", lambda context, outputs: None)
+        for seq_id in (0, 1, 2, 3):
+            runtime.seq_rm(seq_id)
+        prefill = runtime.run(0, 0, tokens=_prompt(6, 21), all_logits=True)
+        prefill_digests = runtime.row_digests
+        for seq_id in (3, 1, 2):
+            runtime.run(seq_id, 0, tokens=_prompt(seq_id + 2, seq_id))
+        lookups = 0
+        batch = runtime.run_batch([BatchItem(s, s + 2, token=7 * s) for s in (2, 3, 1)])
+        return prefill, batch, prefill_digests, runtime.row_digests, lookups
+
+    with ShardRuntime(f32_model, settings=OPTIONS) as runtime:
+        prefill, batch, prefill_digests, batch_digests, lookups = read(runtime, block=True)
+    with ShardRuntime(f32_model, settings=OPTIONS) as runtime:
+        one_by_one = read(runtime, block=False)
+    assert lookups == 2
+    assert one_by_one[4] == 3
+    np.testing.assert_array_equal(prefill, one_by_one[0])
+    np.testing.assert_array_equal(batch, one_by_one[1])
+    assert prefill_digests == one_by_one[2] == [(payload_checksum(prefill.tobytes()), True)]
+    expected = [(payload_checksum(row.tobytes()), True) for row in batch]
+    assert batch_digests == one_by_one[3] == expected
+    assert len(set(expected)) == 3
 
 
 def test_native_callbacks_are_built() -> None:

@@ -36,7 +36,7 @@ from typing import Final, NoReturn, cast
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._dtypes import copy_checksum_and_finite
+from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
 
 SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
 _SUPPORTED_MINIMUM = (0, 3, 36)
@@ -320,6 +320,14 @@ def compute_threads() -> tuple[str, int, int]:
 # llama_get_logits_ith(ctx, i) returning the row's address as an int (None for NULL): a
 # function object of our own over the same symbol, so llama_cpp's is left as it is.
 _LOGITS_ITH_PROTOTYPE: Final = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+
+# A read-only memoryview of ``size`` bytes at an address (CPython's own
+# PyMemoryView_FromMemory): one view over several logits rows, where a ctypes array type of
+# each size would have to be built first.
+_memory_at = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_at.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_memory_at.restype = ctypes.py_object
+_PYBUF_READ: Final = 0x100
 
 
 def native_callbacks_available() -> bool:
@@ -964,8 +972,10 @@ class ShardRuntime:
         destination: Sequence[int] | None = None,
     ) -> npt.NDArray[np.float32]:
         """Copy each wanted row of llama.cpp's logits once, into its result row, hashing and
-        testing it on the way (:attr:`row_digests`: each result row's checksum and finiteness,
-        in row order), so that the result built from a row need not read it again."""
+        testing it on the way, so that the result built from a row need not read it again
+        (:attr:`row_digests`: with a ``destination``, each result row's checksum and
+        finiteness in row order; without, one entry for all the rows returned, the payload
+        of the one result built from them)."""
         count = len(outputs)
         rows = np.empty((count, self.n_vocab), dtype=_FLOAT32)
         if count == 1 and destination is None:  # a decode step: no row views, no lists
@@ -980,17 +990,42 @@ class ShardRuntime:
                 )
             ]
             return rows
+        block = self._logits_block(context, outputs)
+        row_bytes = self.n_vocab * 4
+        if block is not None and destination is None:
+            self.row_digests = [copy_checksum_and_finite(rows, block, "f32")]
+            return rows
         targets = range(count) if destination is None else destination
         digests: list[tuple[int, bool]] = [(0, False)] * count
-        for target, index in zip(targets, outputs, strict=True):
-            address = self._logits_address(context, index)
-            if not address:
-                raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
-            digests[target] = copy_checksum_and_finite(
-                rows[target], memoryview(self._logits_row.from_address(address)), "f32"
-            )
-        self.row_digests = digests
+        for j, (target, index) in enumerate(zip(targets, outputs, strict=True)):
+            if block is not None:
+                source = block[j * row_bytes : (j + 1) * row_bytes]
+            else:
+                address = self._logits_address(context, index)
+                if not address:
+                    raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
+                source = memoryview(self._logits_row.from_address(address))
+            digests[target] = copy_checksum_and_finite(rows[target], source, "f32")
+        self.row_digests = (
+            digests if destination is not None else [checksum_and_finite(rows, "f32")]
+        )
         return rows
+
+    def _logits_block(self, context: int, outputs: Sequence[int]) -> memoryview | None:
+        """The logits rows of ``outputs`` (every batch row that asked for logits, ascending)
+        as one read-only view: llama.cpp keeps the logits of a batch's flagged rows contiguous,
+        in batch order (``llama_get_logits``). The addresses of the first and last rows confirm
+        that layout; None when they do not (the rows are then read one by one)."""
+        if type(outputs) is not range or outputs.step != 1:
+            return None
+        first = self._logits_address(context, outputs[0])
+        if not first:
+            raise RuntimeFailure(f"{self.path.name}: no logits for batch row {outputs[0]}", -102)
+        row_bytes = self.n_vocab * 4
+        last = self._logits_address(context, outputs[-1])
+        if last != first + (len(outputs) - 1) * row_bytes:
+            return None
+        return cast(memoryview, _memory_at(first, len(outputs) * row_bytes, _PYBUF_READ))
 
     def _rollback(self, firsts: Sequence[tuple[int, int]]) -> None:
         """Remove what a failed call added: each (sequence, first position) from there on."""

@@ -560,8 +560,8 @@ class LlamaEngine(EngineCore):
             raise _map_runtime_error(error) from error
         finally:
             self._end_forward(runtime)
-        if output == "last":
-            # The row was hashed as it was copied out of llama.cpp's buffer.
+        if output != "hidden":
+            # The logits were hashed as they were copied out of llama.cpp's buffer.
             self._record_digest(rows, *runtime.row_digests[0])
         return rows
 
