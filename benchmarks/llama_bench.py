@@ -106,6 +106,7 @@ from shard_engine_llama import (
     split_model,
     threading_report,
 )
+from shard_engine_llama._abi import BatchItem, ContextSettings, ShardRuntime
 
 N_THREADS: Final = 2
 
@@ -404,89 +405,130 @@ def _engine_batched(
     return len(prompts) * n_steps / elapsed, tuple(tokens)
 
 
+Lockstep = dict[str, list[float]]
+"""Per-step seconds of each side of a lockstep comparison: ``raw``, ``runtime``, ``engine``."""
+
+
+def _bare_runtime(model: BenchModel, *, max_sessions: int, max_context: int) -> ShardRuntime:
+    """The engine's own llama.cpp layer (``ShardRuntime``: the batch, the compute thread, the
+    logits copied and hashed) over the whole model, with no contract above it: the engine
+    minus this is what sessions, admission, commit and results cost."""
+    settings = ContextSettings(
+        n_ctx=max_context * (max_sessions + 1),
+        n_seq_max=max_sessions + 1,
+        n_threads=N_THREADS,
+        n_batch=N_UBATCH,
+        n_ubatch=N_UBATCH,
+    )
+    return ShardRuntime(model.path, settings=settings)
+
+
+def _greedy_rows(rows: np.ndarray) -> list[int]:
+    return [int(np.argmax(row)) for row in rows]
+
+
 def _lockstep_single(
-    raw: RawLlama, driver: Driver, prompt: Sequence[int], n_decode: int, session_id: str
-) -> tuple[list[float], list[float], bool]:
-    """Raw llama.cpp and the engine decoding the same prompt in lockstep: each step of one
-    right before or after (alternating) the same step of the other, on the same compute
-    thread, so the machine's noise falls on both alike. Per-step seconds of each, and whether
-    their greedy tokens agreed throughout."""
+    raw: RawLlama,
+    runtime: ShardRuntime,
+    driver: Driver,
+    prompt: Sequence[int],
+    n_decode: int,
+    session_id: str,
+) -> tuple[Lockstep, bool]:
+    """Raw llama.cpp, the engine's bare runtime and the engine decoding the same prompt in
+    lockstep: each step of one right before or after the same step of the others (the order
+    rotating), on the same compute thread, so the machine's noise falls on all alike.
+    Per-step seconds of each, and whether their greedy tokens agreed throughout."""
     raw.clear()
+    runtime.seq_rm(0)
     (raw_token,) = raw.prefill_rows(
         [(0, pos, t) for pos, t in enumerate(prompt)], outputs=[len(prompt) - 1]
     )
+    (runtime_token,) = _greedy_rows(runtime.run(0, 0, tokens=list(prompt)))
     session = SessionRef(session_id=session_id, epoch=1)
     engine_token = int(np.argmax(driver.prefill(session, 0, prompt).array()[-1]))
-    same = raw_token == engine_token
-    raw_times: list[float] = []
-    engine_times: list[float] = []
+    same = raw_token == runtime_token == engine_token
+    times: Lockstep = {"raw": [], "runtime": [], "engine": []}
+    sides = list(times)
     pos = len(prompt)
     for step in range(n_decode):
-        for side in ("raw", "engine") if step % 2 else ("engine", "raw"):
+        shift = step % len(sides)
+        for side in sides[shift:] + sides[:shift]:
             started = time.perf_counter()
             if side == "raw":
                 (raw_token,) = raw.decode([(0, pos, raw_token)])
-                raw_times.append(time.perf_counter() - started)
+            elif side == "runtime":
+                (runtime_token,) = _greedy_rows(runtime.run(0, pos, tokens=[runtime_token]))
             else:
                 engine_token = int(np.argmax(driver.decode(session, pos, engine_token).array()[-1]))
-                engine_times.append(time.perf_counter() - started)
-        same = same and raw_token == engine_token
+            times[side].append(time.perf_counter() - started)
+        same = same and raw_token == runtime_token == engine_token
         pos += 1
     driver.release(session)
-    return raw_times, engine_times, same
+    return times, same
 
 
 def _lockstep_batched(
-    raw: RawLlama, driver: Driver, prompts: Sequence[Sequence[int]], n_steps: int, tag: str
-) -> tuple[list[float], list[float], bool]:
+    raw: RawLlama,
+    runtime: ShardRuntime,
+    driver: Driver,
+    prompts: Sequence[Sequence[int]],
+    n_steps: int,
+    tag: str,
+) -> tuple[Lockstep, bool]:
     """:func:`_lockstep_single` for one batched step of every session."""
     raw.clear()
     raw_tokens = [
         raw.prefill_rows([(seq, pos, t) for pos, t in enumerate(prompt)], [len(prompt) - 1])[0]
         for seq, prompt in enumerate(prompts)
     ]
+    runtime_tokens = []
+    for seq, prompt in enumerate(prompts):
+        runtime.seq_rm(seq)
+        runtime_tokens += _greedy_rows(runtime.run(seq, 0, tokens=list(prompt)))
     sessions = [SessionRef(session_id=f"{tag}-{i}", epoch=1) for i in range(len(prompts))]
     engine_tokens = [
         int(np.argmax(driver.prefill(session, 0, prompt).array()[-1]))
         for session, prompt in zip(sessions, prompts, strict=True)
     ]
-    same = raw_tokens == engine_tokens
-    raw_times: list[float] = []
-    engine_times: list[float] = []
+    same = raw_tokens == runtime_tokens == engine_tokens
+    times: Lockstep = {"raw": [], "runtime": [], "engine": []}
+    sides = list(times)
     pos = len(prompts[0])
     for step in range(n_steps):
-        for side in ("raw", "engine") if step % 2 else ("engine", "raw"):
+        shift = step % len(sides)
+        for side in sides[shift:] + sides[:shift]:
             started = time.perf_counter()
             if side == "raw":
                 raw_tokens = raw.decode([(seq, pos, token) for seq, token in enumerate(raw_tokens)])
-                raw_times.append(time.perf_counter() - started)
+            elif side == "runtime":
+                items = [BatchItem(seq, pos, token=t) for seq, t in enumerate(runtime_tokens)]
+                runtime_tokens = _greedy_rows(runtime.run_batch(items))
             else:
                 results = driver.decode_batch(sessions, [pos] * len(sessions), engine_tokens)
                 engine_tokens = [int(np.argmax(result.array()[-1])) for result in results]
-                engine_times.append(time.perf_counter() - started)
-        same = same and raw_tokens == engine_tokens
+            times[side].append(time.perf_counter() - started)
+        same = same and raw_tokens == runtime_tokens == engine_tokens
         pos += 1
     for session in sessions:
         driver.release(session)
-    return raw_times, engine_times, same
+    return times, same
 
 
-def _print_lockstep(
-    label: str,
-    raw_times: Sequence[float],
-    engine_times: Sequence[float],
-    key: str,
-    results: Recorder,
-) -> None:
-    raw_ms, engine_ms = _median(raw_times) * 1e3, _median(engine_times) * 1e3
+def _print_lockstep(label: str, times: Lockstep, key: str, results: Recorder) -> None:
+    raw_ms, runtime_ms, engine_ms = (_median(times[side]) * 1e3 for side in times)
     ratio = raw_ms / engine_ms
     results.record(f"{key}_raw_step_ms", round(raw_ms, 4), "ms")
+    results.record(f"{key}_runtime_step_ms", round(runtime_ms, 4), "ms")
     results.record(f"{key}_engine_step_ms", round(engine_ms, 4), "ms")
+    results.record(f"{key}_runtime_of_raw", round(raw_ms / runtime_ms, 3), "x")
     results.record(f"{key}_of_raw", round(ratio, 3), "x")
     print(
-        f"{label}, in lockstep ({len(raw_times)} steps each): raw {raw_ms:.3f} ms, engine "
+        f"{label}, in lockstep ({len(times['raw'])} steps each): raw {raw_ms:.3f} ms, the "
+        f"engine's bare runtime {runtime_ms:.3f} ms ({raw_ms / runtime_ms:.3f} of raw), engine "
         f"{engine_ms:.3f} ms a step (medians), engine at {ratio:.3f} of raw "
-        f"({(engine_ms - raw_ms) * 1e3:+.0f} us a step)   {_ratio_mark(ratio, TARGET_RAW_RATIO)}"
+        f"({(engine_ms - raw_ms) * 1e3:+.0f} us a step, {(engine_ms - runtime_ms) * 1e3:+.0f} us "
+        f"over its runtime)   {_ratio_mark(ratio, TARGET_RAW_RATIO)}"
     )
 
 
@@ -519,6 +561,7 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
     prompts = [model.prompt_source(settings.batch_prompt_tokens, 1 + i) for i in range(n)]
     drivers: dict[str, Driver] = {}
     raws: list[RawLlama] = []
+    runtimes: list[ShardRuntime] = []
     try:
         drivers["engine"] = _load_driver(
             model, model.splits["unsplit"], max_sessions=1, max_context=512
@@ -537,6 +580,10 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
         raws.append(raw_single)
         raw_batch = RawLlama(model.path, max_sessions=n, max_context=256, n_threads=N_THREADS)
         raws.append(raw_batch)
+        runtime_single = _bare_runtime(model, max_sessions=1, max_context=512)
+        runtimes.append(runtime_single)
+        runtime_batch = _bare_runtime(model, max_sessions=n, max_context=256)
+        runtimes.append(runtime_batch)
         single: dict[str, list[float]] = {
             "raw": [],
             **{name: [] for name in drivers if name != "engine batched"},
@@ -578,30 +625,36 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
                 run(name, rep)
         # Whole runs above, one configuration after another: a noisy host moves a run's rate
         # by more than the gap measured. The same comparison in lockstep, step by step:
-        lockstep: dict[str, tuple[list[float], list[float]]] = {
-            "single": ([], []),
-            "batched": ([], []),
+        lockstep: dict[str, Lockstep] = {
+            kind: {"raw": [], "runtime": [], "engine": []} for kind in ("single", "batched")
         }
         lockstep_same = True
         steps = min(4 * settings.decode_tokens, 512 - settings.prompt_tokens - 1)
         batch_steps = min(4 * settings.batch_steps, 256 - settings.batch_prompt_tokens - 1)
         for rep in range(settings.repeat):
-            raw_times, engine_times, same = _lockstep_single(
-                raw_single, drivers["engine"], prompt, steps, f"l{rep}"
+            times, same = _lockstep_single(
+                raw_single, runtime_single, drivers["engine"], prompt, steps, f"l{rep}"
             )
-            lockstep["single"][0].extend(raw_times)
-            lockstep["single"][1].extend(engine_times)
-            raw_times, engine_times, same_batched = _lockstep_batched(
-                raw_batch, drivers["engine batched"], prompts, batch_steps, f"lb{rep}"
+            for side, values in times.items():
+                lockstep["single"][side].extend(values)
+            times, same_batched = _lockstep_batched(
+                raw_batch,
+                runtime_batch,
+                drivers["engine batched"],
+                prompts,
+                batch_steps,
+                f"lb{rep}",
             )
-            lockstep["batched"][0].extend(raw_times)
-            lockstep["batched"][1].extend(engine_times)
+            for side, values in times.items():
+                lockstep["batched"][side].extend(values)
             lockstep_same = lockstep_same and same and same_batched
     finally:
         for driver in drivers.values():
             driver.close()
         for raw in raws:
             raw.close()
+        for runtime in runtimes:
+            runtime.close()
     raw_rate = _median(single["raw"])
     unsplit_rate = _median(single["engine"])
     print(
@@ -633,10 +686,13 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
     )
     label = f"{n} sessions batched"
     _print_spread(label, batched["engine"], batched["raw"], "raw_cmp_batched_of_raw", results)
-    _print_lockstep("decode", *lockstep["single"], "raw_cmp_lockstep", results)
-    _print_lockstep(label, *lockstep["batched"], "raw_cmp_lockstep_batched", results)
+    _print_lockstep("decode", lockstep["single"], "raw_cmp_lockstep", results)
+    _print_lockstep(label, lockstep["batched"], "raw_cmp_lockstep_batched", results)
     results.record("raw_cmp_lockstep_tokens_identical", lockstep_same)
-    print(f"greedy tokens identical in lockstep (raw vs engine, single, batched): {lockstep_same}")
+    print(
+        "greedy tokens identical in lockstep (raw, runtime and engine, single and batched): "
+        f"{lockstep_same}"
+    )
     same = (
         len(tokens["raw"] | tokens["engine"] | tokens["3-way"] | tokens["3-way python callbacks"])
         == 1
