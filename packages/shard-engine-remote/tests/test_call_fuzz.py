@@ -2,26 +2,35 @@
 bundle, decode, decode batch, cancel, release and the queries), mutated by structure (a value
 swapped for a boundary value or another type, a field dropped or added, a list shortened or
 grown, payload bytes flipped, cut, extended or made NaN) and by bytes, sent to the servers of a
-head, a middle and a tail shard. Every call gets a reply or a typed error (never EngineCrashed,
-never an untyped failure), every engine stays ready, and afterwards a well-formed pipeline
-through the same servers computes exactly what fresh engines compute."""
+head, a middle and a tail shard, over gRPC and over the framed transport. Every call gets a
+reply or a typed error (never EngineCrashed, never an untyped failure), every engine stays
+ready, and afterwards a well-formed pipeline through the same servers computes exactly what
+fresh engines compute."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import importlib.util
+import itertools
 import random
-from collections.abc import Iterator
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import msgspec
 import numpy as np
 import pytest
+from conftest import read_frame
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_remote import EngineServer
+from shard_engine_remote import EngineServer, ServerSecurity
+from shard_engine_remote._framed import CALL, HELLO, REPLY, FramedServer, _frame
 from shard_engine_remote._wire import (
     CALL_METHOD,
     CapabilitiesQuery,
@@ -64,43 +73,113 @@ _NO_LLAMA = pytest.mark.skipif(
 )
 
 
-class _Shards:
-    """gRPC servers of a head, a middle and a tail shard of one model, on loopback."""
+TOKEN = "fuzz-token"
+Send = Callable[[bytes], bytes]
+"""One shard's ``Call``: an encoded request in, the encoded reply out."""
 
-    def __init__(self, engine: str, model: str) -> None:
+
+class _FramedClient:
+    """A unix socket speaking the framed transport by hand (greeted with the token), one
+    CALL frame and its REPLY at a time."""
+
+    def __init__(self, address: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(30)
+        self._sock.connect(address.removeprefix("unix:"))
+        self._sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": TOKEN})))
+        assert read_frame(self._sock)[0] == HELLO
+        self._ids = itertools.count(1)
+
+    def send(self, message: bytes) -> bytes:
+        call_id = next(self._ids)
+        self._sock.sendall(_frame(CALL, call_id, message))
+        kind, answered, body = read_frame(self._sock)
+        assert (kind, answered) == (REPLY, call_id)
+        return body
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class _Shards:
+    """Servers of a head, a middle and a tail shard of one model: gRPC on loopback, or the
+    framed transport on unix sockets in a private directory."""
+
+    def __init__(self, engine: str, model: str, transport: str) -> None:
         self.engine = engine
         self.model = model
+        self.transport = transport
         self.servers: list[EngineServer] = []
+        self._framed: list[FramedServer] = []
+        self._directory = Path(tempfile.mkdtemp(prefix="shard-engine-fuzz-"))
         try:
-            for start, end in RANGES:
-                server = EngineServer(_load(engine, model, start, end))
-                self.servers.append(server)
-                server.start("127.0.0.1:0")
+            for index, (start, end) in enumerate(RANGES):
+                engine_server = EngineServer(
+                    _load(engine, model, start, end), security=ServerSecurity(token=TOKEN)
+                )
+                self.servers.append(engine_server)
+                if transport == "framed":
+                    framed = FramedServer(engine_server)
+                    self._framed.append(framed)
+                    engine_server.address = framed.start(self._directory / f"{index}.sock")
+                else:
+                    engine_server.start("127.0.0.1:0")
         except BaseException:
             self.close()
             raise
 
-    def logits(self) -> np.ndarray:
-        channels = [grpc.insecure_channel(server.address or "") for server in self.servers]
+    @contextlib.contextmanager
+    def clients(self) -> Iterator[list[Send]]:
+        """Each shard's ``Call``, over this transport."""
+        closers: list[Callable[[], None]] = []
+        sends: list[Send] = []
         try:
-            calls: list[grpc.UnaryUnaryMultiCallable[bytes, bytes]] = [
-                channel.unary_unary(CALL_METHOD) for channel in channels
-            ]
-            return _pipeline_logits(calls)
+            for server in self.servers:
+                address = server.address or ""
+                if self.transport == "framed":
+                    client = _FramedClient(address)
+                    closers.append(client.close)
+                    sends.append(client.send)
+                else:
+                    channel = grpc.insecure_channel(address)
+                    closers.append(channel.close)
+                    call: grpc.UnaryUnaryMultiCallable[bytes, bytes]
+                    call = channel.unary_unary(CALL_METHOD)
+                    sends.append(functools.partial(call, timeout=30, metadata=_METADATA))
+            yield sends
         finally:
-            for channel in channels:
-                channel.close()
+            for close in closers:
+                close()
+
+    def logits(self) -> np.ndarray:
+        with self.clients() as sends:
+            return _pipeline_logits(sends)
 
     def close(self) -> None:
+        for framed in self._framed:
+            framed.stop(grace=0.5)
         for server in self.servers:
-            server.stop(grace=0.5)
+            if self.transport != "framed":
+                server.stop(grace=0.5)
             server.engine.close()
+        shutil.rmtree(self._directory, ignore_errors=True)
 
 
-@pytest.fixture(params=["fake", pytest.param("llama", marks=_NO_LLAMA)])
+_METADATA = (("authorization", f"Bearer {TOKEN}"),)
+
+
+@pytest.fixture(
+    params=[
+        ("fake", "grpc"),
+        ("fake", "framed"),
+        pytest.param(("llama", "grpc"), marks=_NO_LLAMA),
+        pytest.param(("llama", "framed"), marks=_NO_LLAMA),
+    ],
+    ids="-".join,
+)
 def shards(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Shards]:
-    engine = str(request.param)
-    started = _Shards(engine, _model(engine, tmp_path))
+    engine, transport = request.param
+    started = _Shards(engine, _model(engine, tmp_path), transport)
     try:
         yield started
     finally:
@@ -211,7 +290,7 @@ def _mutate_bytes(message: bytes, rng: random.Random) -> bytes:
     return bytes(data)
 
 
-def _pipeline_logits(calls: list[grpc.UnaryUnaryMultiCallable[bytes, bytes]]) -> np.ndarray:
+def _pipeline_logits(calls: list[Send]) -> np.ndarray:
     """A 4-token prefill and 3 decode steps of a fresh session through the three shards; the
     tail's logits of every step."""
     ref = api.SessionRef(session_id="after", epoch=1)
@@ -225,7 +304,7 @@ def _pipeline_logits(calls: list[grpc.UnaryUnaryMultiCallable[bytes, bytes]]) ->
                 if n == 0
                 else api.DecodeRequest(request_id=f"a{n}", session=ref, pos=pos, inputs=inputs)
             )
-            reply = decode_reply(call(encode_request(request), timeout=30))
+            reply = decode_reply(call(encode_request(request)))
             if isinstance(reply, api.BoundaryResult):
                 inputs = reply.bundle
             else:
@@ -237,15 +316,11 @@ def _pipeline_logits(calls: list[grpc.UnaryUnaryMultiCallable[bytes, bytes]]) ->
 def test_mutated_calls_get_typed_answers_and_change_nothing(shards: _Shards) -> None:
     rng = random.Random(20261205)
     servers = shards.servers
-    channels = [grpc.insecure_channel(server.address or "") for server in servers]
-    try:
-        calls: list[grpc.UnaryUnaryMultiCallable[bytes, bytes]] = [
-            channel.unary_unary(CALL_METHOD) for channel in channels
-        ]
-        capabilities = [server.engine.capabilities() for server in servers]
-        hidden = capabilities[0].hidden_size
-        seeds = [[encode_request(m) for m in _seeds(caps, hidden)] for caps in capabilities]
-        outcomes: collections.Counter[str] = collections.Counter()
+    capabilities = [server.engine.capabilities() for server in servers]
+    hidden = capabilities[0].hidden_size
+    seeds = [[encode_request(m) for m in _seeds(caps, hidden)] for caps in capabilities]
+    outcomes: collections.Counter[str] = collections.Counter()
+    with shards.clients() as sends:
         for _ in range(CALLS):
             shard = rng.randrange(len(servers))
             seed = rng.choice(seeds[shard])
@@ -256,7 +331,7 @@ def test_mutated_calls_get_typed_answers_and_change_nothing(shards: _Shards) -> 
                 message = msgspec.msgpack.encode(value)
             else:
                 message = _mutate_bytes(seed, rng)
-            reply = decode_reply(calls[shard](message, timeout=30))
+            reply = decode_reply(sends[shard](message))
             if isinstance(reply, api.ErrorInfo):
                 error = wire.error_from_info(reply)
                 assert type(error) is not api.ShardEngineError, (message, error)
@@ -266,14 +341,11 @@ def test_mutated_calls_get_typed_answers_and_change_nothing(shards: _Shards) -> 
                 outcomes[type(reply).__name__] += 1
             for server in servers:
                 assert server.engine.health().state == "ready", (message, server.engine.health())
-    finally:
-        for channel in channels:
-            channel.close()
     # The mutations reach past the decoder: results, and refusals of several kinds.
     assert outcomes["InvalidRequest"] < CALLS * 0.95, outcomes
     assert len(outcomes) >= 8, outcomes
     assert {"BoundaryResult", "DecodeBatchResult", "StaleEpoch"} <= set(outcomes), outcomes
-    fresh = _Shards(shards.engine, shards.model)
+    fresh = _Shards(shards.engine, shards.model, shards.transport)
     try:
         expected = fresh.logits()
     finally:
