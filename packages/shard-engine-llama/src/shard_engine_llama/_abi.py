@@ -979,6 +979,7 @@ class ShardRuntime:
         count = len(outputs)
         rows = np.empty((count, self.n_vocab), dtype=_FLOAT32)
         if count == 1 and destination is None:  # a decode step: no row views, no lists
+            # _row_address inlined: one call less on every decode step.
             address = self._logits_address(context, outputs[0])
             if not address:
                 raise RuntimeFailure(
@@ -1001,15 +1002,20 @@ class ShardRuntime:
             if block is not None:
                 source = block[j * row_bytes : (j + 1) * row_bytes]
             else:
-                address = self._logits_address(context, index)
-                if not address:
-                    raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
+                address = self._row_address(context, index)
                 source = memoryview(self._logits_row.from_address(address))
             digests[target] = copy_checksum_and_finite(rows[target], source, "f32")
         self.row_digests = (
             digests if destination is not None else [checksum_and_finite(rows, "f32")]
         )
         return rows
+
+    def _row_address(self, context: int, index: int) -> int:
+        """The address of batch row ``index``'s logits (RuntimeFailure when it has none)."""
+        address = self._logits_address(context, index)
+        if not address:
+            raise RuntimeFailure(f"{self.path.name}: no logits for batch row {index}", -102)
+        return int(address)
 
     def _logits_block(self, context: int, outputs: Sequence[int]) -> memoryview | None:
         """The logits rows of ``outputs`` (every batch row that asked for logits, ascending)
@@ -1018,9 +1024,7 @@ class ShardRuntime:
         that layout; None when they do not (the rows are then read one by one)."""
         if type(outputs) is not range or outputs.step != 1:
             return None
-        first = self._logits_address(context, outputs[0])
-        if not first:
-            raise RuntimeFailure(f"{self.path.name}: no logits for batch row {outputs[0]}", -102)
+        first = self._row_address(context, outputs[0])
         row_bytes = self.n_vocab * 4
         last = self._logits_address(context, outputs[-1])
         if last != first + (len(outputs) - 1) * row_bytes:
