@@ -406,7 +406,18 @@ def _engine_batched(
 
 
 Lockstep = dict[str, list[float]]
-"""Per-step seconds of each side of a lockstep comparison: ``raw``, ``runtime``, ``engine``."""
+"""Per-step seconds of each side of a lockstep comparison (:data:`LOCKSTEP_SIDES`)."""
+LOCKSTEP_SIDES: Final = ("raw", "runtime", "engine")
+
+
+def _new_lockstep() -> Lockstep:
+    return {side: [] for side in LOCKSTEP_SIDES}
+
+
+def _turns(step: int) -> tuple[str, ...]:
+    """The sides in the order they run at ``step``: rotating, so none is always first."""
+    shift = step % len(LOCKSTEP_SIDES)
+    return LOCKSTEP_SIDES[shift:] + LOCKSTEP_SIDES[:shift]
 
 
 def _bare_runtime(model: BenchModel, *, max_sessions: int, max_context: int) -> ShardRuntime:
@@ -448,12 +459,10 @@ def _lockstep_single(
     session = SessionRef(session_id=session_id, epoch=1)
     engine_token = int(np.argmax(driver.prefill(session, 0, prompt).array()[-1]))
     same = raw_token == runtime_token == engine_token
-    times: Lockstep = {"raw": [], "runtime": [], "engine": []}
-    sides = list(times)
+    times = _new_lockstep()
     pos = len(prompt)
     for step in range(n_decode):
-        shift = step % len(sides)
-        for side in sides[shift:] + sides[:shift]:
+        for side in _turns(step):
             started = time.perf_counter()
             if side == "raw":
                 (raw_token,) = raw.decode([(0, pos, raw_token)])
@@ -492,12 +501,10 @@ def _lockstep_batched(
         for session, prompt in zip(sessions, prompts, strict=True)
     ]
     same = raw_tokens == runtime_tokens == engine_tokens
-    times: Lockstep = {"raw": [], "runtime": [], "engine": []}
-    sides = list(times)
+    times = _new_lockstep()
     pos = len(prompts[0])
     for step in range(n_steps):
-        shift = step % len(sides)
-        for side in sides[shift:] + sides[:shift]:
+        for side in _turns(step):
             started = time.perf_counter()
             if side == "raw":
                 raw_tokens = raw.decode([(seq, pos, token) for seq, token in enumerate(raw_tokens)])
@@ -516,7 +523,7 @@ def _lockstep_batched(
 
 
 def _print_lockstep(label: str, times: Lockstep, key: str, results: Recorder) -> None:
-    raw_ms, runtime_ms, engine_ms = (_median(times[side]) * 1e3 for side in times)
+    raw_ms, runtime_ms, engine_ms = (_median(times[side]) * 1e3 for side in LOCKSTEP_SIDES)
     ratio = raw_ms / engine_ms
     results.record(f"{key}_raw_step_ms", round(raw_ms, 4), "ms")
     results.record(f"{key}_runtime_step_ms", round(runtime_ms, 4), "ms")
@@ -625,9 +632,7 @@ def bench_raw(model: BenchModel, settings: Settings, results: Recorder) -> None:
                 run(name, rep)
         # Whole runs above, one configuration after another: a noisy host moves a run's rate
         # by more than the gap measured. The same comparison in lockstep, step by step:
-        lockstep: dict[str, Lockstep] = {
-            kind: {"raw": [], "runtime": [], "engine": []} for kind in ("single", "batched")
-        }
+        lockstep = {kind: _new_lockstep() for kind in ("single", "batched")}
         lockstep_same = True
         steps = min(4 * settings.decode_tokens, 512 - settings.prompt_tokens - 1)
         batch_steps = min(4 * settings.batch_steps, 256 - settings.batch_prompt_tokens - 1)
