@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import msgspec
 import pytest
 
 import shard_engine_api as api
@@ -225,6 +226,36 @@ def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
 
     length, kind, call_id = _framed._HEADER.unpack(exactly(_framed._HEADER.size))
     return kind, call_id, exactly(length)
+
+
+class FramedPeer:
+    """A unix socket speaking the framed transport by hand, greeted with ``token`` (None:
+    not greeted)."""
+
+    def __init__(self, address: str, token: str | None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(10)
+            self.sock.connect(address.removeprefix("unix:"))
+            if token is not None:
+                hello = msgspec.msgpack.encode({"token": token})
+                self.sock.sendall(_framed._frame(_framed.HELLO, 0, hello))
+        except OSError:  # (refused: closed here, not left to the garbage collector)
+            self.sock.close()
+            raise
+
+    def greeting(self) -> tuple[int, int, bytes]:
+        return read_frame(self.sock)
+
+    def exchange(self, body: bytes, kind: int = _framed.CALL, call_id: int = 7) -> bytes:
+        """Send one frame and return the body of the REPLY to it."""
+        self.sock.sendall(_framed._frame(kind, call_id, body))
+        answer_kind, answer_id, answer = read_frame(self.sock)
+        assert (answer_kind, answer_id) == (_framed.REPLY, call_id)
+        return answer
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class UnixPeer:

@@ -13,10 +13,8 @@ import collections
 import contextlib
 import functools
 import importlib.util
-import itertools
 import random
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,12 +23,12 @@ import grpc
 import msgspec
 import numpy as np
 import pytest
-from conftest import read_frame
+from conftest import FramedPeer
 
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._framed import CALL, HELLO, REPLY, FramedServer, _frame
+from shard_engine_remote._framed import HELLO, FramedServer
 from shard_engine_remote._wire import (
     CALL_METHOD,
     CapabilitiesQuery,
@@ -78,29 +76,6 @@ Send = Callable[[bytes], bytes]
 """One shard's ``Call``: an encoded request in, the encoded reply out."""
 
 
-class _FramedClient:
-    """A unix socket speaking the framed transport by hand (greeted with the token), one
-    CALL frame and its REPLY at a time."""
-
-    def __init__(self, address: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(30)
-        self._sock.connect(address.removeprefix("unix:"))
-        self._sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": TOKEN})))
-        assert read_frame(self._sock)[0] == HELLO
-        self._ids = itertools.count(1)
-
-    def send(self, message: bytes) -> bytes:
-        call_id = next(self._ids)
-        self._sock.sendall(_frame(CALL, call_id, message))
-        kind, answered, body = read_frame(self._sock)
-        assert (kind, answered) == (REPLY, call_id)
-        return body
-
-    def close(self) -> None:
-        self._sock.close()
-
-
 class _Shards:
     """Servers of a head, a middle and a tail shard of one model: gRPC on loopback, or the
     framed transport on unix sockets in a private directory."""
@@ -137,9 +112,10 @@ class _Shards:
             for server in self.servers:
                 address = server.address or ""
                 if self.transport == "framed":
-                    client = _FramedClient(address)
-                    closers.append(client.close)
-                    sends.append(client.send)
+                    peer = FramedPeer(address, TOKEN)
+                    closers.append(peer.close)
+                    assert peer.greeting()[0] == HELLO
+                    sends.append(peer.exchange)
                 else:
                     channel = grpc.insecure_channel(address)
                     closers.append(channel.close)

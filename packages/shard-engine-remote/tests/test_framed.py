@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import (
+    FramedPeer,
     RemoteFactory,
     ServeFactory,
     config,
@@ -50,31 +51,14 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-class _Raw:
-    """A socket speaking frames by hand, greeted with ``token``."""
+class _Raw(FramedPeer):
+    """A socket speaking frames by hand, greeted with ``token``; its calls answer errors."""
 
     def __init__(self, address: str, token: str | None = TOKEN) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.settimeout(10)
-            self.sock.connect(address.removeprefix("unix:"))
-            if token is not None:
-                self.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": token})))
-        except OSError:  # (refused: closed here, not left to the garbage collector)
-            self.sock.close()
-            raise
-
-    def greeting(self) -> tuple[int, int, bytes]:
-        return read_frame(self.sock)
+        super().__init__(address, token)
 
     def call(self, body: bytes, kind: int = CALL, call_id: int = 7) -> api.ShardEngineError:
-        self.sock.sendall(_frame(kind, call_id, body))
-        answer_kind, answer_id, answer = read_frame(self.sock)
-        assert (answer_kind, answer_id) == (REPLY, call_id)
-        return wire.decode_error(answer)
-
-    def close(self) -> None:
-        self.sock.close()
+        return wire.decode_error(self.exchange(body, kind, call_id))
 
 
 @pytest.fixture
