@@ -1,12 +1,16 @@
 """Where the time of one decode step through the API goes, in instructions (immune to load).
 
-    python benchmarks/decode_profile.py [--steps N] [--wall]
+    python benchmarks/decode_profile.py [--steps N] [--wall] [--evict MIB]
 
 Runs each phase below N times under ``valgrind --tool=callgrind`` and prints instructions per
 call. Phases are separated by ``os.getppid()``, on which callgrind is told to dump its counters
 (``--dump-before=getppid``), so one run yields one count per phase. With ``--wall`` (or without
 valgrind) it prints wall-clock microseconds per call instead: only comparable side by side
 within one run on a quiet machine.
+
+With ``--evict MIB`` each call is timed alone, warm and again right after MIB MiB have been
+streamed through the caches, and both medians are printed. That is what a call costs after a
+forward has pushed its code and data out of the caches, as every decode through llama.cpp does.
 
 The phases split a ``ValidatingEngine(FakeEngine())`` decode (the figure ``fake_bench.py``
 reports) into the wrapper, the core (``EngineCore`` over a backend that returns a fixed
@@ -19,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -199,6 +204,29 @@ def run_phases(steps: int, hidden: int, wall: bool) -> list[tuple[str, float]]:
     return results
 
 
+def run_evicted(steps: int, hidden: int, mebibytes: int) -> list[tuple[str, float, float]]:
+    """Median microseconds per call of every phase, warm and right after ``mebibytes`` MiB
+    were streamed through the caches (the eviction itself is not timed)."""
+    table = phases(hidden, 2 * steps)  # two calls a step
+    flood = np.ones(mebibytes * (1 << 20) // 8)
+    results: list[tuple[str, float, float]] = []
+    for name, call in table.items():
+        for _ in range(WARMUP):
+            call()
+        warm: list[float] = []
+        evicted: list[float] = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            call()
+            warm.append(time.perf_counter() - started)
+            flood.sum()
+            started = time.perf_counter()
+            call()
+            evicted.append(time.perf_counter() - started)
+        results.append((name, statistics.median(warm) * 1e6, statistics.median(evicted) * 1e6))
+    return results
+
+
 def under_callgrind(steps: int, hidden: int) -> list[tuple[str, float]]:
     """Instructions per call of every phase, from one callgrind run of this script."""
     with tempfile.TemporaryDirectory(prefix="decode-profile-") as scratch:
@@ -216,8 +244,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1000, help="calls per phase")
     parser.add_argument("--hidden", type=int, default=64, help="fake model hidden size")
     parser.add_argument("--wall", action="store_true", help="wall-clock microseconds instead")
+    parser.add_argument(
+        "--evict",
+        type=int,
+        metavar="MIB",
+        help="time each call warm and after MIB MiB streamed through the caches",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.evict is not None:
+        if args.evict < 1:
+            parser.error("--evict takes a positive number of MiB")
+        evicted = run_evicted(args.steps, args.hidden, args.evict)
+        print(f"decode profile, fake hidden {args.hidden}, {args.steps} calls per phase")
+        print(f"{'phase':<40} {'warm us':>10} {f'after {args.evict} MiB us':>18} {'ratio':>7}")
+        for name, warm, cold in evicted:
+            print(f"{name:<40} {warm:>10,.1f} {cold:>18,.1f} {cold / warm:>7.1f}")
+        return 0
     if args.child:
         results = run_phases(args.steps, args.hidden, wall=False)
         Path(args.child).write_text(json.dumps([name for name, _ in results]), encoding="utf-8")
