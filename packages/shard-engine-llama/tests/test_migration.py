@@ -416,6 +416,118 @@ def test_corrupted_and_truncated_states_are_invalid_requests(models: dict[str, P
         _close([source, target])
 
 
+def _cells(first: int, count: int) -> bytes:
+    return b"".join(struct.pack("<iIi", first + index, 1, 0) for index in range(count))
+
+
+def _window(first: int, k_rows: Sequence[tuple[int, int, bytes]], v: tuple[int, int, int]) -> bytes:
+    """A one-cell, V-transposed cache section at position ``first``: K (type, row bytes,
+    data) per layer, then one V header (type, element bytes, channels) with no data."""
+    body = struct.pack("<II", 1, 1) + _cells(first, 1) + struct.pack("<II", 1, len(k_rows))
+    body += b"".join(struct.pack("<iQ", kind, row) + data for kind, row, data in k_rows)
+    return body + struct.pack("<iII", *v)
+
+
+def test_states_declaring_more_than_the_shard_holds_are_refused_before_any_work(
+    models: dict[str, Path],
+) -> None:
+    """A state whose windowed cache declares rows wider than any of this shard's, rows of
+    zero bytes, zero-byte V elements for 2**32 - 1 channels, or rows that are not whole
+    elements: refused by the field check, before it is padded into a local state (which
+    made a few hundred bytes cost gigabytes and minutes), the slot empty and another
+    session's continuation unchanged."""
+    model = models["gemma3"]
+    source, target, reference = _full(model), _full(model), _full(model)
+    try:
+        _prefill_tokens(source, S, PROMPT)
+        for engine in (target, reference):
+            _prefill_tokens(engine, T, OTHER)
+        template = export_snapshot(source, S)
+        identity = target._state_identity
+        state = b"".join(template.chunks)[len(identity) :]
+        parsed = _state.parse(state, n_stream=1, seq_id=0, n_sections=2, max_cells=1 << 20)
+        full = state[8 : parsed.sections[0].data_end]
+        last = len(PROMPT) - 1
+        header = struct.pack("<Ii", _state.IO_MAGIC, 0)
+        wide = 1 << 21
+        crafted = {
+            "zero-byte elements": _window(last, [(0, 0, b"")], (0, 0, 0xFFFFFFFF)),
+            "wide V channels": _window(last, [(0, 4, bytes(4))], (0, 4, 1 << 30)),
+            "wide K rows": _window(last, [(0, wide, bytes(wide))], (0, 4, 1)),
+            "part of an element": _window(last, [(0, 6, bytes(6))], (0, 4, 1)),
+            "V element of another size": _window(last, [(0, 4, bytes(4))], (0, 2, 2)),
+        }
+        for what, window in crafted.items():
+            with pytest.raises(InvalidRequest, match="session state refused") as refused:
+                import_snapshot(target, forged(template, identity + header + full + window))
+            assert "cache 1" in str(refused.value), what
+            assert _empty(target, S), what
+        expected = _warm_keep(reference, T, [5], len(OTHER))
+        np.testing.assert_array_equal(_warm_keep(target, T, [5], len(OTHER)), expected)
+    finally:
+        _close([source, target, reference])
+
+
+def _first_values(state: bytes, section: _state.CacheSection) -> tuple[int, int, np.dtype]:
+    """Offsets of the first K and the first V element of ``section``, and their dtype."""
+    offset = section.data_start + 8
+    first_k = offset + 12
+    kind = 0
+    for _ in range(section.n_layers):
+        kind, row = struct.unpack_from("<iQ", state, offset)
+        offset += 12 + row * section.cell_count
+    return first_k, offset + 12, np.dtype("<f4" if kind == 0 else "<f2")
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_states_with_values_that_would_poison_their_slot_are_refused(
+    models: dict[str, Path], kv_type: str
+) -> None:
+    """llama.cpp keeps a released cell's K and V and reads them, masked, for every later
+    sequence of its stream (score + -inf, V * 0): a NaN or infinity, or a K large enough to
+    overflow a score, would turn every later session of the slot into NaN. Such a state is
+    refused before llama.cpp reads it, also behind a header that lies about its length; the
+    slot's next sessions compute what a clean engine computes. A state at the bound loads."""
+    model = models["gemma3"]
+    source, target, clean = (_full(model, kv_type=kv_type) for _ in range(3))
+    try:
+        _prefill_tokens(source, S, PROMPT)
+        template = export_snapshot(source, S)
+        identity = target._state_identity
+        state = b"".join(template.chunks)[len(identity) :]
+        parsed = _state.parse(state, n_stream=1, seq_id=0, n_sections=2, max_cells=1 << 20)
+        first_k, first_v, dtype = _first_values(state, parsed.sections[0])
+        poisons = [np.nan, np.inf, -np.inf] + ([3e38, -1e5] if kv_type == "f32" else [])
+
+        def patched(offset: int, value: float) -> bytes:
+            encoded = np.array([value], dtype=dtype).tobytes()
+            return state[:offset] + encoded + state[offset + len(encoded) :]
+
+        cases = [
+            (f"{where} {value}", patched(offset, value), template.length)
+            for value in poisons
+            for where, offset in (("K", first_k), ("V", first_v))
+        ]
+        cases.append(("K nan, length lie", patched(first_k, np.nan), template.length - 1))
+        for what, poisoned, length in cases:
+            with pytest.raises(InvalidRequest, match="session state refused") as refused:
+                import_snapshot(target, forged(template, identity + poisoned, length))
+            assert "finite" in str(refused.value) or "positions" in str(refused.value), what
+            assert _empty(target, S), what
+        for index in range(3):
+            fresh = SessionRef(session_id=f"fresh-{index}", epoch=1)
+            np.testing.assert_array_equal(
+                _warm_keep(target, fresh, OTHER, 0), _warm_keep(clean, fresh, OTHER, 0)
+            )
+            for engine in (target, clean):
+                engine.release(ReleaseRequest(session=fresh))
+        bound = patched(first_k, _state.MAX_KV_MAGNITUDE)
+        slot = import_snapshot(target, forged(template, identity + bound))
+        assert _positions(target, slot) == template.length
+    finally:
+        _close([source, target, clean])
+
+
 def test_truncation_below_an_imported_window_is_a_cache_miss(models: dict[str, Path]) -> None:
     """gemma3's windowed layers export only the window of the last position, so an imported
     session cannot be truncated to a position whose window reaches before it: CacheMiss

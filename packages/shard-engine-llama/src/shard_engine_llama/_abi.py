@@ -31,12 +31,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Final, NoReturn, cast
+from typing import TYPE_CHECKING, Final, NoReturn, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
+
+if TYPE_CHECKING:
+    from shard_engine_llama._gguf.reader import GGUFHeader
 
 SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
 _SUPPORTED_MINIMUM = (0, 3, 36)
@@ -414,6 +417,44 @@ def _token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray
     return array.astype(np.int32, copy=False)
 
 
+class _StateLimits(TypedDict):
+    """What :mod:`._state` checks a sequence state of this context against."""
+
+    n_sections: int
+    max_cells: int
+    kv_ggml_type: int
+    v_trans: int
+    geometry: _state.Geometry
+
+
+def largest_count(header: GGUFHeader, key: str, default: int) -> int:
+    """The largest value of a per-layer (or scalar) count; ``default`` when absent."""
+    entry = header.metadata.get(key)
+    if entry is None:
+        return default
+    values = entry.value if isinstance(entry.value, list) else [entry.value]
+    return max([int(v) for v in values if isinstance(v, int)] or [default])
+
+
+def kv_row_bound(header: GGUFHeader) -> int:
+    """An upper bound of the elements in one cell's K or V of any layer of this file: its most
+    KV heads times its largest head size (``key_length``, ``value_length``, their sliding-
+    window forms, or the embedding width over the head count), and at least the embedding
+    width. A sequence state that declares wider rows is not of this file."""
+    from shard_engine_llama._gguf.families import FAMILIES
+    from shard_engine_llama._gguf.layout import hyperparameters
+
+    h = hyperparameters(header, FAMILIES[header.architecture])
+    prefix = f"{header.architecture}.attention."
+    heads_kv = largest_count(header, prefix + "head_count_kv", h.n_head_kv)
+    head = max(
+        h.n_embd_head_k,
+        h.n_embd_head_v,
+        *(largest_count(header, prefix + key, 0) for key in ("key_length_swa", "value_length_swa")),
+    )
+    return max(h.n_embd, heads_kv * head)
+
+
 class ShardRuntime:
     """One shard file loaded into one llama.cpp context.
 
@@ -441,6 +482,7 @@ class ShardRuntime:
         native_callbacks: bool = True,
         abort_poll_delay_s: float = 0.0,
         load_from: str | os.PathLike[str] | None = None,
+        kv_row_elements: int | None = None,
     ) -> None:
         """Load ``path`` (read from ``load_from`` when given: a ``/proc/self/fd`` link that pins
         the file the caller verified; ``path`` then only names it in messages). Role and capture
@@ -453,7 +495,9 @@ class ShardRuntime:
         ``abort_poll_delay_s > 0`` makes the abort check (once per graph node) sleep that long
         first, which implies the Python callbacks (tests of cancellation mid-forward). Raises
         ModelLoadError when llama.cpp cannot load the file and GGUFValidationError when it is
-        not a sound GGUF file.
+        not a sound GGUF file. ``kv_row_elements``: :func:`kv_row_bound` of the file (read
+        from it when not given), which bounds the sequence states :meth:`restore_sequence`
+        accepts.
         """
         from shard_engine_llama._gguf.reader import read_gguf_header
         from shard_engine_llama._gguf.writer import shard_layout
@@ -473,14 +517,21 @@ class ShardRuntime:
         if settings.kv_type not in _KV_TYPES:
             raise InvalidInputError(f"kv_type must be one of {sorted(_KV_TYPES)}")
         self.settings = settings
-        if is_head is None or is_tail is None or last_layer_index is None:
-            # Callers that already parsed the file (the engine) pass all three: a tail shard
+        if None in (is_head, is_tail, last_layer_index, kv_row_elements):
+            # Callers that already parsed the file (the engine) pass all four: a tail shard
             # carries the whole vocabulary, which takes seconds to parse on large ones.
-            layout = shard_layout(read_gguf_header(self.path if load_from is None else load_from))
+            header = read_gguf_header(self.path if load_from is None else load_from)
+            layout = shard_layout(header)
             is_head = layout.is_head if is_head is None else is_head
             is_tail = layout.is_tail if is_tail is None else is_tail
             if last_layer_index is None:
                 last_layer_index = layout.last_layer_index
+            if kv_row_elements is None:
+                kv_row_elements = kv_row_bound(header)
+        assert is_head is not None
+        assert is_tail is not None
+        assert last_layer_index is not None
+        assert kv_row_elements is not None
         self.is_head = is_head
         self.is_tail = is_tail
         self.last_layer_index = last_layer_index
@@ -519,6 +570,11 @@ class ShardRuntime:
         self._model = int(model)
 
         self.n_embd = int(llama_cpp.llama_model_n_embd(model))
+        # The most layers and the widest K or V row a sequence state may declare here.
+        self._state_geometry = _state.Geometry(
+            max_layers=int(llama_cpp.llama_model_n_layer(model)),
+            max_row_bytes=kv_row_elements * (4 if settings.kv_type == "f32" else 2),
+        )
         self.n_embd_input = int(llama_cpp.llama_model_n_embd_inp(model))
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
@@ -1058,13 +1114,14 @@ class ShardRuntime:
 
     # -- whole-sequence snapshots (rollback of a truncating prefill, session transfer) ---------
 
-    def _state_limits(self) -> dict[str, int]:
+    def _state_limits(self) -> _StateLimits:
         return {
             "n_sections": self.n_state_sections,
             "max_cells": self.n_ctx_seq,
             "kv_ggml_type": _KV_TYPES[self.settings.kv_type],
             # llama.cpp stores V transposed unless flash attention is on (llama-context.cpp).
             "v_trans": 0 if self.settings.flash_attn else 1,
+            "geometry": self._state_geometry,
         }
 
     def _raw_state(self, context: int, seq_id: int) -> ctypes.Array[ctypes.c_uint8]:
@@ -1102,11 +1159,19 @@ class ShardRuntime:
                     -105,
                 ) from error
 
-    def restore_sequence(self, seq_id: int, snapshot: bytes | memoryview) -> _state.SequenceState:
+    def restore_sequence(
+        self, seq_id: int, snapshot: bytes | memoryview, *, expect_length: int | None = None
+    ) -> _state.SequenceState:
         """Replace ``seq_id``'s cache with a portable snapshot (from :meth:`save_sequence` of
         a context with the same settings). The snapshot is checked field by field first
         (InvalidInputError, the sequence left empty); llama.cpp refusing it (layer count, row
-        sizes) is InvalidInputError too, and leaves the sequence empty."""
+        sizes) is InvalidInputError too, and leaves the sequence empty.
+
+        ``expect_length``: the snapshot comes from elsewhere and must hold this many
+        positions; its K and V values are checked too (finite, within float16's range). Both
+        before llama.cpp reads any of it: llama.cpp writes the values into the KV cache before
+        it can refuse, and a released cell's values are still read (masked) by every later
+        sequence of that stream."""
         with self._lock:
             context = self._require_open()
             if not 0 <= seq_id < self.settings.n_seq_max:
@@ -1117,10 +1182,15 @@ class ShardRuntime:
                     snapshot,
                     n_stream=self.settings.n_seq_max,
                     seq_id=seq_id,
+                    check_values=expect_length is not None,
                     **self._state_limits(),
                 )
             except _state.StateFormatError as error:
                 raise InvalidInputError(f"not a sequence state of this shard: {error}") from error
+            if expect_length is not None and state.length != expect_length:
+                raise InvalidInputError(
+                    f"the state holds {state.length} positions, the snapshot says {expect_length}"
+                )
             if state.length == 0:
                 return state
             buffer = (ctypes.c_uint8 * len(local)).from_buffer_copy(local)

@@ -379,6 +379,7 @@ class LlamaEngine(EngineCore):
                 last_layer_index=choice.layout.last_layer_index,
                 native_callbacks=options.native_callbacks,
                 abort_poll_delay_s=options.slow_forward_us / 1e6,
+                kv_row_elements=_abi.kv_row_bound(choice.header),
             )
             if file_identity(choice.path) != choice.identity:
                 # Rewritten in place between verification and llama.cpp mapping it.
@@ -634,9 +635,10 @@ class LlamaEngine(EngineCore):
 
     def _import_state(self, slot: int, length: int, state: bytes) -> None:
         """Install a state from :meth:`_export_state` of an engine with the same shard and
-        settings into the empty ``slot``. Every field llama.cpp would trust is checked first
-        (``_state.parse``): a malformed, truncated or foreign state is InvalidRequest and
-        leaves the slot empty."""
+        settings into the empty ``slot``. Every field llama.cpp would trust, the row widths
+        against this shard's and every K and V value are checked first (``_state.parse``): a
+        malformed, truncated, foreign or poisoned state is InvalidRequest, and llama.cpp has
+        not seen it."""
         runtime = self._require_runtime()
         self._window_floors.pop(slot, None)
         identity = self._state_identity
@@ -648,16 +650,13 @@ class LlamaEngine(EngineCore):
                 "(its identity prefix differs)"
             )
         try:
-            restored = runtime.restore_sequence(slot, memoryview(state)[len(identity) :])
+            restored = runtime.restore_sequence(
+                slot, memoryview(state)[len(identity) :], expect_length=length
+            )
         except _abi.InvalidInputError as error:
             raise InvalidRequest(f"session state refused: {error}") from error
         except _abi.LlamaRuntimeError as error:
             raise _map_runtime_error(error) from error
-        if restored.length != length:
-            runtime.seq_rm(slot, -1, -1)
-            raise InvalidRequest(
-                f"session state holds {restored.length} positions, the snapshot says {length}"
-            )
         self._set_window_floor(slot, restored)
 
     def _set_window_floor(self, slot: int, state: _state.SequenceState) -> None:
@@ -807,8 +806,8 @@ def _check_memory(
     family = FAMILIES[header.architecture]
     h = hyperparameters(header, family)
     prefix = header.architecture + ".attention."
-    heads = _largest(header, prefix + "head_count", h.n_head)
-    heads_kv = _largest(header, prefix + "head_count_kv", h.n_head_kv)
+    heads = _abi.largest_count(header, prefix + "head_count", h.n_head)
+    heads_kv = _abi.largest_count(header, prefix + "head_count_kv", h.n_head_kv)
     n_ctx_seq = -(-config.max_context // _KV_CELL_PAD) * _KV_CELL_PAD
     # The file's blocks: the shard's own (smollm3 shards may lead with identity blocks) and
     # the identity block a non-tail shard ends in.
@@ -831,15 +830,6 @@ def _check_memory(
             retryable=False,
             details={"resource": "memory", "bytes": needed, "available": available},
         )
-
-
-def _largest(header: GGUFHeader, key: str, default: int) -> int:
-    """The largest value of a per-layer (or scalar) count; ``default`` when absent."""
-    entry = header.metadata.get(key)
-    if entry is None:
-        return default
-    values = entry.value if isinstance(entry.value, list) else [entry.value]
-    return max([int(v) for v in values if isinstance(v, int)] or [default])
 
 
 _STATE_MAGIC: Final = b"SELS\x01"  # shard-engine llama state, layout 1

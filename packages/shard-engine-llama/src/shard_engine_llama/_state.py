@@ -26,8 +26,18 @@ inconsistencies, but sizes a buffer from ``cell_count`` before it reads a cell (
 exhausts memory) and asserts, aborting the process, that the positions it placed are the ones
 it read. So the checks here are: the magic, one sequence per cell, cell counts within the
 context, positions ``0..length-1`` for the full cache and a contiguous tail ending at
-``length - 1`` for a windowed one, a plausible layer count and tensor types, and a total size
-equal to what the fields describe (nothing missing, nothing trailing).
+``length - 1`` for a windowed one, tensor types, and a total size equal to what the fields
+describe (nothing missing, nothing trailing).
+
+A state from elsewhere is also held to this context's geometry (:class:`Geometry`): no more
+layers than the shard has, and rows no wider than its widest K or V row, each a whole number
+of elements. Without that, a few hundred bytes that declare a zero-byte element for 2**32
+channels, or one wide cell at the end of a window, would make :func:`localize` build (and
+pad) gigabytes before llama.cpp refused them. And its values must be finite and within
+float16's range (:data:`MAX_KV_MAGNITUDE`): llama.cpp keeps a released cell's K and V and
+still reads them for every later sequence in that stream, masking them by adding -inf to
+their scores and multiplying their V by 0, so a NaN, an infinity or a K large enough to
+overflow a score would turn every later session in the slot into NaN.
 """
 
 from __future__ import annotations
@@ -40,7 +50,9 @@ import numpy as np
 
 __all__ = [
     "IO_MAGIC",
+    "MAX_KV_MAGNITUDE",
     "CacheSection",
+    "Geometry",
     "SequenceState",
     "StateFormatError",
     "localize",
@@ -50,8 +62,16 @@ __all__ = [
 
 IO_MAGIC: Final = 0xAF143CD8
 _MAX_LAYERS: Final = 512  # LLAMA_MAX_LAYERS
-# ggml types a KV cache of this engine can hold (kv_type f32 / f16).
+# ggml types a KV cache of this engine can hold (kv_type f32 / f16), and their element sizes.
 _KV_GGML_TYPES: Final = frozenset({0, 1})
+_ELEMENT_BYTES: Final = {0: 4, 1: 2}
+_ELEMENT_DTYPES: Final[dict[int, np.dtype[np.floating]]] = {
+    0: np.dtype("<f4"),
+    1: np.dtype("<f2"),
+}
+MAX_KV_MAGNITUDE: Final = 65504.0
+"""The largest |value| an imported K or V element may have: float16's largest finite value,
+what a ``kv_type=f16`` cache can hold at all. It keeps every attention score finite."""
 _U32 = struct.Struct("<I")
 _HEADER = struct.Struct("<Ii")
 _CELL = struct.Struct("<iIi")
@@ -61,6 +81,16 @@ _V_TRANS_LAYER = struct.Struct("<iII")
 
 class StateFormatError(ValueError):
     """The bytes are not a sequence state this engine would have written."""
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What a state for this context may declare: at most ``max_layers`` layers per cache
+    (the blocks of the shard file) and at most ``max_row_bytes`` bytes in one cell's K or V
+    of one layer (an upper bound of the shard's widest: see ``_abi.kv_row_elements``)."""
+
+    max_layers: int
+    max_row_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +150,13 @@ class _Reader:
 
 
 def _cache_data(
-    reader: _Reader, cells: int, where: str, kv_ggml_type: int | None, expected_v_trans: int | None
+    reader: _Reader,
+    cells: int,
+    where: str,
+    kv_ggml_type: int | None,
+    expected_v_trans: int | None,
+    geometry: Geometry | None,
+    check_values: bool,
 ) -> tuple[bool, int]:
     """Walk the v_trans flag, layer count and per-layer tensors of one cache."""
     types = _KV_GGML_TYPES if kv_ggml_type is None else frozenset({kv_ggml_type})
@@ -132,26 +168,65 @@ def _cache_data(
             f"{where}: V is {'' if v_trans else 'not '}transposed, this context's is "
             f"{'' if expected_v_trans else 'not'} (flash attention differs)"
         )
-    if n_layers > _MAX_LAYERS:
-        raise StateFormatError(f"{where}: {n_layers} layers exceed {_MAX_LAYERS}")
+    # A cache may hold cells and no layer: a shard of only full-attention layers still has
+    # its (empty) sliding-window cache.
+    max_layers = _MAX_LAYERS if geometry is None else min(_MAX_LAYERS, geometry.max_layers)
+    if n_layers > max_layers:
+        raise StateFormatError(f"{where}: {n_layers} layers exceed this shard's {max_layers}")
+
+    def row_width(ggml_type: int, row: int, what: str) -> None:
+        if ggml_type not in types:
+            raise StateFormatError(f"{where}: {what} has ggml type {ggml_type}")
+        if row <= 0 or row % _ELEMENT_BYTES[ggml_type]:
+            raise StateFormatError(
+                f"{where}: {what} rows of {row} bytes are not a positive whole number of "
+                f"{_ELEMENT_BYTES[ggml_type]}-byte elements"
+            )
+        if geometry is not None and row > geometry.max_row_bytes:
+            raise StateFormatError(
+                f"{where}: {what} rows of {row} bytes exceed this shard's widest, "
+                f"{geometry.max_row_bytes}"
+            )
+
+    def values(ggml_type: int, n_bytes: int, what: str) -> None:
+        block = reader.block(n_bytes, f"{where}: {what}")
+        if check_values:
+            _check_values(block, ggml_type, f"{where}: {what}")
+
     for layer in range(n_layers):
         k_type, row = reader.take(_K_LAYER, f"{where} K header of layer {layer}")
-        if k_type not in types:
-            raise StateFormatError(f"{where}: K of layer {layer} has ggml type {k_type}")
-        reader.skip(row * cells, f"{where}: K of layer {layer}")
+        row_width(k_type, row, f"K of layer {layer}")
+        values(k_type, row * cells, f"K of layer {layer}")
     for layer in range(n_layers):
         if v_trans:
             v_type, element, n_embd = reader.take(
                 _V_TRANS_LAYER, f"{where} V header of layer {layer}"
             )
-            size = element * n_embd * cells
+            if v_type in _ELEMENT_BYTES and element != _ELEMENT_BYTES[v_type]:
+                raise StateFormatError(
+                    f"{where}: V of layer {layer} declares {element}-byte elements of ggml "
+                    f"type {v_type}"
+                )
+            row_width(v_type, element * n_embd, f"V of layer {layer}")
+            values(v_type, element * n_embd * cells, f"V of layer {layer}")
         else:
             v_type, row = reader.take(_K_LAYER, f"{where} V header of layer {layer}")
-            size = row * cells
-        if v_type not in types:
-            raise StateFormatError(f"{where}: V of layer {layer} has ggml type {v_type}")
-        reader.skip(size, f"{where}: V of layer {layer}")
+            row_width(v_type, row, f"V of layer {layer}")
+            values(v_type, row * cells, f"V of layer {layer}")
     return bool(v_trans), n_layers
+
+
+def _check_values(block: memoryview, ggml_type: int, what: str) -> None:
+    """Refuse elements that are not finite or exceed :data:`MAX_KV_MAGNITUDE`."""
+    elements = np.frombuffer(block, dtype=_ELEMENT_DTYPES[ggml_type])
+    # NaN fails the comparison too; float16 holds nothing finite beyond the bound.
+    sound = np.isfinite(elements) if ggml_type == 1 else np.abs(elements) <= MAX_KV_MAGNITUDE
+    if not sound.all():
+        index = int(np.flatnonzero(~sound)[0])
+        raise StateFormatError(
+            f"{what}: element {index} is {float(elements[index])!r}; K and V values must be "
+            f"finite and within +-{MAX_KV_MAGNITUDE:g}"
+        )
 
 
 def parse(
@@ -163,13 +238,18 @@ def parse(
     max_cells: int,
     kv_ggml_type: int | None = None,
     v_trans: int | None = None,
+    geometry: Geometry | None = None,
+    check_values: bool = False,
 ) -> SequenceState:
     """Check ``blob`` field by field and return where its parts are.
 
     ``n_stream``, ``seq_id``: what the header and cells must say (1 and 0 for the portable
     form). ``n_sections``: how many KV caches the context has. ``max_cells``: the cells one
     sequence may hold. ``kv_ggml_type``, ``v_trans``: the context's KV tensor type and V
-    layout, when given. Raises StateFormatError for anything else.
+    layout, when given. ``geometry``: the layer count and row widths the context allows.
+    ``check_values``: refuse K and V elements that are not finite or exceed
+    :data:`MAX_KV_MAGNITUDE` (a state from elsewhere). Raises StateFormatError for anything
+    else.
     """
     data = memoryview(blob).cast("B")
     reader = _Reader(data)
@@ -213,7 +293,9 @@ def parse(
                     "must be contiguous and increasing from 0 or a window start"
                 )
             start = reader.offset
-            flag, n_layers = _cache_data(reader, cells, where, kv_ggml_type, v_trans)
+            flag, n_layers = _cache_data(
+                reader, cells, where, kv_ggml_type, v_trans, geometry, check_values
+            )
             section = CacheSection(first, cells, flag, n_layers, start, reader.offset)
         sections.append(section or CacheSection(0, 0, False, 0, reader.offset, reader.offset))
     if reader.offset != len(data):
@@ -319,6 +401,7 @@ def portable(
     max_cells: int,
     kv_ggml_type: int | None = None,
     v_trans: int | None = None,
+    geometry: Geometry | None = None,
     prefix: bytes = b"",
 ) -> tuple[bytes, SequenceState]:
     """The portable form (one stream, sequence 0) of a blob this context wrote for
@@ -331,6 +414,7 @@ def portable(
         max_cells=max_cells,
         kv_ggml_type=kv_ggml_type,
         v_trans=v_trans,
+        geometry=geometry,
     )
     portable_blob = _rebuild(
         blob, state, n_stream=1, stream=0, seq_id=0, pad_windows=False, prefix=prefix
@@ -347,6 +431,8 @@ def localize(
     max_cells: int,
     kv_ggml_type: int | None = None,
     v_trans: int | None = None,
+    geometry: Geometry | None = None,
+    check_values: bool = False,
 ) -> tuple[bytes, SequenceState]:
     """A blob for sequence ``seq_id`` of a context with ``n_stream`` streams, from a portable
     one (checked with :func:`parse` first), and what it holds."""
@@ -360,6 +446,8 @@ def localize(
         max_cells=max_cells,
         kv_ggml_type=kv_ggml_type,
         v_trans=v_trans,
+        geometry=geometry,
+        check_values=check_values,
     )
     rebuilt = _rebuild(
         blob, state, n_stream=n_stream, stream=seq_id, seq_id=seq_id, pad_windows=True
