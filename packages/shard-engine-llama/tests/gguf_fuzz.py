@@ -42,7 +42,7 @@ from shard_engine_llama._gguf import (
     read_gguf_header,
     validate_header,
 )
-from shard_engine_llama._gguf.families import FAMILIES, Hyperparameters
+from shard_engine_llama._gguf.families import FAMILIES, ROPE_FACTOR_TENSORS, Hyperparameters
 from shard_engine_llama._gguf.layout import _ARCH_KEYS
 from shard_engine_llama._tiny_model import SUPPORTED_TINY_ARCHITECTURES, write_tiny_model
 
@@ -360,9 +360,9 @@ def _consistent_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ..
 def generate_consistent(directory: Path, per_family: int, seed: int) -> Iterator[Mutant]:
     """``per_family`` files per family whose hyper-parameters are drawn adversarially (head
     counts, grouped heads, key/value/rope sizes, experts and experts per token, windows and
-    their patterns, rope scaling) and whose tensors have exactly the shapes families.py derives
-    from them, so the file gets past the shape checks and the hyper-parameters themselves meet
-    llama.cpp."""
+    their patterns, rope scaling and its factor tensors) and whose tensors have exactly the
+    shapes families.py derives from them, so the file gets past the shape checks and the
+    hyper-parameters themselves meet llama.cpp."""
     rng = random.Random(seed)
     u32 = gguf.GGUFValueType.UINT32
     for arch in SUPPORTED_TINY_ARCHITECTURES:
@@ -410,6 +410,7 @@ def generate_consistent(directory: Path, per_family: int, seed: int) -> Iterator
             for suffix, value in values.items():
                 metadata[f"{arch}.{suffix}"] = MetadataValue(value, u32)
             log = [f"consistent {values}"]
+            scaling = "linear"  # load_hparams' default without the key
             if rng.random() < 0.3:
                 scaling = rng.choice(("linear", "yarn", "longrope", "none"))
                 factor = rng.choice((0.0, 0.25, 1.0, 4.0, 32.0))
@@ -432,6 +433,7 @@ def generate_consistent(directory: Path, per_family: int, seed: int) -> Iterator
                 n_expert_used=used,
                 n_ff_exp=ff_exp or (n_ff if n_expert else 0),
                 n_ff_shexp=ff_shared,
+                rope_scaling_type=scaling,
             )
             needs = list(family.model_tensors(hyper, lambda name: False))
             for il in range(n_layer):
@@ -442,6 +444,23 @@ def generate_consistent(directory: Path, per_family: int, seed: int) -> Iterator
                 for need in needs
                 if need.required and all(size > 0 for size in need.shape)
             ]
+            # Rope factors (drawn from values_rng, which leaves the other draws as they were):
+            # the set the family's loader asks for with this scaling type, which must load, or
+            # the other set, which llama.cpp refuses ("wrong number of tensors") and the
+            # validator must refuse first.
+            offered = [need for need in needs if need.name in ROPE_FACTOR_TENSORS]
+            draw = float(values_rng.random())
+            if offered and draw < 0.5:
+                names = [need.name for need in offered]
+                if draw < 0.15:
+                    names = [name for name in ROPE_FACTOR_TENSORS if name not in names]
+                size = n_rot // 2
+                for name in names:
+                    factors = values_rng.uniform(0.5, 2.0, size).astype("<f4").tobytes()
+                    tensors.append(
+                        TensorEdit(name, (size,), gguf.GGMLQuantizationType.F32, factors)
+                    )
+                log.append(f"rope factors {names}")
             target = directory / f"consistent-{arch}-{index:04d}.gguf"
             write_gguf(target, arch, metadata, tensors)
             yield Mutant(arch, target, log)

@@ -3,7 +3,9 @@ cancellation, batched decode, untrusted files, shard files as models."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import threading
 import time
@@ -13,7 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf_edit import f32, rewrite, tensor_offset_position, u32
+from gguf_edit import TensorEdit, array, f32, rewrite, tensor_offset_position, u32
 
 from shard_engine_api import (
     BoundaryResult,
@@ -769,3 +771,230 @@ def test_the_tiny_model_cannot_be_written_into_an_unwritable_store(
         tiny_model_path(target)
     assert raised.value.details["path"] == str(target)
     assert not list(tmp_path.glob("*.partial"))
+
+
+def _rope_factors(path: Path, names: Sequence[str], seed: int = 5) -> dict[str, TensorEdit | None]:
+    from shard_engine_llama._gguf.families import FAMILIES
+    from shard_engine_llama._gguf.layout import hyperparameters
+
+    header = read_gguf_header(path)
+    size = hyperparameters(header, FAMILIES[header.architecture]).n_rot // 2
+    rng = np.random.default_rng(seed)
+    return {
+        name: TensorEdit(
+            name,
+            (size,),
+            gguf.GGMLQuantizationType.F32,
+            rng.uniform(0.5, 2.0, size).astype("<f4").tobytes(),
+        )
+        for name in names
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "granite"])
+@pytest.mark.parametrize(
+    ("scaling", "names"),
+    [
+        ("longrope", ("rope_factors_long.weight", "rope_factors_short.weight")),
+        (None, ("rope_freqs.weight",)),
+    ],
+)
+def test_rope_factors_of_the_scaling_type_load_and_split_exactly(
+    tmp_path: Path, arch: str, scaling: str | None, names: tuple[str, ...]
+) -> None:
+    """The rope factor set the loader asks for with the file's scaling type is accepted, loads
+    (llama.cpp refused the other set, test_validation.py) and its shards compute the full
+    model's logits bit for bit."""
+    source = tmp_path / "source.gguf"
+    write_tiny_model(source, arch=arch, n_layers=4)
+    metadata: dict[str, MetadataValue | None] = {}
+    if scaling is not None:
+        metadata[f"{arch}.rope.scaling.type"] = MetadataValue(scaling, gguf.GGUFValueType.STRING)
+    model = rewrite(
+        source,
+        tmp_path / "rope.gguf",
+        metadata=metadata,
+        tensors=_rope_factors(source, names),
+    )
+    full = [_load(model, 0, 4, 4)]
+    split = _pipeline(model, 2, 4)
+    try:
+        expected = Pipeline(full).generate(PROMPT, 3)
+        assert np.isfinite(expected.logits()).all()
+        assert Pipeline(split).generate(PROMPT, 3).step_logits == expected.step_logits
+    finally:
+        _close(full + split)
+
+
+def _refusal_cases(tmp_path: Path) -> dict[str, tuple[Path, dict[str, str]]]:
+    from shard_engine_llama._gguf.validation import _BYTE_LEVEL
+
+    llama = tmp_path / "llama.gguf"
+    write_tiny_model(llama, n_layers=2)
+    gemma3 = tmp_path / "gemma3.gguf"
+    write_tiny_model(gemma3, arch="gemma3", n_layers=2)
+    string, u16 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT16
+    tokens = [_BYTE_LEVEL[byte] for byte in range(256)] + ["He", "<s>", "</s>", "<unk>"]
+    edits: dict[str, tuple[Path, dict[str, MetadataValue | None], dict[str, TensorEdit | None]]] = {
+        "whitespace-pre-tokenizer": (
+            llama,
+            {
+                "tokenizer.ggml.model": MetadataValue("gpt2", string),
+                "tokenizer.ggml.pre": MetadataValue("whitespace", string),
+                "tokenizer.ggml.tokens": array(tokens, string),
+                "tokenizer.ggml.scores": None,
+                "tokenizer.ggml.token_type": array([1] * len(tokens), gguf.GGUFValueType.INT32),
+                "tokenizer.ggml.merges": array(["H e"], string),
+                "tokenizer.ggml.unknown_token_id": None,
+            },
+            {},
+        ),
+        "split-count-2": (
+            llama,
+            {"split.count": MetadataValue(2, u16), "split.no": MetadataValue(0, u16)},
+            {},
+        ),
+        "split-count-u32": (llama, {"split.count": u32(1)}, {}),
+        "empty-key": (llama, {"": MetadataValue("x", string)}, {}),
+        "rope-freqs-with-longrope": (
+            llama,
+            {"llama.rope.scaling.type": MetadataValue("longrope", string)},
+            _rope_factors(llama, ("rope_freqs.weight",)),
+        ),
+        "rope-factors-without-longrope": (
+            llama,
+            {},
+            _rope_factors(llama, ("rope_factors_long.weight", "rope_factors_short.weight")),
+        ),
+        "gemma3-final-softcap-1e-40": (
+            gemma3,
+            {"gemma3.final_logit_softcapping": f32(1e-40)},
+            {},
+        ),
+    }
+    details = {
+        "whitespace-pre-tokenizer": {"rule": "tokenizer-pre", "field": "tokenizer.ggml.pre"},
+        "split-count-2": {"rule": "gguf-split", "field": "split.count"},
+        "split-count-u32": {"rule": "metadata-type", "field": "split.count"},
+        "empty-key": {"rule": "gguf-empty-key"},
+        "rope-freqs-with-longrope": {"rule": "tensor-unexpected", "field": "rope_freqs.weight"},
+        "rope-factors-without-longrope": {
+            "rule": "tensor-unexpected",
+            "field": "rope_factors_long.weight",
+        },
+        "gemma3-final-softcap-1e-40": {
+            "rule": "hparam-divisor",
+            "field": "gemma3.final_logit_softcapping",
+        },
+    }
+    return {
+        name: (
+            rewrite(source, tmp_path / f"{name}.gguf", metadata=metadata, tensors=tensors),
+            details[name],
+        )
+        for name, (source, metadata, tensors) in edits.items()
+    }
+
+
+def test_files_llama_cpp_refuses_or_aborts_on_are_typed_refusals_on_load(tmp_path: Path) -> None:
+    """Each of these passed the validator: llama.cpp then refused it with a generic "could not
+    load" (split keys, an empty key, the other rope factor set), aborted encoding two spaces
+    (the whitespace pre-tokenizer) or returned NaN for every row (a denormal final softcap).
+    Loading a full model or a head shard is now an InvalidRequest naming rule and field."""
+    for name, (path, details) in _refusal_cases(tmp_path).items():
+        for start, end in ((0, 2), (0, 1)):
+            with pytest.raises(InvalidRequest) as refused:
+                _load(path, start, end, 2)
+            assert refused.value.details == details, (name, start, end)
+
+
+def _forge_hash_cache(store: Path, kind: str, path: Path, digest: str) -> None:
+    """A persistent hash-cache entry for ``path``'s current identity, as a damaged or forged
+    ``verified-sha256.json`` would hold it."""
+    identity = store_module.file_identity(path)
+    store.mkdir(parents=True, exist_ok=True)
+    entry = {"identity": identity.as_json(), "sha256": digest}
+    (store / store_module.HASH_CACHE_NAME).write_text(json.dumps({kind: {identity.path: entry}}))
+
+
+def _persisted(store: Path, kind: str, path: Path) -> object:
+    document = json.loads((store / store_module.HASH_CACHE_NAME).read_text())
+    return document[kind][str(path.resolve())]["sha256"]
+
+
+@pytest.mark.parametrize("digest", ["not-hex", "A" * 64, "0" * 63, 12345, None])
+def test_a_cached_digest_that_is_no_sha256_is_ignored(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digest: object
+) -> None:
+    """A full model's fingerprint came from the persistent hash cache as it was: "not-hex" in
+    verified-sha256.json became the reported model fingerprint. Now only 64 lowercase hex
+    digits are taken from it; anything else costs a re-hash (and is replaced)."""
+    monkeypatch.setattr(store_module, "RACY_SECONDS", 0.0)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(tiny_model.read_bytes())
+    real = hashlib.sha256(model.read_bytes()).hexdigest()
+    store = tmp_path / "store"
+    _forge_hash_cache(store, "file", model, digest)  # type: ignore[arg-type]
+    store_module.hash_cache().forget()
+    engine = _load(model, 0, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    try:
+        assert engine.capabilities().model_fingerprint == real
+    finally:
+        engine.close()
+    assert _persisted(store, "file", model) == real
+
+
+def test_a_cached_digest_cannot_place_a_shard_outside_the_store(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source digest names the store directory a shard is written to: a cached digest
+    "/../../../../esc000..." wrote the engine's shard outside the store."""
+    monkeypatch.setattr(store_module, "RACY_SECONDS", 0.0)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(tiny_model.read_bytes())
+    real = hashlib.sha256(model.read_bytes()).hexdigest()
+    store = tmp_path / "deep" / "er" / "store"
+    _forge_hash_cache(store, "file", model, "/../../../../esc" + "0" * 48)
+    store_module.hash_cache().forget()
+    engine = _load(model, 0, 2, TINY_MODEL_LAYERS, options={"model_store": str(store)})
+    try:
+        assert engine.shard_path is not None
+        assert engine.shard_path.resolve().is_relative_to(store.resolve())
+        assert f"model-{real[:16]}" in engine.shard_path.parts
+    finally:
+        engine.close()
+    written = {path for path in tmp_path.rglob("*.gguf") if path != model}
+    assert written
+    assert all(path.is_relative_to(store) for path in written), written
+
+
+def test_a_damaged_cache_entry_for_a_good_shard_costs_one_re_hash(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrong cached content digest for a good shard refused every load of it, for good
+    (shard-integrity), although the cache only saves work. Now a cached digest that disagrees
+    with the recorded one is dropped and the shard hashed once more; the corrected entry
+    serves the next load. A digest this process computed itself is not re-hashed."""
+    monkeypatch.setattr(store_module, "RACY_SECONDS", 0.0)
+    manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
+    tail = manifest.shard_path(1)
+    recorded = read_gguf_header(tail).metadata["shard.content_sha256"].value
+    store = tail.parent / "store"  # _load's model store
+    _forge_hash_cache(store, "shard-content", tail, "f" * 64)
+    cache = store_module.hash_cache()
+    cache.forget()
+    computed = cache.computed
+    for _ in range(2):
+        cache.forget()  # a restarted worker: only the persistent cache is left
+        _load(tail, 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS).close()
+    assert cache.computed == computed + 1
+    assert _persisted(store, "shard-content", tail) == recorded
+
+    tampered = tmp_path / "tampered.gguf"
+    tampered.write_bytes(tail.read_bytes())
+    _flip_tensor_byte(tampered)
+    for _ in range(2):
+        with pytest.raises(InvalidRequest) as refused:
+            _load(tampered, 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+        assert refused.value.details["rule"] == "shard-integrity"
+    assert cache.computed == computed + 2, "a digest computed here was hashed again"

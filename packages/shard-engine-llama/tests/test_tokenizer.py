@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import pytest
 from gguf_edit import array, rewrite, u32
 
 from shard_engine_api import InvalidRequest, load_tokenizer
-from shard_engine_llama._gguf import read_gguf_header, split_model
+from shard_engine_llama._gguf import MetadataValue, read_gguf_header, split_model
 from shard_engine_llama.plugin import ENCODE_BYTES_PER_TOKEN, MIN_ENCODE_CONTEXT, max_encode_bytes
 
 _STRING = gguf.GGUFValueType.STRING
@@ -174,3 +175,114 @@ def test_text_longer_than_the_models_context_can_hold_is_refused_at_once(
         assert refused.value.details["limit_bytes"] == limit
     assert time.monotonic() - started < 1.0
     assert len(tokenizer.encode("ab " * (limit // 3))) >= limit // 3
+
+
+_ENCODE_CHILD = """
+import json, sys
+import shard_engine_api as api
+texts = json.loads(sys.argv[1])
+outcomes = {}
+for path in sys.argv[2:]:
+    try:
+        tokenizer = api.load_tokenizer("llama", path)
+    except api.ShardEngineError as error:
+        outcomes[path] = {"error": type(error).__name__, "details": error.details}
+        continue
+    encoded = 0
+    for text in texts:
+        try:
+            tokenizer.encode(text)
+            encoded += 1
+        except api.InvalidRequest:
+            pass  # refused text is a typed outcome too
+    outcomes[path] = {"encoded": encoded}
+print(json.dumps(outcomes))
+"""
+# Runs of spaces, tabs, newlines and other whitespace, where pieces could keep a raw space.
+_WHITESPACE_TEXTS = (
+    "a  b",
+    "  ",
+    "a \t b",
+    "x   y\n\n  z",
+    " leading",
+    "trailing  ",
+    "Hello  world",
+    "\u3000\u3000 \u00a0 a",
+    "1  2   3",
+)
+
+
+def test_no_accepted_bpe_pre_tokenizer_aborts_on_whitespace_runs(tmp_path: Path) -> None:
+    """llama.cpp's BPE merges assert that no piece holds a space; the "whitespace"
+    pre-tokenizer hands them runs of spaces, and encoding "a  b" aborted the process (SIGABRT
+    in find_bpe_rank). It is refused when the file is loaded; every other pre-tokenizer
+    llama.cpp knows is accepted and encodes whitespace runs without aborting (one child
+    process runs them all and must exit 0)."""
+    from shard_engine_llama._gguf.layout import _BPE_PRE_TOKENIZERS
+    from shard_engine_llama._gguf.validation import _BYTE_LEVEL
+    from shard_engine_llama._tiny_model import write_tiny_model
+
+    source = tmp_path / "source.gguf"
+    write_tiny_model(source, n_layers=1)
+    spaces = _BYTE_LEVEL[0x20] * 2
+    tokens = [_BYTE_LEVEL[byte] for byte in range(256)] + ["He", "<s>", "</s>", spaces]
+    paths: dict[str, Path] = {}
+    for index, pre in enumerate(sorted(_BPE_PRE_TOKENIZERS)):
+        paths[pre] = rewrite(
+            source,
+            tmp_path / f"pre-{index}.gguf",
+            metadata={
+                "tokenizer.ggml.model": MetadataValue("gpt2", _STRING),
+                "tokenizer.ggml.pre": MetadataValue(pre, _STRING),
+                "tokenizer.ggml.tokens": array(tokens, _STRING),
+                "tokenizer.ggml.scores": None,
+                "tokenizer.ggml.token_type": array([1] * len(tokens), gguf.GGUFValueType.INT32),
+                # A merge of two spaces (and of two U+2581), so the runs reach find_bpe_rank.
+                "tokenizer.ggml.merges": array(
+                    ["H e", f"{spaces[0]} {spaces[1]}", "\u2581 \u2581"], _STRING
+                ),
+                "tokenizer.ggml.bos_token_id": u32(257),
+                "tokenizer.ggml.eos_token_id": u32(258),
+                "tokenizer.ggml.unknown_token_id": None,
+            },
+        )
+    done = subprocess.run(
+        [sys.executable, "-c", _ENCODE_CHILD, json.dumps(_WHITESPACE_TEXTS)]
+        + [str(path) for path in paths.values()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    whitespace = paths.pop("whitespace")
+    assert outcomes.pop(str(whitespace)) == {
+        "error": "InvalidRequest",
+        "details": {"rule": "tokenizer-pre", "field": "tokenizer.ggml.pre"},
+    }
+    assert len(outcomes) == len(paths) > 80
+    # These escape spaces to U+2581 before merging, raw UTF-8 that this byte-level vocabulary
+    # has no tokens for: the plugin refuses their texts (typed) after llama.cpp tokenized them.
+    escaping = {"gemma4", "granite-embed-multi-311m", "sarvam-moe"}
+    for pre, path in paths.items():
+        outcome = outcomes[str(path)]
+        assert "encoded" in outcome, (pre, outcome)
+        if pre not in escaping:
+            assert outcome["encoded"] == len(_WHITESPACE_TEXTS), (pre, outcome)
+    # What the refusal prevents: llama.cpp itself, handed the file, aborts on "a  b".
+    unchecked = (
+        "import sys; from shard_engine_llama._abi import Vocabulary; "
+        "Vocabulary(sys.argv[1]).tokenize('a  b')"
+    )
+    raw = subprocess.run(
+        [sys.executable, "-c", unchecked, str(whitespace)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+        check=False,
+    )
+    assert raw.returncode == -signal.SIGABRT, (raw.returncode, raw.stderr[-500:])
+    assert "find(' ')" in raw.stderr

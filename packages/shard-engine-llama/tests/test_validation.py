@@ -202,6 +202,38 @@ LLAMA_CASES: list[
         "metadata-type",
         "llama.block_count",
     ),
+    # llama_model_loader reads the gguf-split keys as UINT16 (split.no, split.count) and INT32
+    # (split.tensors.count): "key split.count has wrong type u32 but expected type u16".
+    ("split.count as UINT32", {"split.count": u32(1)}, {}, "metadata-type", "split.count"),
+    ("split.no as UINT32", {"split.no": u32(0)}, {}, "metadata-type", "split.no"),
+    (
+        "split.tensors.count as UINT32",
+        {"split.tensors.count": u32(30)},
+        {},
+        "metadata-type",
+        "split.tensors.count",
+    ),
+    (
+        "one part of a gguf-split model: llama.cpp opens the other parts by name",
+        {
+            "split.count": MetadataValue(2, gguf.GGUFValueType.UINT16),
+            "split.no": MetadataValue(0, gguf.GGUFValueType.UINT16),
+        },
+        {},
+        "gguf-split",
+        "split.count",
+    ),
+    (
+        "whitespace pre-tokenizer of a BPE vocabulary (its merges abort on two spaces)",
+        {
+            "tokenizer.ggml.model": MetadataValue("gpt2", gguf.GGUFValueType.STRING),
+            "tokenizer.ggml.pre": MetadataValue("whitespace", gguf.GGUFValueType.STRING),
+            "tokenizer.ggml.merges": array(["a b"], gguf.GGUFValueType.STRING),
+        },
+        {},
+        "tokenizer-pre",
+        "tokenizer.ggml.pre",
+    ),
 ]
 
 
@@ -555,6 +587,30 @@ FAMILY_CASES: list[
         {},
         "hparam-divisor",
         "gemma2.attn_logit_softcapping",
+    ),
+    (
+        "gemma2 final logit softcap 1e-40: the logits are scaled by its reciprocal (inf)",
+        "gemma2",
+        {"gemma2.final_logit_softcapping": f32(1e-40)},
+        {},
+        "hparam-divisor",
+        "gemma2.final_logit_softcapping",
+    ),
+    (
+        "gemma2 final logit softcap 0: gemma2's graph divides by it unconditionally",
+        "gemma2",
+        {"gemma2.final_logit_softcapping": f32(0.0)},
+        {},
+        "hparam-divisor",
+        "gemma2.final_logit_softcapping",
+    ),
+    (
+        "gemma3 final logit softcap 1e-40 (0 turns it off, a denormal overflows)",
+        "gemma3",
+        {"gemma3.final_logit_softcapping": f32(1e-40)},
+        {},
+        "hparam-divisor",
+        "gemma3.final_logit_softcapping",
     ),
     (
         "gemma2 attention softcap 1e-45: its reciprocal overflows (every logit NaN)",
@@ -1252,3 +1308,191 @@ def test_byte_level_tokenizers_encode_all_of_a_text_or_refuse_it(
     # Both outcomes occur (seeded: 233 encoded, 7 refused).
     assert outcomes["encoded"] > 100, outcomes
     assert outcomes["refused"] >= 5, outcomes
+
+
+def _rope_set_file(
+    tmp_path: Path, arch: str, scaling: str | None, tensors: tuple[str, ...]
+) -> Path:
+    """A tiny ``arch`` model with ``<arch>.rope.scaling.type`` = ``scaling`` (None: no key) and
+    the rope factor tensors ``tensors`` (ones, n_rot / 2 of them)."""
+    source = tmp_path / f"{arch}.gguf"
+    if not source.exists():
+        write_tiny_model(source, arch=arch, n_layers=2)
+    from shard_engine_llama._gguf.layout import hyperparameters
+
+    n_rot = hyperparameters(read_gguf_header(source), FAMILIES[arch]).n_rot
+    name = f"{arch}-{scaling}-{'-'.join(tensors) or 'none'}.gguf"
+    return rewrite(
+        source,
+        tmp_path / name,
+        metadata={f"{arch}.rope.scaling.type": None if scaling is None else _string(scaling)},
+        tensors={tensor: _vector(tensor, n_rot // 2, 1.0) for tensor in tensors},
+    )
+
+
+_LONGROPE_SET = ("rope_factors_long.weight", "rope_factors_short.weight")
+_FREQS_SET = ("rope_freqs.weight",)
+
+
+@pytest.mark.parametrize("arch", ["llama", "granite", "granitemoe"])
+@pytest.mark.parametrize(
+    ("scaling", "tensors", "refused"),
+    [
+        (None, _FREQS_SET, None),
+        ("linear", _FREQS_SET, None),
+        ("yarn", _FREQS_SET, None),
+        ("none", _FREQS_SET, None),
+        ("longrope", _LONGROPE_SET, None),
+        ("longrope", _LONGROPE_SET[:1], None),  # each is optional
+        ("longrope", _FREQS_SET, "rope_freqs.weight"),
+        ("longrope", (*_LONGROPE_SET, *_FREQS_SET), "rope_freqs.weight"),
+        (None, _LONGROPE_SET, "rope_factors_long.weight"),
+        ("yarn", _LONGROPE_SET[1:], "rope_factors_short.weight"),
+    ],
+)
+def test_the_rope_factor_tensors_follow_the_scaling_type(
+    tmp_path: Path, arch: str, scaling: str | None, tensors: tuple[str, ...], refused: str | None
+) -> None:
+    """llama.cpp's llama, granite and granitemoe loaders create rope_factors_long/short when
+    the scaling type is longrope and rope_freqs otherwise (the default type is linear): a file
+    with the other set validated and llama.cpp refused it ("done_getting_tensors: wrong number
+    of tensors"). test_engine.py loads the accepted combinations."""
+    path = _rope_set_file(tmp_path, arch, scaling, tensors)
+    if refused is None:
+        assert set(tensors) <= set(validate_gguf(path).tensors)
+        return
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(path)
+    assert (raised.value.rule, raised.value.field) == ("tensor-unexpected", refused)
+    assert "rope.scaling.type" in str(raised.value)
+
+
+def test_gemma3_final_logit_softcap_of_zero_is_off_and_accepted(tmp_path: Path) -> None:
+    """gemma3's graph skips the final soft-capping when it is 0 (gemma2's does not)."""
+    source = tmp_path / "gemma3.gguf"
+    write_tiny_model(source, arch="gemma3", n_layers=2)
+    off = rewrite(
+        source, tmp_path / "off.gguf", metadata={"gemma3.final_logit_softcapping": f32(0.0)}
+    )
+    assert validate_gguf(off).architecture == "gemma3"
+
+
+def test_whitespace_is_the_only_known_bpe_pre_tokenizer_refused() -> None:
+    """The table of refused pre-tokenizers is a subset of the ones llama.cpp knows: every other
+    known name is accepted (test_tokenizer.py encodes whitespace runs with each of them)."""
+    from shard_engine_llama._gguf.layout import _BPE_PRE_TOKENIZERS, _REFUSED_BPE_PRE_TOKENIZERS
+
+    assert set(_REFUSED_BPE_PRE_TOKENIZERS) == {"whitespace"}
+    assert set(_REFUSED_BPE_PRE_TOKENIZERS) <= _BPE_PRE_TOKENIZERS
+
+
+def test_inspect_refuses_the_whitespace_pre_tokenizer(llama: Path, tmp_path: Path) -> None:
+    from shard_engine_llama._gguf.validation import _BYTE_LEVEL
+
+    tokens = [_BYTE_LEVEL[byte] for byte in range(256)] + ["He", "<s>", "</s>", "<unk>"]
+    path = _byte_level_vocabulary(llama, tmp_path, tokens)
+    assert inspect_gguf(path).shardable  # the same vocabulary with the default pre-tokenizer
+    whitespace = rewrite(
+        path, tmp_path / "whitespace.gguf", metadata={"tokenizer.ggml.pre": _string("whitespace")}
+    )
+    with pytest.raises(GGUFValidationError) as raised:
+        validate_gguf(whitespace)
+    assert (raised.value.rule, raised.value.field) == ("tokenizer-pre", "tokenizer.ggml.pre")
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from shard_engine_api.cli import main; sys.exit(main())",
+        "inspect",
+        str(whitespace),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "shardable:     no — refused by rule: tokenizer-pre" in result.stdout
+    assert "tokenizer.ggml.pre" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def _patched(source: Path, destination: Path, needle: bytes, offset: int, value: bytes) -> Path:
+    """``source`` with ``value`` written ``offset`` bytes after the end of the first ``needle``."""
+    raw = bytearray(source.read_bytes())
+    position = raw.index(needle) + len(needle) + offset
+    raw[position : position + len(value)] = value
+    destination.write_bytes(bytes(raw))
+    return destination
+
+
+def _key(name: str) -> bytes:
+    return len(name).to_bytes(8, "little") + name.encode()
+
+
+def test_an_empty_metadata_key_is_refused(llama: Path, tmp_path: Path) -> None:
+    """gguf.cpp refuses a file with an empty key ("key N is empty"); it used to validate."""
+    broken = rewrite(llama, tmp_path / "empty-key.gguf", metadata={"": _string("x")})
+    with pytest.raises(GGUFValidationError) as raised:
+        read_gguf_header(broken)
+    assert raised.value.rule == "gguf-empty-key"
+    assert "is empty" in str(raised.value)
+
+
+def test_reader_errors_name_the_key_or_tensor_as_their_field(llama: Path, tmp_path: Path) -> None:
+    """Each of these named a key or tensor in its message but carried no field, so an engine's
+    InvalidRequest had none in its details."""
+    extra = rewrite(
+        llama,
+        tmp_path / "extra.gguf",
+        metadata={
+            "x.u": u32(1),
+            "x.s": _string("abc"),
+            "x.a": array([1, 2], gguf.GGUFValueType.UINT32),
+            "x.w": u32(2),
+        },
+    )
+    tensor = "blk.0.attn_q.weight"
+    u32_type = int(gguf.GGUFValueType.UINT32).to_bytes(4, "little")
+    cases: list[tuple[str, bytes, int, bytes, str]] = [
+        # (case, needle, offset after it, bytes written there, field)
+        ("unknown value type", _key("x.u"), 0, (13).to_bytes(4, "little"), "x.u"),
+        (
+            "unknown array element type",
+            _key("x.a") + (9).to_bytes(4, "little"),
+            0,
+            (13).to_bytes(4, "little"),
+            "x.a",
+        ),
+        (
+            "nested array",
+            _key("x.a") + (9).to_bytes(4, "little"),
+            0,
+            (9).to_bytes(4, "little"),
+            "x.a",
+        ),
+        (
+            "array longer than the file",
+            _key("x.a") + (9).to_bytes(4, "little") + u32_type,
+            0,
+            (2**62).to_bytes(8, "little"),
+            "x.a",
+        ),
+        ("string past the end of the file", _key("x.s"), 4, (2**40).to_bytes(8, "little"), "x.s"),
+        ("duplicate key", _key("x.w"), -1, b"u", "x.u"),
+        ("five dimensions", _key(tensor), 0, (5).to_bytes(4, "little"), tensor),
+        ("unknown ggml type", _key(tensor), 4 + 8 * 2, (31).to_bytes(4, "little"), tensor),
+        ("data past the end of the file", _key(tensor), 4, (2**40).to_bytes(8, "little"), tensor),
+    ]
+    for case, needle, offset, value, field in cases:
+        broken = _patched(extra, tmp_path / "broken.gguf", needle, offset, value)
+        with pytest.raises(GGUFValidationError) as raised:
+            read_gguf_header(broken)
+        assert raised.value.rule == "malformed-gguf", case
+        assert raised.value.field == field, (case, str(raised.value))
+        assert field in str(raised.value), case
+
+
+def test_a_tensor_name_llama_cpp_cannot_hold_is_refused(llama: Path, tmp_path: Path) -> None:
+    """gguf.cpp refuses tensor names of GGML_MAX_NAME (64) bytes or more."""
+    name = "blk.0." + "x" * 60 + ".weight"
+    broken = rewrite(llama, tmp_path / "long-name.gguf", tensors={name: _vector(name, 64, 1.0)})
+    with pytest.raises(GGUFValidationError) as raised:
+        read_gguf_header(broken)
+    assert raised.value.field == name
+    assert "at most 63" in str(raised.value)

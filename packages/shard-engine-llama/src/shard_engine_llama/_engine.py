@@ -444,6 +444,18 @@ class LlamaEngine(EngineCore):
             settings=self.result_settings,
         )
 
+    @staticmethod
+    def _file_digest(source: Path, store: Path | None) -> str:
+        """``source``'s sha256 from the hash cache, checked to be 64 hex digits before it is
+        reported as a fingerprint or names a directory of the store (a digest with a "/" or
+        ".." in it would put the shard outside the store)."""
+        from shard_engine_llama._gguf.store import is_sha256_hex
+
+        digest = hash_cache().digest(source, "file", file_sha256, store=store)
+        if not is_sha256_hex(digest):
+            raise ShardIntegrityError(f"{source}: its digest {digest[:80]!r} is not sha256 hex")
+        return digest
+
     def _shard_file(
         self, config: LoadConfig, options: LlamaOptions, pins: _PinnedFiles
     ) -> _ShardChoice:
@@ -477,15 +489,14 @@ class LlamaEngine(EngineCore):
                 f"{named.name} has {info.n_layers} layers; the spec says {spec.n_layers}"
             )
         if spec.role == "full":
-            store = _usable_store(options.model_store)
-            fingerprint = hash_cache().digest(source, "file", file_sha256, store=store)
+            fingerprint = self._file_digest(source, _usable_store(options.model_store))
             return _ShardChoice(
                 source, fingerprint, info.vocab_size, header, shard_layout(header)
             ).verified()
         if not info.shardable:
             raise ShardingRefusedError(info.refusal or "not shardable")
         store = model_store(options.model_store)
-        digest = hash_cache().digest(source, "file", file_sha256, store=store)
+        digest = self._file_digest(source, store)
         # Named by the model and its digest (two models of one name do not share a directory)
         # and written under a lock: engines of several processes or threads that load the same
         # range at once take turns, and all but the first reuse the verified file instead of

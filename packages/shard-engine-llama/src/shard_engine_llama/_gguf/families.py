@@ -53,6 +53,8 @@ class Hyperparameters:
     n_ff_exp: int = 0
     n_ff_shexp: int = 0
     n_layer_dense_lead: int = 0
+    # <arch>.rope.scaling.type; load_hparams defaults it to "linear" when the key is absent.
+    rope_scaling_type: str = "linear"
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -272,10 +274,17 @@ def _shared_experts(h: Hyperparameters, il: int, n_ff_shexp: int) -> list[Tensor
 
 
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+LONGROPE_FACTOR_TENSORS = ROPE_FACTOR_TENSORS[:2]
 
 
 def _llama_model(h: Hyperparameters, present: Callable[[str], bool]) -> list[TensorNeed]:
-    return _embedding_and_output(h, present, rope_factors=ROPE_FACTOR_TENSORS)
+    # models/llama.cpp, granite.cpp and granite-moe.cpp ask for the long and short factors when
+    # the scaling type is longrope and for rope_freqs otherwise, never for both: a file with
+    # the other set has a tensor nobody asks for, and llama.cpp refuses it ("wrong number of
+    # tensors").
+    if h.rope_scaling_type == "longrope":
+        return _embedding_and_output(h, present, rope_factors=LONGROPE_FACTOR_TENSORS)
+    return _embedding_and_output(h, present, rope_factors=("rope_freqs.weight",))
 
 
 def _llama_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -> list[TensorNeed]:
@@ -404,7 +413,7 @@ def _gemma2_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -
 def _phi3_model(h: Hyperparameters, present: Callable[[str], bool]) -> list[TensorNeed]:
     # phi3's loader creates the long and short factors only: a file with rope_freqs has a
     # tensor it does not ask for, and llama.cpp refuses it.
-    return _embedding_and_output(h, present, rope_factors=ROPE_FACTOR_TENSORS[:2])
+    return _embedding_and_output(h, present, rope_factors=LONGROPE_FACTOR_TENSORS)
 
 
 def _phi3_layer(h: Hyperparameters, il: int, present: Callable[[str], bool]) -> list[TensorNeed]:

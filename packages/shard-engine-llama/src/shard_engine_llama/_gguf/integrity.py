@@ -105,8 +105,14 @@ def seal_shard(path: Path) -> str:
 
 
 def _verify(path: Path, offset: int, recorded: str, store: Path | None) -> str:
+    # ``expected``: a cached digest that disagrees with the recorded one is re-computed before
+    # the shard is refused (a damaged cache entry must not refuse a good shard for good).
     actual = hash_cache().digest(
-        path, _DIGEST_KIND, lambda target: content_sha256(target, offset), store=store
+        path,
+        _DIGEST_KIND,
+        lambda target: content_sha256(target, offset),
+        store=store,
+        expected=recorded,
     )
     if actual != recorded:
         raise ShardIntegrityError(

@@ -113,15 +113,22 @@ _NON_NEGATIVE_FLOATS = (
 _MAX_ROPE_ATTN_FACTOR = 100.0
 # llama.cpp passes the YaRN original context to ggml_rope_ext as an int.
 _MAX_INT32 = 2**31 - 1
-# Floats a graph divides by: llama.cpp's loader takes 0 or a denormal, and the quotient (every
-# logit, or every attention score) overflows to inf or NaN. Real values are 8 to 50.
+# Floats a graph divides by ("" for every family): llama.cpp's loader takes 0 or a denormal, and
+# the quotient (every logit, or every attention score) overflows to inf or NaN. Real values are
+# 8 to 50. gemma2's graph scales the logits by 1 / final_logit_softcapping unconditionally
+# (models/gemma2.cpp), gemma3's only when it is not 0 (models/gemma3.cpp: "if
+# (hparams.f_final_logit_softcapping)").
 _DIVISORS: dict[str, tuple[str, ...]] = {
     "": ("logit_scale",),
-    "gemma2": ("attn_logit_softcapping",),
+    "gemma2": ("attn_logit_softcapping", "final_logit_softcapping"),
 }
 _MIN_DIVISOR = 1e-6
-# Divisors for which llama.cpp reads 0 as "not set" (rope's frequency scale is 1 / factor).
-_DIVISORS_ZERO_OFF = ("rope.scaling.factor", "rope.scale_linear")
+# Divisors for which llama.cpp reads 0 as "not set" (rope's frequency scale is 1 / factor;
+# gemma3 skips the final soft-capping at 0).
+_DIVISORS_ZERO_OFF: dict[str, tuple[str, ...]] = {
+    "": ("rope.scaling.factor", "rope.scale_linear"),
+    "gemma3": ("final_logit_softcapping",),
+}
 # Multipliers of activations (granite's): real models use 0.0078 to 12; at 3e38 the products
 # overflow to inf and every logit became NaN.
 _MAX_MULTIPLIER = 1e6
@@ -210,7 +217,8 @@ _READ_UNCHECKED_ARCH_KEYS: dict[str, frozenset[str]] = {
     "granite": frozenset({"deepstack_mapping"}),
 }
 # The pre-tokenizer names llama-vocab.cpp knows for a BPE (gpt2) vocabulary; any other throws
-# "unknown pre-tokenizer type" (llama.cpp of llama-cpp-python 0.3.36).
+# "unknown pre-tokenizer type" (llama.cpp of llama-cpp-python 0.3.36). Those in
+# _REFUSED_BPE_PRE_TOKENIZERS are known but refused.
 _BPE_PRE_TOKENIZERS = frozenset(
     [
         "default",
@@ -306,6 +314,20 @@ _BPE_PRE_TOKENIZERS = frozenset(
         "mellum2",
     ]
 )
+# BPE merging looks pairs up in llama_vocab::find_bpe_rank, which asserts that neither half holds
+# a space (GGML_ASSERT: aborts the process). Every other pre-tokenizer above hands it pieces
+# without one: the GPT-2 byte encoding turns a space into "Ġ", and the pre-tokenizers that skip
+# that encoding (gemma4, granite-embed-multi-311m, sarvam-moe) escape spaces to U+2581 first.
+# "whitespace" does neither: it splits on \S+ without byte encoding, the runs of whitespace
+# between the matches become pieces too, and two spaces in a row are a piece whose first merge
+# aborts (probed: 91 pre-tokenizers x 49 texts, only this one aborted).
+_REFUSED_BPE_PRE_TOKENIZERS: dict[str, str] = {
+    "whitespace": (
+        "leaves raw spaces in the pieces BPE merges (no byte encoding, no space escaping); "
+        "llama.cpp aborts the process encoding any text with two whitespace characters in a "
+        "row (GGML_ASSERT in find_bpe_rank)"
+    ),
+}
 # Tokenizers whose loading this package has exercised; others are refused rather than guessed.
 _TOKENIZER_MODELS = ("llama", "gpt2", "none")
 # Types no weight matrix may have: integer and F64 tensors, and Q8_1 / Q8_K, which ggml uses
@@ -486,6 +508,7 @@ def hyperparameters(header: GGUFHeader, family: Family) -> Hyperparameters:
     n_expert = _optional_int(header, f"{arch}.expert_count", 0)
     used = _per_layer(header, f"{arch}.expert_used_count", n_layer, 0, uniform)
     ff_exp = _per_layer(header, f"{arch}.expert_feed_forward_length", n_layer, 0, uniform)
+    scaling = header.metadata.get(f"{arch}.rope.scaling.type")
     return Hyperparameters(
         n_layer=n_layer,
         n_embd=n_embd,
@@ -501,6 +524,9 @@ def hyperparameters(header: GGUFHeader, family: Family) -> Hyperparameters:
         n_ff_exp=ff_exp[0],
         n_ff_shexp=_optional_int(header, f"{arch}.expert_shared_feed_forward_length", 0),
         n_layer_dense_lead=_optional_int(header, f"{arch}.leading_dense_block_count", 0),
+        rope_scaling_type=scaling.value
+        if scaling is not None and isinstance(scaling.value, str)
+        else "linear",
     )
 
 
@@ -591,9 +617,10 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
                 f"{number!r} exceeds {_MAX_MULTIPLIER:g}: the graph multiplies activations by it "
                 "and the products overflow (every logit becomes NaN)",
             )
-    for name in _DIVISORS[""] + _DIVISORS.get(arch, ()) + _DIVISORS_ZERO_OFF:
+    zero_off = _DIVISORS_ZERO_OFF[""] + _DIVISORS_ZERO_OFF.get(arch, ())
+    for name in _DIVISORS[""] + _DIVISORS.get(arch, ()) + zero_off:
         number = _float(header, key + name)
-        if name in _DIVISORS_ZERO_OFF and number == 0:
+        if name in zero_off and number == 0:
             continue
         if number is not None and number < _MIN_DIVISOR:
             raise _fail(
@@ -854,12 +881,19 @@ def _check_tensors(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
         _check_tensor(header, need)
     unexpected = sorted(name for name in header.tensors if name not in expected)
     if unexpected:
+        rope_note = ""
+        if unexpected[0] in ROPE_FACTOR_TENSORS:
+            asked = sorted(set(ROPE_FACTOR_TENSORS) & expected)
+            rope_note = (
+                f"; with rope.scaling.type {h.rope_scaling_type!r} its loader asks for "
+                f"{asked or 'no rope factors'} only"
+            )
         raise _fail(
             header,
             "tensor-unexpected",
             unexpected[0],
             f"{len(unexpected)} tensor(s) {family.name} does not use (llama.cpp refuses the file "
-            f"with 'wrong number of tensors'): {unexpected[:4]}",
+            f"with 'wrong number of tensors'): {unexpected[:4]}{rope_note}",
         )
 
 
@@ -884,6 +918,12 @@ def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
                 "a BPE (gpt2) vocabulary needs an array of merge strings",
             )
         pre = header.metadata.get("tokenizer.ggml.pre")
+        if pre is not None and isinstance(pre.value, str):
+            refused = _REFUSED_BPE_PRE_TOKENIZERS.get(pre.value)
+            if refused is not None:
+                raise _fail(
+                    header, "tokenizer-pre", "tokenizer.ggml.pre", f"{pre.value!r} {refused}"
+                )
         if pre is not None and pre.value not in _BPE_PRE_TOKENIZERS and pre.value != "":
             raise _fail(
                 header,

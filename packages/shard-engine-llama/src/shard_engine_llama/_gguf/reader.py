@@ -6,11 +6,13 @@ Nothing here imports llama.cpp. A truncated or corrupt file is refused with
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,8 @@ MAX_TOTAL_ARRAY_ELEMENTS = 1 << 23
 # about 20, or per-expert tensors of older MoE conversions).
 MAX_METADATA_KEYS = 1 << 16
 MAX_TENSORS = 1 << 16
+# ggml's GGML_MAX_NAME: gguf.cpp refuses a tensor name of this many bytes or more.
+GGML_MAX_NAME = 64
 
 
 class GGUFValidationError(ValueError):
@@ -140,6 +144,18 @@ class GGUFHeader:
         return value
 
 
+@contextlib.contextmanager
+def _concerning(name: str) -> Iterator[None]:
+    """Errors raised while reading one key's value or one tensor's info name it as their
+    ``field`` (the engine's ``InvalidRequest.details`` carry it), unless they name one already."""
+    try:
+        yield
+    except GGUFValidationError as error:
+        if error.field is None:
+            error.field = name
+        raise
+
+
 def layer_index(tensor_name: str) -> int | None:
     """The block a tensor belongs to (``blk.<i>.``), None for tensors outside the blocks."""
     if not tensor_name.startswith("blk."):
@@ -235,7 +251,9 @@ class _Cursor:
         element_type = self.value_type(f"element type of {key!r}")
         count = self.u64(f"length of {key!r}")
         if count > len(self.buffer):
-            raise GGUFValidationError(f"{self.path}: array {key!r} claims {count} elements")
+            raise GGUFValidationError(
+                f"{self.path}: array {key!r} claims {count} elements", field=key
+            )
         if count > MAX_ARRAY_ELEMENTS:
             # Each element becomes a Python object many times its size in the file: a long
             # array in a large file would take the process's memory before anything fails.
@@ -255,7 +273,9 @@ class _Cursor:
                 field=key,
             )
         if element_type == gguf.GGUFValueType.ARRAY:
-            raise GGUFValidationError(f"{self.path}: nested arrays ({key!r}) are not supported")
+            raise GGUFValidationError(
+                f"{self.path}: nested arrays ({key!r}) are not supported", field=key
+            )
         if element_type == gguf.GGUFValueType.STRING:
             strings: list[MetadataScalar] = [
                 self.string(f"element of {key!r}") for _ in range(count)
@@ -280,6 +300,35 @@ def _tensor_n_bytes(
             f"{ggml_type.name} block size {block_size}"
         )
     return math.prod(shape) // block_size * type_size
+
+
+def _tensor_info(
+    cursor: _Cursor, path: Path, name: str
+) -> tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]:
+    """One tensor info after its name: dimensions, shape, type and data offset."""
+    if len(name.encode()) >= GGML_MAX_NAME:
+        # gguf.cpp: "tensor name N is too long", and the file is refused.
+        raise GGUFValidationError(
+            f"{path}: tensor name {name[:GGML_MAX_NAME]!r}... is {len(name.encode())} bytes, "
+            f"llama.cpp takes at most {GGML_MAX_NAME - 1}",
+            field=name,
+        )
+    n_dims = cursor.u32(f"dimension count of {name!r}")
+    if not 1 <= n_dims <= 4:
+        raise GGUFValidationError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+    shape = tuple(cursor.u64(f"shape of {name!r}") for _ in range(n_dims))
+    raw_type = cursor.u32(f"type of {name!r}")
+    try:
+        ggml_type = gguf.GGMLQuantizationType(raw_type)
+    except ValueError as error:
+        raise GGUFValidationError(
+            f"{path}: tensor {name!r} has unknown ggml type {raw_type}"
+        ) from error
+    if ggml_type not in gguf.GGML_QUANT_SIZES:
+        raise GGUFValidationError(
+            f"{path}: tensor {name!r} has unsupported ggml type {ggml_type.name}"
+        )
+    return name, shape, ggml_type, cursor.u64(f"offset of {name!r}")
 
 
 def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
@@ -341,11 +390,19 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
                 field=counted,
             )
     metadata: dict[str, MetadataValue] = {}
-    for _ in range(n_kv):
+    for index in range(n_kv):
         key = cursor.string("metadata key")
+        if not key:
+            # gguf.cpp: "key N is empty", and the file is refused. There is no name to give as
+            # the field; the rule and the index say which entry it is.
+            raise GGUFValidationError(
+                f"{path}: metadata key {index} is empty (llama.cpp refuses the file)",
+                rule="gguf-empty-key",
+            )
         if key in metadata:
-            raise GGUFValidationError(f"{path}: duplicate metadata key {key!r}")
-        metadata[key] = cursor.metadata_value(key)
+            raise GGUFValidationError(f"{path}: duplicate metadata key {key!r}", field=key)
+        with _concerning(key):
+            metadata[key] = cursor.metadata_value(key)
     alignment = _DEFAULT_ALIGNMENT
     if "general.alignment" in metadata:
         entry = metadata["general.alignment"]
@@ -369,23 +426,8 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
     infos: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]] = []
     for _ in range(n_tensors):
         name = cursor.string("tensor name")
-        n_dims = cursor.u32(f"dimension count of {name!r}")
-        if not 1 <= n_dims <= 4:
-            raise GGUFValidationError(f"{path}: tensor {name!r} has {n_dims} dimensions")
-        shape = tuple(cursor.u64(f"shape of {name!r}") for _ in range(n_dims))
-        raw_type = cursor.u32(f"type of {name!r}")
-        try:
-            ggml_type = gguf.GGMLQuantizationType(raw_type)
-        except ValueError as error:
-            raise GGUFValidationError(
-                f"{path}: tensor {name!r} has unknown ggml type {raw_type}"
-            ) from error
-        if ggml_type not in gguf.GGML_QUANT_SIZES:
-            raise GGUFValidationError(
-                f"{path}: tensor {name!r} has unsupported ggml type {ggml_type.name}"
-            )
-        relative_offset = cursor.u64(f"offset of {name!r}")
-        infos.append((name, shape, ggml_type, relative_offset))
+        with _concerning(name):
+            infos.append(_tensor_info(cursor, path, name))
     data_start = -(-cursor.position // alignment) * alignment
     tensors: dict[str, TensorRecord] = {}
     # gguf.cpp requires the tensors' data in table order, each at the previous one's end padded
@@ -394,7 +436,8 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
     for name, shape, ggml_type, relative_offset in infos:
         if name in tensors:
             raise GGUFValidationError(f"{path}: duplicate tensor {name!r}", field=name)
-        n_bytes = _tensor_n_bytes(path, name, shape, ggml_type)
+        with _concerning(name):
+            n_bytes = _tensor_n_bytes(path, name, shape, ggml_type)
         if relative_offset != expected_offset:
             raise GGUFValidationError(
                 f"{path}: tensor {name!r} has data offset {relative_offset}, but the tensors "
@@ -408,7 +451,8 @@ def _parse_header(buffer: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
             raise GGUFValidationError(
                 f"{path}: tensor {name!r} data [{offset}, {offset + n_bytes}) lies beyond "
                 "the end of the "
-                f"file ({file_size} bytes); the file is truncated"
+                f"file ({file_size} bytes); the file is truncated",
+                field=name,
             )
         tensors[name] = TensorRecord(name, shape, ggml_type, offset, n_bytes)
     return GGUFHeader(path, version, alignment, file_size, metadata, tensors, data_start)

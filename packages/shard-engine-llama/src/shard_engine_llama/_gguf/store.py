@@ -9,13 +9,18 @@ than ``RACY_SECONDS`` before it was hashed is not remembered: timestamps have a 
 granularity, so a second write within the same tick could otherwise go unnoticed (git's "racy"
 entries).
 The cache lives in memory and, when a model store is usable, in ``verified-sha256.json`` there, so
-a restarted worker does not re-hash either.
+a restarted worker does not re-hash either. That file lies in a directory a load configuration
+names and only saves work: an entry that is not a sha256 hex digest is ignored (the file is hashed
+again), since a digest is reported as a fingerprint and names a directory of the store, and a
+digest that disagrees with the one a file records is re-computed before it is believed
+(``expected``), so a damaged entry costs a re-hash, never the load.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -30,11 +35,18 @@ __all__ = [
     "file_identity",
     "file_sha256",
     "hash_cache",
+    "is_sha256_hex",
     "read_json_document",
 ]
 
 HASH_CACHE_NAME = "verified-sha256.json"
 RACY_SECONDS = 2.0
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def is_sha256_hex(value: object) -> bool:
+    """Whether ``value`` is a sha256 digest as hashlib writes it (64 lowercase hex digits)."""
+    return isinstance(value, str) and _SHA256_HEX.fullmatch(value) is not None
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,9 @@ class HashCache:
 
     def __init__(self, persist_to: Path | None = None) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, FileIdentity], str] = {}
+        # Each digest with whether this process computed it (True) or read it from a model
+        # store's persistent cache (False), which ``expected`` re-checks.
+        self._entries: dict[tuple[str, FileIdentity], tuple[str, bool]] = {}
         self._persist_to = persist_to
         self.computed = 0  # how many digests were really computed (tests and metrics read it)
 
@@ -91,10 +105,15 @@ class HashCache:
         compute: Callable[[Path], str],
         *,
         store: Path | None = None,
+        expected: str | None = None,
     ) -> str:
         """The ``kind`` digest of ``path``, computed only if this identity was not seen before.
 
         ``store``, when given, is a model store whose persistent cache is consulted and updated.
+        ``expected``, when given, is the digest the caller will compare with: a digest read from
+        the persistent cache that differs from it is dropped and the file hashed once more, so
+        a damaged entry (or one written for other bytes) cannot refuse a good file. A digest
+        this process computed is returned as it is.
         """
         identity = file_identity(path)
         key = (kind, identity)
@@ -102,13 +121,22 @@ class HashCache:
         with self._lock:
             cached = self._entries.get(key)
         if cached is None and store is not None:
-            cached = _read_persistent(store, kind, identity)
+            persisted = _read_persistent(store, kind, identity)
+            cached = None if persisted is None else (persisted, False)
         if cached is not None:
+            digest, computed_here = cached
+            if computed_here or expected is None or digest == expected:
+                with self._lock:
+                    self._entries[key] = cached
+                return digest
             with self._lock:
-                self._entries[key] = cached
-            return cached
+                self._entries.pop(key, None)
+            if store is not None:
+                _drop_persistent(store, kind, identity)
         # Read through ``path`` (a pinned file stays the file whose identity was taken).
         value = compute(Path(path))
+        if not is_sha256_hex(value):
+            raise ValueError(f"{identity.path}: the {kind} digest {value!r} is not sha256 hex")
         if file_identity(path) != identity:
             # Changed while being read: the digest describes no single version of the file.
             raise OSError(f"{identity.path} changed while it was being hashed")
@@ -118,7 +146,7 @@ class HashCache:
         if started_ns - newest_change < RACY_SECONDS * 1e9:
             return value
         with self._lock:
-            self._entries[key] = value
+            self._entries[key] = (value, True)
         if store is not None:
             _write_persistent(store, kind, identity, value)
         return value
@@ -157,10 +185,26 @@ def _read_persistent(store: Path, kind: str, identity: FileIdentity) -> str | No
     if not isinstance(entry, dict) or entry.get("identity") != identity.as_json():
         return None
     digest = entry.get("sha256")
-    return digest if isinstance(digest, str) else None
+    # Anything but a digest as hashlib writes it is damage (or a forgery that would otherwise
+    # become a reported fingerprint and a path of the store): the file is hashed again.
+    return digest if isinstance(digest, str) and is_sha256_hex(digest) else None
 
 
 def _write_persistent(store: Path, kind: str, identity: FileIdentity, digest: str) -> None:
+    def record(section: dict[str, object]) -> None:
+        section[identity.path] = {"identity": identity.as_json(), "sha256": digest}
+
+    _update_persistent(store, kind, record)
+
+
+def _drop_persistent(store: Path, kind: str, identity: FileIdentity) -> None:
+    def drop(section: dict[str, object]) -> None:
+        section.pop(identity.path, None)
+
+    _update_persistent(store, kind, drop)
+
+
+def _update_persistent(store: Path, kind: str, change: Callable[[dict[str, object]], None]) -> None:
     # Read-merge-replace: concurrent writers may lose each other's entries, which costs only a
     # re-hash later, never a wrong answer (every entry carries the identity it was computed for).
     path = store / HASH_CACHE_NAME
@@ -170,7 +214,7 @@ def _write_persistent(store: Path, kind: str, identity: FileIdentity, digest: st
     section = document.setdefault(kind, {})
     if not isinstance(section, dict):
         section = document[kind] = {}
-    section[identity.path] = {"identity": identity.as_json(), "sha256": digest}
+    change(section)
     try:
         store.mkdir(parents=True, exist_ok=True)
         staging = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")

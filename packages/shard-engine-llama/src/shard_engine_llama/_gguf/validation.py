@@ -257,9 +257,43 @@ def describe_bytes(values: bytes, limit: int = 8) -> str:
     return named + (f" (+{len(values) - limit} more)" if len(values) > limit else "")
 
 
+# gguf-split's keys, with the types llama_model_loader reads them as (GGUFMeta's get_key throws
+# on any other type: "key split.count has wrong type u32 but expected type u16").
+_SPLIT_KEYS: dict[str, gguf.GGUFValueType] = {
+    "split.no": gguf.GGUFValueType.UINT16,
+    "split.count": gguf.GGUFValueType.UINT16,
+    "split.tensors.count": gguf.GGUFValueType.INT32,
+}
+
+
+def _check_split_keys(header: GGUFHeader) -> None:
+    """A file of a gguf-split set is not a model on its own: with ``split.count`` above 1
+    llama.cpp's loader opens the other parts by name (``<prefix>-0000N-of-0000M.gguf`` next to
+    it), which this package neither validates nor pins, and refuses the file without them."""
+    for key, expected in _SPLIT_KEYS.items():
+        entry = header.metadata.get(key)
+        if entry is not None and entry.value_type != expected:
+            raise GGUFValidationError(
+                f"{header.path}: {key}: has GGUF type {entry.value_type.name}, llama.cpp reads "
+                f"it as {expected.name}",
+                rule="metadata-type",
+                field=key,
+            )
+    count = header.metadata.get("split.count")
+    if count is not None and isinstance(count.value, int) and count.value > 1:
+        raise GGUFValidationError(
+            f"{header.path}: split.count: {count.value}: the file is one part of a gguf-split "
+            "model, whose other parts llama.cpp would open by name; merge the parts "
+            "(llama-gguf-split --merge) and load the merged file",
+            rule="gguf-split",
+            field="split.count",
+        )
+
+
 def validate_header(header: GGUFHeader) -> GGUFHeader:
     """Check an already parsed header (see :func:`validate_gguf`); return it."""
     _check_model_structure(header)
+    _check_split_keys(header)
     _check_vocabulary(header)
     family = FAMILIES.get(header.architecture)
     if family is not None:
