@@ -72,10 +72,21 @@ import grpc
 import msgspec
 
 import shard_engine_api as api
-from shard_engine_remote._server import EngineServer, StreamBroken
+from shard_engine_remote._server import (
+    DEFAULT_CONNECTION_IDLE_S,
+    EngineServer,
+    StreamBroken,
+)
 from shard_engine_remote._wire import (
+    CapabilitiesQuery,
+    HealthQuery,
+    MetricsQuery,
     Rejected,
     RemoteReply,
+    RemoteRequest,
+    ServerStatsQuery,
+    SnapshotHeader,
+    decode_export_header,
     decode_reply,
     decode_request,
     encode_reply,
@@ -131,7 +142,14 @@ _HELLO_TIMEOUT_S: Final = 10.0
 """How long a greeting may take, each way, from the connection's first byte to its last."""
 _MAX_GREETING_BYTES: Final = 4096
 _SERVER_SEND_TIMEOUT_S: Final = 30.0
-"""A client that stops reading its replies for this long loses its connection, not a thread."""
+"""A client that stops reading its replies for this long (one frame) loses its connection."""
+_SEND_PATIENCE_S: Final = 0.02
+"""How long a serving thread waits for a connection's socket to take more of its frames before
+it hands the rest to a writer thread of the connection's own: no thread of the shared pool
+(nor a connection's reading thread) waits on a client that does not read."""
+_MAX_OUTGOING_BYTES: Final = 8 << 20
+"""Frame bytes a connection may have waiting to leave: beyond, the server reads none of its
+new calls until they have left (or the connection is dropped)."""
 _ABANDON_TIMEOUT_S: Final = 1.0
 _ACCEPT_RETRY_S: Final = 0.05
 NOT_SENT: Final = "the request was not sent"
@@ -179,6 +197,10 @@ class _Closed(Exception):
     """The peer closed the connection."""
 
 
+class _ExtraDescriptors(Exception):
+    """Descriptors came with a greeting after its first bytes (the kernel closed them)."""
+
+
 def _check_peer(sock: socket.socket, target: str) -> None:
     """Refuse (PERMISSION_DENIED, before the token leaves) a server run by another user: a
     socket in a private directory cannot be one, but a directory swapped after it was checked,
@@ -220,8 +242,13 @@ class _Reader:
         self._buffer = bytearray()
         self.deadline = deadline
         self.fds: list[int] | None = None
-        """When a list: descriptors that arrive with the bytes are collected in it (the
-        greeting's shared memory); else the kernel drops them."""
+        """When a list: the one descriptor that may arrive with the first bytes received (the
+        greeting's shared memory) is put in it. The first receive has room for one descriptor
+        (more sent with it are closed, that one too, and ``extra_fds`` set), later ones for
+        none: the kernel closes whatever does not fit and says so (MSG_CTRUNC), which then
+        raises :class:`_ExtraDescriptors`. Else the kernel drops them unseen."""
+        self.extra_fds = False
+        self._received = False
 
     def _recv(self, size: int) -> bytes:
         if self.deadline is not None:
@@ -230,8 +257,21 @@ class _Reader:
                 raise TimeoutError("the peer did not send a whole frame in time")
             self._sock.settimeout(remaining)
         if self.fds is not None:
-            chunk, fds, _, _ = socket.recv_fds(self._sock, size, 4, _CLOSE_ON_EXEC)
-            self.fds += fds
+            # Never a descriptor beyond the first one: a peer sending its greeting a byte at a
+            # time, descriptors with each, would otherwise fill this process's table.
+            if self._received:
+                chunk, _, flags, _ = self._sock.recvmsg(size)
+                if flags & socket.MSG_CTRUNC:
+                    raise _ExtraDescriptors
+            else:
+                chunk, fds, flags, _ = socket.recv_fds(self._sock, size, 1, _CLOSE_ON_EXEC)
+                if flags & socket.MSG_CTRUNC:
+                    self.extra_fds = True
+                    for fd in fds:
+                        os.close(fd)
+                else:
+                    self.fds += fds
+            self._received = True
         else:
             chunk = self._sock.recv(size)
         if not chunk:
@@ -999,6 +1039,16 @@ class _CallContext:
         return None  # the connection is the caller
 
 
+_QUICK_CALLS: Final = (
+    api.CancelRequest,
+    HealthQuery,
+    CapabilitiesQuery,
+    MetricsQuery,
+    ServerStatsQuery,
+)
+"""Calls that never wait for the pool: a connection's reading thread serves them when its
+other thread is busy (a release, which waits for the engine's compute lock, does so only
+when the pool has no place for it)."""
 _BROKEN: Final = object()
 _OVERRUN: Final = object()
 _ImportItem = bytes | None | object
@@ -1006,6 +1056,21 @@ _MAX_QUEUED_CHUNK_BYTES: Final = 64 << 20
 """Import stream bytes one connection may have sent ahead of the calls taking them (an import
 waiting for a pool thread takes none): beyond, the stream is refused with a retryable
 ResourceExhausted instead of buffering whatever the client sends."""
+
+
+class _Outgoing:
+    """A frame waiting to leave a server connection."""
+
+    __slots__ = ("deadline", "done", "parts", "size", "started")
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = collections.deque(memoryview(part) for part in parts)
+        self.size = sum(len(part) for part in parts)
+        self.started = False
+        """Whether a writer took it (bytes of it may have left)."""
+        self.done = False
+        self.deadline: float | None = None
+        """When it must have left, once a writer took it."""
 
 
 class _ServerConnection:
@@ -1017,7 +1082,6 @@ class _ServerConnection:
         self._server = owner.server
         self.sock = sock
         self._peer = peer
-        self._send_lock = threading.Lock()
         self._calls: dict[int, _CallContext] = {}
         self._streams: dict[int, queue.SimpleQueue[_ImportItem]] = {}
         self._lock = threading.Lock()
@@ -1039,21 +1103,115 @@ class _ServerConnection:
         self._closing = False
         self.arena: _Arena | None = None
         """The shared memory the client lent (see the module docstring)."""
+        self._outgoing = threading.Condition(threading.Lock())
+        self._out: collections.deque[_Outgoing] = collections.deque()
+        """Frames waiting to leave, in order (the first may be leaving)."""
+        self._out_bytes = 0
+        self._writing = False
+        """Whether a thread sends the waiting frames (the others only queue theirs)."""
+        self._send_failed = False
+        self._quiet_since = time.monotonic()
+        """When the connection's last call ended (or it greeted)."""
 
-    def send(self, kind: int, call_id: int, body: bytes) -> None:
+    def send(self, kind: int, call_id: int, body: bytes, deadline: float | None = None) -> bool:
+        """Queue a frame to leave in order. The caller's thread sends it (and those queued
+        meanwhile) while the socket takes them; one that stops taking them for
+        :data:`_SEND_PATIENCE_S` is left to a writer thread of the connection's own, which
+        drops the connection when a frame takes longer than :data:`_SERVER_SEND_TIMEOUT_S` to
+        leave. Without ``deadline`` (time.monotonic) the caller never waits longer than that
+        patience; with one, it waits until its frame has left, and False says it had not by
+        then (then withdrawn when no byte of it had left, else still leaving) or the connection
+        broke."""
         if call_id == self._inline and kind in (REPLY, SLOT_REPLY, END):
             self._keep_reading()
+        header = _HEADER.pack(len(body), kind, call_id)
+        frame = _Outgoing([header + body] if len(body) <= _COALESCE_BYTES else [header, body])
+        with self._outgoing:
+            if self._send_failed:
+                return False
+            self._out.append(frame)
+            self._out_bytes += frame.size
+            write = not self._writing
+            self._writing = True
+        if write:
+            self._write(_SEND_PATIENCE_S)
+        if deadline is None:
+            return True
+        with self._outgoing:
+            while not frame.done and not self._send_failed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if not frame.started:
+                        self._out.remove(frame)
+                        self._out_bytes -= frame.size
+                    return False
+                self._outgoing.wait(remaining)
+            return frame.done
+
+    def _write(self, patience: float | None) -> None:
+        """As the connection's writer (``_writing`` set by the caller): send the waiting frames
+        until none is left. With ``patience`` (a serving thread), hand the rest to a writer
+        thread of its own once the socket has taken nothing for that long."""
+        while True:
+            with self._outgoing:
+                if self._send_failed or not self._out:
+                    self._writing = False
+                    self._outgoing.notify_all()
+                    return
+                frame = self._out[0]
+                frame.started = True
+            outcome = self._write_frame(frame, patience)
+            with self._outgoing:
+                if outcome is None:  # it left
+                    if self._out and self._out[0] is frame:
+                        self._out.popleft()
+                        self._out_bytes -= frame.size
+                    frame.done = True
+                    self._outgoing.notify_all()
+                    continue
+                if not outcome:  # the connection broke, or the frame took too long
+                    self._send_failed = True
+                    self._out.clear()
+                    self._out_bytes = 0
+                    self._writing = False
+                    self._outgoing.notify_all()
+            if not outcome:
+                _shutdown(self.sock)
+                return
+            threading.Thread(
+                target=self._write, args=(None,), daemon=True, name="framed-write"
+            ).start()
+            return
+
+    def _write_frame(self, frame: _Outgoing, patience: float | None) -> bool | None:
+        """Send what is left of ``frame``: None once it left, True when the socket took nothing
+        for ``patience`` seconds, False when the connection broke or the frame took longer
+        than :data:`_SERVER_SEND_TIMEOUT_S`."""
+        if frame.deadline is None:
+            frame.deadline = time.monotonic() + _SERVER_SEND_TIMEOUT_S
+        sock = self.sock
         try:
-            _send(
-                self.sock,
-                self._send_lock,
-                kind,
-                call_id,
-                body,
-                time.monotonic() + _SERVER_SEND_TIMEOUT_S,
-            )
-        except FramedLinkError:
-            _shutdown(self.sock)
+            while frame.parts:
+                view = frame.parts[0]
+                try:
+                    sent = sock.send(view, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    remaining = frame.deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    wait = remaining if patience is None else min(remaining, patience)
+                    poller = select.poll()
+                    poller.register(sock, select.POLLOUT)
+                    if not poller.poll(math.ceil(wait * 1000)) and patience is not None:
+                        return True
+                    continue
+                if sent == len(view):
+                    frame.parts.popleft()
+                else:
+                    frame.parts[0] = view[sent:]
+        except (OSError, ValueError):  # ValueError: closed meanwhile (no descriptor)
+            return False
+        return None
 
     def serve(self) -> None:
         """The connection's first thread: the greeting, then turns at reading."""
@@ -1088,6 +1246,11 @@ class _ServerConnection:
             calls, self._calls = dict(self._calls), {}
             streams, self._streams = dict(self._streams), {}
         self._turn.release()
+        with self._outgoing:
+            self._send_failed = True
+            self._out.clear()
+            self._out_bytes = 0
+            self._outgoing.notify_all()
         for stream in streams.values():
             stream.put(_BROKEN)
         for context in calls.values():
@@ -1105,13 +1268,13 @@ class _ServerConnection:
         fds: list[int] = []
         reader.fds = fds
         try:
-            length, kind, _ = reader.header()
-            if kind != HELLO or length > _MAX_GREETING_BYTES:
-                counters.add("rejected_frames")
-                return False
             try:
+                length, kind, _ = reader.header()
+                if kind != HELLO or length > _MAX_GREETING_BYTES:
+                    counters.add("rejected_frames")
+                    return False
                 hello = _HELLO_DECODER.decode(reader.body(length))
-            except msgspec.MsgspecError:
+            except (msgspec.MsgspecError, _ExtraDescriptors):
                 counters.add("rejected_frames")
                 return False
             reader.fds = None
@@ -1124,10 +1287,10 @@ class _ServerConnection:
                     ERROR, 0, _HELLO_ENCODER.encode(("UNAUTHENTICATED", "missing or wrong token"))
                 )
                 return False
-            if hello.arena_slots or fds:
+            if hello.arena_slots or fds or reader.extra_fds:
                 self.arena = (
                     _Arena.adopt(fds.pop(0), hello.arena_slots, hello.arena_slot_bytes)
-                    if hello.arena_slots and len(fds) == 1
+                    if hello.arena_slots and len(fds) == 1 and not reader.extra_fds
                     else None
                 )
                 if self.arena is None:
@@ -1160,6 +1323,8 @@ class _ServerConnection:
         limit = self._server.max_message_bytes
         pool = self._owner.pool
         while True:
+            if not self._await_frame():
+                raise _Closed  # no call for connection_idle_s: closed (its client reconnects)
             length, kind, call_id = reader.header()
             if length > limit:
                 reader.skip(length)
@@ -1209,19 +1374,29 @@ class _ServerConnection:
             if self._owner.draining:
                 self._draining_error(call_id)
                 continue
+            # Frames the client has not taken hold no thread, only memory: past a bound, this
+            # connection's next call waits (and nothing more of it is read) until they left.
+            self._await_outgoing()
+            request = decode_request(body, max_bytes=limit) if kind == CALL else None
+            quick = isinstance(request, _QUICK_CALLS)
             with self._lock:
                 hand_over, self._other_idle = self._other_idle, False
                 # A connection's own call (served on its own thread) is always admitted; only
                 # calls overlapping on one connection queue for the pool, each connection up to
                 # a share of what the server queues, so no client's flood (nor its stalled
-                # streams) leaves the others nothing.
-                pooled = not hand_over and self._pooled < self._owner.calls_per_connection
+                # streams) leaves the others nothing. Quick control calls (cancel, health,
+                # capabilities, metrics, stats) never queue: served on this thread at once.
+                pooled = (
+                    not hand_over and not quick and self._pooled < self._owner.calls_per_connection
+                )
                 if pooled:
                     self._pooled += 1
-            if not hand_over and not (pooled and self._owner.admit()):
-                if pooled:
-                    with self._lock:
-                        self._pooled -= 1
+            if pooled and not self._owner.admit():
+                with self._lock:
+                    self._pooled -= 1
+                pooled = False
+            here = not hand_over and not pooled
+            if here and not (quick or isinstance(request, api.ReleaseRequest)):
                 self._server.counters.add("busy")
                 self._refuse_busy(call_id)
                 continue
@@ -1239,7 +1414,12 @@ class _ServerConnection:
                 if kind == EXPORT
                 else self._import
             )
-            argument = stream if kind == IMPORT else body
+            argument = stream if kind == IMPORT else request if kind == CALL else body
+            if here:
+                # A control call without a pool place (a release when the pool is full): it
+                # has a thread whatever the other connections do, this one.
+                self._run(call_id, context, serve, argument, pooled=False)
+                continue
             if hand_over:
                 if self._serve_here(call_id, context, serve, argument):
                     continue
@@ -1289,6 +1469,31 @@ class _ServerConnection:
             self._kept_reading = True
         self._owner.unwatch(self)
 
+    def _await_outgoing(self) -> None:
+        """Wait while more than :data:`_MAX_OUTGOING_BYTES` of this connection's frames wait
+        to leave (its writer drops the connection when one takes too long)."""
+        with self._outgoing:
+            while self._out_bytes > _MAX_OUTGOING_BYTES and not self._send_failed:
+                self._outgoing.wait(1.0)
+
+    def _await_frame(self) -> bool:
+        """Wait for the next frame's bytes; False when the connection has had no call in
+        flight for the server's ``connection_idle_s``."""
+        idle = self._owner.connection_idle_s
+        if self._reader.buffered or math.isinf(idle):
+            return True
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        timeout = idle
+        while not poller.poll(math.ceil(timeout * 1000)):
+            with self._lock:
+                busy = bool(self._calls)
+                quiet_since = self._quiet_since
+            timeout = idle if busy else quiet_since + idle - time.monotonic()
+            if timeout <= 0:
+                return False
+        return True
+
     def hand_over_reading(self) -> None:
         """Bytes arrived while the reading thread serves a call: let the other thread read."""
         with self._lock:
@@ -1333,6 +1538,7 @@ class _ServerConnection:
             with self._lock:
                 self._calls.pop(call_id, None)
                 stream = self._streams.pop(call_id, None)
+                self._quiet_since = time.monotonic()
             if stream is not None:
                 self._discard(stream)  # what the call did not take (it answered early)
             context.end()
@@ -1356,9 +1562,8 @@ class _ServerConnection:
         with self._lock:
             self._pooled -= 1
 
-    def _call(self, call_id: int, context: _CallContext, body: bytes) -> None:
-        limit = self._server.max_message_bytes
-        reply = self._server._call(decode_request(body, max_bytes=limit), context)
+    def _call(self, call_id: int, context: _CallContext, request: RemoteRequest | Rejected) -> None:
+        reply = self._server._call(request, context)
         if not context.ended:
             self.send(REPLY, call_id, encode_reply(reply))
 
@@ -1413,16 +1618,39 @@ class _ServerConnection:
             self.send(SLOT_REPLY, call_id, _SLOT_ANSWER.pack(written))
 
     def _export(self, call_id: int, context: _CallContext, body: bytes) -> None:
-        request = decode_request(body, max_bytes=self._server.max_message_bytes)
-        messages = self._server._export(request, context)
+        """The export stream, under the gRPC export's rules: each message must leave within
+        ``stream_idle_s`` and the whole stream by ``stream_idle_s + size /
+        min_stream_bytes_per_s`` (``EngineServer._stream_due``); else it ends with
+        DEADLINE_EXCEEDED, counted as ``stalled``, and frees its slots at once."""
+        server = self._server
+        request = decode_request(body, max_bytes=server.max_message_bytes)
+        messages = server._export(request, context)
+        idle = server.stream_idle_s
+        due: float | None = None
         try:
             for message in messages:
                 if context.ended:
                     return
-                self.send(ITEM, call_id, message)
+                if due is None:  # the header: the stream's size
+                    header = decode_export_header(message)
+                    size = header.snapshot.state_bytes if isinstance(header, SnapshotHeader) else 0
+                    due = server._stream_due(size)
+                if not self.send(ITEM, call_id, message, min(due, time.monotonic() + idle)):
+                    if not context.ended:
+                        server.counters.add("stalled")
+                        why = (
+                            f"slower than {server._rate_words()}"
+                            if time.monotonic() >= due
+                            else f"without taking a message for {idle:g} s"
+                        )
+                        words = f"the client takes the export {why}"
+                        self.send(
+                            ERROR, call_id, _HELLO_ENCODER.encode(("DEADLINE_EXCEEDED", words))
+                        )
+                    return
         finally:
             if isinstance(messages, Generator):
-                messages.close()  # its bookkeeping (calls in flight) ends now
+                messages.close()  # its bookkeeping (calls in flight, slots) ends now
         self.send(END, call_id, b"")
 
     def _import(
@@ -1462,7 +1690,18 @@ class FramedServer:
     thread serves a call; and a pool of the server's ``max_workers`` for calls that
     overlap on a connection (compute calls are bounded by the server's slots, as over gRPC)."""
 
-    def __init__(self, server: EngineServer, *, max_connections: int = 64) -> None:
+    def __init__(
+        self,
+        server: EngineServer,
+        *,
+        max_connections: int = 64,
+        connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
+    ) -> None:
+        if not connection_idle_s > 0:
+            raise api.InvalidRequest(f"connection_idle_s must be > 0, got {connection_idle_s}")
+        self.connection_idle_s = connection_idle_s
+        """A greeted connection with no call in flight for this long is closed (its client
+        reconnects when it next calls); ``math.inf``: never."""
         self.server = server
         self.engine = server.engine
         self.address: str | None = None
