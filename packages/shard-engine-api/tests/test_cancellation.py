@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Final, TypeVar
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -28,9 +32,13 @@ from shard_engine_api import (
     Cancelled,
     CancelRequest,
     CancelResult,
+    DecodeBatchRequest,
     DecodeRequest,
     EngineCrashed,
+    ExportSessionRequest,
+    Features,
     Health,
+    ImportSessionRequest,
     InvalidRequest,
     LoadConfig,
     LogitsResult,
@@ -44,8 +52,9 @@ from shard_engine_api import (
     ShardResult,
     ShardSpec,
     TokenInput,
+    _core,
 )
-from shard_engine_api.engine import CancelToken, ForwardItem, OutputMode
+from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 
 DEEP = os.environ.get("SHARD_ENGINE_DEEP_TESTS") == "1"
 ASYNC_CASES = 4000 if DEEP else 300
@@ -65,7 +74,10 @@ class SlowHistory(HistoryEngine):
         return super()._forward(item, output, token)
 
 
-def _loaded(engine: SlowHistory) -> SlowHistory:
+_Engine = TypeVar("_Engine", bound=SlowHistory)
+
+
+def _loaded(engine: _Engine) -> _Engine:
     engine.load(
         LoadConfig(
             shard=ShardSpec(model="m", n_layers=2, start=0, end=2),
@@ -898,3 +910,321 @@ def test_queries_and_cancels_never_block_the_event_loop() -> None:
         return during
 
     assert asyncio.run(scenario()) >= 10
+
+
+# ----------------------------------------------------------------- waiting for the compute lock
+
+LONG = 15
+"""A token whose forward holds the compute lock until the test opens the gate (another
+session's long operation: it does not poll anything the waiting request's cancel sets)."""
+
+
+class Queued(SlowHistory):
+    """A history engine with session migration, whose forward of a row holding token LONG
+    blocks (signalling ``holding``) until ``gate`` is set."""
+
+    row_delay = 0.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.holding = threading.Event()
+
+    def _open(self, config: LoadConfig) -> ModelInfo:
+        info = super()._open(config)
+        return msgspec.structs.replace(info, features=Features(session_migration=True))
+
+    def _forward(
+        self, item: ForwardItem, output: OutputMode, token: CancelToken
+    ) -> npt.NDArray[np.float32]:
+        if item.tokens is not None and LONG in item.tokens:
+            self.holding.set()
+            assert self.gate.wait(20), "the test never opened the gate"
+        return super()._forward(item, output, token)
+
+    def _export_state(self, slot: int, length: int) -> bytes:
+        return np.stack(self.cache[slot][:length]).astype(np.float32).tobytes()
+
+    def _import_state(self, slot: int, length: int, state: bytes) -> None:
+        rows = np.frombuffer(state, np.float32).reshape(length, -1)
+        self.cache[slot] = [row.copy() for row in rows]
+
+
+def _prefilled(engine: HistoryEngine, *session_ids: str) -> None:
+    for session_id in session_ids:
+        engine.prefill(
+            PrefillRequest(
+                request_id=f"p-{session_id}",
+                session=SessionRef(session_id=session_id, epoch=1),
+                start_pos=0,
+                inputs=TokenInput(token_ids=(1, 2, 3)),
+            )
+        )
+
+
+def _holding(engine: Queued, request_id: str = "long") -> _Thread:
+    """A prefill of another session ("long") that holds the compute lock until the gate
+    opens."""
+    call = _Thread(
+        lambda: engine.prefill(
+            PrefillRequest(
+                request_id=request_id,
+                session=SessionRef(session_id="long", epoch=1),
+                start_pos=0,
+                inputs=TokenInput(token_ids=(LONG,)),
+            )
+        )
+    )
+    assert engine.holding.wait(10)
+    return call
+
+
+class _Thread:
+    """A call on its own thread; ``outcome`` is its result or what it raised."""
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self.outcome: object = None
+
+        def run() -> None:
+            try:
+                self.outcome = call()
+            except BaseException as error:  # noqa: BLE001 (inspected by the test)
+                self.outcome = error
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def ended(self, timeout: float = 5.0) -> object:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the call did not end in time"
+        return self.outcome
+
+
+def _waiters(engine: EngineCore) -> int:
+    with engine._state_lock:
+        return len(engine._compute_waiters)
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+QUEUED_OPERATIONS: Final = ("prefill", "decode", "decode_batch", "export_session", "import_session")
+
+
+def _queued_call(engine: Queued, operation: str) -> Callable[[], object]:
+    """``operation`` on session "s" (3 positions committed), request id "w"."""
+    s = SessionRef(session_id="s", epoch=1)
+    step = DecodeRequest(request_id="w-item", session=s, pos=3, inputs=TokenInput(token_ids=(7,)))
+    if operation == "prefill":
+        prefill = PrefillRequest(
+            request_id="w", session=s, start_pos=3, inputs=TokenInput(token_ids=(7, 8))
+        )
+        return lambda: engine.prefill(prefill)
+    if operation == "decode":
+        return lambda: engine.decode(msgspec.structs.replace(step, request_id="w"))
+    if operation == "decode_batch":
+        return lambda: engine.decode_batch(DecodeBatchRequest(request_id="w", items=(step,)))
+    if operation == "export_session":
+        return lambda: engine.export_session(ExportSessionRequest(request_id="w", session=s))
+    snapshot = engine.export_session(ExportSessionRequest(request_id="x", session=s))
+    request = ImportSessionRequest(request_id="w", snapshot=snapshot, epoch=2)
+    return lambda: engine.import_session(request)
+
+
+@pytest.mark.parametrize("by", ["request_id", "session_id"])
+@pytest.mark.parametrize("operation", QUEUED_OPERATIONS)
+def test_a_request_waiting_for_the_compute_lock_hears_its_cancel_at_once(
+    operation: str, by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another session's operation holds the compute lock (for as long as the test likes); a
+    request queued behind it is cancelled: its caller gets Cancelled while that operation
+    still runs (it used to only once the operation ended, however long that was), nothing of
+    its session changed, and the operation ahead of it is untouched. The waiting request's
+    backstop poll is made a minute long: what ends the wait is the cancel itself."""
+    monkeypatch.setattr(_core, "_COMPUTE_WAIT_S", 60.0)
+    engine = _loaded(Queued())
+    _prefilled(engine, "s")
+    call = _queued_call(engine, operation)
+    long = _holding(engine)
+    waiting = _Thread(call)
+    _wait_for(lambda: _waiters(engine) == 1)
+    cancel = CancelRequest(request_id="w") if by == "request_id" else CancelRequest(session_id="s")
+    assert engine.cancel(cancel) == CancelResult(cancelled=True, n_requests=1)
+    assert isinstance(waiting.ended(), Cancelled)
+    assert long.thread.is_alive()
+    assert not engine.gate.is_set()
+    assert _waiters(engine) == 0
+    assert engine.health().in_flight == 1
+    assert _committed(engine, "s") == 3
+    assert engine._ledger.sessions["s"].epoch == 1
+    assert engine.metrics().cancelled == 1
+    engine.gate.set()
+    assert isinstance(long.ended(), LogitsResult)
+    assert _committed(engine, "long") == 1
+    assert engine.health().in_flight == 0
+
+
+def test_requests_waiting_for_the_compute_lock_are_woken_when_it_is_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waiters do not poll for the lock: each is woken when it is released (the backstop poll
+    is a minute here), one after another, and every one commits."""
+    monkeypatch.setattr(_core, "_COMPUTE_WAIT_S", 60.0)
+    engine = _loaded(Queued())
+    sessions = ("a", "b", "c")
+    _prefilled(engine, *sessions)
+    long = _holding(engine)
+    waiting = [
+        _Thread(
+            functools.partial(
+                engine.decode,
+                DecodeRequest(
+                    request_id=f"d-{session_id}",
+                    session=SessionRef(session_id=session_id, epoch=1),
+                    pos=3,
+                    inputs=TokenInput(token_ids=(5,)),
+                ),
+            )
+        )
+        for session_id in sessions
+    ]
+    _wait_for(lambda: _waiters(engine) == len(sessions))
+    engine.gate.set()
+    assert isinstance(long.ended(), LogitsResult)
+    for call in waiting:
+        assert isinstance(call.ended(), LogitsResult)
+    assert [_committed(engine, session_id) for session_id in sessions] == [4, 4, 4]
+    assert _waiters(engine) == 0
+
+
+def test_close_ends_the_wait_of_queued_requests_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() cancels what is in flight: a request waiting for the compute lock leaves at
+    once (Cancelled), not when the operation holding the lock ends; close itself returns once
+    that operation has rolled back."""
+    monkeypatch.setattr(_core, "_COMPUTE_WAIT_S", 60.0)
+    engine = _loaded(Queued())
+    _prefilled(engine, "s")
+    long = _holding(engine)
+    waiting = _Thread(_queued_call(engine, "decode"))
+    _wait_for(lambda: _waiters(engine) == 1)
+    closing = _Thread(engine.close)
+    assert isinstance(waiting.ended(), Cancelled)
+    assert closing.thread.is_alive()
+    assert not engine.gate.is_set()
+    engine.gate.set()
+    assert isinstance(long.ended(), Cancelled)
+    assert closing.ended() is None
+    assert engine.health().state == "closed"
+
+
+def test_asyncio_timeout_reaches_a_call_queued_behind_another_sessions_operation() -> None:
+    """``asyncio.timeout()`` around a decode queued behind another session's long operation
+    raises TimeoutError at its deadline (it used to only when that operation ended), and the
+    decode changed nothing."""
+    engine = _loaded(Queued())
+    _prefilled(engine, "s")
+    long = _holding(engine)
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await adapter.decode(_decode_at(SessionRef(session_id="s", epoch=1), 3))
+        assert long.thread.is_alive()
+        assert not engine.gate.is_set()
+
+    asyncio.run(scenario())
+    assert _committed(engine, "s") == 3
+    engine.gate.set()
+    assert isinstance(long.ended(), LogitsResult)
+    assert engine.metrics().cancelled == 1
+
+
+# ----------------------------------------------------------------- one request id, two calls
+
+
+def _prefill_of(session_id: str, request_id: str, *tokens: int) -> PrefillRequest:
+    return PrefillRequest(
+        request_id=request_id,
+        session=SessionRef(session_id=session_id, epoch=1),
+        start_pos=0,
+        inputs=TokenInput(token_ids=tokens),
+    )
+
+
+def test_a_second_call_with_an_id_in_flight_is_refused_and_its_cancel_stops_nothing() -> None:
+    """Task A runs request "X"; task B calls with "X" too (another session). B is refused with
+    InvalidRequest before it reaches the engine, and cancelling B does not stop A (it used to:
+    B's cancellation cancelled "X" in the engine, which was A's call)."""
+    engine = _loaded(Queued())
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine)
+        a = asyncio.ensure_future(adapter.prefill(_prefill_of("sa", "X", 1, LONG)))
+        await asyncio.to_thread(engine.holding.wait, 10)
+        b = asyncio.ensure_future(adapter.prefill(_prefill_of("sb", "X", 4, 5)))
+        await asyncio.sleep(0)
+        b.cancel()
+        with pytest.raises(InvalidRequest, match="already in flight"):
+            await b
+        with pytest.raises(InvalidRequest, match="already in flight"):
+            await adapter.decode(_decode_at(SessionRef(session_id="sa", epoch=1), 2, "X"))
+        assert engine.metrics().requests == 1  # the refusals never reached the engine
+        engine.gate.set()
+        assert isinstance(await a, LogitsResult)
+        # Free again once A ended.
+        assert isinstance(await adapter.prefill(_prefill_of("sb", "X", 4, 5)), LogitsResult)
+
+    asyncio.run(scenario())
+    assert _committed(engine, "sa") == 2
+    assert _committed(engine, "sb") == 2
+    assert engine.metrics().cancelled == 0
+
+
+class _Recording(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that keeps the futures of the calls submitted to it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=2)
+        self.submitted: list[concurrent.futures.Future[object]] = []
+
+    def submit(  # type: ignore[override]
+        self, fn: Callable[[], object]
+    ) -> concurrent.futures.Future[object]:
+        future = super().submit(fn)
+        self.submitted.append(future)
+        return future
+
+
+def test_a_call_that_ended_is_not_cancelled_by_id_after_the_fact() -> None:
+    """Another caller (a thread, not the adapter) has request "Y" in flight; the adapter's call
+    "Y" is refused by the engine as a duplicate, and its task is cancelled only after that. The
+    adapter must not then cancel "Y" in the engine: that request is the other caller's."""
+    engine = _loaded(Queued())
+    other = _Thread(lambda: engine.prefill(_prefill_of("other", "Y", 1, LONG)))
+    assert engine.holding.wait(10)
+    executor = _Recording()
+
+    async def scenario() -> None:
+        adapter = AsyncShardEngine(engine, executor=executor)
+        task = asyncio.ensure_future(adapter.prefill(_prefill_of("mine", "Y", 4)))
+        await asyncio.sleep(0)
+        assert len(executor.submitted) == 1
+        # Block the loop until the engine refused the call, then cancel the task.
+        concurrent.futures.wait(executor.submitted, timeout=10)
+        assert isinstance(executor.submitted[0].exception(), InvalidRequest)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    executor.shutdown()
+    engine.gate.set()
+    assert isinstance(other.ended(), LogitsResult)
+    assert _committed(engine, "other") == 2
+    assert _committed(engine, "mine") is None
+    assert engine.metrics().cancelled == 0

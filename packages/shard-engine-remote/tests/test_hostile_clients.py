@@ -240,6 +240,135 @@ def test_a_client_cannot_cancel_another_clients_work(
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def _step(request_id: str, session: str, pos: int = 3) -> api.DecodeRequest:
+    return api.DecodeRequest(
+        request_id=request_id,
+        session=api.SessionRef(session_id=session, epoch=1),
+        pos=pos,
+        inputs=api.TokenInput(token_ids=(5,)),
+    )
+
+
+def _length(server: EngineServer, session: str) -> int | None:
+    entry = server.engine._ledger.sessions.get(session)  # type: ignore[attr-defined]
+    return None if entry is None else int(entry.length)
+
+
+def test_a_cancel_reaches_only_the_callers_own_calls(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """What a client's cancel names is translated into cancels of that client's own calls:
+    (a) an id that is one of the client's own batch items cancels that batch, not another
+    client's decode whose request id is the same; (b) a session both clients have work on
+    cancels only the caller's work there. (Both used to reach the other client's call: the
+    cancel went to the engine, whose request ids and sessions all clients share.)"""
+    server = serve(
+        config(faults=delay("decode", 1000, operations=["decode", "decode_batch"])),
+        transport=transport,
+    )
+    assert server.address is not None
+    a = remote(config(target=server.address, transport=transport))
+    b = remote(config(target=server.address, transport=transport))
+    for session in ("a1", "b1", "shared"):
+        prefill(a, session=session)
+
+    batch = api.DecodeBatchRequest(request_id="A-batch", items=(_step("X", "a1"),))
+    mine = Background(lambda: a.decode_batch(batch))
+    theirs = Background(lambda: b.decode(_step("X", "b1")))
+    wait_until(lambda: server.engine.health().in_flight == 2)
+    assert a.cancel(api.CancelRequest(request_id="X")) == api.CancelResult(
+        cancelled=True, n_requests=1
+    )
+    with pytest.raises(api.Cancelled):
+        mine.result()
+    result = theirs.result()
+    assert isinstance(result, api.LogitsResult)
+    assert result.request_id == "X"
+    assert (_length(server, "a1"), _length(server, "b1")) == (3, 4)
+
+    mine = Background(lambda: a.decode(_step("A3", "shared")))
+    wait_until(lambda: server.engine.health().in_flight == 1)
+    theirs = Background(
+        lambda: b.prefill(
+            api.PrefillRequest(
+                request_id="B3",
+                session=api.SessionRef(session_id="shared", epoch=1),
+                start_pos=3,
+                inputs=api.TokenInput(token_ids=(9,)),
+            )
+        )
+    )
+    wait_until(lambda: server.engine.health().in_flight == 2)
+    assert a.cancel(api.CancelRequest(session_id="shared")) == api.CancelResult(
+        cancelled=True, n_requests=1
+    )
+    with pytest.raises(api.Cancelled):
+        mine.result()
+    assert isinstance(theirs.result(), api.LogitsResult)
+    assert _length(server, "shared") == 4
+    assert server.engine.metrics().cancelled == 2
+
+
+def test_request_ids_are_each_clients_own(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """Two clients may use the same request id at once (the engine runs each under an id of
+    the server's making; results and errors carry the client's own): the second used to be
+    refused "already in flight". One client's second call with an id it has in flight is
+    refused as an engine refuses it, and its cancel of that id stops only its own call."""
+    server = serve(config(faults=delay("prefill", 1000)), transport=transport)
+    assert server.address is not None
+    a = remote(config(target=server.address, transport=transport))
+    b = remote(config(target=server.address, transport=transport))
+    mine = Background(lambda: prefill(a, session="sa", request_id="req-1"))
+    wait_until(lambda: server.engine.health().in_flight == 1)
+    theirs = Background(lambda: prefill(b, (4, 5), session="sb", request_id="req-1"))
+    wait_until(lambda: server.engine.health().in_flight == 2)
+    with pytest.raises(api.InvalidRequest, match="'req-1' is already in flight"):
+        prefill(a, session="sc", request_id="req-1")
+    assert a.cancel(api.CancelRequest(request_id="req-1")) == api.CancelResult(
+        cancelled=True, n_requests=1
+    )
+    with pytest.raises(api.Cancelled, match="'req-1'") as cancelled:
+        mine.result()
+    assert ":req-1" not in cancelled.value.message
+    result = theirs.result()
+    assert isinstance(result, api.LogitsResult)
+    assert result.request_id == "req-1"
+    assert (_length(server, "sa"), _length(server, "sb"), _length(server, "sc")) == (None, 2, None)
+    # Free again once it ended.
+    assert prefill(a, session="sa", request_id="req-1").request_id == "req-1"
+
+
+def test_abandoned_calls_queued_behind_a_long_one_free_their_slots_at_once(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """A client whose calls pass their deadline while they wait behind another client's long
+    operation: each call's cancel ends its wait in the engine at once, so its server slot is
+    free again long before that operation ends (the slots used to stay taken until then, and
+    other clients got ResourceExhausted)."""
+    server = serve(config(faults=delay("prefill", 20_000)), transport=transport, max_workers=8)
+    assert server.address is not None
+    patient = remote(config(target=server.address, transport=transport))
+    hasty = remote(config(target=server.address, transport=transport, timeout_s=0.05))
+    other = remote(config(target=server.address, transport=transport))
+    long = Background(lambda: prefill(patient, session="long", request_id="long"))
+    wait_until(lambda: server.engine.health().in_flight == 1)
+    for n in range(2 * (server.max_workers - 4)):
+        with pytest.raises(api.OutcomeUnknown):
+            decode(hasty, 0, session=f"other-{n}", request_id=f"h{n}")
+        wait_until(lambda: server.stats().in_flight == 1, timeout=5)
+        assert server.engine.health().in_flight == 1  # the long prefill still runs
+    stats = server.stats()
+    assert (stats.busy, stats.transport_cancels) == (0, 2 * (server.max_workers - 4))
+    assert server.engine.metrics().cancelled == 2 * (server.max_workers - 4)
+    assert patient.cancel(api.CancelRequest(request_id="long")).cancelled
+    with pytest.raises(api.Cancelled):
+        long.result()
+    with pytest.raises(api.CacheMiss):
+        decode(other, 0, session="never")
+
+
 class _ExhaustedListener(socket.socket):
     """A listening socket whose first two accepts fail as a process out of descriptors does."""
 

@@ -21,6 +21,14 @@ A cancelled task always ends cancelled, and never before its call has ended:
   the task waits for it, then ends with ``CancelledError``; what it did is visible in the
   engine (a released session answers a repeated release with ``released=False``).
 
+A cancel by request id reaches whatever the engine runs under that id, so a task's
+cancellation must never name another call's request: a second call with the request id of a
+call still in flight through the same adapter is refused at once with InvalidRequest ("already
+in flight", what the engine itself answers; it never reaches the engine), and a call that has
+ended is never cancelled by id after the fact. Calls made around the adapter (other adapters or
+threads on the same engine) must keep their request ids distinct from the adapter's, as the
+contract asks of every caller of one engine.
+
 This is asyncio's own rule for work that cannot be interrupted (``asyncio.shield``,
 ``asyncio.to_thread``): a cancellation is never swallowed. Absorbing it and returning the
 result would lose it: ``asyncio.timeout()`` would let its block run on past the deadline with
@@ -129,6 +137,9 @@ class AsyncShardEngine:
         self._closed = False
         self._outcomes: collections.OrderedDict[str, CallOutcome] = collections.OrderedDict()
         self._outcomes_lock = threading.Lock()
+        # Request ids of the calls in flight through this adapter (see _run).
+        self._running: set[str] = set()
+        self._running_lock = threading.Lock()
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix=f"shard-engine-{engine.name}"
@@ -153,6 +164,27 @@ class AsyncShardEngine:
         await self.close()
 
     async def _run(self, call: Callable[[], _T], request_id: str | None = None) -> _T:
+        if request_id is None:
+            return await self._call(call, None)
+        # One call per request id at a time: a cancel of this call's task cancels by id, and
+        # must not stop another call that uses the same id. Every exit of _call comes after the
+        # call ended or was withdrawn unstarted, so the id is free again only then.
+        with self._running_lock:
+            duplicate = request_id in self._running
+            if not duplicate:
+                self._running.add(request_id)
+        if duplicate:
+            raise InvalidRequest(
+                f"request_id {request_id!r} is already in flight",
+                details={"field": "request_id"},
+            )
+        try:
+            return await self._call(call, request_id)
+        finally:
+            with self._running_lock:
+                self._running.discard(request_id)
+
+    async def _call(self, call: Callable[[], _T], request_id: str | None) -> _T:
         if request_id is not None and self._outcomes:
             # An outcome recorded for an earlier call of this id must not be taken for this
             # call's (which may change nothing).
@@ -215,6 +247,10 @@ class AsyncShardEngine:
         delay = _CANCEL_RETRY_SECONDS
         cancel = CancelRequest(request_id=request_id)
         for _ in range(_CANCEL_ATTEMPTS):
+            if submitted.done():
+                # Ended (committed, failed, or refused because another caller's request has
+                # this id): a cancel now could only reach someone else's request.
+                return
             # A failed engine ends the call by itself; a cancel that fails in any other way
             # (a third-party engine's bug) must not end the wait either: the call is still
             # running, and the caller must not race it. Nor may another cancellation of the

@@ -11,10 +11,12 @@ cancel anywhere before the commit point rolls the backend back and leaves the le
 included, exactly as it was.
 
 Threading: operations on one engine are serialised by a compute lock (a model context is not
-re-entrant); ``cancel``, ``health`` and ``metrics`` never wait for it. Every counter and the
-ledger change only under the state lock, which is also where ``cancel`` and the commit point
-decide, so ``cancel`` answers ``cancelled=True`` only for an operation that will not commit. The
-ledger changes under the compute lock too, so admission, which only reads it, takes just that.
+re-entrant); ``cancel``, ``health`` and ``metrics`` never wait for it, and a request waiting for
+it leaves as soon as it is cancelled (Cancelled within the cancel latency, however long the
+operation ahead of it runs). Every counter and the ledger change only under the state lock,
+which is also where ``cancel`` and the commit point decide, so ``cancel`` answers
+``cancelled=True`` only for an operation that will not commit. The ledger changes under the
+compute lock too, so admission, which only reads it, takes just that.
 
 The edge: each public entry point first checks its request's types, ranges and literals
 (shard_engine_api._edge, one call, before any state or counter is touched), so a badly typed
@@ -118,6 +120,11 @@ class _Work:
     batched: bool = False
 
 
+_COMPUTE_WAIT_S: Final = 0.05
+"""How long a request waiting for the compute lock sleeps before it looks again without being
+woken: only a backstop, every release and every cancel wakes it (see
+:meth:`EngineCore._wait_for_compute`)."""
+
 _DIGEST_ENTRIES: Final = 1024
 """How many recorded row digests :meth:`EngineCore._record_digest` keeps before it first drops
 those of rows that no longer exist."""
@@ -161,6 +168,9 @@ class EngineCore(abc.ABC):
         self._compute_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._in_flight: dict[str, CancelToken] = {}
+        # Requests waiting for the compute lock, each with the event that wakes it: set when
+        # the lock is released (_wake_compute_waiters) and when the request is cancelled.
+        self._compute_waiters: dict[CancelToken, threading.Event] = {}
         self._digests: dict[int, tuple[weakref.ref[Rows], int, bool]] = {}
         self._digest_limit = _DIGEST_ENTRIES
 
@@ -320,7 +330,7 @@ class EngineCore(abc.ABC):
         """Open the shard; the engine becomes ready. Raises InvalidRequest on a second load
         (a failed load may be retried) and EngineCrashed after a crash."""
         check_request(config, LoadConfig)
-        with self._compute_lock:
+        with self._computing():
             with self._state_lock:
                 self._lifecycle.begin_load()
             try:
@@ -501,7 +511,13 @@ class EngineCore(abc.ABC):
                     tokens = [
                         t for t in self._in_flight.values() if request.session_id in t.session_ids
                     ]
-                stopped = sum(1 for cancel_token in tokens if cancel_token.try_cancel())
+                stopped = 0
+                for cancel_token in tokens:
+                    if cancel_token.try_cancel():
+                        stopped += 1
+                        wake = self._compute_waiters.get(cancel_token)
+                        if wake is not None:  # waiting for the compute lock: it leaves now
+                            wake.set()
             return CancelResult(cancelled=stopped > 0, n_requests=stopped)
 
     def release(self, request: ReleaseRequest) -> ReleaseResult:
@@ -511,7 +527,7 @@ class EngineCore(abc.ABC):
         session = request.session
         with self._errors_counted():
             self._require_serving()
-            with self._compute_lock:
+            with self._computing():
                 self._require_serving()
                 with self._state_lock:
                     decision = self._ledger.release(session.session_id, session.epoch)
@@ -533,7 +549,7 @@ class EngineCore(abc.ABC):
         try:
             caps = self._require_serving()
             target = self._migration_target(caps)
-            with self._compute_lock:
+            with self._computing(token):
                 token.check()
                 self._require_serving()
                 with self._state_lock:
@@ -578,7 +594,7 @@ class EngineCore(abc.ABC):
                 )
             state = check_snapshot_integrity(snapshot, max_state_bytes=self.max_snapshot_bytes)
             started = time.perf_counter()
-            with self._compute_lock:
+            with self._computing(token):
                 compute_started = time.perf_counter()
                 token.check()
                 self._require_serving()
@@ -666,7 +682,9 @@ class EngineCore(abc.ABC):
                 return
             for cancel_token in self._in_flight.values():
                 cancel_token.cancel()
-        with self._compute_lock:
+            for wake in self._compute_waiters.values():
+                wake.set()
+        with self._computing():
             with self._state_lock:
                 was_loaded = self._config is not None
                 self._lifecycle.close()
@@ -753,6 +771,55 @@ class EngineCore(abc.ABC):
             if self._in_flight.get(token.request_id) is token:
                 del self._in_flight[token.request_id]
 
+    @contextlib.contextmanager
+    def _computing(self, token: CancelToken | None = None) -> Iterator[None]:
+        """Hold the compute lock. With a request's ``token``, a cancel ends the wait for it
+        (Cancelled; nothing was touched before the lock, so nothing needs undoing); without
+        one (load, release, close) the wait is not cancellable. The prefill, decode and batch
+        paths inline the same steps (a generator costs more than a decode step may)."""
+        lock = self._compute_lock
+        if not lock.acquire(False):
+            if token is None:
+                lock.acquire()
+            else:
+                self._wait_for_compute(token)
+        try:
+            yield
+        finally:
+            lock.release()
+            if self._compute_waiters:
+                self._wake_compute_waiters()
+
+    def _wait_for_compute(self, token: CancelToken) -> None:
+        """Take the compute lock, which another operation holds, or raise Cancelled as soon as
+        ``token`` is cancelled: a queued request's caller hears its cancel within the cancel
+        latency, not when the operation ahead of it ends. The request waits on an event of its
+        own, set when the lock is released (:meth:`_wake_compute_waiters`) and when ``cancel``
+        (or ``close``) stops it, so neither a release nor a cancel waits for a poll."""
+        wake = threading.Event()
+        lock = self._compute_lock
+        with self._state_lock:
+            self._compute_waiters[token] = wake
+        try:
+            while True:
+                # Cleared before the lock is tried: a release or cancel after the clear sets
+                # it again, one before it is seen by the try or the check.
+                wake.clear()
+                token.check()
+                if lock.acquire(False):
+                    return
+                wake.wait(_COMPUTE_WAIT_S)
+        finally:
+            with self._state_lock:
+                del self._compute_waiters[token]
+
+    def _wake_compute_waiters(self) -> None:
+        """The compute lock was released while requests wait for it: let them try it."""
+        with self._state_lock:
+            wakes = list(self._compute_waiters.values())
+        for wake in wakes:
+            wake.set()
+
     def _require_serving(self) -> Capabilities:
         capabilities = self._capabilities
         if capabilities is not None and self._lifecycle.state in _SERVING:
@@ -823,7 +890,10 @@ class EngineCore(abc.ABC):
         """Admit, run, check and commit under the compute lock; any failure or cancel before
         the commit point rolls every admitted item back and changes nothing in the ledger."""
         started = time.perf_counter()
-        with self._compute_lock:
+        lock = self._compute_lock
+        if not lock.acquire(False):
+            self._wait_for_compute(token)
+        try:
             compute_started = time.perf_counter()
             token.check()
             self._require_serving()
@@ -839,6 +909,10 @@ class EngineCore(abc.ABC):
                 ran = iter(self._run_and_commit(caps, token, work, admitted, rows))
                 results = [d if isinstance(d, ShardEngineError) else next(ran) for d in decisions]
             finished = time.perf_counter()
+        finally:
+            lock.release()
+            if self._compute_waiters:
+                self._wake_compute_waiters()
         timings = Timings(
             queue_ms=(compute_started - started) * 1000.0,
             compute_ms=(finished - compute_started) * 1000.0,
@@ -945,7 +1019,10 @@ class EngineCore(abc.ABC):
         of :meth:`_admit_run_commit` and :meth:`_run_and_commit`, without their lists: every
         decode step of a session goes this way, and the lists cost more than the checks."""
         started = time.perf_counter()
-        with self._compute_lock:
+        lock = self._compute_lock
+        if not lock.acquire(False):  # contended: wait, leaving at once if cancelled
+            self._wait_for_compute(token)
+        try:
             compute_started = time.perf_counter()
             token.check()
             self._require_serving()
@@ -991,6 +1068,10 @@ class EngineCore(abc.ABC):
             if dropped:
                 _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
             finished = time.perf_counter()
+        finally:
+            lock.release()
+            if self._compute_waiters:
+                self._wake_compute_waiters()
         timings = Timings(
             queue_ms=(compute_started - started) * 1000.0,
             compute_ms=(finished - compute_started) * 1000.0,

@@ -47,7 +47,7 @@ from grpc_health.v1 import health, health_pb2
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._errors import clamp_text
-from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
+from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._wire import (
@@ -554,14 +554,7 @@ class EngineServer:
             case MetricsQuery():
                 return engine.metrics()
             case api.CancelRequest():
-                if (
-                    not self._in_flight.may_cancel(caller_key(context), request)
-                    and engine.health().state in _SERVING_STATES
-                ):
-                    # Not this caller's work. (An engine that is not serving has nothing in
-                    # flight to protect, and answers as it must: a failed one EngineCrashed.)
-                    return api.CancelResult(cancelled=False)
-                return engine.cancel(request)
+                return self._cancel(request, context)
             case api.ReleaseRequest():
                 return engine.release(request)
             case api.LoadConfig():
@@ -575,13 +568,11 @@ class EngineServer:
                 self._refresh_health()
                 return capabilities
             case api.PrefillRequest():
-                return self._compute(request, context, functools.partial(engine.prefill, request))
+                return self._compute(request, context, engine.prefill)
             case api.DecodeRequest():
-                return self._compute(request, context, functools.partial(engine.decode, request))
+                return self._compute(request, context, engine.decode)
             case api.DecodeBatchRequest():
-                return self._compute(
-                    request, context, functools.partial(engine.decode_batch, request)
-                )
+                return self._compute(request, context, engine.decode_batch)
             case api.ExportSessionRequest() | api.ImportSessionRequest():
                 raise api.InvalidRequest(
                     "snapshots travel on their own streams (ExportSession, ImportSession), "
@@ -663,9 +654,7 @@ class EngineServer:
             raise api.InvalidRequest(
                 f"ExportSession takes an ExportSessionRequest, not {type(request).__name__}"
             )
-        return self._compute(
-            request, context, functools.partial(self.engine.export_session, request), slot_held=True
-        )
+        return self._compute(request, context, self.engine.export_session, slot_held=True)
 
     def _grpc_import(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> RemoteReply:
         # The header is waited for as a call's request is, before the stream takes its slots:
@@ -827,45 +816,75 @@ class EngineServer:
         complete = msgspec.structs.replace(
             request, snapshot=msgspec.structs.replace(snapshot, chunks=tuple(chunks))
         )
-        return self._compute(
-            complete,
-            context,
-            functools.partial(self.engine.import_session, complete),
-            slot_held=True,
-        )
+        return self._compute(complete, context, self.engine.import_session, slot_held=True)
 
     def _compute(
         self,
-        request: _Compute,
+        request: _Request,
         context: CallContext,
-        operation: Callable[[], _Result],
+        operation: Callable[[_Request], _Answer],
         *,
         slot_held: bool = False,
-    ) -> _Result:
+    ) -> _Answer:
+        """Run ``operation`` (the engine's) on ``request`` as the caller's call: under an id
+        of the server's making, unique among every client's requests (request ids are each
+        caller's own: two clients may both use "req-1"), with the caller's id put back in the
+        result and in the error. A caller's second call with an id it has in flight is
+        refused, as the engine refuses it."""
         if not slot_held and not self._compute_slots.acquire(blocking=False):
             raise self._busy("the server is computing as many requests as it has threads for")
-        request_id = request.request_id
         client = caller_key(context)
-        keys = _cancel_keys(request)
-        self._in_flight.add(client, keys)
+        try:
+            call = self._in_flight.begin(client, request)
+        except BaseException:
+            if not slot_held:
+                self._compute_slots.release()
+            raise
+        request_id, engine_id = request.request_id, call.engine_id
         finished = threading.Event()
 
         def on_rpc_end() -> None:
             # Runs when the RPC terminates for any reason; only an RPC that ended before the
-            # engine answered (cancelled, deadline, connection lost) cancels the engine work.
+            # engine answered (cancelled, deadline, connection lost) cancels the engine work:
+            # this call's, by the id no other request has.
             if not finished.is_set():
                 self.counters.add("transport_cancels")
-                self.engine.cancel(api.CancelRequest(request_id=request_id))
+                self.engine.cancel(api.CancelRequest(request_id=engine_id))
 
         try:
             if not context.add_callback(on_rpc_end):
                 raise api.Cancelled(f"request {request_id!r} ended before it started")
-            return operation()
+            try:
+                answer = operation(msgspec.structs.replace(request, request_id=engine_id))
+            except api.ShardEngineError as error:
+                raise _as_callers(error, engine_id, request_id) from None
+            return _answer_as_callers(answer, engine_id, request_id)
         finally:
             finished.set()
-            self._in_flight.remove(client, keys)
+            self._in_flight.end(client, call)
             if not slot_held:
                 self._compute_slots.release()
+
+    def _cancel(self, request: api.CancelRequest, context: CallContext) -> api.CancelResult:
+        """The caller's cancel, translated into engine cancels of only its own requests in
+        flight that it names: by request id (a batch's item ids name the batch) or by session.
+        The engine's request ids and sessions are every client's, so what a caller names is
+        never forwarded as it is: another client's work is never touched, and naming it
+        answers ``cancelled=False``, as for a request not in flight."""
+        engine = self.engine
+        if (request.request_id is None) == (request.session_id is None):
+            return engine.cancel(request)  # the engine's own InvalidRequest
+        mine = self._in_flight.matching(caller_key(context), request)
+        if not mine:
+            if engine.health().state in _SERVING_STATES:
+                return api.CancelResult(cancelled=False)
+            # An engine that is not serving answers as it must (a failed one EngineCrashed),
+            # asked about an id no request of anyone's has.
+            return engine.cancel(api.CancelRequest(request_id=self._in_flight.unused_id()))
+        stopped = 0
+        for engine_id in mine:
+            stopped += engine.cancel(api.CancelRequest(request_id=engine_id)).n_requests
+        return api.CancelResult(cancelled=stopped > 0, n_requests=stopped)
 
     # grpc.health.v1 answers without a token. Its handlers are request-streaming too, so
     # their wait for the request is bounded (its own _Waiting: health callers cannot evict
@@ -943,25 +962,60 @@ _Compute: TypeAlias = (
     | api.ExportSessionRequest
     | api.ImportSessionRequest
 )
-_CancelKey: TypeAlias = tuple[str, str]
+_Request = TypeVar(
+    "_Request",
+    api.PrefillRequest,
+    api.DecodeRequest,
+    api.DecodeBatchRequest,
+    api.ExportSessionRequest,
+    api.ImportSessionRequest,
+)
+_Answer = TypeVar(
+    "_Answer",
+    api.BoundaryResult | api.LogitsResult,
+    api.DecodeBatchResult,
+    api.SessionSnapshot,
+    api.ImportSessionResult,
+)
 
 
-def _cancel_keys(request: _Compute) -> tuple[_CancelKey, ...]:
-    """What a cancel may name to reach ``request``: its id (a batch's items' too) and its
-    session(s)."""
+def _answer_as_callers(answer: _Answer, engine_id: str, request_id: str) -> _Answer:
+    """``answer`` with the caller's request id where the engine put the server's. An answer
+    carrying any other id is left as it is: the client's checks refuse it (MalformedOutput)."""
+    if isinstance(answer, api.SessionSnapshot) or answer.request_id != engine_id:
+        return answer
+    return msgspec.structs.replace(answer, request_id=request_id)
+
+
+def _as_callers(
+    error: api.ShardEngineError, engine_id: str, request_id: str
+) -> api.ShardEngineError:
+    """``error`` saying the caller's request id where it says the server's (its message and
+    details), so the server's ids never reach a client."""
+    message = error.message
+    if isinstance(message, str) and engine_id in message:
+        message = message.replace(repr(engine_id), repr(request_id))
+        error.message = message.replace(engine_id, request_id)
+        error.args = (error.message,)
+    for name, value in list(error.details.items()):
+        if isinstance(value, str) and engine_id in value:
+            error.details[name] = value.replace(engine_id, request_id)
+    return error
+
+
+def _names(request: _Compute) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What else a cancel may name to reach ``request`` besides its id: its batch items' ids,
+    and its session(s)."""
     match request:
         case api.DecodeBatchRequest():
-            keys: list[_CancelKey] = [("request", request.request_id)]
-            for item in request.items:
-                keys += (("request", item.request_id), ("session", item.session.session_id))
-            return tuple(keys)
-        case api.ImportSessionRequest():
             return (
-                ("request", request.request_id),
-                ("session", request.snapshot.session.session_id),
+                tuple(item.request_id for item in request.items),
+                tuple(item.session.session_id for item in request.items),
             )
+        case api.ImportSessionRequest():
+            return (), (request.snapshot.session.session_id,)
         case _:
-            return (("request", request.request_id), ("session", request.session.session_id))
+            return (), (request.session.session_id,)
 
 
 class _Waiting:
@@ -1091,49 +1145,82 @@ class _Waiting:
                 self._cut(context)
 
 
-class _InFlight:
-    """Which caller (see :func:`caller_key`) has which requests and sessions in flight.
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One compute call in flight: the caller's request id, the id the engine knows it by, and
+    what else a cancel may name to reach it (its batch items' ids, its sessions)."""
 
+    request_id: str
+    engine_id: str
+    item_ids: tuple[str, ...]
+    session_ids: tuple[str, ...]
+
+
+class _InFlight:
+    """Each caller's (see :func:`caller_key`) compute calls in flight, by the caller's request
+    id.
+
+    Request ids are the caller's own: the engine runs each call under an id the server makes,
+    unique among all clients' requests, so two clients using the same id never collide, and a
+    caller's second call with an id it has in flight is refused (as the engine refuses one).
     A cancel reaches only the caller's own work, as a local engine's cancel reaches only
-    requests made through that engine: one client guessing (or sharing) another's request id
-    or session id cannot stop the other's work, and learns nothing (the answer is the one for
-    a request that is not in flight: ``cancelled=False``). Sessions themselves are the served
-    engine's, shared by every client holding the server's token (see the package README)."""
+    requests made through that engine: the server cancels in the engine exactly the caller's
+    calls the cancel names; one client guessing (or sharing) another's request id or session
+    id cannot stop the other's work, and learns nothing (the answer is the one for a request
+    that is not in flight: ``cancelled=False``). Sessions themselves are the served engine's,
+    shared by every client holding the server's token (see the package README)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[tuple[str, _CancelKey], int] = {}
+        self._calls: dict[str, dict[str, _Call]] = {}
+        self._serial = itertools.count(1)
 
-    def add(self, client: str, keys: tuple[_CancelKey, ...]) -> None:
-        held = self._held
+    def begin(self, client: str, request: _Compute) -> _Call:
+        """Register ``request`` as ``client``'s; InvalidRequest when the client has a call
+        with its request id in flight."""
+        request_id = request.request_id
+        item_ids, session_ids = _names(request)
         with self._lock:
-            for key in keys:
-                entry = (client, key)
-                held[entry] = held.get(entry, 0) + 1
+            calls = self._calls.get(client)
+            if calls is None:
+                calls = self._calls[client] = {}
+            elif request_id in calls:
+                raise api.InvalidRequest(f"request_id {request_id!r} is already in flight")
+            # The serial makes it unique; the caller's id (cut to fit) makes the engine's
+            # logs readable.
+            engine_id = f"{next(self._serial)}:{request_id}"[:MAX_ID_CHARS]
+            call = calls[request_id] = _Call(request_id, engine_id, item_ids, session_ids)
+        return call
 
-    def remove(self, client: str, keys: tuple[_CancelKey, ...]) -> None:
-        held = self._held
+    def end(self, client: str, call: _Call) -> None:
         with self._lock:
-            for key in keys:
-                entry = (client, key)
-                left = held[entry] - 1
-                if left:
-                    held[entry] = left
-                else:
-                    del held[entry]
+            calls = self._calls.get(client)
+            if calls is not None and calls.get(call.request_id) is call:
+                del calls[call.request_id]
+                if not calls:
+                    del self._calls[client]
 
-    def may_cancel(self, client: str, request: api.CancelRequest) -> bool:
-        """Whether ``client`` has what ``request`` names in flight (a request naming neither
-        or both ids is the engine's to refuse)."""
-        if (request.request_id is None) == (request.session_id is None):
-            return True
-        key: _CancelKey = (
-            ("request", request.request_id)
-            if request.request_id is not None
-            else ("session", str(request.session_id))
-        )
+    def matching(self, client: str, request: api.CancelRequest) -> list[str]:
+        """The engine ids of ``client``'s calls in flight that ``request`` (naming exactly one
+        of a request id and a session) names."""
         with self._lock:
-            return (client, key) in self._held
+            calls = self._calls.get(client)
+            if not calls:
+                return []
+            request_id = request.request_id
+            if request_id is not None:
+                return [
+                    call.engine_id
+                    for call in calls.values()
+                    if call.request_id == request_id or request_id in call.item_ids
+                ]
+            session_id = request.session_id
+            return [call.engine_id for call in calls.values() if session_id in call.session_ids]
+
+    def unused_id(self) -> str:
+        """An engine request id no call was or will be given."""
+        with self._lock:
+            return f"{next(self._serial)}:"
 
 
 _SIGNAL_POLL_S: Final = 0.05
