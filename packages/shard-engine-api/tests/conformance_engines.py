@@ -555,7 +555,7 @@ class BatchIgnoresSessionCancel(ReferenceEngine):
             tokens = [
                 token
                 for token in self._in_flight.values()
-                if token.session_ids == frozenset({request.session_id})
+                if set(token.session_ids) == {request.session_id}
             ]
             stopped = sum(1 for token in tokens if token.try_cancel())
         return CancelResult(cancelled=stopped > 0, n_requests=stopped)
@@ -936,6 +936,12 @@ class CancelStopsEverything(ReferenceEngine):
 
 
 class _NoLock:
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return True
+
+    def release(self) -> None:
+        return None
+
     def __enter__(self) -> None:
         return None
 
@@ -2265,7 +2271,12 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "cancelled_not_retryable": Broken(
         CancelledNotRetryable,
-        ("test_cancel_rolls_back", "test_cancel_running_batch"),
+        (
+            "test_cancel_rolls_back",
+            "test_cancel_running_batch",
+            "test_cancel_running_decode",
+            "test_cancel_session_stops_all_its_requests",
+        ),
         may_fail=("test_failed_first_prefill_leaves_nothing",),
     ),
     "swapped_clock_timings": Broken(

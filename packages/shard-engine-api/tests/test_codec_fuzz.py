@@ -126,7 +126,9 @@ def _capabilities() -> Capabilities:
 
 
 def _snapshot() -> SessionSnapshot:
-    chunks = (bytes(range(256)) * 3, b"tail")
+    # One chunk: a state shorter than SNAPSHOT_CHUNK_BYTES is never cut (only the last chunk
+    # may be shorter than that).
+    chunks = (bytes(range(256)) * 3 + b"tail",)
     return SessionSnapshot(
         engine="e",
         engine_version="1",

@@ -415,16 +415,53 @@ def test_corrupted_truncated_and_oversized_snapshots(snapshot: SessionSnapshot) 
     assert target.health().state == "ready"
 
 
+@pytest.mark.parametrize(
+    "layout", ["halves", "empty first", "empty last", "short then full", "two short"]
+)
+def test_chunks_must_be_full_but_the_last(snapshot: SessionSnapshot, layout: str) -> None:
+    """Every chunk but the last holds exactly SNAPSHOT_CHUNK_BYTES and none is empty (what
+    split_chunks makes and transports stream): another cut of the same state and checksum is
+    InvalidRequest from the engine, the validating wrapper and the codec, and installs
+    nothing."""
+    state = b"".join(snapshot.chunks)
+    full = b"\0" * SNAPSHOT_CHUNK_BYTES
+    chunks = {
+        "halves": _halves(state),
+        "empty first": (b"", state),
+        "empty last": (state, b""),
+        "short then full": (state, full),
+        "two short": (state[:1], state[1:]),
+    }[layout]
+    joined = b"".join(chunks)
+    bad = replaced(
+        snapshot, chunks=chunks, state_bytes=len(joined), checksum=payload_checksum(joined)
+    )
+    target = _engine()
+    with pytest.raises(InvalidRequest, match="every chunk but the last"):
+        import_(target, bad)
+    with pytest.raises(InvalidRequest, match="every chunk but the last"):
+        ValidatingEngine(_engine()).import_session(
+            ImportSessionRequest(request_id="i", snapshot=bad)
+        )
+    with pytest.raises(InvalidRequest, match="every chunk but the last"):
+        Codec().verify_snapshot(bad)
+    assert target.health().sessions == 0
+
+
 def test_chunks_are_measured_in_bytes_whatever_their_buffer_format(
     snapshot: SessionSnapshot,
 ) -> None:
     """A chunk may be any contiguous buffer: one viewed as float32 (or 2-D) holds as many
     bytes as it says, not as many items, and is installed like its bytes."""
     state = b"".join(snapshot.chunks)
-    whole = len(state) - len(state) % 4
-    as_floats = np.frombuffer(state[:whole], dtype=np.float32).reshape(-1, 1).data
-    chunks = (as_floats, state[whole:]) if whole < len(state) else (as_floats,)
-    moved = replaced(snapshot, chunks=chunks)
+    # The state is one chunk (it is shorter than SNAPSHOT_CHUNK_BYTES), viewed as 2-D float32
+    # rows when its size allows, else as one 2-D row of bytes: len() counts rows either way.
+    if len(state) % 4 == 0:
+        view = np.frombuffer(state, dtype=np.float32).reshape(-1, 1).data
+    else:
+        view = np.frombuffer(state, dtype=np.uint8).reshape(1, -1).data
+    assert len(view) != len(state)
+    moved = replaced(snapshot, chunks=(view,))
     Codec().verify_snapshot(moved)
     target = _engine()
     assert import_(target, moved).length == snapshot.length
@@ -703,6 +740,8 @@ class _Lies(StateEngine):
             "session": {"session": ref("someone-else")},
             "shard": {"shard": ShardSpec(model="m", n_layers=2, start=0, end=1)},
             "truncated": {"chunks": ()},
+            "uneven": {"chunks": _halves(b"".join(snapshot.chunks))},
+            "empty chunk": {"chunks": (*snapshot.chunks, b"")},
             "dtype": {"boundary_dtype": "f16"},
             "fields": {"length": "3"},
         }
@@ -715,7 +754,15 @@ class _Lies(StateEngine):
         return result
 
 
-@pytest.mark.parametrize("lie", ["checksum", "session", "shard", "truncated", "dtype", "fields"])
+def _halves(state: bytes) -> tuple[bytes, ...]:
+    """``state`` cut in two (a layout no transport streams: the first chunk is not full)."""
+    return (state[: len(state) // 2], state[len(state) // 2 :])
+
+
+@pytest.mark.parametrize(
+    "lie",
+    ["checksum", "session", "shard", "truncated", "uneven", "empty chunk", "dtype", "fields"],
+)
 def test_validating_engine_refuses_bad_exports(lie: str) -> None:
     inner = _Lies()
     inner.lie = lie

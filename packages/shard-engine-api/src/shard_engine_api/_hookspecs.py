@@ -81,9 +81,11 @@ class ModelFixture(msgspec.Struct, frozen=True, kw_only=True):
     description: str = ""
     has_tokenizer: bool = False
     cancel_options: dict[str, OptionValue] = msgspec.field(default_factory=dict)
-    """Extra load options that make operations slow enough for the conformance suite's
-    cancellation test to land a cancel mid-operation (e.g. an injected delay). Test-only
-    options belong behind :data:`TEST_OPTIONS_ENV`, which the suite sets."""
+    """Extra load options that make operations (prefill, decode, decode_batch) slow enough
+    for the conformance suite's cancellation tests to land a cancel mid-operation (e.g. an
+    injected delay). With them, a cancellation test that lands no cancel fails rather than
+    being skipped. Test-only options belong behind :data:`TEST_OPTIONS_ENV`, which the suite
+    sets."""
     synthetic: bool = True
     """True for a generated or built-in model: results on it are never a real-model
     certification, whatever the engine's evidence class."""

@@ -200,9 +200,11 @@ def _check_header(snapshot: SessionSnapshot, max_state_bytes: int) -> None:
             },
         )
     total = 0
+    sizes: list[int] = []
     for index, chunk in enumerate(snapshot.chunks):
         # Bytes, not items: a memoryview chunk of another format counts its items in len().
         size = memoryview(chunk).nbytes
+        sizes.append(size)
         if size > SNAPSHOT_CHUNK_BYTES:
             raise InvalidRequest(
                 f"snapshot chunk {index} holds {size} bytes, more than {SNAPSHOT_CHUNK_BYTES}",
@@ -216,6 +218,15 @@ def _check_header(snapshot: SessionSnapshot, max_state_bytes: int) -> None:
             f"{snapshot.state_bytes}",
             details={"received_bytes": total, "state_bytes": snapshot.state_bytes},
         )
+    last = len(sizes) - 1
+    for index, size in enumerate(sizes):
+        # The layout transports stream: fixed-size chunks, the last one shorter, none empty.
+        if size == 0 or (index < last and size != SNAPSHOT_CHUNK_BYTES):
+            raise InvalidRequest(
+                f"snapshot chunk {index} of {len(sizes)} holds {size} bytes; every chunk but "
+                f"the last holds exactly {SNAPSHOT_CHUNK_BYTES} bytes and none is empty",
+                details={"field": f"SessionSnapshot.chunks[{index}]"},
+            )
 
 
 def _corrupted(snapshot: SessionSnapshot) -> ChecksumMismatch:
@@ -238,7 +249,9 @@ def check_snapshot_integrity(snapshot: SessionSnapshot, *, max_state_bytes: int)
     """The snapshot's state, once its header and bytes check out: at least one position,
     ``state_bytes`` within ``max_state_bytes`` (ResourceExhausted, before hashing), every
     chunk within SNAPSHOT_CHUNK_BYTES (InvalidRequest), chunks adding up to ``state_bytes``
-    and the carried checksum (ChecksumMismatch)."""
+    (ChecksumMismatch), every chunk but the last exactly SNAPSHOT_CHUNK_BYTES and none empty
+    (InvalidRequest: the layout :func:`split_chunks` makes and transports stream), and the
+    carried checksum (ChecksumMismatch)."""
     _check_header(snapshot, max_state_bytes)
     # A private immutable copy is hashed, so what was verified is what gets installed.
     chunks = snapshot.chunks

@@ -485,8 +485,8 @@ class ValidatingEngine:
         ``session_migration`` exports nothing; the snapshot's fields are well typed, it names
         the requested session, this engine, version, model, layer range and loaded boundary
         dtype, speaks this contract version, carries a settings fingerprint, cuts its state
-        into chunks of at most SNAPSHOT_CHUNK_BYTES that add up to ``state_bytes`` and match
-        the checksum.
+        into chunks of SNAPSHOT_CHUNK_BYTES (the last one shorter, none empty) that add up to
+        ``state_bytes`` and match the checksum.
 
         Raises what the inner ``export_session`` raises, or MalformedOutput.
         """

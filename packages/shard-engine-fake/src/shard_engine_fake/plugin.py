@@ -18,13 +18,14 @@ from shard_engine_fake._tokenizer import BYTE_VOCAB_SIZE, detokenize, tokenize
 ENGINE_NAME = FakeEngine.engine_name
 
 # A cancellable delay after the cache was written: the conformance suite's cancel lands
-# mid-operation, so the rollback of real work is what it checks.
+# mid-operation, so the rollback of real work is what it checks. Every operation the suite
+# cancels is slowed, a single decode included (a cancel of a running decode must stop it).
 _CANCEL_OPTIONS: dict[str, OptionValue] = {
     "faults": {
         "rules": [
             {
                 "action": {"kind": "delay", "milliseconds": 200},
-                "operations": ["prefill", "decode_batch"],
+                "operations": ["prefill", "decode", "decode_batch"],
             }
         ]
     }

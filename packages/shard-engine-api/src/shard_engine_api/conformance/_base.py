@@ -82,6 +82,8 @@ from shard_engine_api._types import (
     DecodeBatchRequest,
     DecodeRequest,
     EvictionPolicy,
+    ExportSessionRequest,
+    ImportSessionRequest,
     Limits,
     LogitsResult,
     Metrics,
@@ -135,6 +137,8 @@ _CORE_TESTS: Final[tuple[str, ...]] = (
     "test_cancel_one_of_two_in_flight",
     "test_cancel_rolls_back",
     "test_cancel_running_batch",
+    "test_cancel_running_decode",
+    "test_cancel_session_stops_all_its_requests",
     "test_cancel_unknown_or_finished",
     "test_capabilities_fields",
     "test_checksum_mismatch",
@@ -153,6 +157,7 @@ _CORE_TESTS: Final[tuple[str, ...]] = (
     "test_fence_holds_after_slot_reuse",
     "test_health_metrics_consistent",
     "test_health_states",
+    "test_in_flight_while_running",
     "test_invalid_request_bad_token_ids",
     "test_invalid_request_empty_request_id",
     "test_invalid_request_malformed_bundle",
@@ -502,16 +507,45 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         engine.metrics()
 
     def test_not_ready_after_close(self) -> None:
-        """After ``close``: requests raise NotReady, health says "closed", and ``close`` is
+        """After ``close``: capabilities and every request (prefill, decode, decode_batch,
+        export_session, import_session) raise NotReady, health says "closed", and ``close`` is
         idempotent.
 
-        Fix: enter the closed state in close() and check it in every operation."""
+        Fix: enter the closed state in close() and check it in every operation (capabilities
+        included: a closed engine serves nothing, so it must not look loaded)."""
         h = self.harness
         engine = h.load()
         session = h.session("a")
         h.prefill(engine, session, 0, h.tokens(3, seed=1))
+        migrating = engine.capabilities().features.session_migration
+        snapshot = (
+            engine.export_session(ExportSessionRequest(request_id=h.request_id(), session=session))
+            if migrating
+            else None
+        )
         engine.close()
         engine.close()
+        _raises(NotReady, engine.capabilities, "capabilities() after close")
+        error = _raises(
+            ShardEngineError,
+            lambda: engine.export_session(
+                ExportSessionRequest(request_id=h.request_id(), session=session)
+            ),
+            "export_session after close",
+        )
+        # An engine without session migration may refuse it as unsupported before anything.
+        allowed = (NotReady,) if migrating else (NotReady, UnsupportedFeature)
+        assert isinstance(error, allowed), (
+            f"export_session after close raised {type(error).__name__} ({error}), not NotReady"
+        )
+        if snapshot is not None:
+            _raises(
+                NotReady,
+                lambda: engine.import_session(
+                    ImportSessionRequest(request_id=h.request_id(), snapshot=snapshot)
+                ),
+                "import_session after close",
+            )
         _raises(NotReady, lambda: h.prefill(engine, session, 3, (1,)), "prefill after close")
         _raises(NotReady, lambda: h.decode(engine, session, 3, (1,)), "decode after close")
         _raises(
@@ -1067,10 +1101,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         )
         assert engine.health().in_flight == 0
         if observed == 0:
-            suite_skip(
-                "no cancel landed while a prefill ran (every prefill finished first); "
-                "set cancel_load_options to slow the engine down"
-            )
+            h.no_cancel_landed("no cancel landed while a prefill ran (each finished first)")
 
     def _cancel_attempts(
         self,
@@ -1112,6 +1143,12 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
                 canceller.stop()
             if canceller.error is not None:
                 raise AssertionError(f"cancel() raised {canceller.error!r}") from canceller.error
+            if not cancelled and canceller.result is not None:
+                raise AssertionError(
+                    f"cancel() returned {canceller.result} while the prefill ran (attempt "
+                    f"{attempt}), yet the prefill committed and returned its result; "
+                    "cancelled=True means the operation will not commit"
+                )
             if cancelled:
                 observed += 1
                 reported = canceller.result.n_requests if canceller.result else 0
@@ -1284,13 +1321,17 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         """A prefill at start_pos below the committed length truncates there and continues:
         the result and the following decodes equal a fresh run of the new sequence.
 
+        With features.truncate = False a truncating prefill must raise UnsupportedFeature and
+        change nothing (then the rest is skipped).
+
         Fix: drop cached positions >= start_pos before appending (or declare
-        features.truncate = False)."""
+        features.truncate = False and refuse truncation with UnsupportedFeature)."""
         h = self.harness
         engine = h.load()
         caps = engine.capabilities()
         if not caps.features.truncate:
-            suite_skip("engine declares features.truncate = False")
+            self._check_truncate_refused(engine)
+            suite_skip("engine declares features.truncate = False (and refuses truncation)")
         exact, tolerance = self._shape_exactness(caps)
         original = h.tokens(8, seed=1)
         replacement = h.tokens(3, seed=2)
@@ -1392,8 +1433,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         h = self.harness
         batched = h.load()
         caps = batched.capabilities()
-        if not caps.features.batched_decode:
-            suite_skip("engine declares features.batched_decode = False")
+        self._need_batches(batched)
         exact, tolerance = self._batch_exactness(caps)
         single = h.load()
         lengths = (3, 7, 5)
@@ -1440,8 +1480,7 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         h = self.harness
         engine = h.load()
         caps = engine.capabilities()
-        if not caps.features.batched_decode:
-            suite_skip("engine declares features.batched_decode = False")
+        self._need_batches(engine)
         good, wrong_pos, bad_token = h.session("good"), h.session("wrong"), h.session("bad")
         for session in (good, wrong_pos, bad_token):
             h.prefill(engine, session, 0, h.tokens(4, seed=1))
@@ -1808,7 +1847,8 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         """Health and metrics agree with the operations performed: request counts (failed
         ones included; prefill, decode and decode_batch calls are requests, releases are
         not), prefill/decode token counts (successful ones only), errors by code (a release's
-        StaleEpoch included), sessions, KV positions used, releases and tombstones.
+        StaleEpoch included), sessions, KV positions used, releases and tombstones;
+        compute_ms grows once results report time spent computing.
 
         Fix: count in the shared ledger (EngineCore does) and report the counters as they
         are; do not count tokens of failed or cancelled requests, nor releases as requests;
@@ -1819,9 +1859,11 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         start = engine.metrics()
         assert start.requests == 0
         a, b = h.session("a"), h.session("b", epoch=2)
-        h.prefill(engine, a, 0, h.tokens(5, seed=1))
-        h.decode(engine, a, 5, (1,))
-        h.prefill(engine, b, 0, h.tokens(3, seed=2))
+        results = [
+            h.prefill(engine, a, 0, h.tokens(5, seed=1)),
+            h.decode(engine, a, 5, (1,)),
+            h.prefill(engine, b, 0, h.tokens(3, seed=2)),
+        ]
         _raises(CacheMiss, lambda: h.decode(engine, b, 7, (1,)), "decode at a wrong position")
         _raises(
             StaleEpoch,
@@ -1830,6 +1872,12 @@ class ShardEngineConformance(TargetedTests, MigrationTests):
         )
         metrics = engine.metrics()
         _assert_counters_grew(start, metrics)
+        reported_ms = sum(result.timings.compute_ms for result in results)
+        assert reported_ms == 0.0 or metrics.compute_ms > start.compute_ms, (
+            f"metrics.compute_ms stayed {metrics.compute_ms!r} while three requests reported "
+            f"{reported_ms:.3f} ms of compute in their timings; it counts the time spent "
+            "computing"
+        )
         health = engine.health()
         _assert_health_metrics_within(engine, engine.capabilities().limits)
         expected = {

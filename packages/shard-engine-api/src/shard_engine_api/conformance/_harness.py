@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final, NoReturn
 
 import msgspec
 import numpy as np
@@ -44,10 +45,11 @@ from shard_engine_api._types import (
     TokenInput,
     Tolerance,
 )
-from shard_engine_api.conformance._recorder import SuiteRecord
+from shard_engine_api.conformance._recorder import SuiteRecord, suite_skip
 from shard_engine_api.conformance._report import DeclaredValue
 
 __all__ = [
+    "IN_FLIGHT_GRACE_S",
     "Canceller",
     "EngineUnderTest",
     "Harness",
@@ -135,11 +137,21 @@ def assert_well_typed(result: object, what: str) -> None:
 
 def assert_timings(timings: Timings, what: str) -> None:
     """Timings are wall-clock milliseconds: finite and >= 0 (a negative or NaN duration comes
-    from mixing clocks or from an unset start, and breaks every latency figure a worker keeps)."""
+    from mixing clocks or from an unset start, and breaks every latency figure a worker keeps),
+    and the whole call (``total_ms``) lasts at least as long as each of its parts (waiting,
+    ``queue_ms``, and computing, ``compute_ms``): a total of 0 or one measured on another
+    clock makes every latency a worker derives from it wrong."""
     for name in ("queue_ms", "compute_ms", "total_ms"):
         value = getattr(timings, name)
         assert math.isfinite(value), f"{what}: timings.{name} is {value!r}, not finite"
         assert value >= 0, f"{what}: timings.{name} is {value!r}; durations are >= 0"
+    for part in ("queue_ms", "compute_ms"):
+        value = getattr(timings, part)
+        # A relative slack of 1e-9 for a total rounded after its parts (the same durations).
+        assert timings.total_ms >= value * (1.0 - 1e-9), (
+            f"{what}: timings.total_ms is {timings.total_ms!r}, less than timings.{part} "
+            f"{value!r}; the whole call lasts at least as long as each of its parts"
+        )
 
 
 def assert_matches(
@@ -277,6 +289,20 @@ class Harness:
     def session(self, name: str, epoch: int = 1) -> SessionRef:
         return SessionRef(session_id=f"{self._test_name}-{name}", epoch=epoch)
 
+    def no_cancel_landed(self, what: str) -> NoReturn:
+        """A cancellation test landed no cancel mid-operation. With the fixture's (or the suite
+        class's) cancellation options the operations are slow enough to cancel, so that is a
+        failure: ``health().in_flight`` did not count the running request, or ``cancel`` did not
+        stop it. Without them the engine may simply be faster than the canceller: skipped."""
+        if self.target.cancel_load_options:
+            raise AssertionError(
+                f"{what}, although the engine was loaded with the cancellation options "
+                f"{dict(self.target.cancel_load_options)!r}, which must make operations slow "
+                "enough to cancel mid-way: health().in_flight must count a running request and "
+                "cancel() must stop it (Cancelled to its caller)"
+            )
+        suite_skip(f"{what}; supply cancellation options that slow the engine down")
+
     def tokens(self, n: int, seed: int) -> tuple[int, ...]:
         """``n`` token ids in the fixture's vocabulary, a different sequence for each seed."""
         if self._vocab_size is None:
@@ -350,8 +376,14 @@ class Harness:
         return bundle_of(self.prefill(head, session, start_pos, tokens))
 
 
+IN_FLIGHT_GRACE_S: Final = 0.5
+"""How long a canceller waits for ``health().in_flight`` to report the request before it
+cancels anyway: an engine whose health hides running requests still has its cancel tested."""
+
+
 class Canceller(threading.Thread):
-    """Cancels from another thread: waits until the engine has work in flight, sleeps
+    """Cancels from another thread: waits until the engine has work in flight (at most
+    :data:`IN_FLIGHT_GRACE_S`; ``saw_in_flight`` says whether it was reported), sleeps
     ``delay`` seconds (so the cancel can land mid-computation rather than before it), then
     repeats ``cancel`` until the engine reports a cancelled request or ``stop`` is called."""
 
@@ -363,17 +395,17 @@ class Canceller(threading.Thread):
         self._done = threading.Event()
         self.result: CancelResult | None = None
         self.error: BaseException | None = None
+        self.saw_in_flight = False
 
     def run(self) -> None:
         try:
-            deadline = time.monotonic() + 10.0
-            while (
-                not self._done.is_set()
-                and self._engine.health().in_flight == 0
-                and time.monotonic() < deadline
-            ):
+            deadline = time.monotonic() + IN_FLIGHT_GRACE_S
+            while not self._done.is_set() and time.monotonic() < deadline:
+                if self._engine.health().in_flight > 0:
+                    self.saw_in_flight = True
+                    break
                 time.sleep(0)
-            if self._delay:
+            if self._delay and self.saw_in_flight:
                 time.sleep(self._delay)
             while not self._done.is_set():
                 result = self._engine.cancel(self._request)

@@ -28,10 +28,12 @@ from shard_engine_api._errors import (
     ShardEngineError,
     ShardMismatch,
     StaleEpoch,
+    UnsupportedFeature,
 )
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._types import (
     CONTRACT_VERSION,
+    SNAPSHOT_CHUNK_BYTES,
     BoundaryBundle,
     CancelRequest,
     Capabilities,
@@ -114,9 +116,19 @@ class MigrationTests:
     def _migrating(
         self, start: int = 0, end: int | None = None, **overrides: object
     ) -> ShardEngine:
-        engine = self.harness.load(start, end, **overrides)
+        h = self.harness
+        engine = h.load(start, end, **overrides)
         if not engine.capabilities().features.session_migration:
-            suite_skip("engine does not advertise session migration (features.session_migration)")
+            # The README's rule for an engine without the feature: both operations refused.
+            self._expect(
+                UnsupportedFeature,
+                partial(self._export, engine, h.session("unmigrated")),
+                "export_session on an engine that does not advertise session_migration",
+            )
+            suite_skip(
+                "engine does not advertise session migration (features.session_migration; "
+                "export_session is refused with UnsupportedFeature)"
+            )
         return engine
 
     def _feed(self, start: int, tokens: tuple[int, ...], **overrides: object) -> _Feed:
@@ -133,6 +145,7 @@ class MigrationTests:
             ExportSessionRequest(request_id=self.harness.request_id(), session=session)
         )
         assert isinstance(snapshot, SessionSnapshot), f"export returned {snapshot!r}"
+        _assert_chunked(snapshot)
         return snapshot
 
     def _import(
@@ -215,11 +228,13 @@ class MigrationTests:
         codec and imported under a newer epoch into another engine of the same shard (head,
         middle, tail and full) continues there exactly as on an engine it never left: every
         later decode equals the unmoved run's (bit for bit when the engine is deterministic),
-        and a session already live on the target is not disturbed.
+        and a session already live on the target is not disturbed. Every snapshot the suite
+        exports (in every migration test) is chunked as transports stream it: each chunk but
+        the last holds exactly SNAPSHOT_CHUNK_BYTES, none is empty.
 
         Fix: export every per-position state of the session's layers (the KV cache, any
         recurrent state) and install it unchanged; decode after import must read exactly the
-        positions 0..length-1 the snapshot carries."""
+        positions 0..length-1 the snapshot carries; cut the state with split_chunks."""
         h = self.harness
         self._migrating()
         n = h.n_layers
@@ -311,15 +326,16 @@ class MigrationTests:
     def test_migration_epoch_fencing(self) -> None:
         """Export reads exactly the live epoch: a newer epoch (not prefilled) is CacheMiss
         "new_epoch" with committed length 0, an older one StaleEpoch, an unknown session
-        CacheMiss "unknown_session". Import follows the fences: an epoch older than, or equal
-        to, the live one is StaleEpoch (nothing changed); a newer one replaces the live
-        session (older epochs are then StaleEpoch); a released epoch (tombstone) and older
-        ones are StaleEpoch, a newer one is installed; ``epoch`` below the snapshot's own is
-        InvalidRequest.
+        CacheMiss "unknown_session", a released epoch (or an older one) StaleEpoch. Import
+        follows the fences: an epoch older than, or equal to, the live one is StaleEpoch
+        (nothing changed); a newer one replaces the live session (older epochs are then
+        StaleEpoch); a released epoch (tombstone) and older ones are StaleEpoch, a newer one
+        is installed; ``epoch`` below the snapshot's own is InvalidRequest.
 
         Fix: export under decode's rules (same epoch only: a newer epoch has no state yet);
         run import through the same fence rule as prefill, strict for live state; check the
-        tombstones; install under ``request.epoch`` when given."""
+        tombstones (for export too: a released epoch is StaleEpoch, not CacheMiss); install
+        under ``request.epoch`` when given."""
         h = self.harness
         source = self._migrating()
         tokens = h.tokens(_PROMPT, seed=5)
@@ -369,6 +385,12 @@ class MigrationTests:
             "a prefill at the replaced epoch",
         )
         h.release(target, h.session("f", epoch=7))
+        for epoch in (7, 6):
+            self._expect(
+                StaleEpoch,
+                partial(self._export, target, h.session("f", epoch=epoch)),
+                f"export at epoch {epoch} after epoch 7 was released (its tombstone)",
+            )
         for epoch in (None, 7):
             self._expect(
                 StaleEpoch,
@@ -606,7 +628,7 @@ class MigrationTests:
         assert self._length(engine, session) == _PROMPT, "export (cancelled or not) changed it"
         assert engine.health().in_flight == 0
         if not landed:
-            suite_skip("no cancel landed while an import waited (the engine was too fast)")
+            h.no_cancel_landed("no cancel landed while an import or export waited")
 
     def _behind_a_slow_prefill(
         self,
@@ -682,6 +704,20 @@ class MigrationTests:
             f"health after an import: {health.sessions} sessions, {health.kv_used_tokens} kv"
         )
         assert (metrics.sessions_active, metrics.kv_used_tokens) == (1, _PROMPT)
+
+
+def _assert_chunked(snapshot: SessionSnapshot) -> None:
+    """The snapshot's state is cut as transports stream it: every chunk but the last holds
+    exactly SNAPSHOT_CHUNK_BYTES, and no chunk is empty."""
+    sizes = [memoryview(chunk).nbytes for chunk in snapshot.chunks]
+    for index, size in enumerate(sizes):
+        last = index == len(sizes) - 1
+        conforming = 0 < size <= SNAPSHOT_CHUNK_BYTES and (last or size == SNAPSHOT_CHUNK_BYTES)
+        assert conforming, (
+            f"snapshot chunk {index} of {len(sizes)} holds {size} bytes; every chunk but the "
+            f"last holds exactly SNAPSHOT_CHUNK_BYTES ({SNAPSHOT_CHUNK_BYTES}) and none is "
+            "empty (cut the state with shard_engine_api's split_chunks; EngineCore does)"
+        )
 
 
 def _round_trip(snapshot: SessionSnapshot) -> object:

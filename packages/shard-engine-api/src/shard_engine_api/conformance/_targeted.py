@@ -99,6 +99,8 @@ MAX_RELATIVE_TOLERANCE: Final = 0.5
 """The largest relative tolerance (of a row's magnitude) the suite accepts as a declaration."""
 _CANCEL_LATENCY_SLACK_MS: Final = 25.0
 """Added to twice the advertised cancel latency: thread wake-ups on a loaded machine."""
+_IN_FLIGHT_VISIBLE_S: Final = 0.05
+"""An operation that runs this long is seen in flight by a thread polling every 0.5 ms."""
 
 
 def _raises(
@@ -324,8 +326,74 @@ class TargetedTests:
         return msgspec.structs.replace(request, **fields) if fields else request
 
     def _need_batches(self, engine: ShardEngine) -> None:
-        if not engine.capabilities().features.batched_decode:
-            suite_skip("engine declares features.batched_decode = False")
+        """Skip unless ``engine`` advertises batched decode; one that does not must refuse
+        ``decode_batch`` with UnsupportedFeature and change nothing (a batch it serves
+        anyway would otherwise never be checked)."""
+        caps = engine.capabilities()
+        if caps.features.batched_decode:
+            return
+        h = self.harness
+        session = h.session(f"unbatched-{h.request_id()}")
+        length = 0
+        if caps.shard.takes_tokens:
+            length = 2
+            h.prefill(engine, session, 0, h.tokens(length, seed=3))
+        _raises_exactly(
+            UnsupportedFeature,
+            lambda: self._batch(engine, [self._item(session, length, (1,))]),
+            "decode_batch on an engine that declares features.batched_decode = False",
+        )
+        if length:
+            assert self._committed_length(engine, session) == length, (
+                "a refused decode_batch changed the session"
+            )
+            h.release(engine, session)
+        suite_skip("engine declares features.batched_decode = False (and refuses batches)")
+
+    def _check_truncate_refused(self, engine: ShardEngine) -> None:
+        """An engine that declares features.truncate = False refuses a truncating prefill
+        with UnsupportedFeature and keeps the session as it was."""
+        h = self.harness
+        if not engine.capabilities().shard.takes_tokens:
+            return
+        session = h.session(f"untruncated-{h.request_id()}")
+        h.prefill(engine, session, 0, h.tokens(4, seed=11))
+        _raises_exactly(
+            UnsupportedFeature,
+            lambda: h.prefill(engine, session, 2, h.tokens(1, seed=12)),
+            "a truncating prefill on an engine that declares features.truncate = False",
+        )
+        assert self._committed_length(engine, session) == 4, (
+            "a refused truncating prefill changed the session"
+        )
+        h.release(engine, session)
+
+    def _observed_decode(self, engine: ShardEngine, request: DecodeRequest) -> ShardResult:
+        return self.harness.observe(engine.decode(request))
+
+    def _run_observed(self, engine: ShardEngine, call: Callable[[], object]) -> tuple[int, float]:
+        """Run ``call`` on another thread while this one polls ``health().in_flight``; the
+        most requests seen in flight and how long the call ran (its error is re-raised)."""
+        outcome: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as error:  # noqa: BLE001 - re-raised by the test thread
+                outcome["error"] = error
+
+        worker = threading.Thread(target=run, name="conformance-in-flight", daemon=True)
+        most = 0
+        started = time.monotonic()
+        worker.start()
+        while worker.is_alive():
+            most = max(most, engine.health().in_flight)
+            time.sleep(0.0005)
+        ran = time.monotonic() - started
+        worker.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return most, ran
 
     def _committed_length(self, engine: ShardEngine, session: SessionRef) -> int:
         """The committed length as the engine reports it: a decode at a position the session
@@ -460,7 +528,7 @@ class TargetedTests:
             if best <= limit_ms:
                 break
         if best is None:
-            suite_skip("no cancel landed mid-operation; supply slower cancellation options")
+            h.no_cancel_landed("no cancel landed mid-operation in four attempts")
         assert best <= limit_ms, (
             f"cancel took {best:.1f} ms at best from cancel() to Cancelled; the engine "
             f"advertises {caps.features.cancel_latency_ms} ms (allowed {limit_ms:.1f} ms)"
@@ -511,7 +579,9 @@ class TargetedTests:
             suite_skip("engine does not advertise cancel")
         checked = [self._cancel_one_of_two(engine, by) for by in ("request_id", "session_id")]
         if not any(checked):
-            suite_skip("the two prefills never overlapped in flight (the engine is too fast)")
+            self.harness.no_cancel_landed(
+                "the two prefills were never seen in flight together (or never cancelled)"
+            )
 
     def _cancel_one_of_two(self, engine: ShardEngine, by: str) -> bool:
         """One round of :meth:`test_cancel_one_of_two_in_flight`, cancelling the first
@@ -604,8 +674,9 @@ class TargetedTests:
         h = self.harness
         engine = self._slow()
         caps = engine.capabilities()
-        if not caps.features.cancel or not caps.features.batched_decode:
-            suite_skip("engine does not advertise cancel and batched decode")
+        if not caps.features.cancel:
+            suite_skip("engine does not advertise cancel")
+        self._need_batches(engine)
         exact, tolerance = self._shape_exactness(caps)
         clean = h.load()
         landed = {"request id": 0, "session id": 0}
@@ -647,13 +718,205 @@ class TargetedTests:
             if all(landed.values()):
                 break
         if not any(landed.values()):
-            suite_skip("no cancel landed while a batch ran; supply slower cancellation options")
+            h.no_cancel_landed("no cancel landed while a batch ran")
         missed = [kind for kind, count in landed.items() if not count]
         assert not missed, (
             f"cancel by {missed[0]} never stopped a running batch while cancel by the other "
             "target did, with the same timing"
         )
         assert engine.health().in_flight == 0
+
+    def test_cancel_running_decode(self) -> None:
+        """A running single decode, slowed by the fixture's cancellation options, is
+        cancelled from another thread by its request id and by its session id: the caller
+        sees Cancelled, cancel() reported exactly one request, and the session is as before
+        (same committed length, the next decode equals a clean run); or, when the cancel came
+        too late, cancel() said nothing was cancelled and the decode committed. Fails when no
+        cancel landed although cancellation options were supplied (skipped without them).
+
+        Fix: register a decode for cancel like a prefill, poll its token during the forward,
+        roll it back, and answer cancelled=True only for a decode that will not commit."""
+        h = self.harness
+        engine = self._slow()
+        caps = engine.capabilities()
+        if not caps.features.cancel:
+            suite_skip("engine does not advertise cancel")
+        exact, tolerance = self._shape_exactness(caps)
+        clean = h.load()
+        landed = {"request id": 0, "session id": 0}
+        for attempt in range(8):
+            by = "request id" if attempt % 2 == 0 else "session id"
+            session = h.session(f"decode-{attempt}")
+            prompt = h.tokens(4, seed=attempt)
+            h.prefill(engine, session, 0, prompt)
+            request = DecodeRequest(
+                request_id=h.request_id(),
+                session=session,
+                pos=4,
+                inputs=TokenInput(token_ids=(5,)),
+            )
+            cancel = (
+                CancelRequest(request_id=request.request_id)
+                if by == "request id"
+                else CancelRequest(session_id=session.session_id)
+            )
+            cancelled, canceller = self._cancel_mid_flight(
+                engine, cancel, partial(self._observed_decode, engine, request)
+            )
+            if cancelled:
+                reported = canceller.result
+                assert reported is not None, (
+                    "the decode's caller saw Cancelled, but cancel() never said cancelled=True"
+                )
+                assert reported.n_requests == 1, (
+                    f"the decode's caller saw Cancelled; cancel by {by} returned {reported} "
+                    "(expected cancelled=True, n_requests=1)"
+                )
+            else:
+                assert canceller.result is None, (
+                    f"cancel by {by} returned {canceller.result} while the decode ran, yet the "
+                    "decode committed and returned its result; cancelled=True means the "
+                    "operation will not commit"
+                )
+            landed[by] += cancelled
+            expected_length = 4 if cancelled else 5
+            length = self._committed_length(engine, session)
+            assert length == expected_length, (
+                f"after a {'cancelled' if cancelled else 'completed'} decode the session holds "
+                f"{length} positions, expected {expected_length}"
+            )
+            reference = h.session(f"clean-decode-{attempt}")
+            h.prefill(clean, reference, 0, prompt)
+            if not cancelled:
+                h.decode(clean, reference, 4, (5,))
+            want = logits_array(h.decode(clean, reference, expected_length, (7,)))
+            got = logits_array(h.decode(engine, session, expected_length, (7,)))
+            assert_matches(
+                got,
+                want,
+                exact=exact,
+                tolerance=tolerance,
+                what=f"decode after a {'cancelled' if cancelled else 'completed'} decode",
+            )
+            h.release(engine, session)
+            h.release(clean, reference)
+            if all(landed.values()):
+                break
+        if not any(landed.values()):
+            h.no_cancel_landed("no cancel landed while a decode ran")
+        missed = [kind for kind, count in landed.items() if not count]
+        assert not missed, (
+            f"cancel by {missed[0]} never stopped a running decode while cancel by the other "
+            "target did, with the same timing"
+        )
+        assert engine.health().in_flight == 0
+
+    def test_cancel_session_stops_all_its_requests(self) -> None:
+        """With two prefills of one session in flight (two threads, slowed by the fixture's
+        cancellation options), one cancel by session id stops both: both callers see
+        Cancelled, CancelResult.n_requests is 2 (in general: exactly the number of requests
+        whose callers saw Cancelled), and the session keeps its committed length. Fails when
+        the two were never cancelled together although cancellation options were supplied
+        (skipped without them).
+
+        Fix: cancel every in-flight request naming the session (queued ones included) and
+        count each one stopped in n_requests."""
+        h = self.harness
+        engine = self._slow()
+        caps = engine.capabilities()
+        if not caps.features.cancel:
+            suite_skip("engine does not advertise cancel")
+        for attempt in range(5):
+            session = h.session(f"pair-{attempt}")
+            h.prefill(engine, session, 0, h.tokens(4, seed=attempt))
+            request_ids = [h.request_id() for _ in range(2)]
+            outcomes: dict[str, object] = {}
+
+            def run(
+                request_id: str,
+                seed: int,
+                session: SessionRef = session,
+                outcomes: dict[str, object] = outcomes,
+            ) -> None:
+                try:
+                    outcomes[request_id] = h.prefill(
+                        engine, session, 4, h.tokens(3, seed=seed), request_id=request_id
+                    )
+                except BaseException as failure:  # noqa: BLE001 - judged by the test thread
+                    outcomes[request_id] = failure
+
+            threads = [
+                threading.Thread(target=run, args=(request_id, index + 7), daemon=True)
+                for index, request_id in enumerate(request_ids)
+            ]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 5.0
+            together = False
+            while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+                if engine.health().in_flight >= 2:
+                    together = True
+                    break
+                time.sleep(0.0002)
+            result = engine.cancel(CancelRequest(session_id=session.session_id))
+            for thread in threads:
+                thread.join(timeout=30.0)
+            assert not any(t.is_alive() for t in threads), "a prefill did not return in 30 s"
+            for outcome in outcomes.values():
+                if isinstance(outcome, BaseException) and not isinstance(outcome, ShardEngineError):
+                    raise outcome
+            stopped = [o for o in outcomes.values() if isinstance(o, Cancelled)]
+            for error in stopped:
+                assert_cancelled(error, "a prefill cancelled by its session")
+            assert (result.cancelled, result.n_requests) == (bool(stopped), len(stopped)), (
+                f"cancel by session returned {result}, but {len(stopped)} of the session's two "
+                "in-flight prefills saw Cancelled; n_requests counts every request it stopped"
+            )
+            if together and len(stopped) == 2:
+                length = self._committed_length(engine, session)
+                assert length == 4, (
+                    f"both prefills were cancelled, yet the session holds {length} positions "
+                    "(expected 4)"
+                )
+                h.release(engine, session)
+                assert engine.health().in_flight == 0
+                return
+            h.release(engine, session)
+        h.no_cancel_landed("two prefills of one session were never cancelled together")
+
+    def test_in_flight_while_running(self) -> None:
+        """``health().in_flight`` counts the requests running now: while a prefill, a decode
+        and (when advertised) a decode_batch run on another thread, slowed by the fixture's
+        cancellation options, health() polled from this thread sees at least one in flight
+        (an operation that runs 50 ms or more unseen fails), and none once they returned.
+        Fails when no operation was seen although cancellation options were supplied
+        (skipped without them).
+
+        Fix: count a request in flight from its arrival until it returns (EngineCore keeps
+        one entry per request) and report that count in Health.in_flight."""
+        h = self.harness
+        engine = self._slow()
+        caps = engine.capabilities()
+        session = h.session("running")
+        operations: list[tuple[str, Callable[[], object]]] = [
+            ("prefill", partial(h.prefill, engine, session, 0, h.tokens(4, seed=1))),
+            ("decode", partial(h.decode, engine, session, 4, (1,))),
+        ]
+        if caps.features.batched_decode:
+            operations.append(
+                ("decode_batch", lambda: self._batch(engine, [self._item(session, 5, (2,))]))
+            )
+        seen = 0
+        for name, call in operations:
+            most, ran = self._run_observed(engine, call)
+            assert most >= 1 or ran < _IN_FLIGHT_VISIBLE_S, (
+                f"a {name} ran for {ran * 1000:.0f} ms while health().in_flight stayed 0 "
+                "(polled every 0.5 ms from another thread)"
+            )
+            assert engine.health().in_flight == 0, f"health().in_flight after the {name} returned"
+            seen += most >= 1
+        if not seen:
+            h.no_cancel_landed("no operation was ever seen in flight")
 
     # ================================================================= batches
 
@@ -1468,7 +1731,8 @@ class TargetedTests:
         """Every object the engine returns (capabilities, logits and boundary results,
         bundles, batch results with errors, cancel and release results, health, metrics, and
         the wire form of every raised error) round-trips through the project's codec
-        unchanged and passes its checks (checksums, finite values, sizes).
+        unchanged and passes its checks (checksums, finite values, sizes); a CacheMiss's wire
+        form carries its committed length and reason.
 
         Fix: return only contract types with valid field values (no numpy scalars, no
         subclasses, checksums over the payload, finite rows)."""
@@ -1498,11 +1762,21 @@ class TargetedTests:
         returned.append(("metrics", engine.metrics()))
         for what, call in (
             ("cache miss", lambda: h.decode(engine, session, 99, (1,))),
+            ("cache miss (unknown session)", lambda: h.decode(engine, h.session("no"), 0, (1,))),
+            ("cache miss (prefill gap)", lambda: h.prefill(engine, session, 99, (1,))),
             ("stale epoch", lambda: h.prefill(engine, h.session("wire", epoch=0), 0, (1,))),
             ("invalid request", lambda: h.prefill(engine, session, 0, ())),
         ):
             error = _raises(ShardEngineError, call, what)
-            returned.append((f"the wire form of {what}", error.to_info()))
+            info = error.to_info()
+            if isinstance(error, CacheMiss):
+                carried = (info.details.get("committed_length"), info.details.get("reason"))
+                assert carried == (error.committed_length, error.reason), (
+                    f"the wire form of {what} carries committed_length and reason {carried}, "
+                    f"the error itself {(error.committed_length, error.reason)}: a remote caller "
+                    "would replay from the wrong position"
+                )
+            returned.append((f"the wire form of {what}", info))
         if h.n_layers >= 2:
             (head_range, _tail) = split_ranges(h.n_layers, 2)
             head = h.load(*head_range)
@@ -1522,7 +1796,9 @@ class TargetedTests:
         or eviction can free (KV budget, session slots), not for positions past max_context,
         and NotReady only while the engine is loading (never before load or after close). The
         wire form rebuilds the same class. A subclass with its own code, or a retryable
-        StaleEpoch, violates the contract.
+        StaleEpoch, violates the contract. Every raised error survives the wire: encoded,
+        decoded and rebuilt (``to_info``, the codec, ``error_from_info``) it has the same
+        class, code and retryable flag, and a CacheMiss the same committed length and reason.
 
         Fix: raise the contract's error classes themselves, with their default retryable;
         retryable=False for a context overflow and for an unloaded or closed engine."""
@@ -1537,6 +1813,9 @@ class TargetedTests:
         h.prefill(full, session, 0, h.tokens(limit, seed=4))
         calls: list[tuple[str, Callable[[], object]]] = [
             ("cache miss", lambda: h.decode(engine, session, 9, (1,))),
+            ("cache miss (unknown session)", lambda: h.decode(engine, h.session("z"), 0, (1,))),
+            ("cache miss (prefill gap)", lambda: h.prefill(engine, session, 9, (1,))),
+            ("stale epoch (decode)", lambda: h.decode(engine, h.session("b", epoch=1), 3, (1,))),
             ("stale epoch", lambda: h.prefill(engine, h.session("b", epoch=1), 0, (1,))),
             ("resource exhausted (slots)", lambda: h.prefill(engine, h.session("c"), 0, (1,))),
             ("resource exhausted (context)", lambda: h.decode(full, session, limit, (1,))),
@@ -1600,12 +1879,7 @@ class TargetedTests:
             assert error.retryable == wanted, (
                 f"{what}: {cls.__name__}.retryable is {error.retryable}, the contract says {wanted}"
             )
-            rebuilt = error_from_info(error.to_info())
-            assert (type(rebuilt), rebuilt.code, rebuilt.retryable) == (
-                cls,
-                error.code,
-                error.retryable,
-            )
+            self._assert_survives_the_wire(error, what)
         if engine.capabilities().features.batched_decode:
             outcomes = self._batch(
                 engine,
@@ -1624,6 +1898,31 @@ class TargetedTests:
                 assert outcome.retryable == known.default_retryable, (
                     f"batch item {outcome.code}: retryable {outcome.retryable}"
                 )
+
+    def _assert_survives_the_wire(self, error: ShardEngineError, what: str) -> None:
+        """``error`` encoded, decoded and rebuilt as a remote caller receives it is the same
+        error: class, code, retryable flag and, for CacheMiss, committed length and reason."""
+        try:
+            decoded = _codec.decode_message(_codec.encode(error.to_info()))
+        except ShardEngineError as failure:
+            raise AssertionError(f"{what}: its wire form does not survive the codec") from failure
+        assert isinstance(decoded, ErrorInfo), f"{what}: decoded {type(decoded).__name__}"
+        rebuilt = error_from_info(decoded)
+        have: tuple[object, ...] = (type(rebuilt), rebuilt.code, rebuilt.retryable)
+        want: tuple[object, ...] = (type(error), error.code, error.retryable)
+        if isinstance(error, CacheMiss):
+            want += (error.committed_length, error.reason)
+            have += (
+                (rebuilt.committed_length, rebuilt.reason)
+                if isinstance(rebuilt, CacheMiss)
+                else (None, None)
+            )
+        assert have == want, (
+            f"{what}: over the wire it becomes {have} (class, code, retryable"
+            f"{', committed_length, reason' if isinstance(error, CacheMiss) else ''}), "
+            f"raised as {want}; put every field in the error's details (the constructors of "
+            "the contract's classes do)"
+        )
 
     def test_outputs_finite(self) -> None:
         """Every output is finite: logits of prefill ("last" and "all"), decode and batch
