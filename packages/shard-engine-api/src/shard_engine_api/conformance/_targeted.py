@@ -395,6 +395,21 @@ class TargetedTests:
             raise outcome["error"]
         return most, ran
 
+    @staticmethod
+    def _both_cancels_landed(
+        h: Harness, engine: ShardEngine, landed: dict[str, int], what: str
+    ) -> None:
+        """After the attempts of a cancel test: some cancel stopped the running ``what``, both
+        targets (request id and session id) did, and nothing is left in flight."""
+        if not any(landed.values()):
+            h.no_cancel_landed(f"no cancel landed while a {what} ran")
+        missed = [kind for kind, count in landed.items() if not count]
+        assert not missed, (
+            f"cancel by {missed[0]} never stopped a running {what} while cancel by the other "
+            "target did, with the same timing"
+        )
+        assert engine.health().in_flight == 0
+
     def _committed_length(self, engine: ShardEngine, session: SessionRef) -> int:
         """The committed length as the engine reports it: a decode at a position the session
         cannot be at (max_context - 1) must miss and carry it."""
@@ -717,14 +732,7 @@ class TargetedTests:
                 )
             if all(landed.values()):
                 break
-        if not any(landed.values()):
-            h.no_cancel_landed("no cancel landed while a batch ran")
-        missed = [kind for kind, count in landed.items() if not count]
-        assert not missed, (
-            f"cancel by {missed[0]} never stopped a running batch while cancel by the other "
-            "target did, with the same timing"
-        )
-        assert engine.health().in_flight == 0
+        self._both_cancels_landed(h, engine, landed, "batch")
 
     def test_cancel_running_decode(self) -> None:
         """A running single decode, slowed by the fixture's cancellation options, is
@@ -802,14 +810,7 @@ class TargetedTests:
             h.release(clean, reference)
             if all(landed.values()):
                 break
-        if not any(landed.values()):
-            h.no_cancel_landed("no cancel landed while a decode ran")
-        missed = [kind for kind, count in landed.items() if not count]
-        assert not missed, (
-            f"cancel by {missed[0]} never stopped a running decode while cancel by the other "
-            "target did, with the same timing"
-        )
-        assert engine.health().in_flight == 0
+        self._both_cancels_landed(h, engine, landed, "decode")
 
     def test_cancel_session_stops_all_its_requests(self) -> None:
         """With two prefills of one session in flight (two threads, slowed by the fixture's
