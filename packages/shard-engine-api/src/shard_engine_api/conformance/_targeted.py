@@ -396,6 +396,17 @@ class TargetedTests:
         return most, ran
 
     @staticmethod
+    def _two_in_flight(engine: ShardEngine, threads: Sequence[threading.Thread]) -> bool:
+        """Whether the engine reports two requests in flight at once within 5 s, while the
+        started ``threads`` that run them are alive."""
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+            if engine.health().in_flight >= 2:
+                return True
+            time.sleep(0.0002)
+        return False
+
+    @staticmethod
     def _both_cancels_landed(
         h: Harness, engine: ShardEngine, landed: dict[str, int], what: str
     ) -> None:
@@ -638,13 +649,7 @@ class TargetedTests:
             ]
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 5.0
-            overlapped = False
-            while time.monotonic() < deadline and any(t.is_alive() for t in threads):
-                if engine.health().in_flight >= 2:
-                    overlapped = True
-                    break
-                time.sleep(0.0002)
+            overlapped = self._two_in_flight(engine, threads)
             named = (
                 CancelRequest(request_id=first_id)
                 if by == "request_id"
@@ -852,13 +857,7 @@ class TargetedTests:
             ]
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 5.0
-            together = False
-            while time.monotonic() < deadline and any(t.is_alive() for t in threads):
-                if engine.health().in_flight >= 2:
-                    together = True
-                    break
-                time.sleep(0.0002)
+            together = self._two_in_flight(engine, threads)
             result = engine.cancel(CancelRequest(session_id=session.session_id))
             for thread in threads:
                 thread.join(timeout=30.0)
