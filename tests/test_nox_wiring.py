@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,31 @@ def test_sessions_that_run_the_conformance_suite_install_its_requirements() -> N
     for session in ("conformance", "certify"):
         body = source.split(f"def {session}(", 1)[1].split("\n@nox.session", 1)[0]
         assert "TEST_TOOLS" in body, f"the {session} session does not install TEST_TOOLS"
+
+
+def test_sessions_run_on_the_interpreter_that_runs_nox() -> None:
+    """No session pins a Python version (nox would refuse to run it where that version is
+    missing, e.g. with only 3.12 installed): each builds its venv from the interpreter running
+    nox. Fix: drop ``python=`` from the ``@nox.session`` decorator."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "nox", "-l", "--json", "-f", str(ROOT / "noxfile.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    sessions = json.loads(listing)
+    assert sessions
+    pinned = {session["session"]: session["python"] for session in sessions if session["python"]}
+    assert not pinned, f"sessions pinned to a Python version: {pinned}"
+    assert noxfile.nox.options.error_on_missing_interpreters
+
+
+def test_ci_runs_nox_on_the_oldest_supported_python() -> None:
+    """.ci/run puts Python 3.11 (the packages' requires-python floor) first on PATH as the
+    `python3` of the README's command."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python3.11 -c 'import sys; print(sys.executable)'" in ci
+    assert 'export PATH="$bin:$PATH"' in ci
+    for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
+        assert 'requires-python = ">=3.11"' in pyproject.read_text(encoding="utf-8")
