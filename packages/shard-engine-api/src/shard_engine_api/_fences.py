@@ -8,14 +8,21 @@ at least the ``generation_size`` most recently released or evicted sessions are 
 (up to twice that many), and every fence forgotten that way is counted in ``dropped``, which the
 engine reports in metrics and health: a fence never expires silently.
 
-Two session ids sharing a 64-bit hash would share a fence (the newer id could be refused as
-stale); with a million fences kept the chance per new session is about 5e-14.
+The 64-bit hash is a keyed BLAKE2b whose 32-byte key each table draws from ``os.urandom`` when
+it is made, and never shows: session ids come from callers, and with an unkeyed hash a caller
+could search offline for an id sharing another session's hash (2**32 work for a pair of its
+own, 2**64 / N to hit one of N predictable ids of others) and fence that session at every epoch
+by releasing its own id at epoch 2**63 - 1. Keyed, no id can be computed to collide without
+the key, so two ids share a fence only by chance: with a million fences kept, about 5e-14 per
+new session. Hashes differ between tables and processes (and so do the arrays' orders); a
+table never leaves its process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Final
 
@@ -33,6 +40,8 @@ BYTES_PER_FENCE: Final = 17
 _log = logging.getLogger("shard_engine.core")
 _MERGE_EVERY: Final = 4096
 _EPOCH_CEILING: Final = (1 << 64) - 1
+_KEY_BYTES: Final = 32
+"""The secret BLAKE2b key of a table (BLAKE2b takes up to 64 bytes)."""
 
 _Keys = npt.NDArray[np.uint64]
 _Flags = npt.NDArray[np.bool_]
@@ -100,10 +109,13 @@ class FenceTable:
         self._pending: dict[int, tuple[int, bool]] = {}
         self._current = _Generation.empty()
         self._previous = _Generation.empty()
+        # Drawn once per table and kept for its life: the same id must keep its key. A
+        # BLAKE2b state holding the key, copied per id, skips re-keying on every lookup.
+        self._keyed = hashlib.blake2b(digest_size=8, key=os.urandom(_KEY_BYTES))
 
-    @staticmethod
-    def _key(session_id: str) -> int:
-        digest = hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=8)
+    def _key(self, session_id: str) -> int:
+        digest = self._keyed.copy()
+        digest.update(session_id.encode("utf-8", "surrogatepass"))
         return int.from_bytes(digest.digest(), "little")
 
     def get(self, session_id: str) -> Fence | None:
