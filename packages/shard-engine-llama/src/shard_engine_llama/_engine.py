@@ -87,8 +87,8 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       pipeline must use the same value (and the same ``kv_type``, ``flash_attn`` and context
       settings) for bitwise-equal results.
     - ``kv_type``: "f32" (default; matches a float64 reference) or "f16".
-    - ``model_store``: where shard files are written (default: SHARD_ENGINE_MODEL_STORE or
-      ~/.cache/shard-engine; /home is refused).
+    - ``model_store``: where shard files are written (default: SHARD_ENGINE_MODEL_STORE, else
+      a private per-user directory in $TMPDIR or /var/tmp; /home is refused).
     - ``tolerance``: one absolute max |delta| declared for logits and hidden states alike, for
       results that are not bitwise equal (decode vs. prefill of the same tokens, batched vs.
       single decode). Default: none; the engine declares per-kind tolerances relative to each

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 __all__ = ["add_commands"]
@@ -50,6 +49,7 @@ def _option(text: str) -> tuple[str, object]:
 def _command_serve(args: argparse.Namespace) -> int:
     import shard_engine_api as api
     from shard_engine_api._plugins import describe_model, get_plugin_manager, model_fixture
+    from shard_engine_api._store import model_store, unchecked_model_store
     from shard_engine_remote._ratelimit import RateLimit
     from shard_engine_remote._security import ServerSecurity, read_pem, read_token
     from shard_engine_remote._server import EngineServer, Serving, serve_until_signalled
@@ -58,9 +58,9 @@ def _command_serve(args: argparse.Namespace) -> int:
     if args.model:
         fixture = describe_model(manager, args.engine, args.model)
     else:
-        store = args.workdir or os.environ.get("SHARD_ENGINE_MODEL_STORE")
-        workdir = Path(store) if store else Path.home() / ".cache" / "shard-engine"
-        workdir.mkdir(parents=True, exist_ok=True)
+        # As `run` does: --workdir is checked now, the model store by an engine that writes
+        # into it (the fake never does), so its message names where the path came from.
+        workdir = model_store(args.workdir) if args.workdir else unchecked_model_store()
         fixture = model_fixture(manager, args.engine, workdir)
     start, end = args.layers
     config = fixture.config(
