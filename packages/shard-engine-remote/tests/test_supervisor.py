@@ -220,6 +220,7 @@ def test_a_burst_of_sigterms_ends_the_child_at_once(transport: str) -> None:
             except ProcessLookupError:
                 break
         try:
-            assert process.wait(4.0) == 0, "the child did not drain and exit cleanly"
+            # Drained, then ended by the signal it was sent (so a crash report names it).
+            assert process.wait(4.0) == -signal.SIGTERM, "the child did not drain and exit"
         finally:
             engine.close()

@@ -329,8 +329,10 @@ class RemoteEngine:
     @property
     def child_pid(self) -> int | None:
         """The pid of the spawned child serving the engine, if any."""
+        # One read of the child, then one of its process: a restart swapping either in
+        # between must not make this raise (it promises None when no child runs).
         child = self._child
-        return child.pid if child is not None and not child.exited else None
+        return None if child is None else child.running_pid
 
     @property
     def restarts(self) -> int:

@@ -1233,9 +1233,11 @@ def serve_until_signalled(
     drain_seconds: float = 10.0,
     stop: threading.Event | None = None,
     on_stopped: Callable[[], None] | None = None,
-) -> None:
-    """Block until SIGTERM or SIGINT (or ``stop`` is set), then drain in-flight calls for up to
-    ``drain_seconds``, close the engine and return. Call from the main thread."""
+) -> int | None:
+    """Block until SIGTERM, SIGHUP or SIGINT (or ``stop`` is set), then drain in-flight calls
+    for up to ``drain_seconds``, close the engine and return the first signal received (None
+    when ``stop`` ended it). Call from the main thread. SIGHUP drains too: a closed terminal or
+    a service manager's hang-up must not kill a server mid-call."""
     stop = stop or threading.Event()
     signalled: list[int] = []
 
@@ -1245,7 +1247,9 @@ def serve_until_signalled(
         # supervisor sends SIGTERM twice: once to ask, once from its stop).
         signalled.append(signum)
 
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    }
     try:
         while not signalled and not stop.wait(_SIGNAL_POLL_S):
             pass
@@ -1260,3 +1264,4 @@ def serve_until_signalled(
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    return signalled[0] if signalled else None

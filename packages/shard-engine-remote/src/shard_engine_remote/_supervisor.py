@@ -52,7 +52,12 @@ _SIGNAL_NOTES: Final = {
     signal.SIGABRT: "aborted: an assertion in native code (e.g. GGML_ASSERT) or abort()",
     signal.SIGKILL: "killed: kill -9 or the out-of-memory killer",
     signal.SIGSEGV: "segmentation fault in native code",
-    signal.SIGTERM: "terminated",
+    signal.SIGTERM: "terminated: someone other than its worker asked it to stop (it drained "
+    "its calls first)",
+    signal.SIGHUP: "hung up: someone other than its worker asked it to stop (it drained its "
+    "calls first)",
+    signal.SIGINT: "interrupted (it drained its calls first)",
+    signal.SIGBUS: "bus error: a file mapped by native code shrank or vanished",
 }
 
 
@@ -83,6 +88,10 @@ def describe_exit(returncode: int) -> tuple[str, dict[str, api.ErrorDetail]]:
         note = _SIGNAL_NOTES.get(sig, "")
         sentence = f"was killed by {sig.name} ({sig.value})" + (f": {note}" if note else "")
         return sentence, {"signal": sig.name, "signal_number": sig.value}
+    if returncode == 0:
+        # The child exits 0 only when its stdin closed, which its worker never does while it
+        # still needs it; a signal ends it with that signal (see _child).
+        return "exited with code 0 without being asked to", {"exit_code": 0}
     return f"exited with code {returncode}", {"exit_code": returncode}
 
 
@@ -223,6 +232,15 @@ class ChildProcess:
         assert self._process is not None, "the child was not started"
         return self._process.pid
 
+    @property
+    def running_pid(self) -> int | None:
+        """The child's pid while it runs; None before it started and once it exited. Never
+        raises, from any thread, whatever a start, a stop or a restart is doing."""
+        process = self._process
+        if process is None or self._exited.is_set():
+            return None
+        return process.pid
+
     def environment(self) -> dict[str, str]:
         """The child's environment: inherited (or PATH only), then ``env`` applied, then the
         token."""
@@ -242,6 +260,7 @@ class ChildProcess:
         command += ["--engine", self.engine_name, "--listen", self.address]
         command += ["--transport", self.transport]
         command += ["--private-directory", str(self._directory)]
+        command += ["--parent-pid", str(os.getpid())]
         if self._max_message_bytes is not None:
             command += ["--max-message-bytes", str(self._max_message_bytes)]
         with self._start_lock:
