@@ -48,6 +48,12 @@ from shard_engine_api._plugins import (
 )
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._sampling import GREEDY, Sampler, Sampling
+from shard_engine_api._stages import (
+    GenerationRequest,
+    ManyGenerationResult,
+    SessionGeneration,
+    StageTimings,
+)
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     AuxState,
@@ -127,6 +133,7 @@ __all__ = [
     "Features",
     "FinishReason",
     "GeneratedToken",
+    "GenerationRequest",
     "GenerationResult",
     "Health",
     "HookStatus",
@@ -140,6 +147,7 @@ __all__ = [
     "LogitsMode",
     "LogitsResult",
     "MalformedOutput",
+    "ManyGenerationResult",
     "Metrics",
     "MtpState",
     "NotReady",
@@ -156,6 +164,7 @@ __all__ = [
     "Role",
     "Sampler",
     "Sampling",
+    "SessionGeneration",
     "SessionRef",
     "SessionSnapshot",
     "ShardEngine",
@@ -165,6 +174,7 @@ __all__ = [
     "ShardResult",
     "ShardSpec",
     "ShardTimings",
+    "StageTimings",
     "StaleEpoch",
     "Timings",
     "TokenInput",

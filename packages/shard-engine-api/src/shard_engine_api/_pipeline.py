@@ -1,7 +1,8 @@
 """The one pipeline driver: engines ordered head -> middle... -> tail, driven for one or more
 sessions in one process. The ``run`` and ``bench`` commands, the fake's helpers, the benchmarks,
 the conformance suite and worker code all step through :class:`Pipeline`; workers generate with
-:meth:`Pipeline.stream` (an iterator of tokens that always releases its session)."""
+:meth:`Pipeline.stream` (an iterator of tokens that always releases its session), and many
+sessions at once with :meth:`Pipeline.generate_many` (its stage loop is in ``_stages``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from types import TracebackType
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import msgspec
 import numpy as np
@@ -47,6 +48,9 @@ from shard_engine_api._types import (
     ShardResult,
     TokenInput,
 )
+
+if TYPE_CHECKING:
+    from shard_engine_api._stages import GenerationRequest, ManyGenerationResult
 
 __all__ = [
     "FinishReason",
@@ -508,6 +512,90 @@ class Pipeline:
                 pass
         return stream.result()
 
+    def generate_many(
+        self,
+        prompts: Sequence[Sequence[int] | GenerationRequest],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling = GREEDY,
+        stop_tokens: Sequence[int] = (),
+        tokenizer: Tokenizer | None = None,
+        max_in_flight: int | None = None,
+        groups: int | None = None,
+        keep_logits: bool = True,
+        on_token: Callable[[int, GeneratedToken], object] | None = None,
+    ) -> ManyGenerationResult:
+        """Generate for many sessions at once, keeping every shard busy: while shard ``k``
+        works on one group of sessions, shard ``k + 1`` works on another, and the decodes of
+        a group meet at each shard as one ``decode_batch``.
+
+        Each prompt is one session. A plain prompt takes ``max_new_tokens``, ``sampling`` and
+        ``stop_tokens``; a :class:`GenerationRequest` carries its own (and may name its
+        session). Each session's tokens, text and (with ``keep_logits``) step logits are what
+        :meth:`generate` gives for it alone, within the engines' declared batch tolerance
+        (bit-identical on a batch-invariant engine). With ``keep_logits=False`` no logits are
+        kept and the last token is not decoded, as :meth:`stream` does.
+
+        At most ``max_in_flight`` sessions (default: as many as every shard admits) hold
+        engine state at once; the next prompt starts when one ends. They travel in
+        ``groups`` groups (default one per shard, so each shard has one to work on).
+        ``on_token(index, token)`` is called on the tail shard's thread for each token of
+        ``prompts[index]`` as it is drawn; it should not block (the tail waits for it).
+
+        A session that fails (a step raises on some shard, its logits cannot be sampled, the
+        tokenizer fails) ends with that error in :attr:`SessionGeneration.error` and leaves
+        the others running; nothing is replayed, as in :meth:`generate`. Every session is
+        released on every shard before this returns or raises. An exception of another kind
+        (``on_token`` raising, an engine's own exception outside the taxonomy) or a
+        KeyboardInterrupt cancels the calls in flight and ends the whole run with it.
+
+        Raises InvalidRequest for an invalid prompt or setting, before any work."""
+        from shard_engine_api._stages import SessionsRun
+
+        return SessionsRun(
+            self,
+            prompts,
+            max_new_tokens,
+            sampling=sampling,
+            stop_tokens=stop_tokens,
+            tokenizer=tokenizer,
+            max_in_flight=max_in_flight,
+            groups=groups,
+            keep_logits=keep_logits,
+            on_token=on_token,
+        ).run()
+
+    async def agenerate_many(
+        self,
+        prompts: Sequence[Sequence[int] | GenerationRequest],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling = GREEDY,
+        stop_tokens: Sequence[int] = (),
+        tokenizer: Tokenizer | None = None,
+        max_in_flight: int | None = None,
+        groups: int | None = None,
+        keep_logits: bool = True,
+        on_token: Callable[[int, GeneratedToken], object] | None = None,
+    ) -> ManyGenerationResult:
+        """:meth:`generate_many` for asyncio: the shards run on their own threads and the event
+        loop only waits. Cancelling the task cancels the calls in flight, waits until every
+        session is released on every shard, then ends with ``CancelledError``."""
+        from shard_engine_api._stages import SessionsRun
+
+        return await SessionsRun(
+            self,
+            prompts,
+            max_new_tokens,
+            sampling=sampling,
+            stop_tokens=stop_tokens,
+            tokenizer=tokenizer,
+            max_in_flight=max_in_flight,
+            groups=groups,
+            keep_logits=keep_logits,
+            on_token=on_token,
+        ).arun()
+
 
 class _Generation:
     """The state of one generation. The token generator holds this, not the TokenStream, so
@@ -666,29 +754,34 @@ class TokenStream:
 
     def result(self) -> GenerationResult:
         """What was generated, with timings (complete once the stream has ended)."""
-        state = self._state
-        timings: list[ShardTimings] = []
-        for index, engine in enumerate(state.pipeline.engines):
-            per_step = [shard_ms[index] for shard_ms in state.shard_decode]
-            timings.append(
-                ShardTimings(
-                    shard=_describe(engine),
-                    prefill_ms=state.shard_prefill[index] if state.shard_prefill else 0.0,
-                    decode_ms_median=statistics.median(per_step) if per_step else 0.0,
-                    decode_ms_total=sum(per_step),
-                )
+        return _generation_result(self._state)
+
+
+def _generation_result(state: _Generation) -> GenerationResult:
+    """What ``state`` generated, with its timings (a stream's, or one of generate_many's
+    sessions')."""
+    timings: list[ShardTimings] = []
+    for index, engine in enumerate(state.pipeline.engines):
+        per_step = [shard_ms[index] for shard_ms in state.shard_decode]
+        timings.append(
+            ShardTimings(
+                shard=_describe(engine),
+                prefill_ms=state.shard_prefill[index] if state.shard_prefill else 0.0,
+                decode_ms_median=statistics.median(per_step) if per_step else 0.0,
+                decode_ms_total=sum(per_step),
             )
-        return GenerationResult(
-            prompt_ids=state.prompt_ids,
-            token_ids=tuple(state.token_ids),
-            step_logits=tuple(state.step_logits),
-            shard_timings=tuple(timings),
-            prefill_ms=state.prefill_ms,
-            decode_ms_median=statistics.median(state.decode_ms) if state.decode_ms else 0.0,
-            wire_bytes=state.wire_bytes,
-            finish_reason=state.finish_reason or "length",
-            text=self.text,
         )
+    return GenerationResult(
+        prompt_ids=state.prompt_ids,
+        token_ids=tuple(state.token_ids),
+        step_logits=tuple(state.step_logits),
+        shard_timings=tuple(timings),
+        prefill_ms=state.prefill_ms,
+        decode_ms_median=statistics.median(state.decode_ms) if state.decode_ms else 0.0,
+        wire_bytes=state.wire_bytes,
+        finish_reason=state.finish_reason or "length",
+        text=None if state.tokenizer is None else state.text,
+    )
 
 
 def load_pipeline(
