@@ -95,6 +95,7 @@ from shard_engine_api._types import (
     TokenInput,
 )
 from shard_engine_api._validation import health_problem, metrics_problem
+from shard_engine_api.conformance._concurrency import CONCURRENCY_TESTS, ConcurrencyTests
 from shard_engine_api.conformance._harness import (
     Canceller,
     EngineUnderTest,
@@ -110,6 +111,7 @@ from shard_engine_api.conformance._harness import (
     split_ranges,
 )
 from shard_engine_api.conformance._migration import MIGRATION_TESTS, MigrationTests
+from shard_engine_api.conformance._reach import REACH_TESTS, ReachTests
 from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder, suite_skip
 from shard_engine_api.conformance._report import model_report
 from shard_engine_api.conformance._stateful import (
@@ -117,7 +119,7 @@ from shard_engine_api.conformance._stateful import (
     run_machine,
     upstream_limits,
 )
-from shard_engine_api.conformance._targeted import _PROMPT, TargetedTests, _raises
+from shard_engine_api.conformance._targeted import _PROMPT, _raises
 
 __all__ = ["STANDARD_TESTS", "ShardEngineConformance", "conformance_override"]
 
@@ -197,7 +199,9 @@ _CORE_TESTS: Final[tuple[str, ...]] = (
     "test_wrong_role_bundle_to_token_shard",
     "test_wrong_role_tokens_to_bundle_shard",
 )
-STANDARD_TESTS: Final[tuple[str, ...]] = tuple(sorted(_CORE_TESTS + MIGRATION_TESTS))
+STANDARD_TESTS: Final[tuple[str, ...]] = tuple(
+    sorted(_CORE_TESTS + MIGRATION_TESTS + REACH_TESTS + CONCURRENCY_TESTS)
+)
 """Every standard test, sorted. Pinned: the suite refuses to import if its methods differ."""
 
 _EVICTION_POLICIES: Final[tuple[EvictionPolicy, ...]] = ("reject", "lru")
@@ -266,7 +270,7 @@ def _distribution_version(name: str) -> str:
         return "unknown"
 
 
-class ShardEngineConformance(TargetedTests, MigrationTests):
+class ShardEngineConformance(ReachTests, ConcurrencyTests, MigrationTests):
     """The standard conformance suite. Subclass it with ``engine_name`` set (or leave it None
     to take the engine from ``--shard-engine``)."""
 

@@ -1,0 +1,363 @@
+"""The standard tests of many concurrent callers on one engine: many threads on many sessions
+give the outputs of a serial run (within the declared batch tolerance, since an engine may
+coalesce concurrent decodes into one batched forward); no caller starves behind another's
+tight decode loop (bounded by a count of that loop's steps, not by time); cancelling one of
+several queued requests leaves the others' results; a queued request hears its cancel at once.
+:class:`ShardEngineConformance` inherits them; their names are pinned in
+:data:`CONCURRENCY_TESTS`, part of the standard tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from shard_engine_api._errors import Cancelled, ShardEngineError
+from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._types import (
+    BoundaryResult,
+    CancelRequest,
+    DecodeRequest,
+    ExportSessionRequest,
+    LogitsResult,
+    PrefillRequest,
+    ShardResult,
+    TokenInput,
+)
+from shard_engine_api.conformance._harness import assert_cancelled, assert_matches
+from shard_engine_api.conformance._recorder import suite_skip
+from shard_engine_api.conformance._targeted import TargetedTests
+
+__all__ = ["CONCURRENCY_TESTS", "ConcurrencyTests"]
+
+CONCURRENCY_TESTS: Final[tuple[str, ...]] = (
+    "test_cancel_one_of_queued_requests",
+    "test_many_threads_many_sessions_match_serial",
+    "test_no_starvation_behind_a_decode_loop",
+    "test_queued_cancel_heard_at_once",
+)
+"""The tests of this module, sorted (part of STANDARD_TESTS)."""
+
+_THREADS: Final = 8
+_SESSIONS_PER_THREAD: Final = 2
+_ROUNDS: Final = 5
+_LOOP_STEPS: Final = 200
+"""Decode steps of the tight loop the starvation test runs beside another caller."""
+_FAIR_STEPS: Final = 16
+"""The most steps of that loop another caller's operation may wait: a fair (FIFO) engine lets
+it in after the step running when it arrived, and a coalescing one sooner."""
+_CANCEL_SLACK_MS: Final = 25.0
+
+
+def _rows(result: ShardResult) -> npt.NDArray[np.floating]:
+    if isinstance(result, LogitsResult):
+        return np.array(result.array())
+    return np.array(result.bundle.array())
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.0002)
+    return condition()
+
+
+class ConcurrencyTests(TargetedTests):
+    """The standard tests of concurrent callers (module docstring)."""
+
+    def test_many_threads_many_sessions_match_serial(self) -> None:
+        """Eight threads, each driving two sessions (prefills of different lengths, then
+        decode steps alternating between its sessions), started together on one engine, give
+        every output of the same calls run serially on another engine: exactly when the
+        engine declares batch_invariant (concurrent decodes may be served as one batch), else
+        within its tolerance; health and metrics count every call and position.
+
+        Fix: make every entry point thread-safe; when concurrent requests are coalesced into
+        one forward, give each its own rows (in its own order) and its own result."""
+        h = self.harness
+        engine = h.load(max_sessions=_THREADS * _SESSIONS_PER_THREAD)
+        serial = h.load(max_sessions=_THREADS * _SESSIONS_PER_THREAD)
+        exact, tolerance = self._batch_exactness(engine.capabilities())
+        vocab = engine.capabilities().vocab_size
+
+        def script(target: ShardEngine, thread: int) -> list[npt.NDArray[np.floating]]:
+            sessions = [h.session(f"t{thread}-{k}") for k in range(_SESSIONS_PER_THREAD)]
+            lengths = [3 + thread + 5 * k for k in range(_SESSIONS_PER_THREAD)]
+            out = [
+                _rows(h.prefill(target, s, 0, h.tokens(n, seed=thread * 10 + k)))
+                for k, (s, n) in enumerate(zip(sessions, lengths, strict=True))
+            ]
+            for step in range(_ROUNDS):
+                for k, session in enumerate(sessions):
+                    token = (thread * 3 + k * 7 + step) % vocab
+                    out.append(_rows(h.decode(target, session, lengths[k] + step, (token,))))
+            return out
+
+        expected = [script(serial, thread) for thread in range(_THREADS)]
+        results: list[list[npt.NDArray[np.floating]] | BaseException | None] = [None] * _THREADS
+        barrier = threading.Barrier(_THREADS)
+
+        def worker(thread: int) -> None:
+            try:
+                barrier.wait(timeout=10.0)
+                results[thread] = script(engine, thread)
+            except BaseException as error:  # noqa: BLE001 - reported by the test thread
+                results[thread] = error
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(_THREADS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120.0)
+        for index, outcome in enumerate(results):
+            if isinstance(outcome, BaseException):
+                raise AssertionError(f"thread {index} failed: {outcome!r}") from outcome
+            assert outcome is not None, f"thread {index} did not finish in 120 s"
+            for step, (have, want) in enumerate(zip(outcome, expected[index], strict=True)):
+                assert_matches(
+                    have,
+                    want,
+                    exact=exact,
+                    tolerance=tolerance,
+                    what=f"thread {index} output {step} vs the serial run",
+                )
+        calls = _THREADS * _SESSIONS_PER_THREAD * (1 + _ROUNDS)
+        metrics, health = engine.metrics(), engine.health()
+        positions = sum(
+            3 + t + 5 * k + _ROUNDS for t in range(_THREADS) for k in range(_SESSIONS_PER_THREAD)
+        )
+        assert metrics.requests == calls, f"metrics.requests {metrics.requests}, {calls} calls"
+        assert (health.sessions, health.kv_used_tokens, health.in_flight) == (
+            _THREADS * _SESSIONS_PER_THREAD,
+            positions,
+            0,
+        ), health
+
+    def test_no_starvation_behind_a_decode_loop(self) -> None:
+        """While one thread decodes in a tight loop (up to 200 steps), an export (when
+        advertised), a prefill and a decode of other sessions from this thread each get in
+        within 16 of the loop's steps: the engine serves callers in arrival order, so no
+        caller waits for another's loop to end.
+
+        Fix: serve waiting callers in arrival order (a FIFO queue, not a bare lock that the
+        looping thread re-takes before a woken waiter runs); coalescing the waiting decodes
+        into the next forward is allowed."""
+        h = self.harness
+        engine = h.load(max_context=_LOOP_STEPS + 64)
+        caps = engine.capabilities()
+        loop_steps = min(_LOOP_STEPS, caps.limits.max_context - 8)
+        looper, other = h.session("looper"), h.session("other")
+        h.prefill(engine, looper, 0, h.tokens(4, seed=1))
+        h.prefill(engine, other, 0, h.tokens(4, seed=2))
+        steps = [0]
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                for pos in range(4, 4 + loop_steps):
+                    if stop.is_set():
+                        return
+                    h.decode(engine, looper, pos, (pos % caps.vocab_size,))
+                    steps[0] += 1
+            except BaseException as error:  # noqa: BLE001 - reported by the test thread
+                failure.append(error)
+
+        operations: list[tuple[str, Callable[[], object]]] = []
+        if caps.features.session_migration:
+            operations.append(
+                (
+                    "export_session",
+                    partial(
+                        engine.export_session,
+                        ExportSessionRequest(request_id=h.request_id(), session=other),
+                    ),
+                )
+            )
+        operations += [
+            ("prefill", partial(h.prefill, engine, h.session("newcomer"), 0, h.tokens(8, seed=3))),
+            ("decode", partial(h.decode, engine, other, 4, (1,))),
+        ]
+        looping = threading.Thread(target=loop, name="conformance-decode-loop", daemon=True)
+        looping.start()
+        waited: dict[str, int] = {}
+        try:
+            _wait_until(lambda: steps[0] >= 3 or not looping.is_alive())
+            for name, call in operations:
+                if not looping.is_alive():
+                    break
+                before = steps[0]
+                call()
+                waited[name] = steps[0] - before
+        finally:
+            stop.set()
+            looping.join(timeout=60.0)
+        if failure:
+            raise AssertionError(f"the decode loop failed: {failure[0]!r}") from failure[0]
+        if len(waited) < len(operations):
+            suite_skip(f"the decode loop ended before every operation ran ({waited})")
+        starved = {name: count for name, count in waited.items() if count > _FAIR_STEPS}
+        assert not starved, (
+            f"while another thread decoded in a tight loop, {starved} (operation: loop steps "
+            f"it waited) waited more than {_FAIR_STEPS} steps; every operation: {waited}"
+        )
+
+    def _queued_behind_a_slow_prefill(
+        self, engine: ShardEngine, runs: list[Callable[[], object]]
+    ) -> tuple[threading.Thread, list[threading.Thread], dict[int, object]]:
+        """Start a slow prefill, then ``runs`` on their own threads once it is in flight;
+        return when all are in flight (or have ended)."""
+        h = self.harness
+        caps = engine.capabilities()
+        length = max(1, min(caps.limits.max_batch_tokens, caps.limits.max_context - 1, 32))
+        outcomes: dict[int, object] = {}
+
+        def blocker() -> None:
+            try:
+                outcomes[-1] = h.prefill(
+                    engine, h.session(f"blocker-{h.request_id()}"), 0, h.tokens(length, seed=4)
+                )
+            except ShardEngineError as error:
+                outcomes[-1] = error
+
+        def run(index: int, call: Callable[[], object]) -> None:
+            try:
+                outcomes[index] = call()
+            except ShardEngineError as error:
+                outcomes[index] = error
+                outcomes[-2 - index] = time.perf_counter()
+
+        first = threading.Thread(target=blocker, daemon=True)
+        first.start()
+        _wait_until(lambda: engine.health().in_flight >= 1 or not first.is_alive())
+        threads = [
+            threading.Thread(target=run, args=(index, call), daemon=True)
+            for index, call in enumerate(runs)
+        ]
+        for thread in threads:
+            thread.start()
+        _wait_until(lambda: engine.health().in_flight >= 1 + len(runs) or not first.is_alive(), 5.0)
+        return first, threads, outcomes
+
+    def test_cancel_one_of_queued_requests(self) -> None:
+        """Three single decodes of different sessions queued (or coalesced) behind a slow
+        prefill: cancelling one by its request id stops only it (Cancelled, its session
+        unchanged); the other two are served with the outputs of clean runs. Fails when no
+        cancel landed although cancellation options were supplied.
+
+        Fix: cancel exactly the named request; if it shares a forward with others, drop its
+        row (or run the others again) rather than fail or change them."""
+        h = self.harness
+        engine = self._slow()
+        caps = engine.capabilities()
+        if not caps.features.cancel:
+            suite_skip("engine does not advertise cancel")
+        exact, tolerance = self._batch_exactness(caps)
+        clean = h.load()
+        for attempt in range(3):
+            sessions = [h.session(f"q{attempt}-{index}") for index in range(3)]
+            for index, session in enumerate(sessions):
+                for target in (engine, clean):
+                    h.prefill(target, session, 0, h.tokens(3 + index, seed=index))
+            requests = [
+                DecodeRequest(
+                    request_id=h.request_id(),
+                    session=session,
+                    pos=3 + index,
+                    inputs=TokenInput(token_ids=(index + 1,)),
+                )
+                for index, session in enumerate(sessions)
+            ]
+            blocker, threads, outcomes = self._queued_behind_a_slow_prefill(
+                engine, [partial(engine.decode, request) for request in requests]
+            )
+            queued = blocker.is_alive()
+            result = engine.cancel(CancelRequest(request_id=requests[1].request_id))
+            for thread in (blocker, *threads):
+                thread.join(timeout=60.0)
+            assert not any(t.is_alive() for t in (blocker, *threads)), "a call hung for 60 s"
+            if not (queued and result.cancelled):
+                for index, session in enumerate(sessions):
+                    length = self._committed_length(engine, session)
+                    assert length == 4 + index, f"{session.session_id}: {length} positions"
+                continue
+            assert result.n_requests == 1, f"cancel of one request id stopped {result}"
+            stopped = outcomes.get(1)
+            assert isinstance(stopped, Cancelled), f"the cancelled decode returned {stopped!r}"
+            assert_cancelled(stopped, "a queued decode cancelled by its request id")
+            assert self._committed_length(engine, sessions[1]) == 4
+            for index in (0, 2):
+                outcome = outcomes.get(index)
+                assert isinstance(outcome, BoundaryResult | LogitsResult), (
+                    f"cancelling another queued decode failed decode {index}: {outcome!r}"
+                )
+                h.observe(outcome)
+                request = requests[index]
+                assert_matches(
+                    _rows(outcome),
+                    _rows(h.decode(clean, request.session, request.pos, request.inputs)),
+                    exact=exact,
+                    tolerance=tolerance,
+                    what=f"queued decode {index} beside a cancelled one vs a clean run",
+                )
+            assert engine.health().in_flight == 0
+            return
+        h.no_cancel_landed("no queued decode was cancelled while a slow prefill ran")
+
+    def test_queued_cancel_heard_at_once(self) -> None:
+        """A prefill queued behind a slow prefill (the fixture's cancellation options) hears
+        its cancel at once: its caller sees Cancelled within twice the advertised cancel
+        latency plus 25 ms of the cancel, while the slow prefill still runs, and the queued
+        request left nothing behind. Fails when the slow prefill never overlapped although
+        cancellation options were supplied.
+
+        Fix: wake a waiting request when it is cancelled (an event per waiter), rather than
+        letting it find out when the operation ahead of it ends."""
+        h = self.harness
+        engine = self._slow()
+        caps = engine.capabilities()
+        if not caps.features.cancel:
+            suite_skip("engine does not advertise cancel")
+        limit_ms = 2.0 * caps.features.cancel_latency_ms + _CANCEL_SLACK_MS
+        for attempt in range(3):
+            session = h.session(f"queued-{attempt}")
+            request = PrefillRequest(
+                request_id=h.request_id(),
+                session=session,
+                start_pos=0,
+                inputs=TokenInput(token_ids=h.tokens(3, seed=attempt)),
+            )
+            blocker, [queued], outcomes = self._queued_behind_a_slow_prefill(
+                engine, [partial(engine.prefill, request)]
+            )
+            time.sleep(0.005)
+            sent = time.perf_counter()
+            result = engine.cancel(CancelRequest(request_id=request.request_id))
+            queued.join(timeout=30.0)
+            blocker_running = blocker.is_alive()
+            blocker.join(timeout=60.0)
+            if not result.cancelled or not blocker_running:
+                h.release(engine, session)
+                continue
+            stopped = outcomes.get(0)
+            assert isinstance(stopped, Cancelled), f"the queued prefill returned {stopped!r}"
+            heard = outcomes.get(-2)
+            assert isinstance(heard, float)
+            latency = (heard - sent) * 1000.0
+            assert latency <= limit_ms, (
+                f"a queued prefill heard its cancel after {latency:.1f} ms (allowed "
+                f"{limit_ms:.1f} ms): it waited for the operation ahead of it"
+            )
+            assert self._committed_length(engine, session) == 0, (
+                "the cancelled queued prefill left its session behind"
+            )
+            return
+        h.no_cancel_landed("a queued prefill was never cancelled while a slow prefill ran")
