@@ -757,15 +757,16 @@ class TokenStream:
         return _generation_result(self._state)
 
 
-def _generation_result(state: _Generation) -> GenerationResult:
+def _generation_result(state: _Generation, shards: Sequence[str] | None = None) -> GenerationResult:
     """What ``state`` generated, with its timings (a stream's, or one of generate_many's
-    sessions')."""
+    sessions', which names the ``shards`` once: an engine that crashed meanwhile cannot)."""
+    names = shards if shards is not None else [_describe(e) for e in state.pipeline.engines]
     timings: list[ShardTimings] = []
-    for index, engine in enumerate(state.pipeline.engines):
+    for index, name in enumerate(names):
         per_step = [shard_ms[index] for shard_ms in state.shard_decode]
         timings.append(
             ShardTimings(
-                shard=_describe(engine),
+                shard=name,
                 prefill_ms=state.shard_prefill[index] if state.shard_prefill else 0.0,
                 decode_ms_median=statistics.median(per_step) if per_step else 0.0,
                 decode_ms_total=sum(per_step),

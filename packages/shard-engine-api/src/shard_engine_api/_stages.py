@@ -210,6 +210,13 @@ class _StageCounters:
         self.busy_s += seconds
 
 
+def _inputs(member: _Member) -> ShardInput:
+    """What the member's next shard receives (set at admission and by every shard's result)."""
+    if member.inputs is None:
+        raise AssertionError(f"session {member.state.session.session_id} has no inputs")
+    return member.inputs
+
+
 def _positive_or_none(name: str, value: object) -> int | None:
     if value is None:
         return None
@@ -525,8 +532,7 @@ class SessionsRun:
                 self._current[index] = None
 
     def _cross(self, index: int, member: _Member) -> ShardInput:
-        inputs = member.inputs
-        assert inputs is not None
+        inputs = _inputs(member)
         codec = self.pipeline._codecs[index]
         if codec is None or not isinstance(inputs, BoundaryBundle):
             return inputs
@@ -535,8 +541,18 @@ class SessionsRun:
         return codec.decode_bundle(encoded)
 
     def _advance(self, index: int, group: _Group) -> None:
-        prefills = [member for member in group.members if member.prefill]
-        decodes = [member for member in group.members if not member.prefill]
+        ready: list[_Member] = []
+        for member in group.members:
+            # Each bundle is decoded from the wire on its own: one that fails its checks is
+            # its session's error, not its batch's.
+            try:
+                member.inputs = self._cross(index, member)
+            except ShardEngineError as error:
+                self._fail(member, index, error)
+            else:
+                ready.append(member)
+        prefills = [member for member in ready if member.prefill]
+        decodes = [member for member in ready if not member.prefill]
         for member in prefills:
             self._prefill(index, member)
         limit = self._batch_limit[index]
@@ -559,7 +575,7 @@ class SessionsRun:
                 request_id=request_id,
                 session=member.state.session,
                 start_pos=member.pos,
-                inputs=self._cross(index, member),
+                inputs=_inputs(member),
             )
             result = self._call(index, request_id, lambda: self.engines[index].prefill(request))
         except ShardEngineError as error:
@@ -578,7 +594,7 @@ class SessionsRun:
                 request_id=request_id,
                 session=member.state.session,
                 pos=member.pos,
-                inputs=self._cross(index, member),
+                inputs=_inputs(member),
             )
             result = self._call(index, request_id, lambda: self.engines[index].decode(request))
         except ShardEngineError as error:
@@ -598,7 +614,7 @@ class SessionsRun:
                     request_id=f"{self.pipeline._request_id()}/{index}",
                     session=member.state.session,
                     pos=member.pos,
-                    inputs=self._cross(index, member),
+                    inputs=_inputs(member),
                 )
                 for member in chunk
             )
@@ -724,7 +740,7 @@ class SessionsRun:
                 SessionGeneration(
                     index=member.index,
                     session=state.session,
-                    result=_generation_result(state),
+                    result=_generation_result(state, self._shards),
                     error=None if member.error is None else member.error.to_info(),
                     error_shard=member.error_shard,
                     queued_ms=member.queued_s * _MS,
