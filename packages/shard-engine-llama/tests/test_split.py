@@ -458,7 +458,9 @@ def test_split_cli_reports_an_unwritable_output_without_a_traceback(
     for out in (str(blocker), str(blocker / "below"), str(tiny)):
         result = _cli("split", str(tiny), "--parts", "2", "--out", out, "--quiet")
         assert result.returncode == 2, result.stderr
-        assert result.stderr.startswith("error: cannot write the shards"), result.stderr
+        assert result.stderr.startswith("shard-engine split: error: cannot write the shards"), (
+            result.stderr
+        )
         assert "Traceback" not in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
 

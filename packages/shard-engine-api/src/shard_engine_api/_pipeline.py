@@ -491,9 +491,11 @@ class Pipeline:
         stop_tokens: Sequence[int] = (),
         tokenizer: Tokenizer | None = None,
         session: SessionRef | None = None,
+        on_token: Callable[[GeneratedToken], None] | None = None,
     ) -> GenerationResult:
         """The whole of :meth:`stream`, with the logits of every step (the last generated
-        token is decoded too, so its logits are there to compare) and timings."""
+        token is decoded too, so its logits are there to compare) and timings. ``on_token``
+        (when given) receives each token as it is generated, e.g. to print its text."""
         _check_session_and_tokenizer(session, tokenizer)
         stream = TokenStream(
             _Generation(
@@ -508,8 +510,9 @@ class Pipeline:
             )
         )
         with stream:
-            for _ in stream:
-                pass
+            for token in stream:
+                if on_token is not None:
+                    on_token(token)
         return stream.result()
 
     def generate_many(

@@ -342,9 +342,32 @@ def engine_description(
                 f"engine {name!r} ({problem.distribution} {problem.version}) is installed but "
                 f"its plugin failed: {problem.problem}"
             )
+    if name in PROJECT_DISTRIBUTIONS:
+        raise UnknownEngine(
+            f"engine {name!r} is not installed ({_installed_list(manager)}); install it: "
+            f"{install_command(name)}"
+        )
     raise UnknownEngine(
         f"engine {name!r} is not installed ({_installed_list(manager)}); install a "
         f"distribution that declares a {ENTRY_POINT_GROUP!r} entry point named {name!r}"
+    )
+
+
+PROJECT_DISTRIBUTIONS: Final = {
+    "fake": "shard-engine-fake",
+    "llama": "shard-engine-llama",
+    "remote": "shard-engine-remote",
+}
+"""This project's own engines and the distributions that provide them: a missing one's error
+names the pip command that installs it."""
+
+
+def install_command(engine: str) -> str:
+    """The pip command that installs one of this project's engines (``PROJECT_DISTRIBUTIONS``)."""
+    distribution = PROJECT_DISTRIBUTIONS[engine]
+    return (
+        f"python3 -m pip install ./packages/{distribution} (from the repository root; "
+        f"elsewhere: python3 -m pip install {distribution})"
     )
 
 

@@ -31,12 +31,19 @@ from shard_engine_api import __version__
 from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._errors import ShardEngineError
 from shard_engine_api._hookspecs import CliSubparsers, EngineDescription, ModelFixture, Tokenizer
-from shard_engine_api._pipeline import GenerationResult, load_pipeline, split_layers
+from shard_engine_api._pipeline import (
+    GeneratedToken,
+    GenerationResult,
+    load_pipeline,
+    split_layers,
+)
 from shard_engine_api._plugins import (
+    PROJECT_DISTRIBUTIONS,
     add_cli_commands,
     describe_model,
     engine_description,
     get_plugin_manager,
+    install_command,
     installed_engines,
     model_fixture,
     plugin_problems,
@@ -199,13 +206,16 @@ def _generate(
     prompt: Sequence[int],
     found_tokenizer: Tokenizer | None,
     declared: list[Determinism] | None = None,
+    on_token: Callable[[GeneratedToken], None] | None = None,
 ) -> GenerationResult:
     """One generation through a validated pipeline over the wire; ``declared`` (when given)
-    receives what the head shard declares about determinism."""
+    receives what the head shard declares about determinism, ``on_token`` each token as it is
+    generated."""
     description = engine_description(args.engine, manager=manager)
     if args.isolation == "process":
         # Each shard in its own supervised child process, through the remote engine (which
         # passes every other option on to the engine it spawns).
+        _check_isolation(manager, args)
         description = engine_description("remote", manager=manager)
         fixture = msgspec.structs.replace(
             fixture, options={"spawn": args.engine, **fixture.options}
@@ -236,6 +246,17 @@ def _generate(
             stop_tokens=args.stop_tokens or (),
             tokenizer=found_tokenizer,
             session=SessionRef(session_id="cli-run", epoch=1),
+            on_token=on_token,
+        )
+
+
+def _check_isolation(manager: pluggy.PluginManager, args: argparse.Namespace) -> None:
+    if args.isolation == "process" and "remote" not in {
+        engine.name for engine in installed_engines(manager)
+    }:
+        raise UsageError(
+            "argument --isolation: process isolation runs each shard through the remote "
+            f"engine, which is not installed: {install_command('remote')}"
         )
 
 
@@ -341,6 +362,7 @@ def _verify(
 def _command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
     if args.tokens is not None and args.prompt is not None:
         raise UsageError("argument --tokens: give --prompt or --tokens, not both")
+    _check_isolation(manager, args)
     fixture = _fixture(manager, args.engine, args.model, args.workdir)
     ranges = _ranges(fixture, args.shards)
     description = engine_description(args.engine, manager=manager)
@@ -348,7 +370,24 @@ def _command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> 
     prompt = _prompt_ids(args, args.engine, found_tokenizer)
     prompt_text = _prompt_text(args) if args.tokens is None else None
     declared: list[Determinism] = []
-    result = _generate(manager, args, fixture, ranges, prompt, found_tokenizer, declared)
+    printer = None if args.json else _TokenPrinter()
+    if printer is not None:
+        _print_run_header(args, fixture, ranges, prompt, prompt_text)
+    try:
+        result = _generate(
+            manager, args, fixture, ranges, prompt, found_tokenizer, declared, on_token=printer
+        )
+        if printer is not None:
+            printer.end(result.text)
+    finally:
+        if printer is not None:
+            printer.end()
+    if args.verify and printer is not None:
+        print(
+            "verifying against one full shard (loads one more, full copy of the model; "
+            "--no-verify skips it)...",
+            flush=True,
+        )
     verification = (
         _verify(manager, args, fixture, prompt, found_tokenizer, result, declared[0])
         if args.verify
@@ -376,8 +415,57 @@ def _command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> 
             }
         )
     else:
-        _print_run(args, description, fixture, ranges, prompt, prompt_text, result, verification)
+        _print_run(args, description, fixture, ranges, result, verification)
     return 0 if verification is None or verification["passed"] else 1
+
+
+class _TokenPrinter:
+    """Prints each token as it is generated (its text, or its id without a tokenizer), so a
+    slow model shows progress instead of silence; control characters are escaped."""
+
+    def __init__(self) -> None:
+        self._started = False
+        self._text = ""
+
+    def __call__(self, token: GeneratedToken) -> None:
+        if not self._started:
+            self._started = True
+            sys.stdout.write("generating: ")
+        if token.text is None:
+            sys.stdout.write(f"{token.token_id} ")
+        else:
+            self._text += token.text
+            sys.stdout.write(_escaped(token.text))
+        sys.stdout.flush()
+
+    def end(self, text: str | None = None) -> None:
+        """End the line, after what the final ``text`` holds beyond the pieces printed (a
+        character whose bytes were still incomplete at the last token)."""
+        if not self._started:
+            return
+        if text is not None and text.startswith(self._text):
+            sys.stdout.write(_escaped(text[len(self._text) :]))
+        self._started, self._text = False, ""
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def _escaped(text: str) -> str:
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def _print_run_header(
+    args: argparse.Namespace,
+    fixture: ModelFixture,
+    ranges: Sequence[tuple[int, int]],
+    prompt: Sequence[int],
+    prompt_text: str | None,
+) -> None:
+    print(f"engine: {args.engine}   model: {fixture.description or fixture.model}")
+    print(f"shards: {' '.join(f'[{s}:{e})' for s, e in ranges)} of {fixture.n_layers} layers")
+    if prompt_text is not None:
+        print(f"prompt: {prompt_text!r}")
+    print(f"prompt ids ({len(prompt)}): {list(prompt)}", flush=True)
 
 
 def _print_run(
@@ -385,16 +473,9 @@ def _print_run(
     description: EngineDescription,
     fixture: ModelFixture,
     ranges: Sequence[tuple[int, int]],
-    prompt: Sequence[int],
-    prompt_text: str | None,
     result: GenerationResult,
     verification: dict[str, object] | None,
 ) -> None:
-    print(f"engine: {args.engine}   model: {fixture.description or fixture.model}")
-    print(f"shards: {' '.join(f'[{s}:{e})' for s, e in ranges)} of {fixture.n_layers} layers")
-    if prompt_text is not None:
-        print(f"prompt: {prompt_text!r}")
-    print(f"prompt ids ({len(prompt)}): {list(prompt)}")
     print(f"generated ids ({len(result.token_ids)}): {list(result.token_ids)}")
     if result.text is not None:
         print(f"generated text: {result.text!r}")
@@ -402,6 +483,11 @@ def _print_run(
             print(
                 "note: a fixture engine is deterministic arithmetic, not a language model; "
                 "its text is meaningless by design"
+            )
+        elif fixture.synthetic:
+            print(
+                "note: the built-in model is generated with random weights, not a language "
+                "model; its text is meaningless by design (--model PATH runs a real GGUF)"
             )
     print(f"prefill: {result.prefill_ms:.2f} ms   decode: {result.decode_ms_median:.3f} ms/token")
     if len(ranges) > 1:
@@ -569,7 +655,8 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
         sub.add_argument(
             "--workdir",
             help="where a built-in model may be generated; default: the model store "
-            "($SHARD_ENGINE_MODEL_STORE or ~/.cache/shard-engine)",
+            "($SHARD_ENGINE_MODEL_STORE, else a private per-user directory in $TMPDIR or "
+            "/var/tmp; -v shows it)",
         )
         sub.add_argument(
             "--max-new-tokens", type=_new_tokens, default=16, help="tokens to generate"
@@ -610,10 +697,11 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
     run.add_argument("--seed", type=_non_negative, default=0, help="sampling seed")
     run.add_argument("--stop-tokens", type=_integer_list(0), help="comma-separated token ids")
     run.add_argument(
-        "--no-verify",
-        dest="verify",
-        action="store_false",
-        help="skip the comparison with one full shard",
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare the split's tokens and logits with one full, unsplit shard: loads one "
+        "more full copy of the model (its memory and load time again)",
     )
     run.add_argument(
         "--tolerance", type=_finite_at_least_zero, default=0.0, help="allowed max |delta logits|"
@@ -640,7 +728,46 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
     conformance.set_defaults(func=command(_command_conformance))
 
     add_cli_commands(manager, subparsers)
+    for name, (engine, summary) in _ENGINE_COMMANDS.items():
+        if name not in subparsers.choices:
+            # The command of a project engine that is not installed: say how to install it.
+            # No option prefix: whatever follows the command is taken, not refused.
+            missing = subparsers.add_parser(
+                name,
+                help=f"{summary} (needs {PROJECT_DISTRIBUTIONS[engine]}: not installed)",
+                prefix_chars="\0",
+                add_help=False,
+            )
+            missing.add_argument("arguments", nargs="*", help=argparse.SUPPRESS)
+            missing.set_defaults(func=functools.partial(_not_installed, name, engine))
+    # -v where users type it too, after the subcommand (`shard-engine run -v`, as the README
+    # writes it); counted together with any -v before it.
+    for sub in subparsers.choices.values():
+        if sub.prefix_chars == "-" and not {"-v", "--verbose"} & set(sub._option_string_actions):
+            sub.add_argument(
+                "-v",
+                "--verbose",
+                dest="verbose_after_command",
+                action="count",
+                default=0,
+                help="log what happens to stderr (-v: loads, files, evictions; -vv: debug)",
+            )
     return parser
+
+
+_ENGINE_COMMANDS = {
+    "serve": ("remote", "host one loaded engine for remote engines"),
+    "split": ("llama", "write shard GGUF files and a manifest"),
+    "inspect": ("llama", "describe a GGUF model and its shardability"),
+}
+"""Commands that this project's engines add, by the engine whose distribution adds them."""
+
+
+def _not_installed(command: str, engine: str, args: argparse.Namespace) -> int:
+    raise UsageError(
+        f"{command} comes with {PROJECT_DISTRIBUTIONS[engine]}, which is not installed: "
+        f"{install_command(engine)}"
+    )
 
 
 def _configure_logging(verbosity: int) -> None:
@@ -665,6 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     manager = get_plugin_manager()
     parser = build_parser(manager)
     args = parser.parse_args(argv)
+    args.verbose += getattr(args, "verbose_after_command", 0)
     _configure_logging(args.verbose)
     func: Command = args.func
     prog = f"{parser.prog} {args.command}"

@@ -31,7 +31,9 @@ def _parse_ranges(text: str) -> list[tuple[int, int]]:
 
 
 def _progress(event: SplitProgress) -> None:
-    if event.bytes_total <= 0:
+    """A progress bar redrawn in place: only on a terminal (in a redirected log each redraw
+    would be one more carriage-return line)."""
+    if event.bytes_total <= 0 or not sys.stderr.isatty():
         return
     width = 30
     filled = int(width * event.bytes_done / event.bytes_total)
@@ -50,7 +52,7 @@ def _command_inspect(args: argparse.Namespace) -> int:
         info = inspect_gguf(args.model)
     except GGUFValidationError as error:
         # A file llama.cpp would refuse or abort on: say which rule, and that it is not shardable.
-        print(f"invalid GGUF: {error}", file=sys.stderr)
+        print(f"shard-engine inspect: error: invalid GGUF: {error}", file=sys.stderr)
         field = f" (field {error.field})" if error.field else ""
         print(f"shardable:     no — refused by rule: {error.rule}{field}")
         return 2
@@ -84,13 +86,15 @@ def _command_split(args: argparse.Namespace) -> int:
         manifest = split_model(args.model, ranges, out, None if args.quiet else _progress)
     except (GGUFValidationError, ModelStoreRefused, ValueError) as error:
         kind = "refused" if isinstance(error, ShardingRefusedError) else "error"
-        print(f"{kind}: {error}", file=sys.stderr)
+        print(f"shard-engine split: {kind}: {error}", file=sys.stderr)
         return 2
     except OSError as error:
         # An output directory that cannot be made or written (the split removed what it wrote).
         where = error.filename if error.filename is not None else args.out
         print(
-            f"error: cannot write the shards ({where}): {error.strerror or error}", file=sys.stderr
+            f"shard-engine split: error: cannot write the shards ({where}): "
+            f"{error.strerror or error}",
+            file=sys.stderr,
         )
         return 2
     print(f"source  {manifest.source_path}  sha256 {manifest.source_sha256}")
@@ -107,14 +111,16 @@ def _command_split(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``split`` and ``inspect``."""
     inspect = subparsers.add_parser("inspect", help="describe a GGUF model and its shardability")
-    inspect.add_argument("model")
+    inspect.add_argument("model", help="path of a GGUF file (a full model or a shard)")
     inspect.set_defaults(func=_command_inspect)
 
     split = subparsers.add_parser("split", help="write shard GGUF files and a manifest")
-    split.add_argument("model")
+    split.add_argument("model", help="path of the full GGUF model to split")
     group = split.add_mutually_exclusive_group(required=True)
     group.add_argument("--shards", type=_parse_ranges, help="layer ranges, e.g. 0:6,6:12,12:18")
     group.add_argument("--parts", type=int, help="N shards balanced by layer bytes")
     split.add_argument("--out", help="output directory (default: the model store)")
-    split.add_argument("--quiet", action="store_true", help="no progress bar")
+    split.add_argument(
+        "--quiet", action="store_true", help="no progress bar (drawn only on a terminal anyway)"
+    )
     split.set_defaults(func=_command_split)

@@ -5,7 +5,7 @@
     shard-engine serve --engine llama --model m.gguf --layers 8:16 --listen 0.0.0.0:7450 \\
         --tls-cert server.pem --tls-key server.key --token-file token [--tls-client-ca ca.pem]
 
-    shard-engine serve --engine fake --layers 0:6 --transport framed \
+    shard-engine serve --engine fake --layers 0:6 --transport framed \\
         --listen unix:/run/user/1000/shard/engine.sock   # a 0700 directory; framed transport
 
 Loopback and unix sockets need nothing more; any other address is refused without TLS and a
@@ -130,6 +130,7 @@ def _command_serve(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` to the ``shard-engine`` CLI."""
     from shard_engine_api import wire
+    from shard_engine_api._dtypes import BOUNDARY_DTYPES
 
     serve = subparsers.add_parser(
         "serve",
@@ -140,7 +141,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     serve.add_argument("--engine", required=True, help="engine entry-point name")
     serve.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
     serve.add_argument("--model", help="model reference (e.g. a GGUF path); default: built-in")
-    serve.add_argument("--workdir", help="where fixture models are generated")
+    serve.add_argument(
+        "--workdir",
+        help="where a built-in model may be generated (default: the model store, "
+        "$SHARD_ENGINE_MODEL_STORE or a private per-user directory in $TMPDIR or /var/tmp)",
+    )
     serve.add_argument(
         "--option",
         type=_option,
@@ -148,10 +153,20 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="KEY=VALUE",
         help="an engine load option (VALUE parsed as JSON when it is JSON); repeatable",
     )
-    serve.add_argument("--boundary-dtype", choices=["f32", "f16"], default="f32")
+    serve.add_argument(
+        "--boundary-dtype",
+        choices=sorted(BOUNDARY_DTYPES),
+        default="f32",
+        help="dtype of the hidden states this shard sends on (default f32; bf16: f32's range "
+        "in 16 bits; f16 overflows on models whose hidden states exceed 65504)",
+    )
     serve.add_argument("--threads", type=int, default=0, help="0 = engine default")
-    serve.add_argument("--max-sessions", type=int, default=16)
-    serve.add_argument("--max-context", type=int, default=2048)
+    serve.add_argument(
+        "--max-sessions", type=int, default=16, help="sessions held at once (default 16)"
+    )
+    serve.add_argument(
+        "--max-context", type=int, default=2048, help="positions per session (default 2048)"
+    )
     serve.add_argument(
         "--listen",
         default="127.0.0.1:7450",
@@ -180,7 +195,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     serve.add_argument(
         "--rate-burst", type=int, default=0, help="calls a client may make at once (default 2x)"
     )
-    serve.add_argument("--drain-seconds", type=float, default=10.0)
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM or Ctrl-C, how long calls in flight may finish (default 10)",
+    )
     serve.add_argument(
         "--transport",
         choices=["grpc", "framed"],
