@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import pluggy
 
-from shard_engine_api import __version__
+from shard_engine_api import Pipeline, __version__
 from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._errors import ShardEngineError
 from shard_engine_api._hookspecs import CliSubparsers, EngineDescription, ModelFixture, Tokenizer
@@ -50,6 +50,7 @@ from shard_engine_api._plugins import (
     tokenizer,
 )
 from shard_engine_api._sampling import Sampling
+from shard_engine_api._stages import GenerationRequest, ManyGenerationResult
 from shard_engine_api._store import model_store, unchecked_model_store
 from shard_engine_api._types import Determinism, SessionRef
 from shard_engine_api._validation import ValidatingEngine
@@ -369,6 +370,10 @@ def _command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> 
     found_tokenizer = tokenizer(manager, args.engine, fixture.model)
     prompt = _prompt_ids(args, args.engine, found_tokenizer)
     prompt_text = _prompt_text(args) if args.tokens is None else None
+    if args.sessions > 1:
+        return _command_run_sessions(
+            manager, args, fixture, ranges, description, found_tokenizer, prompt, prompt_text
+        )
     declared: list[Determinism] = []
     printer = None if args.json else _TokenPrinter()
     if printer is not None:
@@ -519,6 +524,181 @@ def _print_run(
         f"(tokens {'equal' if verification['tokens_equal'] else 'DIFFER'}, logits {verdict} "
         f"over {verification['steps']} steps{declared})"
     )
+
+
+def _command_run_sessions(
+    manager: pluggy.PluginManager,
+    args: argparse.Namespace,
+    fixture: ModelFixture,
+    ranges: Sequence[tuple[int, int]],
+    description: EngineDescription,
+    found_tokenizer: Tokenizer | None,
+    prompt: Sequence[int],
+    prompt_text: str | None,
+) -> int:
+    """``run --sessions N``: N sessions through one validated pipeline over the wire at once;
+    each is verified against its own run alone on the same shards (unless --no-verify)."""
+    count = int(args.sessions)
+    texts: list[str | None] = [None] * count
+    prompts: list[tuple[int, ...]] = [tuple(prompt)] * count
+    if prompt_text is not None and found_tokenizer is not None:
+        suffixed = [f"{prompt_text} #{number}" for number in range(1, count + 1)]
+        prompts = [tuple(found_tokenizer.encode(text)) for text in suffixed]
+        texts = list(suffixed)
+    requests = [
+        GenerationRequest(
+            prompt_ids=ids,
+            max_new_tokens=args.max_new_tokens,
+            sampling=Sampling(
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed + number,
+            ),
+            stop_tokens=tuple(args.stop_tokens or ()),
+            session=SessionRef(session_id=f"cli-run-{number + 1}", epoch=1),
+        )
+        for number, ids in enumerate(prompts)
+    ]
+    engine = description
+    if args.isolation == "process":
+        engine = engine_description("remote", manager=manager)
+        fixture = msgspec.structs.replace(
+            fixture, options={"spawn": args.engine, **fixture.options}
+        )
+    context = max(256, max(len(ids) for ids in prompts) + args.max_new_tokens + 1)
+    pipeline = load_pipeline(
+        engine.factory,
+        fixture,
+        ranges,
+        wire=True,
+        wrap=ValidatingEngine,
+        boundary_dtype=args.boundary_dtype,
+        n_threads=args.threads,
+        max_sessions=count,
+        max_context=context,
+        kv_budget_tokens=context * count,
+    )
+    with pipeline:
+        many = pipeline.generate_many(requests, args.max_new_tokens, tokenizer=found_tokenizer)
+        verification = (
+            _verify_sessions(pipeline, requests, many, found_tokenizer, args.tolerance)
+            if args.verify
+            else None
+        )
+    sessions = [
+        {
+            "session": entry.session.session_id,
+            "prompt": text,
+            "prompt_ids": list(entry.result.prompt_ids),
+            "token_ids": list(entry.result.token_ids),
+            "text": entry.result.text,
+            "finish_reason": entry.result.finish_reason,
+            "error": entry.error,
+            "first_token_ms": entry.first_token_ms,
+            "token_ms_median": statistics.median(entry.token_ms) if entry.token_ms else 0.0,
+        }
+        for entry, text in zip(many.sessions, texts, strict=True)
+    ]
+    if args.json:
+        _print_json(
+            {
+                "engine": args.engine,
+                "evidence": description.evidence,
+                "model": fixture.model,
+                "n_layers": fixture.n_layers,
+                "shards": [list(pair) for pair in ranges],
+                "sessions": sessions,
+                "generated_tokens": many.generated_tokens,
+                "wall_ms": many.wall_ms,
+                "tokens_per_s": many.tokens_per_s,
+                "wire_bytes": many.wire_bytes,
+                "stages": many.stages,
+                "verify": verification,
+            }
+        )
+    else:
+        print(f"engine: {args.engine}   model: {fixture.description or fixture.model}")
+        print(f"shards: {' '.join(f'[{s}:{e})' for s, e in ranges)} of {fixture.n_layers} layers")
+        for entry, session in zip(many.sessions, sessions, strict=True):
+            said = f"{session['prompt']!r} " if session["prompt"] is not None else ""
+            if entry.error is not None:
+                ended = f"ERROR {entry.error.code}: {_one_line(entry.error.message)}"
+            else:
+                ended = f"({entry.result.finish_reason})"
+            generated = (
+                repr(entry.result.text)
+                if entry.result.text is not None
+                else str(list(entry.result.token_ids))
+            )
+            print(f"session {entry.index + 1}: {said}-> {generated} {ended}")
+        print(
+            f"aggregate: {len(many.sessions)} sessions, {many.generated_tokens} tokens in "
+            f"{many.wall_ms:.1f} ms: {many.tokens_per_s:.1f} tokens/s"
+        )
+        for stage in many.stages:
+            mean = stage.items / stage.calls if stage.calls else 0.0
+            busy = stage.busy_ms / many.wall_ms if many.wall_ms > 0 else 0.0
+            print(
+                f"  {stage.shard:<34} {stage.calls:>5} calls, mean batch {mean:.1f} (max "
+                f"{stage.max_batch}), busy {busy:.0%}"
+            )
+        if verification is not None:
+            print(
+                f"verify each session against its run alone: "
+                f"{'PASS' if verification['passed'] else 'FAIL'} "
+                f"({verification['equal']}/{count} equal, {verification['bitwise']} bitwise, "
+                f"max |delta logits| = {verification['max_abs_logit_difference']:.3g})"
+            )
+    failed = bool(many.failed()) or (verification is not None and not verification["passed"])
+    return 1 if failed else 0
+
+
+def _verify_sessions(
+    pipeline: Pipeline,
+    requests: Sequence[GenerationRequest],
+    many: ManyGenerationResult,
+    found_tokenizer: Tokenizer | None,
+    tolerance: float,
+) -> dict[str, object]:
+    """Each session against its own run alone on the same shards: the same tokens, and logits
+    bitwise or within ``tolerance`` and what the shards declare for batching."""
+    determinism = pipeline.engines[0].capabilities().determinism
+    declared = determinism.tolerance_for("logits")
+    equal = bitwise = 0
+    worst = 0.0
+    passed = True
+    for request, entry in zip(requests, many.sessions, strict=True):
+        alone = pipeline.generate(
+            request.prompt_ids,
+            request.max_new_tokens,
+            sampling=request.sampling,
+            stop_tokens=request.stop_tokens,
+            tokenizer=found_tokenizer,
+        )
+        if entry.error is not None:
+            passed = False
+            continue
+        same = alone.token_ids == entry.result.token_ids
+        steps = min(len(alone.step_logits), len(entry.result.step_logits))
+        expected, got = alone.logits()[:steps], entry.result.logits()[:steps]
+        difference = float(np.max(np.abs(expected - got))) if steps else 0.0
+        bound = tolerance
+        if not determinism.batch_invariant and steps:
+            bound = max(
+                bound, declared.absolute + declared.relative * float(np.max(np.abs(expected)))
+            )
+        equal += same
+        bitwise += alone.step_logits == entry.result.step_logits
+        worst = max(worst, difference)
+        passed = passed and same and difference <= bound
+    return {
+        "passed": passed,
+        "equal": equal,
+        "bitwise": bitwise,
+        "max_abs_logit_difference": worst,
+        "sessions": len(requests),
+    }
 
 
 def _command_bench(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
@@ -696,6 +876,14 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
     run.add_argument("--top-p", type=_probability, default=1.0, help="1 = no cut")
     run.add_argument("--seed", type=_non_negative, default=0, help="sampling seed")
     run.add_argument("--stop-tokens", type=_integer_list(0), help="comma-separated token ids")
+    run.add_argument(
+        "--sessions",
+        type=_at_least(1, 4096),
+        default=1,
+        help="generate for N sessions at once through the shards (Pipeline.generate_many): "
+        "session i of 1..N prompts with '<--prompt> #i' (with --tokens: the same ids) and "
+        "samples with seed --seed + i - 1; prints each session's text and the aggregate tokens/s",
+    )
     run.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
