@@ -3,6 +3,8 @@
 nox                      the default: tests, conformance, typecheck, lint
 nox -s tests             each package's tests, plus the cross-package tests
 nox -s conformance       the conformance suite against every engine plugin found
+nox -s conformance_deep  the suite on the fake engine with its deep profile (longer sessions,
+                         larger shuffled batches, more sessions and examples; about a minute)
 nox -s typecheck lint    mypy --strict and ruff
 nox -s bench             benchmarks (numbers and ratios, medians, one run side by side);
                          figures also land in .nox/bench/results.json
@@ -41,7 +43,7 @@ BENCH_RESULTS = ROOT / ".nox" / "bench" / "results.json"
 # Sessions name no Python version: each builds its venvs from the interpreter that runs nox,
 # so the README's `python3 -m nox` works with any Python the packages support (3.11 or newer).
 # CI (.ci/run) runs it on 3.11, the oldest.
-nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
+nox.options.sessions = ["tests", "conformance", "conformance_deep", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
@@ -108,6 +110,28 @@ def conformance(session: nox.Session, engine: str) -> None:
         engine,
         "--report",
         str(report),
+        env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
+    )
+
+
+@nox.session
+def conformance_deep(session: nox.Session) -> None:
+    """The conformance suite on the fake engine only, with ``--shard-engine-profile deep``: the
+    model-based tests run sessions of hundreds of positions, six sessions, batches of up to 12
+    items in any order and more examples (about a minute on 2 cores; other engines' steps cost
+    milliseconds, so they run the default profile)."""
+    session.install(*TEST_TOOLS, "-e", API, "-e", FAKE)
+    session.run(
+        "pytest",
+        "-p",
+        "shard_engine_api.conformance.plugin",
+        "--shard-engine",
+        "fake",
+        "--shard-engine-profile",
+        "deep",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
         env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
     )
 

@@ -419,9 +419,10 @@ class ShardEngineConformance(ReachTests, ConcurrencyTests, MigrationTests):
         EngineCore, which keeps them."""
         h = self.harness
         n = h.n_layers
+        deep = _deep(request)
         examples = self._examples(request)
         for eviction in _EVICTION_POLICIES:
-            replay = h.load(0, n, **upstream_limits())
+            replay = h.load(0, n, **upstream_limits(deep))
             run_machine(
                 h,
                 MachineConfig(start=0, end=n, n_layers=n, dtype="f32", eviction=eviction),
@@ -429,6 +430,7 @@ class ShardEngineConformance(ReachTests, ConcurrencyTests, MigrationTests):
                 upstream=None,
                 replay=replay,
                 shrink=not request.config.getoption("shard_engine_no_shrink", default=False),
+                deep=deep,
             )
 
     def test_state_machine_every_role(self, request: pytest.FixtureRequest) -> None:
@@ -451,15 +453,16 @@ class ShardEngineConformance(ReachTests, ConcurrencyTests, MigrationTests):
             ranges = [ranges[0], ranges[1], ranges[-1]]
         dtypes = h.load(*ranges[0]).capabilities().boundary_dtypes
         policies = itertools.cycle(_EVICTION_POLICIES)
+        deep = _deep(request)
         examples = max(1, self._examples(request, budget_s=6.0) // 2)
         for start, end in ranges:
             for dtype in dtypes:
                 upstream = (
-                    h.load(0, start, boundary_dtype=dtype, **upstream_limits())
+                    h.load(0, start, boundary_dtype=dtype, **upstream_limits(deep))
                     if start > 0
                     else None
                 )
-                replay = h.load(start, end, boundary_dtype=dtype, **upstream_limits())
+                replay = h.load(start, end, boundary_dtype=dtype, **upstream_limits(deep))
                 run_machine(
                     h,
                     MachineConfig(
@@ -469,6 +472,7 @@ class ShardEngineConformance(ReachTests, ConcurrencyTests, MigrationTests):
                     upstream=upstream,
                     replay=replay,
                     shrink=not request.config.getoption("shard_engine_no_shrink", default=False),
+                    deep=deep,
                 )
 
     # ================================================================= lifecycle
@@ -1966,6 +1970,11 @@ def _assert_counters_grew(before: Metrics, after: Metrics) -> None:
         if after.errors.get(code, 0) < count
     )
     assert not shrunk, f"metrics counters went back between two reads: {shrunk}"
+
+
+def _deep(request: pytest.FixtureRequest) -> bool:
+    """Whether ``--shard-engine-profile deep`` asks the model-based tests to reach further."""
+    return bool(request.config.getoption("shard_engine_profile", default="default") == "deep")
 
 
 def _assert_addressed_to(result: ShardResult, session: SessionRef, what: str) -> None:

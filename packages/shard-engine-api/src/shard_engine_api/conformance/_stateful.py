@@ -58,7 +58,7 @@ from shard_engine_api.conformance._model import (
     Refusal,
 )
 
-__all__ = ["DEFAULT_EXAMPLES", "MachineConfig", "run_machine"]
+__all__ = ["DEEP_EXAMPLES", "DEFAULT_EXAMPLES", "MachineConfig", "run_machine"]
 
 DEFAULT_EXAMPLES: Final = 8
 """Examples per shard configuration by default (``--shard-engine-examples N`` for more)."""
@@ -69,6 +69,18 @@ _LIMITS: Final = {
     "max_batch_tokens": 16,
     "kv_budget_tokens": 26,
 }
+_DEEP_STEPS: Final = 60
+_DEEP_LIMITS: Final = {
+    "max_sessions": 5,
+    "max_context": 320,
+    "max_batch_tokens": 64,
+    "kv_budget_tokens": 400,
+}
+"""The deep profile (``--shard-engine-profile deep``): longer sessions (hundreds of positions,
+prefills of up to 64 rows), more sessions, batches of up to 12 items in any order, a KV budget
+that batches evict through."""
+DEEP_EXAMPLES: Final = 48
+"""Examples per shard configuration in the deep profile (unless --shard-engine-examples)."""
 _UPSTREAM_LIMITS: Final = {
     "max_sessions": 2,
     "max_context": 64,
@@ -229,6 +241,7 @@ def run_machine(
     upstream: ShardEngine | None,
     replay: ShardEngine,
     shrink: bool = True,
+    deep: bool = False,
 ) -> None:
     """Run the state machine on ``config`` for ``examples`` examples (derandomized); a
     failure is shrunk to a short call sequence unless ``shrink`` is false."""
@@ -257,7 +270,12 @@ def run_machine(
     kind: OutputKind = "logits" if probe_caps.shard.emits_logits else "hidden"
     example_ids = itertools.count()
     takes_tokens = config.start == 0
-    session_names = ("a", "b", "L" * 200 + "-1", "L" * 200 + "-2")
+    session_names: tuple[str, ...] = ("a", "b", "L" * 200 + "-1", "L" * 200 + "-2")
+    if deep:
+        session_names += ("c", "\u00e9" * 240 + "d")
+    limits_of_shard = _DEEP_LIMITS if deep else _LIMITS
+    prefill_sizes = [16, 17, 40, 63, 64] if deep else [16, 17]
+    batch_size = 12 if deep else 4
 
     def tokens_of(n: int, seed: int) -> tuple[int, ...]:
         return tuple((seed * 7919 + index * 104729 + 17) % vocab for index in range(n))
@@ -271,7 +289,7 @@ def run_machine(
                 config.end,
                 boundary_dtype=config.dtype,
                 eviction=config.eviction,
-                **_LIMITS,
+                **limits_of_shard,
             )
             self.caps: Capabilities = self.engine.capabilities()
             limits = self.caps.limits
@@ -531,7 +549,7 @@ def run_machine(
                 ["current", "current", "current", "newer", "older", "huge"]
             ),
             start_choice=st.sampled_from(["append", "append", "zero", "truncate", "gap"]),
-            n=st.one_of(st.integers(1, 5), st.sampled_from([16, 17])),
+            n=st.one_of(st.integers(1, 5), st.sampled_from(prefill_sizes)),
             seed=st.integers(0, 1000),
             logits=st.sampled_from(["last", "all"]),
             bad=st.sampled_from([False] * 7 + [True]),
@@ -701,7 +719,7 @@ def run_machine(
                     st.sampled_from([False] * 9 + [True]),
                 ),
                 min_size=1,
-                max_size=4,
+                max_size=batch_size,
             )
         )
         def decode_batch(self, items: list[tuple[int, EpochChoice, PosChoice, int, bool]]) -> None:
@@ -1039,7 +1057,7 @@ def run_machine(
         ConformanceMachine,
         settings=settings(
             max_examples=examples,
-            stateful_step_count=_STEPS,
+            stateful_step_count=_DEEP_STEPS if deep else _STEPS,
             derandomize=True,
             database=None,
             deadline=None,
@@ -1062,8 +1080,16 @@ def _message(error: ShardEngineError | ErrorInfo) -> str:
     return error.message
 
 
-def upstream_limits() -> dict[str, int]:
-    """Load overrides of the upstream and replay shards: room for any history."""
+def upstream_limits(deep: bool = False) -> dict[str, int]:
+    """Load overrides of the upstream and replay shards: room for any history (of the deep
+    profile's longer sessions too)."""
+    if deep:
+        return {
+            "max_sessions": 2,
+            "max_context": 400,
+            "max_batch_tokens": 400,
+            "kv_budget_tokens": 800,
+        }
     return dict(_UPSTREAM_LIMITS)
 
 

@@ -71,7 +71,7 @@ from shard_engine_api.conformance._harness import (
     split_ranges,
 )
 from shard_engine_api.conformance._recorder import suite_skip
-from shard_engine_api.conformance._stateful import DEFAULT_EXAMPLES
+from shard_engine_api.conformance._stateful import DEEP_EXAMPLES, DEFAULT_EXAMPLES
 
 __all__ = ["TargetedTests"]
 
@@ -252,6 +252,8 @@ class TargetedTests:
         value = request.config.getoption("shard_engine_examples", default=None)
         if value is not None:
             return max(1, int(value))
+        if request.config.getoption("shard_engine_profile", default="default") == "deep":
+            return DEEP_EXAMPLES
         h = self.harness
         started = time.perf_counter()
         engine = h.load()

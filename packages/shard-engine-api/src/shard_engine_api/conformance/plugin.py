@@ -20,6 +20,10 @@ Options:
 ``--shard-engine-examples N``
     Examples per shard configuration of the model-based state-machine test (default 8;
     derandomized, so a run is repeatable; raise it for deeper runs).
+``--shard-engine-profile deep``
+    The model-based tests reach further: sessions of hundreds of positions, six sessions,
+    batches of up to 12 items in any order, evictions through batches, 60 steps and more
+    examples. Minutes on the fake engine; ``nox -s conformance_deep`` runs it there.
 ``--shard-engine-no-shrink``
     Report a failing model-based example as found, unshrunk (faster when only pass or fail
     matters, as in the suite's own tests of broken engines).
@@ -107,6 +111,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="examples per shard configuration of the model-based test (default "
         f"{DEFAULT_EXAMPLES}; more for deeper runs)",
+    )
+    group.addoption(
+        "--shard-engine-profile",
+        choices=("default", "deep"),
+        default="default",
+        help="'deep': the model-based tests run longer sessions (hundreds of positions), more "
+        "sessions, batches of up to 12 items and more examples (for CI on a fast engine)",
     )
     group.addoption(
         "--shard-engine-no-shrink",
