@@ -712,9 +712,23 @@ def test_more_sessions_than_batch_rows_loads(tiny_model: Path) -> None:
         engine.close()
 
 
+def test_unknown_options_are_named_with_the_valid_ones(tiny_model: Path) -> None:
+    """An option the engine does not know (n_gpu_layers of another runtime) is refused naming
+    it and listing the options there are, test-only ones aside."""
+    with pytest.raises(InvalidRequest) as raised:
+        _load(tiny_model, 0, 2, TINY_MODEL_LAYERS, options={"n_gpu_layers": 10})
+    message = raised.value.message
+    assert "unknown llama engine options ['n_gpu_layers']" in message
+    for known in ("n_ubatch", "kv_type", "model_store", "tolerance"):
+        assert known in message
+    assert "inject_crash" not in message
+
+
 def test_a_shard_file_has_no_tokenizer_and_says_so(tiny_model: Path, tmp_path: Path) -> None:
     """Shards carry tokenizer "none"; the plugin answers None instead of a tokenizer that could
-    not encode anything, and the full model still tokenizes."""
+    not encode anything, and the full model still tokenizes. A shard file given where a model
+    is described (run's and serve's --model) is ShardMismatch naming its range, before any
+    missing tokenizer is reported."""
     from shard_engine_api.engine import engine_description
 
     manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
@@ -725,7 +739,9 @@ def test_a_shard_file_has_no_tokenizer_and_says_so(tiny_model: Path, tmp_path: P
     assert full is not None
     assert full.encode("hi")
     assert describe.describe_model is not None
-    assert not describe.describe_model(str(manifest.shard_path(1))).has_tokenizer
+    with pytest.raises(ShardMismatch, match=r"is a shard file \(layers \[2, 6\) of a 6-layer"):
+        describe.describe_model(str(manifest.shard_path(1)))
+    assert describe.describe_model(str(tiny_model)).has_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -300,6 +300,13 @@ class LlamaEngine(EngineCore):
     # ------------------------------------------------------------------ backend steps
 
     def _open(self, config: LoadConfig) -> ModelInfo:
+        unknown = sorted(set(config.options) - set(LlamaOptions.__struct_fields__))
+        if unknown:
+            known = sorted(set(LlamaOptions.__struct_fields__) - set(_TEST_ONLY_OPTIONS))
+            raise InvalidRequest(
+                f"unknown llama engine options {unknown}; the options are {', '.join(known)}",
+                details={"unknown": ", ".join(unknown)},
+            )
         try:
             options = msgspec.convert(config.options, LlamaOptions)
         except msgspec.ValidationError as error:

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Final
 import msgspec
 import numpy as np
 
-from shard_engine_api import InvalidRequest, OptionValue, ShardEngine, UnsupportedFeature
+from shard_engine_api import (
+    InvalidRequest,
+    OptionValue,
+    ShardEngine,
+    ShardMismatch,
+    UnsupportedFeature,
+)
 from shard_engine_api.engine import (
     EngineDescription,
     ModelFixture,
@@ -81,23 +87,34 @@ def _uneven_splits(n_layers: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _describe_model(model: str) -> ModelFixture:
-    from shard_engine_llama._gguf import GGUFValidationError, inspect_gguf
+    from shard_engine_llama._gguf import GGUFValidationError, model_info, validate_gguf
 
     path = Path(model)
     if not path.is_file():
         raise InvalidRequest(f"model file {path} does not exist")
     try:
-        info = inspect_gguf(path)
+        header = validate_gguf(path)
     except GGUFValidationError as error:
         raise InvalidRequest(str(error)) from error
-    if not info.shardable and not info.is_shard:
+    info = model_info(header)
+    if info.is_shard:
+        # The commands split the model they are given; a shard file holds one range only (and
+        # no tokenizer): said first, before anything it lacks is missed.
+        start, end, total = (
+            int(header.get_int(f"shard.{key}")) for key in ("start", "end", "n_layers_total")
+        )
+        raise ShardMismatch(
+            f"{path.name} is a shard file (layers [{start}, {end}) of a {total}-layer model, "
+            "written by split); give the full model as --model: the engine splits it itself",
+            details={"path": str(path), "start": start, "end": end, "n_layers": total},
+        )
+    if not info.shardable:
         raise UnsupportedFeature(f"{path.name} cannot be sharded: {info.refusal}")
     return ModelFixture(
         model=str(path.resolve()),
         n_layers=info.n_layers,
         description=f"{path.name} ({info.architecture}, {info.n_layers} layers)",
-        # Shard files carry no tokenizer (the full model does).
-        has_tokenizer=not info.is_shard,
+        has_tokenizer=True,
         synthetic=False,
     )
 
