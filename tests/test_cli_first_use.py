@@ -4,6 +4,7 @@ install hints for engines that are not installed, and README figures that match 
 
 from __future__ import annotations
 
+import argparse
 import io
 import logging
 import os
@@ -165,8 +166,12 @@ def test_split_draws_no_progress_bar_into_a_redirected_log(tmp_path: Path) -> No
 
 
 def test_every_option_of_every_command_has_help() -> None:
-    parser = build_parser()
-    for name, command in parser._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
+    commands = next(
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    for name, command in commands.choices.items():
         for action in command._actions:
             if action.help != "==SUPPRESS==" and command.prefix_chars == "-":
                 assert action.help, f"shard-engine {name} {action.option_strings or action.dest}"

@@ -191,8 +191,10 @@ def test_token_is_required_and_compared(
 def test_tls_with_token(
     serve: ServeFactory, remote: RemoteFactory, pki: Pki, tmp_path: Path
 ) -> None:
-    """TLS + token: a client trusting the CA works; a plaintext client cannot connect; a
-    client trusting another CA fails the handshake (RemoteUnavailable, nothing ran)."""
+    """TLS + token: a client trusting the CA works; a plaintext client cannot connect and is
+    told to set tls_ca (at its first failed attempt, not when its connect timeout has passed:
+    the timeout here is far beyond the test's); a client trusting another CA fails the
+    handshake (RemoteUnavailable, nothing ran)."""
     paths = pki.write(tmp_path)
     server = serve(
         security=ServerSecurity(tls_cert=pki.server.cert, tls_key=pki.server.key, token=TOKEN)
@@ -202,8 +204,8 @@ def test_tls_with_token(
     engine = remote(config(target=server.address, tls_ca=paths["ca"], token_file=token_file))
     prefill(engine)
     decode(engine, 3)
-    with pytest.raises(RemoteUnavailable):
-        remote(config(target=server.address, token_file=token_file, connect_timeout_s=1.0))
+    with pytest.raises(RemoteUnavailable, match="speaks TLS and this client does not: set tls_ca"):
+        remote(config(target=server.address, token_file=token_file, connect_timeout_s=600.0))
     with pytest.raises(RemoteUnavailable):
         remote(
             config(
@@ -233,6 +235,8 @@ def test_mutual_tls(serve: ServeFactory, remote: RemoteFactory, pki: Pki, tmp_pa
     }
     engine = remote(config(**base, tls_cert=paths["client"], tls_key=paths["client_key"]))
     prefill(engine)
+    with pytest.raises(RemoteUnavailable, match="speaks TLS"):
+        remote(config(target=server.address, token_file=token_file, connect_timeout_s=600.0))
     with pytest.raises(RemoteUnavailable):
         remote(config(**base, connect_timeout_s=1.0))
     with pytest.raises(RemoteUnavailable):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import secrets
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +54,7 @@ from shard_engine_remote._framed import (
     FramedServer,
     check_private_socket,
 )
-from shard_engine_remote._security import ClientSecurity, read_pem, read_token
+from shard_engine_remote._security import ClientSecurity, read_pem, read_token, speaks_tls
 from shard_engine_remote._server import (
     CALLER_METADATA_KEY,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -221,6 +222,7 @@ class _Link:
         # the server's per-client limits and a crash's blast radius are per remote engine.
         options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
         self.channel = security.channel(target, options)
+        self._plaintext = security.tls_ca is None
         self._metadata = (*security.metadata(), (CALLER_METADATA_KEY, secrets.token_hex(16)))
         self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
             self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
@@ -233,11 +235,34 @@ class _Link:
         )
 
     def wait_ready(self, timeout: float) -> bool:
+        """Whether the channel connects within ``timeout``. A plaintext channel whose first
+        connection attempt fails asks whether the server speaks TLS: RemoteUnavailable saying
+        to set tls_ca at once, not "no server answered" when the timeout has passed."""
+        states: list[grpc.ChannelConnectivity] = []
+        watch = states.append
+        self.channel.subscribe(watch, try_to_connect=True)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            return False
-        return True
+            ready = grpc.channel_ready_future(self.channel)
+            deadline = time.monotonic() + timeout
+            probed = not self._plaintext
+            while True:
+                try:
+                    ready.result(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() >= deadline:
+                        return False
+                else:
+                    return True
+                if not probed and grpc.ChannelConnectivity.TRANSIENT_FAILURE in states:
+                    probed = True
+                    if speaks_tls(self.target, max(0.1, min(2.0, deadline - time.monotonic()))):
+                        raise RemoteUnavailable(
+                            f"the server at {self.target} speaks TLS and this client does not: "
+                            "set tls_ca (the PEM of the CA that signed its certificate)",
+                            details={"target": self.target},
+                        )
+        finally:
+            self.channel.unsubscribe(watch)
 
     # grpcio raises ValueError for a call on a channel closed meanwhile (by close() from
     # another thread): said as the link error it is, so it maps like every other.

@@ -51,7 +51,12 @@ def _command_serve(args: argparse.Namespace) -> int:
     from shard_engine_api._plugins import describe_model, get_plugin_manager, model_fixture
     from shard_engine_api._store import model_store, unchecked_model_store
     from shard_engine_remote._ratelimit import RateLimit
-    from shard_engine_remote._security import ServerSecurity, read_pem, read_token
+    from shard_engine_remote._security import (
+        ServerSecurity,
+        check_port_free,
+        read_pem,
+        read_token,
+    )
     from shard_engine_remote._server import EngineServer, Serving, serve_until_signalled
 
     manager = get_plugin_manager()
@@ -109,6 +114,7 @@ def _command_serve(args: argparse.Namespace) -> int:
             serving = FramedServer(server)
             address = serving.start(Path(args.listen.removeprefix("unix:")))
         else:
+            check_port_free(args.listen)
             address = server.start(args.listen)
     except BaseException:
         engine.close()

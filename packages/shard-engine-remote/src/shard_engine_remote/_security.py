@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import os
+import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +33,12 @@ __all__ = [
     "BearerTokenInterceptor",
     "ClientSecurity",
     "ServerSecurity",
+    "check_port_free",
     "check_token",
     "is_loopback",
     "read_pem",
     "read_token",
+    "speaks_tls",
 ]
 
 TOKEN_ENV_VAR: Final = "SHARD_ENGINE_REMOTE_TOKEN"
@@ -60,6 +65,72 @@ def check_address(address: str, *, listening: bool) -> None:
         raise InvalidRequest(
             f"address {address!r}: the port must be a number from {lowest} to 65535"
         )
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` or ``[v6]:port`` address; None for anything else."""
+    host, separator, port = address.rpartition(":")
+    if not separator or not port.isascii() or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def check_port_free(listen: str) -> None:
+    """Raise InvalidRequest, in one line, when ``listen`` (``host:port``) is a port another
+    socket already holds, or one this user may not bind: said before gRPC tries, whose own
+    failure comes with a line of its C core's log. Binds nothing (a probe socket is closed at
+    once); port 0 and unix sockets pass."""
+    found = _host_port(listen)
+    if found is None or found[1] == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(*found, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # gRPC says what is wrong with the name
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise InvalidRequest(
+                        f"cannot listen on {listen}: the port is in use (another server listens "
+                        "there); choose another --listen port or stop that server"
+                    ) from None
+                if error.errno == errno.EACCES:
+                    raise InvalidRequest(
+                        f"cannot listen on {listen}: permission denied (ports below 1024 need "
+                        "privileges)"
+                    ) from None
+
+
+def speaks_tls(target: str, timeout: float) -> bool:
+    """Whether the server at ``target`` (``host:port`` or ``unix:PATH``) completes a TLS
+    handshake (certificate unchecked: only the protocol is asked). A plaintext client whose
+    connections fail asks this to say "set tls_ca" instead of "no server answered"."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        if target.startswith("unix:"):
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            raw.settimeout(timeout)
+            try:
+                raw.connect(target.removeprefix("unix:"))
+            except OSError:
+                raw.close()
+                raise
+        else:
+            found = _host_port(target)
+            if found is None:
+                return False
+            raw = socket.create_connection(found, timeout=timeout)
+        with raw, context.wrap_socket(raw):
+            return True
+    except (OSError, ValueError):  # (ssl.SSLError is an OSError: not TLS, or refused)
+        return False
 
 
 def is_loopback(address: str) -> bool:

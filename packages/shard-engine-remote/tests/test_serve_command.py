@@ -1,0 +1,74 @@
+"""`shard-engine serve` as an operator meets it: a port already in use is one line, the help
+is complete, and the boundary dtypes are run's."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from shard_engine_api import InvalidRequest
+from shard_engine_api._dtypes import BOUNDARY_DTYPES
+from shard_engine_api.cli import build_parser
+from shard_engine_remote._security import check_port_free
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            parser: argparse.ArgumentParser = action.choices["serve"]
+            return parser
+    raise AssertionError("shard-engine has no subcommands")
+
+
+def test_a_port_in_use_is_one_line_without_grpc_log_noise() -> None:
+    """Another socket listens on the port: serve exits 2 with the CLI's one line, and gRPC's
+    C core never gets to log its own bind failure."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = ["serve", "--engine", "fake", "--layers", "0:2", "--listen", f"127.0.0.1:{port}"]
+        completed = subprocess.run(
+            [sys.executable, "-m", "shard_engine_api.cli", *command],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    assert completed.returncode == 2
+    assert completed.stderr.count("\n") == 1, completed.stderr
+    assert completed.stderr.startswith(
+        f"shard-engine serve: InvalidRequest [invalid_request]: cannot listen on 127.0.0.1:{port}: "
+        "the port is in use"
+    ), completed.stderr
+
+
+def test_a_free_port_and_port_zero_pass_the_check() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    check_port_free(f"127.0.0.1:{port}")
+    check_port_free("127.0.0.1:0")
+    check_port_free("unix:/nonexistent/engine.sock")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(InvalidRequest, match="the port is in use"):
+            check_port_free(f"127.0.0.1:{taken.getsockname()[1]}")
+
+
+def test_serve_help_is_complete() -> None:
+    """Each option says what it is; the framed example keeps its line break; bf16 is offered
+    as in run."""
+    serve = _serve_parser()
+    help_text = serve.format_help()
+    assert "--transport framed \\\n        --listen unix:" in help_text
+    for action in serve._actions:
+        assert action.help, action.option_strings
+        if "--boundary-dtype" in action.option_strings:
+            assert action.choices is not None
+            assert sorted(action.choices) == sorted(BOUNDARY_DTYPES)
