@@ -3,6 +3,7 @@ request builders. Everything binds loopback or private unix sockets."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -230,9 +231,12 @@ def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
 
 class FramedPeer:
     """A unix socket speaking the framed transport by hand, greeted with ``token`` (None:
-    not greeted)."""
+    not greeted). Like the framed client, it never reuses a call id on its connection: the
+    server forgets an id only after the reply to it has left, so a reused id can still be
+    in flight when the next call carrying it arrives."""
 
     def __init__(self, address: str, token: str | None) -> None:
+        self._ids = itertools.count(1)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(10)
@@ -247,8 +251,14 @@ class FramedPeer:
     def greeting(self) -> tuple[int, int, bytes]:
         return read_frame(self.sock)
 
-    def exchange(self, body: bytes, kind: int = _framed.CALL, call_id: int = 7) -> bytes:
-        """Send one frame and return the body of the REPLY to it."""
+    def fresh_id(self) -> int:
+        """A call id this connection has not used."""
+        return next(self._ids)
+
+    def exchange(self, body: bytes, kind: int = _framed.CALL, call_id: int | None = None) -> bytes:
+        """Send one frame (under a fresh call id unless ``call_id`` is given) and return the
+        body of the REPLY to it."""
+        call_id = self.fresh_id() if call_id is None else call_id
         self.sock.sendall(_framed._frame(kind, call_id, body))
         answer_kind, answer_id, answer = read_frame(self.sock)
         assert (answer_kind, answer_id) == (_framed.REPLY, call_id)

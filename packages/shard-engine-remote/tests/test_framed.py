@@ -57,8 +57,8 @@ class _Raw(FramedPeer):
     def __init__(self, address: str, token: str | None = TOKEN) -> None:
         super().__init__(address, token)
 
-    def call(self, body: bytes, kind: int = CALL, call_id: int = 7) -> api.ShardEngineError:
-        return wire.decode_error(self.exchange(body, kind, call_id))
+    def call(self, body: bytes, kind: int = CALL) -> api.ShardEngineError:
+        return wire.decode_error(self.exchange(body, kind))
 
 
 @pytest.fixture
@@ -130,9 +130,10 @@ def test_bad_frames_get_typed_errors(framed: EngineServer, worker: api.ShardEngi
     # Chunks, ends and abandons of calls that do not exist change nothing.
     for kind in (CHUNK, END, ABANDON):
         raw.sock.sendall(_frame(kind, 12345, b"junk"))
-    raw.sock.sendall(_frame(CALL, 8, msgspec.msgpack.encode({"type": "health_query"})))
+    health_id = raw.fresh_id()
+    raw.sock.sendall(_frame(CALL, health_id, msgspec.msgpack.encode({"type": "health_query"})))
     kind, call_id, body = read_frame(raw.sock)
-    assert (kind, call_id) == (REPLY, 8)
+    assert (kind, call_id) == (REPLY, health_id)
     health = decode_reply(body)
     assert isinstance(health, api.Health)
     assert health.sessions == 1, "the same connection still serves"

@@ -297,15 +297,20 @@ def _attack_call(connection: int, index: int) -> bytes:
 
 def _overlapping(peer: FramedPeer, first: bytes, *others: bytes) -> dict[int, object]:
     """Send ``first`` and ``others`` in one write (the others overlap the first: the server
-    cannot serve them on the connection's own thread) and return every reply by call id."""
-    frames = [_frame(CALL, 1, first)]
-    frames += [_frame(CALL, index + 2, other) for index, other in enumerate(others)]
-    peer.sock.sendall(b"".join(frames))
+    cannot serve them on the connection's own thread) and return every reply by position
+    (1 for ``first``). Each call has a fresh id: the server may not yet have forgotten the
+    ids of an earlier round whose replies already arrived."""
+    ids = {peer.fresh_id(): position for position in range(1, len(others) + 2)}
+    peer.sock.sendall(
+        b"".join(
+            _frame(CALL, call_id, body) for call_id, body in zip(ids, (first, *others), strict=True)
+        )
+    )
     replies: dict[int, object] = {}
-    while len(replies) < len(frames):
+    while len(replies) < len(ids):
         kind, call_id, body = read_frame(peer.sock)
         assert kind == REPLY
-        replies[call_id] = decode_reply(body)
+        replies[ids[call_id]] = decode_reply(body)
     return replies
 
 
@@ -382,9 +387,7 @@ def _attack(serving: FramedServer, server: EngineServer, attackers: list[FramedP
             assert isinstance(replies[2], api.ReleaseResult), replies[2]
             replies = {key - 1: value for key, value in replies.items() if key > 2}
             _check_control_replies(replies)
-            good.exchange(
-                encode_request(api.ReleaseRequest(session=ref(f"good{round_}"))), call_id=9
-            )
+            good.exchange(encode_request(api.ReleaseRequest(session=ref(f"good{round_}"))))
     finally:
         good.close()
 
