@@ -10,6 +10,7 @@ import tempfile
 import threading
 import tracemalloc
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import msgspec
@@ -322,7 +323,8 @@ def test_import_chunks_sent_ahead_of_a_busy_server_are_bounded(
     """An import queued for a pool thread (every one busy) takes none of its chunks: a client
     streaming them regardless has at most 64 MiB held for it, then the stream is refused with
     a retryable ResourceExhausted (nothing imported) instead of the server buffering whatever
-    it is sent."""
+    it is sent. (The framed pool has a thread for every call it admits, so an import waits
+    for one only in the moment before it starts; here a pool of five makes it wait.)"""
     engine = api.load_engine("fake", config())
     gate = threading.Event()
     release = engine.release
@@ -334,6 +336,8 @@ def test_import_chunks_sent_ahead_of_a_busy_server_are_bounded(
     monkeypatch.setattr(engine, "release", held_release)
     server = EngineServer(engine, max_workers=5)
     framed = FramedServer(server)
+    framed.pool.shutdown()
+    framed.pool = futures.ThreadPoolExecutor(max_workers=5)
     framed.start(private_dir / "engine.sock")
     releasing, streaming = _greeted(private_dir), _greeted(private_dir)
     try:

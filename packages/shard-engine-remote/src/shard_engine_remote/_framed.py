@@ -76,6 +76,7 @@ from shard_engine_remote._server import (
     DEFAULT_CONNECTION_IDLE_S,
     EngineServer,
     StreamBroken,
+    drain_margin_s,
 )
 from shard_engine_remote._wire import (
     CapabilitiesQuery,
@@ -1507,9 +1508,11 @@ class _ServerConnection:
         self.send(ERROR, call_id, _HELLO_ENCODER.encode(("UNAVAILABLE", message)))
 
     def _refuse_busy(self, call_id: int) -> None:
+        retry_after = self._server.retry_after_s()
         error = api.ResourceExhausted(
-            "the server holds as many calls as it queues; retry",
-            details={"resource": "server_calls"},
+            "the server holds as many of this connection's overlapping calls (or of all "
+            f"connections') as it queues; nothing ran; retry in {retry_after:.3f} s",
+            details={"resource": "server_calls", "retry_after_s": retry_after},
         )
         self.send(REPLY, call_id, encode_reply(error.to_info()))
 
@@ -1687,8 +1690,9 @@ class FramedServer:
     """Serves an :class:`EngineServer`'s dispatch over the framed transport on a unix socket in
     a private directory. Threads: one accepting; two per connection, taking turns at reading
     and serving the call just read; one watching the sockets of connections whose reading
-    thread serves a call; and a pool of the server's ``max_workers`` for calls that
-    overlap on a connection (compute calls are bounded by the server's slots, as over gRPC)."""
+    thread serves a call; and a pool for calls that overlap on a connection, a thread for each
+    call it admits (so compute calls reach the engine in the order of the server's fair queue,
+    never the pool's: they are bounded by the server's slots and queue, as over gRPC)."""
 
     def __init__(
         self,
@@ -1706,8 +1710,11 @@ class FramedServer:
         self.engine = server.engine
         self.address: str | None = None
         self.draining = False
+        admitted = server.max_workers * 8
+        # A thread for every call admitted (started as needed): a call never waits in the
+        # pool's own first-come queue, only in the server's queue, which is fair per client.
         self.pool = futures.ThreadPoolExecutor(
-            max_workers=server.max_workers, thread_name_prefix="engine-framed"
+            max_workers=admitted, thread_name_prefix="engine-framed"
         )
         self._max_connections = max_connections
         self._listener: socket.socket | None = None
@@ -1715,7 +1722,7 @@ class FramedServer:
         self._connections: set[_ServerConnection] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._calls = threading.BoundedSemaphore(server.max_workers * 8)
+        self._calls = threading.BoundedSemaphore(admitted)
         """Calls queued for or running on the pool, all connections together (gRPC's
         maximum_concurrent_rpcs on the other transport): beyond, a retryable
         ResourceExhausted."""
@@ -1865,6 +1872,7 @@ class FramedServer:
         """Stop taking calls, let in-flight ones finish for up to ``grace`` seconds, then end
         the rest (which cancels their engine work) and close every connection."""
         self.draining = True
+        self.server.refuse_new_calls()
         listener, self._listener = self._listener, None
         if listener is not None:
             _shutdown(listener)
@@ -1872,6 +1880,12 @@ class FramedServer:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
         deadline = time.monotonic() + (grace if grace is not None else 1e9)
+        # Calls waiting for a compute slot are served in turn until near the grace's end,
+        # then refused (naming the drain; nothing of them ran) while their replies can leave.
+        refuse_queued = deadline - (drain_margin_s(grace) if grace is not None else 0.0)
+        while self.server.counters.in_flight > 0 and time.monotonic() < refuse_queued:
+            time.sleep(0.01)
+        self.server.refuse_queued_calls()
         while self.server.counters.in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         with self._lock:

@@ -8,8 +8,10 @@ client does stops the server from serving other clients: undecodable frames get 
 messages over the size limit get ResourceExhausted (not retryable; beyond twice the limit gRPC
 refuses them itself), a client over its rate limit gets a retryable ResourceExhausted with
 ``retry_after_s`` (per client: others keep their own budget), compute calls beyond the server's
-slots get a retryable ResourceExhausted (cancel, release, health and metrics always have a
-thread), calls without the bearer token are refused before decoding, calls whose request
+slots wait in a bounded queue, fair per client (:mod:`~shard_engine_remote._admission`), and
+only beyond its bound get a retryable ResourceExhausted with ``retry_after_s`` (cancel,
+release, health and metrics never wait in it), calls without the bearer token are refused
+before decoding, calls whose request
 message is late or that hold a waiting thread another peer's call needs are cut off
 (``stalled``), and
 connections are bounded in number, handshake time and idle time. Each of these is counted
@@ -48,6 +50,7 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._errors import clamp_text
 from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
+from shard_engine_remote._admission import DEFAULT_MAX_QUEUED, Admission, Outcome, Ticket
 from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._wire import (
@@ -84,6 +87,7 @@ __all__ = [
     "caller_key",
     "channel_options",
     "client_key",
+    "drain_margin_s",
     "serve_until_signalled",
 ]
 
@@ -174,6 +178,11 @@ class ServerCounters:
     stalled: int = 0
     shared_memory_calls: int = 0
     refused_shared_memory: int = 0
+    drain_refused: int = 0
+    queue: Callable[[], dict[str, int | float]] | None = field(
+        default=None, repr=False, compare=False
+    )
+    """The compute queue's own figures (depth, waits: ``Admission.stats``), when there is one."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -190,8 +199,10 @@ class ServerCounters:
             self.in_flight -= 1
 
     def stats(self, rate_limited_clients: int = 0) -> ServerStats:
+        queue = {} if self.queue is None else self.queue()
         with self._lock:
-            return ServerStats(
+            stats = ServerStats(
+                drain_refused=self.drain_refused,
                 calls=self.calls,
                 in_flight=self.in_flight,
                 unauthenticated=self.unauthenticated,
@@ -210,6 +221,7 @@ class ServerCounters:
                     if name in os.environ
                 },
             )
+        return msgspec.structs.replace(stats, **queue) if queue else stats
 
     def snapshot(self) -> dict[str, int]:
         return msgspec.structs.asdict(self.stats())
@@ -253,7 +265,12 @@ class EngineServer:
     private socket of a spawned child); a server started on a loaded engine refuses loads.
 
     ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
-    cancel, release, health and metrics are never starved. A snapshot stream holds one of those
+    cancel, release, health and metrics are never starved. Compute calls beyond those slots
+    wait, ``max_queued`` of them at most (all clients together), in a queue fair per client
+    (see :mod:`~shard_engine_remote._admission`; each holds a thread of its own while it
+    waits); beyond, and for every new call while the server drains, they are refused (a
+    retryable ResourceExhausted with ``retry_after_s``; while draining a retryable NotReady
+    naming the drain), nothing of them having run. A snapshot stream holds one of those
     compute slots from its first message to its last (a client that stops sending or reading
     would otherwise hold a thread no slot accounts for), at most half of them are streams, and
     an import stream whose next message does not arrive within ``stream_idle_s`` is cut off
@@ -289,9 +306,12 @@ class EngineServer:
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
         min_stream_bytes_per_s: float = DEFAULT_MIN_STREAM_BYTES_PER_S,
+        max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
         if max_workers < 5:
             raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
+        if max_queued < 0:
+            raise api.InvalidRequest(f"max_queued must be >= 0, got {max_queued}")
         if not stream_idle_s > 0:
             raise api.InvalidRequest(f"stream_idle_s must be > 0, got {stream_idle_s}")
         if max_connections < 1:
@@ -314,7 +334,9 @@ class EngineServer:
         self._allow_load = allow_load
         self.max_snapshot_bytes = max_snapshot_bytes
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
-        self._compute_slots = threading.BoundedSemaphore(max_workers - 4)
+        self.max_queued = max_queued
+        self._compute_slots = Admission(max_workers - 4, max_queued)
+        self.counters.queue = self._compute_slots.stats
         self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
         self._in_flight = _InFlight()
         self._waiting = _Waiting(
@@ -333,7 +355,8 @@ class EngineServer:
                     self.security.token, functools.partial(self.counters.add, "unauthenticated")
                 )
             )
-        threads = max_workers + self._waiting.capacity + self._health_waiting.capacity
+        # Calls waiting in the compute queue hold a thread each, beyond max_workers.
+        threads = max_workers + max_queued + self._waiting.capacity + self._health_waiting.capacity
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engine-rpc"),
             interceptors=interceptors,
@@ -358,7 +381,7 @@ class EngineServer:
                 # computing longer than about a minute. Faster than once a second still is.
                 ("grpc.http2.min_ping_interval_without_data_ms", 1000),
             ],
-            maximum_concurrent_rpcs=max_workers * 8,
+            maximum_concurrent_rpcs=max_workers * 8 + max_queued,
         )
         # Request-streaming handlers for unary calls (the same on the wire): the wait for
         # the request message is ours, bounded (see _Waiting).
@@ -432,15 +455,53 @@ class EngineServer:
 
     def stop(self, grace: float | None = 10.0) -> None:
         """Stop taking calls, let in-flight ones finish for up to ``grace`` seconds (then they
-        are cancelled, which cancels their engine work), and return. The engine stays open."""
+        are cancelled, which cancels their engine work), and return. The engine stays open.
+        Until no compute call runs or waits (at most until near the grace's end), the server
+        still takes calls: compute calls are refused with a typed error naming the drain (see
+        :meth:`refuse_new_calls`), cancel, release, health and metrics are served; calls
+        waiting for a compute slot are served in turn, and those still waiting near the
+        grace's end are refused the same way (see :meth:`refuse_queued_calls`). While calls
+        keep arriving (a tenth of a second without one ends it), they keep getting that typed
+        refusal. Then gRPC stops taking calls (one arriving after that is CANCELLED by gRPC
+        itself, which a remote engine must take as "may have run") and waits for the rest of
+        the grace."""
         self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
+        self.refuse_new_calls()
+        remaining = None
+        if grace is not None:
+            deadline = time.monotonic() + grace
+            refuse_queued = deadline - drain_margin_s(grace)
+            calls = self.counters.calls
+            self._compute_slots.wait_idle(refuse_queued)
+            while calls != self.counters.calls and time.monotonic() < refuse_queued:
+                calls = self.counters.calls
+                time.sleep(max(0.0, min(_DRAIN_QUIET_S, refuse_queued - time.monotonic())))
+            remaining = max(0.0, deadline - time.monotonic())
+        self.refuse_queued_calls()
+        self._server.stop(remaining).wait()
         self._waiting.stop()
         self._health_waiting.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stopped; False on timeout."""
         return self._server.wait_for_termination(timeout)
+
+    def refuse_new_calls(self) -> None:
+        """The server drains: every compute call from now on is refused with a retryable
+        NotReady naming the drain (nothing of it ran: the client may go to another server);
+        calls waiting for a compute slot stay queued. Counted as ``drain_refused``."""
+        self._compute_slots.close()
+
+    def refuse_queued_calls(self) -> int:
+        """The drain's grace is nearly over: refuse every compute call still waiting for a
+        slot, as :meth:`refuse_new_calls` refuses new ones, before calls still running are
+        cancelled. Returns how many were waiting."""
+        return self._compute_slots.drain()
+
+    def retry_after_s(self) -> float:
+        """When a call refused now may find room in the compute queue (an estimate from
+        recent calls' durations, see ``Admission.retry_after_s``)."""
+        return self._compute_slots.retry_after_s()
 
     # ----------------------------------------------------------------- dispatch
 
@@ -729,7 +790,57 @@ class EngineServer:
 
     def _busy(self, message: str) -> api.ResourceExhausted:
         self.counters.add("busy")
-        return api.ResourceExhausted(f"{message}; retry", details={"resource": "server_threads"})
+        retry_after = self.retry_after_s()
+        return api.ResourceExhausted(
+            f"{message}; nothing ran; retry in {retry_after:.3f} s",
+            details={"resource": "server_threads", "retry_after_s": retry_after},
+        )
+
+    def _refused(self) -> api.ShardEngineError:
+        """Why the compute queue took no place for a call (nothing of it ran): the server
+        drains (NotReady, retryable: another server may take it), or the queue is full
+        (ResourceExhausted with ``retry_after_s``)."""
+        admission = self._compute_slots
+        if admission.draining:
+            self.counters.add("drain_refused")
+            return api.NotReady(
+                "the server is draining (shutting down) and takes no more compute calls; "
+                "nothing ran; call another server",
+                retryable=True,
+                details={"reason": "draining", "resource": "server_queue"},
+            )
+        return self._queue_full(
+            f"the server's queue holds as many calls as it takes ({admission.max_queued} "
+            f"waiting for {admission.slots} compute slots)"
+        )
+
+    def _queue_full(self, why: str) -> api.ResourceExhausted:
+        admission = self._compute_slots
+        self.counters.add("busy")
+        retry_after = admission.retry_after_s()
+        return api.ResourceExhausted(
+            f"{why}; nothing ran; retry in {retry_after:.3f} s",
+            details={
+                "resource": "server_queue",
+                "retry_after_s": retry_after,
+                "max_queued": admission.max_queued,
+            },
+        )
+
+    def _left_queue(self, outcome: Outcome, request_id: str) -> api.ShardEngineError:
+        """The error of a call that left the compute queue without running."""
+        if outcome == "draining":
+            return self._refused()
+        if outcome == "evicted":
+            return self._queue_full(
+                "another client's call took this call's place in the server's full queue (the "
+                "client with the most calls waiting gives way)"
+            )
+        how = "was cancelled" if outcome == "cancelled" else "ended"
+        return api.Cancelled(
+            f"request {request_id!r} {how} while it waited for a compute slot; it never ran",
+            details={"reason": outcome, "ran": False},
+        )
 
     def _next_message(self, messages: Iterator[bytes], received: int) -> bytes | None:
         try:
@@ -830,30 +941,44 @@ class EngineServer:
         of the server's making, unique among every client's requests (request ids are each
         caller's own: two clients may both use "req-1"), with the caller's id put back in the
         result and in the error. A caller's second call with an id it has in flight is
-        refused, as the engine refuses it."""
-        if not slot_held and not self._compute_slots.acquire(blocking=False):
-            raise self._busy("the server is computing as many requests as it has threads for")
+        refused, as the engine refuses it. Without ``slot_held`` the call first takes a compute
+        slot, waiting for one in the fair queue (see :mod:`~shard_engine_remote._admission`)
+        or refused when it is full; a call that leaves the queue without running (its RPC
+        ended, its client cancelled it, another client's call took its place, the server
+        drains) raises the error that says so and never reaches the engine."""
+        ticket: Ticket | None = None
+        if not slot_held:
+            ticket = self._compute_slots.enter(client_key(context))
+            if ticket is None:
+                raise self._refused()
         client = caller_key(context)
         try:
             call = self._in_flight.begin(client, request)
         except BaseException:
-            if not slot_held:
-                self._compute_slots.release()
+            if ticket is not None:
+                self._leave_queue(ticket)
             raise
+        call.ticket = ticket
         request_id, engine_id = request.request_id, call.engine_id
         finished = threading.Event()
 
         def on_rpc_end() -> None:
             # Runs when the RPC terminates for any reason; only an RPC that ended before the
             # engine answered (cancelled, deadline, connection lost) cancels the engine work:
-            # this call's, by the id no other request has.
+            # this call's, by the id no other request has (a call still queued just leaves).
             if not finished.is_set():
                 self.counters.add("transport_cancels")
-                self.engine.cancel(api.CancelRequest(request_id=engine_id))
+                if ticket is None or not self._compute_slots.withdraw(ticket, "ended"):
+                    self.engine.cancel(api.CancelRequest(request_id=engine_id))
 
+        outcome: Outcome | None = None
         try:
             if not context.add_callback(on_rpc_end):
                 raise api.Cancelled(f"request {request_id!r} ended before it started")
+            if ticket is not None:
+                outcome = self._compute_slots.wait(ticket)
+                if outcome != "granted":
+                    raise self._left_queue(outcome, request_id)
             try:
                 answer = operation(msgspec.structs.replace(request, request_id=engine_id))
             except api.ShardEngineError as error:
@@ -862,8 +987,17 @@ class EngineServer:
         finally:
             finished.set()
             self._in_flight.end(client, call)
-            if not slot_held:
-                self._compute_slots.release()
+            if ticket is not None:
+                if outcome is None:
+                    self._leave_queue(ticket)
+                elif outcome == "granted":
+                    self._compute_slots.done(ticket)
+
+    def _leave_queue(self, ticket: Ticket) -> None:
+        """Give up a place never waited for: out of the queue, or its slot back."""
+        admission = self._compute_slots
+        if not admission.withdraw(ticket, "ended") and admission.wait(ticket) == "granted":
+            admission.done(ticket)
 
     def _cancel(self, request: api.CancelRequest, context: CallContext) -> api.CancelResult:
         """The caller's cancel, translated into engine cancels of only its own requests in
@@ -882,8 +1016,12 @@ class EngineServer:
             # asked about an id no request of anyone's has.
             return engine.cancel(api.CancelRequest(request_id=self._in_flight.unused_id()))
         stopped = 0
-        for engine_id in mine:
-            stopped += engine.cancel(api.CancelRequest(request_id=engine_id)).n_requests
+        for call in mine:
+            ticket = call.ticket
+            if ticket is not None and self._compute_slots.withdraw(ticket, "cancelled"):
+                stopped += 1  # it waited in the queue: it leaves it, never having run
+                continue
+            stopped += engine.cancel(api.CancelRequest(request_id=call.engine_id)).n_requests
         return api.CancelResult(cancelled=stopped > 0, n_requests=stopped)
 
     # grpc.health.v1 answers without a token. Its handlers are request-streaming too, so
@@ -951,6 +1089,13 @@ def _connection_limit(wanted: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return wanted
     return max(1, min(wanted, soft // 2))
+
+
+def drain_margin_s(grace: float) -> float:
+    """How long before a drain's grace ends the calls still waiting for a compute slot are
+    refused (its last fifth, at most its last second): their refusals leave before the
+    calls still running are cancelled."""
+    return min(1.0, grace / 5)
 
 
 _HEALTH_SERVICES: Final = frozenset(("", SERVICE_NAME))
@@ -1154,6 +1299,8 @@ class _Call:
     engine_id: str
     item_ids: tuple[str, ...]
     session_ids: tuple[str, ...]
+    ticket: Ticket | None = None
+    """Its place in the compute queue (None: a stream's call, which holds its slot)."""
 
 
 class _InFlight:
@@ -1200,9 +1347,9 @@ class _InFlight:
                 if not calls:
                     del self._calls[client]
 
-    def matching(self, client: str, request: api.CancelRequest) -> list[str]:
-        """The engine ids of ``client``'s calls in flight that ``request`` (naming exactly one
-        of a request id and a session) names."""
+    def matching(self, client: str, request: api.CancelRequest) -> list[_Call]:
+        """``client``'s calls in flight that ``request`` (naming exactly one of a request id
+        and a session) names."""
         with self._lock:
             calls = self._calls.get(client)
             if not calls:
@@ -1210,12 +1357,12 @@ class _InFlight:
             request_id = request.request_id
             if request_id is not None:
                 return [
-                    call.engine_id
+                    call
                     for call in calls.values()
                     if call.request_id == request_id or request_id in call.item_ids
                 ]
             session_id = request.session_id
-            return [call.engine_id for call in calls.values() if session_id in call.session_ids]
+            return [call for call in calls.values() if session_id in call.session_ids]
 
     def unused_id(self) -> str:
         """An engine request id no call was or will be given."""
@@ -1225,6 +1372,9 @@ class _InFlight:
 
 _SIGNAL_POLL_S: Final = 0.05
 """How often the serving loop looks for a signal its handler recorded."""
+_DRAIN_QUIET_S: Final = 0.1
+"""How long a draining gRPC server, its compute calls done, must see no new call before it
+stops taking them (until then they get the drain's typed refusal)."""
 
 
 def serve_until_signalled(

@@ -20,7 +20,7 @@ import msgspec
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._types import MAX_ID_CHARS, MAX_SNAPSHOT_CHUNKS, Count
+from shard_engine_api._types import MAX_ID_CHARS, MAX_SNAPSHOT_CHUNKS, Count, Milliseconds
 
 __all__ = [
     "CALL_METHOD",
@@ -116,8 +116,11 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     rate_limited: Count = 0
     """Calls refused by the client's rate limit (ResourceExhausted with ``retry_after_s``)."""
     busy: Count = 0
-    """Compute calls refused because every compute thread was busy (retryable); on the framed
-    transport also calls and connections beyond what the server queues."""
+    """Calls refused, nothing of them having run, because the server had no room for them
+    (retryable, with ``retry_after_s``): compute calls beyond the compute queue's bound (or
+    that gave their place in a full queue to another client's, ``queue_evicted``), snapshot
+    streams beyond their slots; over gRPC calls beyond the threads waiting for their request
+    message; on the framed transport also calls and connections beyond what it queues."""
     transport_cancels: Count = 0
     """Compute calls whose RPC ended first (cancel, deadline, lost connection): engine.cancel."""
     stalled: Count = 0
@@ -133,6 +136,24 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     of the announced size): they were served over the socket alone."""
     rate_limited_clients: Count = 0
     """Clients (peers) the rate limiter tracks now (bounded; the idlest are forgotten)."""
+    queued: Count = 0
+    """Compute calls waiting for a compute slot now (the queue's depth), all clients."""
+    max_queued: Count = 0
+    """The most compute calls the server holds waiting (``serve --max-queued``)."""
+    computing: Count = 0
+    """Compute slots taken now (calls in the engine, and snapshot streams)."""
+    queued_calls: Count = 0
+    """Compute calls that waited in the queue for a slot (not those granted one at once)."""
+    queue_wait_ms: Milliseconds = 0.0
+    """Their waits, in total."""
+    queue_wait_max_ms: Milliseconds = 0.0
+    """The longest of their waits."""
+    queue_evicted: Count = 0
+    """Queued compute calls refused (ResourceExhausted, counted in ``busy`` too) to make
+    room in the full queue for a call of a client with fewer waiting."""
+    drain_refused: Count = 0
+    """Compute calls refused while the server drained (NotReady naming the drain, nothing
+    ran): new ones, and those still waiting for a slot near the drain's end."""
     threading: Annotated[
         dict[EnvName, EnvValue], msgspec.Meta(max_length=MAX_THREADING_ENTRIES)
     ] = msgspec.field(default_factory=dict)

@@ -1,0 +1,292 @@
+"""Admission of a served engine's compute calls: a bounded queue, fair per client.
+
+A server lets at most ``slots`` compute calls into its engine at once (the engine's own
+scheduler orders and batches what it is given); further calls wait here instead of being
+refused. The queue is fair between clients (a client is a connection or a mutual-TLS identity,
+see ``client_key``): each client's calls wait in their arrival order, and a freed slot goes to
+the clients with calls waiting in turn (round robin), so one client's flood delays another
+client's call by at most one call per client waiting, never by the flood's length.
+
+At most ``max_queued`` calls wait, all clients together. A call arriving at a full queue takes
+the place of the newest call of the client with the most waiting, when that client holds at
+least two more than the newcomer's own (that call is refused instead: nothing of it ran);
+otherwise the newcomer is refused. A refusal is a retryable ResourceExhausted whose
+``retry_after_s`` estimates when the queue will have room, from recent calls' durations.
+
+A waiting call leaves the queue at once when its RPC ends (deadline, abandon, lost
+connection) or its client cancels it: it never reaches the engine. While a server drains
+(SIGTERM), new calls are refused naming the drain; calls already waiting are served within
+the drain's grace, and those still waiting when it nearly ends are refused naming the drain.
+Nothing here touches the engine: the server runs a granted call and hands its slot back.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Final, Literal, TypeAlias
+
+__all__ = ["DEFAULT_MAX_QUEUED", "Admission", "Outcome", "Ticket"]
+
+DEFAULT_MAX_QUEUED: Final = 256
+"""Compute calls a server holds waiting for a compute slot, all clients together."""
+_FIRST_ESTIMATE_S: Final = 0.05
+"""What a compute call is assumed to take before one was measured."""
+_MIN_RETRY_AFTER_S: Final = 0.001
+_MAX_RETRY_AFTER_S: Final = 60.0
+_SMOOTHING: Final = 0.2
+"""Weight of the latest call's duration in the running estimate."""
+_IDLE_POLL_S: Final = 0.01
+
+Outcome: TypeAlias = Literal["granted", "ended", "cancelled", "evicted", "draining"]
+"""How a wait ended: the call holds a slot, or it left the queue without running (its RPC
+ended, its client cancelled it, another client's call took its place, the server drains)."""
+_QUEUED: Final = "queued"
+
+
+class Ticket:
+    """One compute call's place: granted (it holds a slot) or waiting in its client's queue."""
+
+    __slots__ = ("_event", "abandoned", "client", "granted_at", "queued_at", "state")
+
+    def __init__(self, client: str, now: float) -> None:
+        self.client = client
+        self.queued_at = now
+        self.granted_at = now
+        self.state: Outcome | Literal["queued"] = "granted"
+        self.abandoned = False
+        """Its RPC ended or its client cancelled it after it was granted, before it ran."""
+        self._event: threading.Event | None = None
+
+
+class Admission:
+    """``slots`` compute slots and the fair queue of calls waiting for one (see the module
+    docstring). ``acquire``/``release`` take and return a slot without queueing (a snapshot
+    stream's, which is refused when none is free)."""
+
+    def __init__(
+        self, slots: int, max_queued: int, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {max_queued}")
+        self.slots = slots
+        self.max_queued = max_queued
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._free = slots
+        self._queues: dict[str, collections.deque[Ticket]] = {}
+        self._turns: collections.deque[str] = collections.deque()
+        """Clients with calls waiting, in the order their next call is granted (each once)."""
+        self._queued = 0
+        self._closed = False
+        self._estimate_s = _FIRST_ESTIMATE_S
+        self._waited = 0
+        self._evicted = 0
+        self._wait_s = 0.0
+        self._wait_max_s = 0.0
+
+    # ----------------------------------------------------------------- slots without a queue
+
+    def acquire(self, blocking: bool = False) -> bool:
+        """A slot now, when one is free and no call waits for one (never blocks)."""
+        with self._lock:
+            if self._free == 0 or self._queued:
+                return False
+            self._free -= 1
+            return True
+
+    def release(self) -> None:
+        """Give back a slot taken with :meth:`acquire` (the next waiting call gets it)."""
+        with self._lock:
+            granted = self._hand_over()
+        if granted is not None:
+            granted.set()
+
+    # ----------------------------------------------------------------- queued calls
+
+    def enter(self, client: str) -> Ticket | None:
+        """A place for one of ``client``'s compute calls: granted at once when a slot is free
+        and nobody waits, else queued (:meth:`wait` for it). None: refused (the queue is full
+        and holds no client's call this one may take the place of, or the server drains:
+        :attr:`draining`)."""
+        now = self._clock()
+        ticket = Ticket(client, now)
+        evicted: Ticket | None = None
+        with self._lock:
+            if self._closed:
+                return None
+            if self._free and not self._queued:
+                self._free -= 1
+                return ticket
+            if self._queued >= self.max_queued:
+                evicted = self._make_room(client)
+                if evicted is None:
+                    return None
+            ticket.state = _QUEUED
+            ticket._event = threading.Event()
+            mine = self._queues.get(client)
+            if mine is None:
+                mine = self._queues[client] = collections.deque()
+                self._turns.append(client)
+            mine.append(ticket)
+            self._queued += 1
+        if evicted is not None and evicted._event is not None:
+            evicted._event.set()
+        return ticket
+
+    def _make_room(self, client: str) -> Ticket | None:
+        """Under the lock, the queue full: take out the newest call of the client holding the
+        most, when it holds at least two more than ``client``; None when there is none."""
+        if not self._queues:
+            return None
+        biggest = max(self._queues, key=lambda key: len(self._queues[key]))
+        victims = self._queues[biggest]
+        mine = self._queues.get(client)
+        if len(victims) < (0 if mine is None else len(mine)) + 2:
+            return None
+        victim = victims.pop()  # two or more waited: the client stays in its turn
+        victim.state = "evicted"
+        self._queued -= 1
+        self._evicted += 1
+        return victim
+
+    def wait(self, ticket: Ticket) -> Outcome:
+        """Block until ``ticket`` holds a slot ("granted") or left the queue (the reason)."""
+        event = ticket._event
+        if event is not None:
+            event.wait()
+        with self._lock:
+            state = ticket.state
+            if state == "granted" and ticket.abandoned:
+                state = "ended"
+                granted = self._hand_over()
+            else:
+                granted = None
+        if granted is not None:
+            granted.set()
+        assert state != _QUEUED
+        return state
+
+    def withdraw(self, ticket: Ticket, reason: Literal["ended", "cancelled"]) -> bool:
+        """Take ``ticket`` out of the queue (its RPC ended, or its client cancelled it). True
+        when it was waiting (it never runs); False when it holds a slot already (it is marked
+        abandoned: a call not yet running does not start) or left the queue before."""
+        with self._lock:
+            if ticket.state != _QUEUED:
+                if ticket.state == "granted":
+                    ticket.abandoned = True
+                return False
+            self._unqueue(ticket)
+            ticket.state = reason
+        if ticket._event is not None:
+            ticket._event.set()
+        return True
+
+    def done(self, ticket: Ticket) -> None:
+        """A granted call ended: its slot goes to the next waiting call, and its duration
+        joins the estimate :meth:`retry_after_s` gives."""
+        held = max(0.0, self._clock() - ticket.granted_at)
+        with self._lock:
+            self._estimate_s += _SMOOTHING * (held - self._estimate_s)
+            granted = self._hand_over()
+        if granted is not None:
+            granted.set()
+
+    def close(self) -> None:
+        """The server drains: refuse new calls from now on (waiting ones stay queued)."""
+        with self._lock:
+            self._closed = True
+
+    def drain(self) -> int:
+        """Refuse every waiting call ("draining") and every later one; how many were
+        waiting."""
+        with self._lock:
+            self._closed = True
+            tickets = [ticket for queue in self._queues.values() for ticket in queue]
+            self._queues.clear()
+            self._turns.clear()
+            self._queued = 0
+            for ticket in tickets:
+                ticket.state = "draining"
+        for ticket in tickets:
+            if ticket._event is not None:
+                ticket._event.set()
+        return len(tickets)
+
+    @property
+    def draining(self) -> bool:
+        return self._closed
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Wait until no slot is taken and no call waits, or ``deadline`` (the clock's time)
+        passed; False then."""
+        while True:
+            with self._lock:
+                if self._free == self.slots and not self._queued:
+                    return True
+            now = self._clock()
+            if now >= deadline:
+                return False
+            time.sleep(min(_IDLE_POLL_S, deadline - now))
+
+    def retry_after_s(self) -> float:
+        """When a refused call may find room: the time the calls waiting now take to be
+        granted, at the recent rate (``slots`` calls of the running estimate's length at
+        once), at least a millisecond and at most a minute."""
+        with self._lock:
+            waiting = max(1, self._queued)
+            estimate = self._estimate_s
+        wait = waiting * estimate / self.slots
+        return min(_MAX_RETRY_AFTER_S, max(_MIN_RETRY_AFTER_S, wait))
+
+    def stats(self) -> dict[str, int | float]:
+        """The queue for ``ServerStats``: its depth now and bound, calls that waited, calls
+        that lost their place to another client's, and their waits (milliseconds)."""
+        with self._lock:
+            return {
+                "queued": self._queued,
+                "max_queued": self.max_queued,
+                "computing": self.slots - self._free,
+                "queued_calls": self._waited,
+                "queue_evicted": self._evicted,
+                "queue_wait_ms": self._wait_s * 1000.0,
+                "queue_wait_max_ms": self._wait_max_s * 1000.0,
+            }
+
+    # ----------------------------------------------------------------- under the lock
+
+    def _hand_over(self) -> threading.Event | None:
+        """A slot came free: grant it to the next client's oldest waiting call (that client
+        then goes last in turn), or keep it free. Returns the event to set, outside the
+        lock."""
+        if self._turns:
+            client = self._turns.popleft()
+            queue = self._queues[client]
+            ticket = queue.popleft()
+            if queue:
+                self._turns.append(client)
+            else:
+                del self._queues[client]
+            self._queued -= 1
+            now = self._clock()
+            ticket.state = "granted"
+            ticket.granted_at = now
+            waited = max(0.0, now - ticket.queued_at)
+            self._waited += 1
+            self._wait_s += waited
+            self._wait_max_s = max(self._wait_max_s, waited)
+            return ticket._event
+        self._free += 1
+        return None
+
+    def _unqueue(self, ticket: Ticket) -> None:
+        queue = self._queues[ticket.client]
+        queue.remove(ticket)
+        self._queued -= 1
+        if not queue:
+            del self._queues[ticket.client]
+            self._turns.remove(ticket.client)
