@@ -358,20 +358,26 @@ def test_engine_errors_keep_class_code_and_retryable(remote: RemoteFactory, tran
     assert engine.metrics().errors == {"cache_miss": 1, "stale_epoch": 1}
 
 
-def test_busy_server_refuses_compute_beyond_its_threads(
+def test_busy_server_refuses_compute_beyond_its_queue(
     serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
-    """With every compute slot taken, another prefill gets a retryable ResourceExhausted at
-    once, while health, metrics and cancel still answer."""
-    server = serve(config(faults=delay("prefill", 1500)), max_workers=5, transport=transport)
+    """With every compute slot taken and no queue (``max_queued=0``), another prefill gets a
+    retryable ResourceExhausted with ``retry_after_s`` at once (the remote engine set not to
+    wait it out), while health, metrics and cancel still answer. (test_queue.py: calls
+    within the bound wait instead.)"""
+    server = serve(
+        config(faults=delay("prefill", 1500)), max_workers=5, max_queued=0, transport=transport
+    )
     assert server.address is not None
-    engine = remote(config(target=server.address, transport=transport))
+    engine = remote(config(target=server.address, transport=transport, retry_busy=False))
     pending = Background(lambda: prefill(engine, session="a", request_id="slow"))
     wait_until(lambda: _in_flight(engine))
     with pytest.raises(api.ResourceExhausted) as busy:
         prefill(engine, session="b")
     assert busy.value.retryable
-    assert busy.value.details["resource"] == "server_threads"
+    assert busy.value.details["resource"] == "server_queue"
+    assert isinstance(busy.value.details["retry_after_s"], float)
+    assert busy.value.details["retry_after_s"] > 0
     assert engine.health().in_flight == 1
     assert engine.cancel(api.CancelRequest(request_id="slow")).cancelled
     with pytest.raises(api.Cancelled):

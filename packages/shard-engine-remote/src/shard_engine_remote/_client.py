@@ -17,6 +17,13 @@ Capabilities are the served engine's (evidence class, limits, determinism, finge
 ``engine`` = ``"remote"`` and ``engine_version`` naming both this package and the served engine;
 :meth:`RemoteEngine.served_capabilities` returns them unchanged.
 
+A compute call (prefill, decode, decode_batch) the server refused before running it, its
+compute queue being full (ResourceExhausted with ``retry_after_s``), is sent again after
+``retry_after_s`` (with jitter, each wait at most :data:`MAX_RETRY_WAIT_S`) for as long as the
+call's ``timeout_s`` leaves room for the wait; then the refusal is raised (``retry_busy=False``:
+at once).
+Nothing else is retried: not the client's own rate limit, not a draining server's NotReady.
+
 Failures of the link (see :mod:`shard_engine_remote._errors`): a server that cannot be reached
 is RemoteUnavailable (retryable, nothing ran); a state-changing request whose connection broke
 or whose deadline passed is OutcomeUnknown (retryable: it may have run, never reported as a
@@ -30,6 +37,8 @@ health reports as degraded).
 
 from __future__ import annotations
 
+import math
+import random
 import secrets
 import tempfile
 import threading
@@ -82,9 +91,18 @@ from shard_engine_remote._wire import (
     encode_request,
 )
 
-__all__ = ["ENGINE_VERSION", "RemoteEngine", "RemoteOptions", "split_options"]
+__all__ = ["ENGINE_VERSION", "MAX_RETRY_WAIT_S", "RemoteEngine", "RemoteOptions", "split_options"]
 
 ENGINE_VERSION: Final = "0.1.0"
+MAX_RETRY_WAIT_S: Final = 5.0
+"""The longest a refused call waits before it is sent again, whatever ``retry_after_s`` says."""
+_MIN_RETRY_WAIT_S: Final = 0.001
+_RETRY_JITTER: Final = 0.5
+"""A refused call waits ``retry_after_s`` times a random factor in [1, 1 + this): clients
+refused together do not all come back at once."""
+_REFUSED_BEFORE_RUNNING: Final = frozenset(("server_queue", "server_calls", "server_threads"))
+"""The ``resource`` of a server's refusals that mean nothing of the call ran: its compute
+queue, its framed transport's queue, its snapshot stream slots."""
 _Reply = TypeVar("_Reply")
 
 _MAX_SNAPSHOT_BYTES: Final = 1 << 36
@@ -154,6 +172,10 @@ class RemoteOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     shared_memory: bool = True
     """Framed transport: lend the server shared memory (a sealed memfd, Linux) in which large
     requests and replies (a tail's logits, a prefill's bundle) cross instead of the socket."""
+    retry_busy: bool = True
+    """Send a compute call the server refused before running it (its queue full:
+    ResourceExhausted with ``retry_after_s``) again after that long, within ``timeout_s``;
+    False raises the refusal at once."""
 
     def __post_init__(self) -> None:
         chosen = [name for name in ("target", "spawn", "in_process") if getattr(self, name)]
@@ -343,6 +365,8 @@ class RemoteEngine:
         )
         """The child each replaced link reached, while calls on that link may still fail."""
         self._last_metrics = api.Metrics()
+        self._busy_retries = 0
+        self._retries_lock = threading.Lock()
         self._checked: api.ValidatingEngine = api.ValidatingEngine(_Served(self))
 
     # ----------------------------------------------------------------- identity
@@ -363,6 +387,11 @@ class RemoteEngine:
     def restarts(self) -> int:
         """How many times a dead child was replaced."""
         return self._restarts
+
+    @property
+    def busy_retries(self) -> int:
+        """How many times a call the server refused before running it was sent again."""
+        return self._busy_retries
 
     def served_capabilities(self) -> api.Capabilities:
         """The served engine's capabilities as it reported them. Raises NotReady before load."""
@@ -813,7 +842,22 @@ class RemoteEngine:
             restart=mutating or isinstance(message, CapabilitiesQuery)
         )
         timeout = options.timeout_s if mutating else options.control_timeout_s
-        return self._roundtrip(link, message, timeout, mutating)
+        if not (options.retry_busy and _is_compute(message)):
+            return self._roundtrip(link, message, timeout, mutating)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            try:
+                return self._roundtrip(link, message, remaining, mutating)
+            except api.ResourceExhausted as refusal:
+                wait = _retry_wait(refusal)
+                if wait is None or (deadline is not None and time.monotonic() + wait >= deadline):
+                    raise  # the server's estimate does not fit in the deadline: say so now
+                # Nothing of the call ran: sending it again is safe. close() ends the wait.
+                if self._closing.wait(min(wait, MAX_RETRY_WAIT_S)):
+                    raise
+                with self._retries_lock:
+                    self._busy_retries += 1
 
     def _roundtrip(
         self, link: _AnyLink, message: RemoteRequest, timeout: float | None, mutating: bool
@@ -967,6 +1011,26 @@ class RemoteEngine:
                 f"the server answered {type(reply).__name__} where a shard result was expected"
             )
         return reply
+
+
+def _is_compute(message: RemoteRequest) -> bool:
+    return isinstance(message, api.PrefillRequest | api.DecodeRequest | api.DecodeBatchRequest)
+
+
+def _retry_wait(refusal: api.ResourceExhausted) -> float | None:
+    """How long to wait before sending a refused call again, or None when the refusal does
+    not say that nothing ran and when to come back (a rate limit, a size limit, a transport's
+    refusal)."""
+    after = refusal.details.get("retry_after_s")
+    if (
+        not refusal.retryable
+        or refusal.details.get("resource") not in _REFUSED_BEFORE_RUNNING
+        or not isinstance(after, int | float)
+        or isinstance(after, bool)
+        or not math.isfinite(after)
+    ):
+        return None
+    return max(_MIN_RETRY_WAIT_S, float(after)) * random.uniform(1.0, 1.0 + _RETRY_JITTER)
 
 
 class _Served:
