@@ -11,7 +11,11 @@
 Loopback and unix sockets need nothing more; any other address is refused without TLS and a
 bearer token. Each client (mTLS identity, else connection) may make ``--rate-limit`` calls/s
 (bursts of ``--rate-burst``); beyond, calls get a retryable ResourceExhausted with
-``retry_after_s`` while other clients are served. SIGTERM (or Ctrl-C) drains in-flight calls,
+``retry_after_s`` while other clients are served. Compute calls beyond what the engine is
+given at once (``--workers`` - 4) wait in a queue fair per client, ``--max-queued`` of them at
+most; beyond, they are refused (retryable ResourceExhausted with ``retry_after_s``, which a
+remote engine waits out and retries). SIGTERM (or Ctrl-C) drains in-flight calls (new compute
+calls are refused naming the drain, queued ones are served within ``--drain-seconds``),
 closes the engine and exits 0. ``--transport framed`` serves length-prefixed codec frames
 instead of gRPC (a fraction of gRPC's per-call cost) on a unix socket whose directory only this
 user may enter; clients then set ``"transport": "framed"``.
@@ -107,6 +111,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_payload_bytes + (1 << 20),
         max_workers=args.workers,
         rate_limit=rate_limit,
+        max_queued=args.max_queued,
     )
     serving: Serving = server
     try:
@@ -191,6 +196,16 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="largest payload accepted (the codec's limit; default 256 MiB)",
     )
     serve.add_argument("--workers", type=int, default=16, help="threads serving calls")
+    from shard_engine_remote._admission import DEFAULT_MAX_QUEUED
+
+    serve.add_argument(
+        "--max-queued",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        metavar="CALLS",
+        help="compute calls that may wait for the engine, all clients together (fair per "
+        f"client; beyond, a retryable refusal with retry_after_s; default {DEFAULT_MAX_QUEUED})",
+    )
     serve.add_argument(
         "--rate-limit",
         type=float,
