@@ -288,7 +288,9 @@ def test_a_trickled_import_holds_its_slot_only_as_long_as_its_size_allows(
     worker = remote(config(target=server.address, transport=transport))
     prefill(worker)
     snapshot = worker.export_session(api.ExportSessionRequest(request_id="e", session=ref()))
-    announced = msgspec.structs.replace(snapshot, state_bytes=1 << 20, chunks=())
+    # A length whose state may take 1 MiB on this shard: the header is admitted, the body
+    # trickles.
+    announced = msgspec.structs.replace(snapshot, length=1400, state_bytes=1 << 20, chunks=())
     header = encode_header(
         ImportHeader(
             request=api.ImportSessionRequest(request_id="i", snapshot=announced), n_chunks=100

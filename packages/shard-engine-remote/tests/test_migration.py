@@ -176,7 +176,7 @@ def test_broken_import_streams_change_nothing(
             "more than the 2 chunks",
         ),
         "chunk too large": (
-            [_header(snapshot, 1), first + second],
+            [_header(snapshot, 2), first + second],
             api.InvalidRequest,
             "more than the chunk size",
         ),

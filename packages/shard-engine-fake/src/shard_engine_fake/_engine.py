@@ -238,6 +238,13 @@ class FakeEngine(EngineCore):
             self._state_faults()
         return state
 
+    def max_state_bytes(self, length: int) -> int:
+        """The size of an exported state of ``length`` positions (exact: one row per position
+        per layer), which a server checks an import stream's header against before reading
+        its body."""
+        model = self._loaded_model()
+        return (model.end - model.start) * length * model.row_bytes
+
     def _import_state(self, slot: int, length: int, state: bytes) -> None:
         model = self._loaded_model()
         if slot in self._caches:

@@ -1114,6 +1114,11 @@ class ShardRuntime:
 
     # -- whole-sequence snapshots (rollback of a truncating prefill, session transfer) ---------
 
+    def max_state_bytes(self, length: int) -> int:
+        """An upper bound of :meth:`save_sequence`'s bytes (without its prefix) for a sequence
+        of ``length`` positions: what an import of that length may carry here."""
+        return _state.max_portable_bytes(self._state_geometry, length, self.n_state_sections)
+
     def _state_limits(self) -> _StateLimits:
         return {
             "n_sections": self.n_state_sections,

@@ -651,6 +651,12 @@ class LlamaEngine(EngineCore):
             )
         return blob
 
+    def max_state_bytes(self, length: int) -> int:
+        """An upper bound of an exported state of ``length`` positions (identity prefix and
+        the portable KV form at this shard's widest rows), which a server checks an import
+        stream's header against before it reads the body."""
+        return len(self._state_identity) + self._require_runtime().max_state_bytes(length)
+
     def _import_state(self, slot: int, length: int, state: bytes) -> None:
         """Install a state from :meth:`_export_state` of an engine with the same shard and
         settings into the empty ``slot``. Every field llama.cpp would trust, the row widths

@@ -56,6 +56,7 @@ __all__ = [
     "SequenceState",
     "StateFormatError",
     "localize",
+    "max_portable_bytes",
     "parse",
     "portable",
 ]
@@ -390,6 +391,18 @@ def _rebuild(
         parts += _padded_data(data, section, pad)
         parts.append(bytes(4 * (n_stream - stream - 1)))
     return b"".join(parts)
+
+
+def max_portable_bytes(geometry: Geometry, length: int, n_sections: int) -> int:
+    """An upper bound of the portable form's size for ``length`` positions: ``n_sections``
+    caches of at most ``length`` cells, which share the model's layers between them (a
+    sliding-window model keeps its local and global layers in separate caches), each cell's K
+    and V of a layer at most ``geometry.max_row_bytes`` (every field of the layout above
+    counted at its widest)."""
+    cells = max(0, length)
+    per_layer = 2 * (16 + cells * geometry.max_row_bytes)  # K and V: type, row size, rows
+    per_section = 8 + cells * 12 + 8  # stream and cell counts, cells, v_trans and n_layer
+    return 8 + max(1, n_sections) * per_section + geometry.max_layers * per_layer
 
 
 def portable(

@@ -51,6 +51,11 @@ from shard_engine_api import wire
 from shard_engine_api._errors import clamp_text
 from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._admission import DEFAULT_MAX_QUEUED, Admission, Outcome, Ticket
+from shard_engine_remote._import_limits import (
+    DEFAULT_MAX_IMPORT_BYTES,
+    ImportBudget,
+    check_import_header,
+)
 from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._wire import (
@@ -287,7 +292,10 @@ class EngineServer:
     work); ``clock`` is the rate limiter's (tests). At most ``max_connections`` gRPC connections
     are held at once (others are closed as they are accepted); one that has not completed its
     handshake within ``handshake_timeout_s``, or has had no call for ``connection_idle_s``, is
-    closed.
+    closed. An import stream is admitted from its header before its body is read (see
+    :mod:`~shard_engine_remote._import_limits`): at most ``max_snapshot_bytes`` and at most
+    what its length takes on this shard, and all streams together hold at most
+    ``max_import_bytes`` (over it: retryable ResourceExhausted).
     """
 
     def __init__(
@@ -306,6 +314,7 @@ class EngineServer:
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
         min_stream_bytes_per_s: float = DEFAULT_MIN_STREAM_BYTES_PER_S,
+        max_import_bytes: int = DEFAULT_MAX_IMPORT_BYTES,
         max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
         if max_workers < 5:
@@ -333,6 +342,7 @@ class EngineServer:
         self.address: str | None = None
         self._allow_load = allow_load
         self.max_snapshot_bytes = max_snapshot_bytes
+        self._import_budget = ImportBudget(max_import_bytes)
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self.max_queued = max_queued
         self._compute_slots = Admission(max_workers - 4, max_queued)
@@ -873,17 +883,27 @@ class EngineServer:
                 "an import header carries no chunks: they follow as their own messages",
                 details={"field": "ImportHeader.request.snapshot.chunks"},
             )
-        if snapshot.state_bytes > self.max_snapshot_bytes:
-            raise api.ResourceExhausted(
-                f"the snapshot announces {snapshot.state_bytes} bytes of state, over this "
-                f"server's limit of {self.max_snapshot_bytes}",
-                retryable=False,
-                details={
-                    "resource": "snapshot_bytes",
-                    "snapshot_bytes": snapshot.state_bytes,
-                    "limit": self.max_snapshot_bytes,
-                },
-            )
+        # Everything the header shows is checked before a byte of the body is read, and the
+        # bytes it announces are reserved against the server's limit for all streams.
+        check_import_header(
+            self.engine, request, n_chunks, max_snapshot_bytes=self.max_snapshot_bytes
+        )
+        self._import_budget.reserve(snapshot.state_bytes)
+        try:
+            return self._import_body(messages, context, request, n_chunks)
+        finally:
+            self._import_budget.release(snapshot.state_bytes)
+
+    def _import_body(
+        self,
+        messages: Iterator[bytes],
+        context: CallContext,
+        request: api.ImportSessionRequest,
+        n_chunks: int,
+    ) -> api.ImportSessionResult:
+        """The chunks of an admitted stream, each checked as it arrives (none larger than a
+        chunk, never more bytes or chunks than announced), then the engine's import."""
+        snapshot = request.snapshot
         chunks: list[bytes] = []
         total = 0
         due = self._stream_due(snapshot.state_bytes)
