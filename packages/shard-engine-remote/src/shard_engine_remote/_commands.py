@@ -19,6 +19,13 @@ calls are refused naming the drain, queued ones are served within ``--drain-seco
 closes the engine and exits 0. ``--transport framed`` serves length-prefixed codec frames
 instead of gRPC (a fraction of gRPC's per-call cost) on a unix socket whose directory only this
 user may enter; clients then set ``"transport": "framed"``.
+
+Sessions: ``--max-sessions``, ``--max-context``, ``--kv-budget-tokens`` and ``--eviction`` are
+the engine's session policy; a session no call was served on for ``--session-idle-s`` (600 s;
+0 = never) is released with a fence (a client back after that gets StaleEpoch and starts a new
+epoch), so clients that died cannot hold every slot. An import stream is refused from its
+header when the shard could not hold it, and all streams hold at most ``--max-import-bytes``.
+SIGHUP drains like SIGTERM.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ def _command_serve(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         max_sessions=args.max_sessions,
         max_context=args.max_context,
+        kv_budget_tokens=args.kv_budget_tokens,
+        eviction=args.eviction,
     )
     security = ServerSecurity(
         tls_cert=read_pem(args.tls_cert, "TLS certificate"),
@@ -112,6 +121,8 @@ def _command_serve(args: argparse.Namespace) -> int:
         max_workers=args.workers,
         rate_limit=rate_limit,
         max_queued=args.max_queued,
+        max_import_bytes=args.max_import_bytes,
+        session_idle_s=args.session_idle_s or None,
     )
     serving: Serving = server
     try:
@@ -141,6 +152,8 @@ def _command_serve(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` to the ``shard-engine`` CLI."""
     from shard_engine_api import wire
+    from shard_engine_remote._idle import DEFAULT_SESSION_IDLE_S
+    from shard_engine_remote._import_limits import DEFAULT_MAX_IMPORT_BYTES
     from shard_engine_api._dtypes import BOUNDARY_DTYPES
 
     serve = subparsers.add_parser(
@@ -177,6 +190,36 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     serve.add_argument(
         "--max-context", type=int, default=2048, help="positions per session (default 2048)"
+    )
+    serve.add_argument(
+        "--kv-budget-tokens",
+        type=int,
+        default=16384,
+        help="positions cached across all sessions (default 16384)",
+    )
+    serve.add_argument(
+        "--eviction",
+        choices=["reject", "lru"],
+        default="reject",
+        help="a new session when every slot or the KV budget is taken: refused (reject, the "
+        "default) or the least recently used idle session evicted (lru)",
+    )
+    serve.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=DEFAULT_SESSION_IDLE_S,
+        metavar="SECONDS",
+        help="release (with a fence) a session no call was served on for this long, so dead "
+        f"clients cannot hold every slot (default {DEFAULT_SESSION_IDLE_S:g}; 0 = never)",
+    )
+    serve.add_argument(
+        "--max-import-bytes",
+        type=int,
+        default=DEFAULT_MAX_IMPORT_BYTES,
+        metavar="BYTES",
+        help="session state all import streams may hold at once (each is also refused from "
+        "its header when over what its length takes on this shard; default "
+        f"{DEFAULT_MAX_IMPORT_BYTES})",
     )
     serve.add_argument(
         "--listen",

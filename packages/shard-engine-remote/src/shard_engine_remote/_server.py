@@ -51,6 +51,7 @@ from shard_engine_api import wire
 from shard_engine_api._errors import clamp_text
 from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._admission import DEFAULT_MAX_QUEUED, Admission, Outcome, Ticket
+from shard_engine_remote._idle import IdleSessions
 from shard_engine_remote._import_limits import (
     DEFAULT_MAX_IMPORT_BYTES,
     ImportBudget,
@@ -295,7 +296,9 @@ class EngineServer:
     closed. An import stream is admitted from its header before its body is read (see
     :mod:`~shard_engine_remote._import_limits`): at most ``max_snapshot_bytes`` and at most
     what its length takes on this shard, and all streams together hold at most
-    ``max_import_bytes`` (over it: retryable ResourceExhausted).
+    ``max_import_bytes`` (over it: retryable ResourceExhausted). With ``session_idle_s``, a
+    session no call was served on for that long is released with its fence (see
+    :mod:`~shard_engine_remote._idle`; ``serve`` sets it, 600 s by default).
     """
 
     def __init__(
@@ -315,6 +318,7 @@ class EngineServer:
         connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
         min_stream_bytes_per_s: float = DEFAULT_MIN_STREAM_BYTES_PER_S,
         max_import_bytes: int = DEFAULT_MAX_IMPORT_BYTES,
+        session_idle_s: float | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
         if max_workers < 5:
@@ -343,6 +347,11 @@ class EngineServer:
         self._allow_load = allow_load
         self.max_snapshot_bytes = max_snapshot_bytes
         self._import_budget = ImportBudget(max_import_bytes)
+        self._idle: IdleSessions | None = None
+        if session_idle_s is not None:
+            self._idle = IdleSessions(
+                engine, session_idle_s, max_sessions=_served_max_sessions(engine)
+            )
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self.max_queued = max_queued
         self._compute_slots = Admission(max_workers - 4, max_queued)
@@ -491,6 +500,8 @@ class EngineServer:
         self._server.stop(remaining).wait()
         self._waiting.stop()
         self._health_waiting.stop()
+        if self._idle is not None:
+            self._idle.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stopped; False on timeout."""
@@ -627,6 +638,8 @@ class EngineServer:
             case api.CancelRequest():
                 return self._cancel(request, context)
             case api.ReleaseRequest():
+                if self._idle is not None:
+                    self._idle.forget(request.session.session_id)
                 return engine.release(request)
             case api.LoadConfig():
                 if not self._allow_load:
@@ -639,11 +652,11 @@ class EngineServer:
                 self._refresh_health()
                 return capabilities
             case api.PrefillRequest():
-                return self._compute(request, context, engine.prefill)
+                return self._compute(request, context, self._watched_op(engine.prefill))
             case api.DecodeRequest():
-                return self._compute(request, context, engine.decode)
+                return self._compute(request, context, self._watched_op(engine.decode))
             case api.DecodeBatchRequest():
-                return self._compute(request, context, engine.decode_batch)
+                return self._compute(request, context, self._watched_op(engine.decode_batch))
             case api.ExportSessionRequest() | api.ImportSessionRequest():
                 raise api.InvalidRequest(
                     "snapshots travel on their own streams (ExportSession, ImportSession), "
@@ -947,7 +960,14 @@ class EngineServer:
         complete = msgspec.structs.replace(
             request, snapshot=msgspec.structs.replace(snapshot, chunks=tuple(chunks))
         )
-        return self._compute(complete, context, self.engine.import_session, slot_held=True)
+        import_session = self._watched_op(self.engine.import_session)
+        return self._compute(complete, context, import_session, slot_held=True)
+
+    def _watched_op(
+        self, operation: Callable[[_Request], _Answer]
+    ) -> Callable[[_Request], _Answer]:
+        """``operation``, its sessions recorded for idle expiry when the server has it."""
+        return operation if self._idle is None else self._idle.watch(operation)
 
     def _compute(
         self,
@@ -1095,6 +1115,15 @@ class EngineServer:
             self._health_status = status
             self._health.set("", status)
             self._health.set(SERVICE_NAME, status)
+
+
+def _served_max_sessions(engine: api.ShardEngine) -> int:
+    """The served engine's session limit (16 before it is loaded: a child's engine loads
+    through its first call)."""
+    try:
+        return engine.capabilities().limits.max_sessions
+    except api.ShardEngineError:
+        return 16
 
 
 def _connection_limit(wanted: int) -> int:
