@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
 import os
 import re
@@ -146,6 +147,23 @@ def test_verbose_after_the_subcommand(
     assert main(["run", "--max-new-tokens", "1", "--no-verify", "-v"]) == 0
     assert "shard-engine: shard_engine.pipeline: loaded fake" in capsys.readouterr().err
     assert build_parser().parse_args(["-v", "run", "-v"]).verbose_after_command == 1
+
+
+def test_json_log_lines(capsys: pytest.CaptureFixture[str], verbose_logging: None) -> None:
+    """--log-format json (before or after the subcommand): every log line one JSON object."""
+    for arguments in (
+        ["--log-format", "json", "run", "-v"],
+        ["run", "-v", "--log-format", "json"],
+    ):
+        assert main([*arguments, "--max-new-tokens", "1", "--no-verify"]) == 0
+        lines = capsys.readouterr().err.splitlines()
+        assert lines
+        entries = [json.loads(line) for line in lines]
+        assert {entry["level"] for entry in entries} == {"info"}
+        loaded = [entry for entry in entries if entry["message"].startswith("loaded fake")]
+        assert len(loaded) == 3
+        assert loaded[0]["logger"] == "shard_engine.pipeline"
+        assert loaded[0]["time"].endswith("+00:00")
 
 
 def test_split_draws_no_progress_bar_into_a_redirected_log(tmp_path: Path) -> None:

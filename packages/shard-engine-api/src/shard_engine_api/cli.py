@@ -12,6 +12,7 @@ input ends in one line on stderr naming the problem, and exit status 2.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import importlib.util
 import logging
@@ -251,10 +252,17 @@ def _generate(
         )
 
 
+def _raise_if_broken(manager: pluggy.PluginManager, engine: str) -> None:
+    """BrokenPlugin, naming its failure, when ``engine`` is installed but its plugin failed."""
+    if any(problem.plugin == engine for problem in plugin_problems(manager)):
+        engine_description(engine, manager=manager)
+
+
 def _check_isolation(manager: pluggy.PluginManager, args: argparse.Namespace) -> None:
     if args.isolation == "process" and "remote" not in {
         engine.name for engine in installed_engines(manager)
     }:
+        _raise_if_broken(manager, "remote")
         raise UsageError(
             "argument --isolation: process isolation runs each shard through the remote "
             f"engine, which is not installed: {install_command('remote')}"
@@ -811,6 +819,7 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
         default=0,
         help="log what happens to stderr (-v: loads, files, evictions; -vv: debug)",
     )
+    parser.add_argument("--log-format", choices=_LOG_FORMATS, default="text", help=_LOG_FORMAT_HELP)
     # Typed as plain ArgumentParser subparsers: what engines' add_cli_commands receive.
     subparsers = cast(
         "CliSubparsers",
@@ -927,7 +936,9 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
                 add_help=False,
             )
             missing.add_argument("arguments", nargs="*", help=argparse.SUPPRESS)
-            missing.set_defaults(func=functools.partial(_not_installed, name, engine))
+            missing.set_defaults(
+                func=functools.partial(_not_installed, name, engine, manager=manager)
+            )
     # -v where users type it too, after the subcommand (`shard-engine run -v`, as the README
     # writes it); counted together with any -v before it.
     for sub in subparsers.choices.values():
@@ -940,7 +951,21 @@ def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.Argume
                 default=0,
                 help="log what happens to stderr (-v: loads, files, evictions; -vv: debug)",
             )
+        if sub.prefix_chars == "-" and "--log-format" not in sub._option_string_actions:
+            sub.add_argument(
+                "--log-format",
+                dest="log_format_after_command",
+                choices=_LOG_FORMATS,
+                help=_LOG_FORMAT_HELP,
+            )
     return parser
+
+
+_LOG_FORMATS = ("text", "json")
+_LOG_FORMAT_HELP = (
+    "json: each log line one JSON object (time, level, logger, message), warnings logged "
+    "even without -v"
+)
 
 
 _ENGINE_COMMANDS = {
@@ -951,23 +976,51 @@ _ENGINE_COMMANDS = {
 """Commands that this project's engines add, by the engine whose distribution adds them."""
 
 
-def _not_installed(command: str, engine: str, args: argparse.Namespace) -> int:
+def _not_installed(
+    command: str, engine: str, args: argparse.Namespace, *, manager: pluggy.PluginManager
+) -> int:
+    _raise_if_broken(manager, engine)
     raise UsageError(
         f"{command} comes with {PROJECT_DISTRIBUTIONS[engine]}, which is not installed: "
         f"{install_command(engine)}"
     )
 
 
-def _configure_logging(verbosity: int) -> None:
-    if verbosity <= 0:
+class _JsonLines(logging.Formatter):
+    """One JSON object a line, for log collectors: UTC time, level, logger, message (and the
+    exception's traceback when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return msgspec.json.encode(entry).decode()
+
+
+def _configure_logging(verbosity: int, log_format: str = "text") -> None:
+    if verbosity <= 0 and log_format == "text":
         return
     root = logging.getLogger("shard_engine")
-    root.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)
-    if any(handler.get_name() == _LOG_HANDLER for handler in root.handlers):
-        return  # main() called again in the same process
+    root.setLevel(
+        logging.DEBUG if verbosity > 1 else logging.INFO if verbosity == 1 else logging.WARNING
+    )
+    for handler in root.handlers[:]:
+        if handler.get_name() == _LOG_HANDLER:
+            root.removeHandler(handler)  # main() called again in the same process
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_LOG_HANDLER)
-    handler.setFormatter(logging.Formatter("shard-engine: %(name)s: %(message)s"))
+    handler.setFormatter(
+        _JsonLines()
+        if log_format == "json"
+        else logging.Formatter("shard-engine: %(name)s: %(message)s")
+    )
     root.addHandler(handler)
 
 
@@ -981,7 +1034,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(manager)
     args = parser.parse_args(argv)
     args.verbose += getattr(args, "verbose_after_command", 0)
-    _configure_logging(args.verbose)
+    args.log_format = getattr(args, "log_format_after_command", None) or args.log_format
+    _configure_logging(args.verbose, args.log_format)
     func: Command = args.func
     prog = f"{parser.prog} {args.command}"
     try:
