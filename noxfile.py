@@ -69,8 +69,9 @@ PACKAGE_TESTS = {
     "remote": [API, FAKE, LLAMA, REMOTE],
     "cross": [API, FAKE, LLAMA],
 }
-TEST_EXTRAS = {"remote": ["cryptography>=42"]}
-"""Test-only requirements of a package's tests (certificates generated in the test)."""
+TEST_EXTRAS = {"remote": ["cryptography>=42", "prometheus-client>=0.20,<1"]}
+"""Test-only requirements of a package's tests (certificates generated in the test; the
+metrics endpoint's extra, scraped and parsed in the test)."""
 CONFORMANCE_EXTRAS = {"remote": [FAKE]}
 """Engines a plugin's conformance run needs besides itself (the remote plugin serves the fake)."""
 

@@ -4,9 +4,11 @@ is complete, and the boundary dtypes are run's."""
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -59,6 +61,35 @@ def test_a_free_port_and_port_zero_pass_the_check() -> None:
         taken.listen()
         with pytest.raises(InvalidRequest, match="the port is in use"):
             check_port_free(f"127.0.0.1:{taken.getsockname()[1]}")
+
+
+def test_serve_with_a_metrics_endpoint_until_sigterm() -> None:
+    """serve --metrics-listen prints the endpoint after the serving line; a scrape there has
+    the engine's state, and SIGTERM still ends the server (and the endpoint) with status 0."""
+    command = ["serve", "--engine", "fake", "--layers", "0:2", "--listen", "127.0.0.1:0"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "shard_engine_api.cli", *command, "--metrics-listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        try:
+            assert process.stdout is not None
+            assert process.stdout.readline().startswith("serving fake [0:2)")
+            announced = process.stdout.readline()
+            assert announced.startswith("metrics (Prometheus text format) on http://127.0.0.1:")
+            url = announced.split(" on ", 1)[1].strip()
+            with urllib.request.urlopen(url, timeout=30) as answer:
+                text = answer.read().decode("utf-8")
+            assert 'shard_engine_state{state="ready"} 1.0' in text
+            assert "shard_engine_requests_total 0.0" in text
+            process.send_signal(signal.SIGTERM)
+            _, errors = process.communicate(timeout=120)
+            assert process.returncode == 0, errors
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
 
 
 def test_serve_help_is_complete() -> None:

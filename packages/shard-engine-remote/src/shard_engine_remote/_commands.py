@@ -61,6 +61,7 @@ def _command_serve(args: argparse.Namespace) -> int:
     import shard_engine_api as api
     from shard_engine_api._plugins import describe_model, get_plugin_manager, model_fixture
     from shard_engine_api._store import model_store, unchecked_model_store
+    from shard_engine_remote._prometheus import MetricsEndpoint, start_metrics_endpoint
     from shard_engine_remote._ratelimit import RateLimit
     from shard_engine_remote._security import (
         ServerSecurity,
@@ -125,7 +126,10 @@ def _command_serve(args: argparse.Namespace) -> int:
         session_idle_s=args.session_idle_s or None,
     )
     serving: Serving = server
+    metrics: MetricsEndpoint | None = None
     try:
+        if args.metrics_listen:
+            metrics = start_metrics_endpoint(args.metrics_listen, server)
         if args.transport == "framed":
             serving = FramedServer(server)
             address = serving.start(Path(args.listen.removeprefix("unix:")))
@@ -133,6 +137,8 @@ def _command_serve(args: argparse.Namespace) -> int:
             check_port_free(args.listen)
             address = server.start(args.listen)
     except BaseException:
+        if metrics is not None:
+            metrics.stop()
         engine.close()
         raise
     caps = engine.capabilities()
@@ -144,7 +150,13 @@ def _command_serve(args: argparse.Namespace) -> int:
         + ("" if not security.token else ", bearer token required"),
         flush=True,
     )
-    serve_until_signalled(serving, drain_seconds=args.drain_seconds)
+    if metrics is not None:
+        print(f"metrics (Prometheus text format) on http://{metrics.address}/metrics", flush=True)
+    try:
+        serve_until_signalled(serving, drain_seconds=args.drain_seconds)
+    finally:
+        if metrics is not None:
+            metrics.stop()
     print(f"stopped; server counters: {server.counters.snapshot()}", flush=True)
     return 0
 
@@ -152,9 +164,9 @@ def _command_serve(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` to the ``shard-engine`` CLI."""
     from shard_engine_api import wire
+    from shard_engine_api._dtypes import BOUNDARY_DTYPES
     from shard_engine_remote._idle import DEFAULT_SESSION_IDLE_S
     from shard_engine_remote._import_limits import DEFAULT_MAX_IMPORT_BYTES
-    from shard_engine_api._dtypes import BOUNDARY_DTYPES
 
     serve = subparsers.add_parser(
         "serve",
@@ -258,6 +270,13 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     serve.add_argument(
         "--rate-burst", type=int, default=0, help="calls a client may make at once (default 2x)"
+    )
+    serve.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="also serve the engine's metrics and health and the server's stats over HTTP "
+        "(GET /metrics, Prometheus text format; needs prometheus-client; no authentication: "
+        "keep it on loopback or a trusted network)",
     )
     serve.add_argument(
         "--drain-seconds",
