@@ -11,7 +11,7 @@ as it was, evictions included. The owner (``EngineCore``) serialises every call.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shard_engine_api._errors import CacheMiss, ResourceExhausted, ShardEngineError, StaleEpoch
@@ -199,19 +199,25 @@ class SessionLedger:
         )
 
     def admit_decode(
-        self,
-        session_id: str,
-        epoch: int,
-        pos: int,
-        limits: LedgerLimits,
-        *,
-        batch: Collection[str] = (),
-        batch_tokens: int = 0,
-        batch_evictions: Collection[str] = (),
+        self, session_id: str, epoch: int, pos: int, limits: LedgerLimits
     ) -> Admission:
-        """Admit one decode row at ``pos``, or raise. Within a batch, ``batch`` are its members
-        (never evicted), ``batch_tokens`` the rows already admitted and ``batch_evictions`` the
-        victims already chosen."""
+        """Admit one decode row at ``pos``, or raise."""
+        current = self._decode_entry(session_id, epoch, pos, limits)
+        # The common case inline (the row fits the budget): exactly what _room_for answers then.
+        if self.kv_used + 1 <= limits.kv_budget:
+            evict: tuple[str, ...] = ()
+        else:
+            evict = self._room_for(session_id, 1, is_new=False, limits=limits)
+        # Positional (session_id, epoch, slot, start_pos, committed_length, new_length, is_new,
+        # evict): built on every decode step, and keywords cost twice as much here.
+        return Admission(
+            session_id, epoch, current.slot, pos, current.length, pos + 1, False, evict
+        )
+
+    def _decode_entry(
+        self, session_id: str, epoch: int, pos: int, limits: LedgerLimits
+    ) -> SessionEntry:
+        """The live entry a decode row at ``pos`` extends, or the error it gets (budget aside)."""
         current = self.sessions.get(session_id)
         if current is None or epoch < current.epoch:
             # Not plainly live (the common case, every decode step): the fence rule decides.
@@ -230,69 +236,78 @@ class SessionLedger:
                 retryable=False,
                 details={"resource": "context"},
             )
-        # The common case inline (the row fits the budget, no eviction chosen before it):
-        # exactly what _room_for answers then.
-        if not batch_evictions and self.kv_used + 1 + batch_tokens <= limits.kv_budget:
-            evict: tuple[str, ...] = ()
-        else:
-            evict = self._room_for(
-                session_id,
-                1 + batch_tokens,
-                is_new=False,
-                limits=limits,
-                protect=batch,
-                already=batch_evictions,
-            )
-        # Positional (session_id, epoch, slot, start_pos, committed_length, new_length, is_new,
-        # evict): built on every decode step, and keywords cost twice as much here.
-        length = current.length
-        return Admission(session_id, epoch, current.slot, pos, length, pos + 1, False, evict)
+        return current
 
     def admit_batch(
         self, items: Sequence[tuple[str, int, int]], limits: LedgerLimits
     ) -> list[Admission | ShardEngineError]:
         """Admit one decode row per ``(session_id, epoch, pos)`` (distinct sessions). Members are
-        never evicted; idle sessions are evicted before an item is refused."""
+        never evicted; idle sessions are evicted (least recently used first) before an item is
+        refused. O(items) plus one sort of the idle sessions, done only if some item needs
+        room: the victims are taken from that one LRU order, in turn."""
         members = frozenset(session_id for session_id, _, _ in items)
         decisions: list[Admission | ShardEngineError] = []
-        chosen: list[str] = []
-        admitted = 0
+        admitted = 0  # rows admitted so far
+        freed = 0  # positions the victims chosen so far free
+        idle: list[SessionEntry] | None = None  # the LRU order, made on first need
+        next_victim = 0
         for session_id, epoch, pos in items:
             try:
-                admission = self.admit_decode(
-                    session_id,
-                    epoch,
-                    pos,
-                    limits,
-                    batch=members,
-                    batch_tokens=admitted,
-                    batch_evictions=chosen,
-                )
+                current = self._decode_entry(session_id, epoch, pos, limits)
             except ShardEngineError as error:
                 decisions.append(error)
                 continue
-            chosen.extend(admission.evict)
+            over = self.kv_used - freed + admitted + 1 - limits.kv_budget
+            evict: tuple[str, ...] = ()
+            if over > 0:
+                if not limits.evict_lru:
+                    decisions.append(self._over_budget(over, limits))
+                    continue
+                if idle is None:
+                    idle = sorted(
+                        (s for s in self.sessions.values() if s.session_id not in members),
+                        key=lambda s: s.last_used,
+                    )
+                first = next_victim
+                released = 0
+                while over > 0 and next_victim < len(idle):
+                    released += idle[next_victim].length
+                    over -= idle[next_victim].length
+                    next_victim += 1
+                if over > 0:  # the victims stay free for later items
+                    next_victim = first
+                    decisions.append(self._cannot_fit(limits))
+                    continue
+                freed += released
+                evict = tuple(victim.session_id for victim in idle[first:next_victim])
             admitted += 1
-            decisions.append(admission)
+            decisions.append(
+                Admission(
+                    session_id, epoch, current.slot, pos, current.length, pos + 1, False, evict
+                )
+            )
         return decisions
 
+    def _over_budget(self, over: int, limits: LedgerLimits) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"KV budget of {limits.kv_budget} positions would be exceeded by {over}",
+            details={"resource": "kv", "kv_used": self.kv_used, "kv_budget": limits.kv_budget},
+        )
+
+    def _cannot_fit(self, limits: LedgerLimits) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"KV budget of {limits.kv_budget} positions cannot fit the request even after "
+            "evicting every idle session",
+            details={"resource": "kv", "kv_used": self.kv_used, "kv_budget": limits.kv_budget},
+        )
+
     def _room_for(
-        self,
-        session_id: str,
-        extra_tokens: int,
-        *,
-        is_new: bool,
-        limits: LedgerLimits,
-        protect: Collection[str] = (),
-        already: Collection[str] = (),
+        self, session_id: str, extra_tokens: int, *, is_new: bool, limits: LedgerLimits
     ) -> tuple[str, ...]:
         """The idle sessions (least recently used first) to evict so ``extra_tokens`` more
         positions (and a session, if ``is_new``) fit; raise ResourceExhausted if they cannot."""
-        gone = [self.sessions[victim] for victim in already] if already else []
-        need_session = is_new and len(self.sessions) - len(gone) >= limits.max_sessions
+        need_session = is_new and len(self.sessions) >= limits.max_sessions
         over = self.kv_used + extra_tokens - limits.kv_budget
-        if gone:
-            over -= sum(s.length for s in gone)
         if not need_session and over <= 0:
             return ()
         if not limits.evict_lru:
@@ -301,13 +316,9 @@ class SessionLedger:
                     f"all {len(self.sessions)} session slots are in use",
                     details={"resource": "sessions"},
                 )
-            raise ResourceExhausted(
-                f"KV budget of {limits.kv_budget} positions would be exceeded by {over}",
-                details={"resource": "kv", "kv_used": self.kv_used, "kv_budget": limits.kv_budget},
-            )
-        excluded = {session_id, *protect, *already}
+            raise self._over_budget(over, limits)
         idle = sorted(
-            (s for s in self.sessions.values() if s.session_id not in excluded),
+            (s for s in self.sessions.values() if s.session_id != session_id),
             key=lambda s: s.last_used,
         )
         chosen: list[str] = []
@@ -318,11 +329,7 @@ class SessionLedger:
             over -= candidate.length
             need_session = False
         if need_session or over > 0:
-            raise ResourceExhausted(
-                f"KV budget of {limits.kv_budget} positions cannot fit the request even after "
-                "evicting every idle session",
-                details={"resource": "kv", "kv_used": self.kv_used, "kv_budget": limits.kv_budget},
-            )
+            raise self._cannot_fit(limits)
         return tuple(chosen)
 
     def _peek_slot(self, limits: LedgerLimits, *, replacing: bool = False) -> int | None:
