@@ -64,6 +64,7 @@ from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._fences import Fence, FenceTable
 from shard_engine_api._ledger import Admission, LedgerLimits, Release, SessionEntry, SessionLedger
 from shard_engine_api._metrics import Counters
+from shard_engine_api._scheduler import Scheduler
 from shard_engine_api.conformance import STANDARD_TESTS
 from shard_engine_api.engine import (
     CancelToken,
@@ -935,29 +936,28 @@ class CancelStopsEverything(ReferenceEngine):
         return result
 
 
-class _NoLock:
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+class _NoScheduler(Scheduler[Any]):
+    """Lets every operation onto the backend at once ("the GIL protects us")."""
+
+    def enter(self, token: CancelToken | None, session_ids: Collection[str] | None) -> None:
+        return None
+
+    def try_enter_alone(self) -> bool:
         return True
 
-    def release(self) -> None:
-        return None
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
+    def leave(self) -> None:
         return None
 
 
 class NotThreadSafe(ReferenceEngine):
-    """Drops the compute lock ("the GIL protects us") and keeps one scratch row buffer for
+    """Drops the scheduler ("the GIL protects us") and keeps one scratch row buffer for
     every call. While other requests are in flight, each use of the buffer waits (up to 1 s)
     for another thread to reach the same point, so calls that overlap always overwrite each
     other's buffer, not only when the scheduler happens to switch threads there."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._compute_lock = _NoLock()  # type: ignore[assignment]
+        self._scheduler = _NoScheduler()
         self._scratch: Array | None = None
         self._meeting = threading.Barrier(2)
 
@@ -1005,28 +1005,13 @@ class _VictimLedger(SessionLedger):
         self._greedy = greedy
 
     def _room_for(
-        self,
-        session_id: str,
-        extra_tokens: int,
-        *,
-        is_new: bool,
-        limits: LedgerLimits,
-        protect: Collection[str] = (),
-        already: Collection[str] = (),
+        self, session_id: str, extra_tokens: int, *, is_new: bool, limits: LedgerLimits
     ) -> tuple[str, ...]:
-        gone = [self.sessions[victim] for victim in already]
-        need_session = is_new and len(self.sessions) - len(gone) >= limits.max_sessions
-        over = self.kv_used - sum(s.length for s in gone) + extra_tokens - limits.kv_budget
+        need_session = is_new and len(self.sessions) >= limits.max_sessions
+        over = self.kv_used + extra_tokens - limits.kv_budget
         if (not need_session and over <= 0) or not limits.evict_lru:
-            return super()._room_for(
-                session_id,
-                extra_tokens,
-                is_new=is_new,
-                limits=limits,
-                protect=protect,
-                already=already,
-            )
-        excluded = {session_id, *protect, *already}
+            return super()._room_for(session_id, extra_tokens, is_new=is_new, limits=limits)
+        excluded = {session_id}
         idle = self._order(
             sorted(
                 (s for s in self.sessions.values() if s.session_id not in excluded),
@@ -1404,21 +1389,38 @@ class _EarlierMembersLedger(SessionLedger):
                 )
                 continue
             try:
-                admission = self.admit_decode(
-                    session_id,
-                    epoch,
-                    pos,
-                    limits,
-                    batch=frozenset(admitted),
-                    batch_tokens=len(admitted),
-                    batch_evictions=chosen,
-                )
+                current = self._decode_entry(session_id, epoch, pos, limits)
             except ShardEngineError as error:
                 decisions.append(error)
                 continue
-            chosen.extend(admission.evict)
+            gone = sum(self.sessions[victim].length for victim in chosen)
+            over = self.kv_used - gone + len(admitted) + 1 - limits.kv_budget
+            evict: list[str] = []
+            if over > 0:
+                excluded = {session_id, *admitted, *chosen}
+                for victim in sorted(self.sessions.values(), key=lambda s: s.last_used):
+                    if over <= 0:
+                        break
+                    if victim.session_id not in excluded:
+                        evict.append(victim.session_id)
+                        over -= victim.length
+                if over > 0:
+                    decisions.append(ResourceExhausted("KV budget exceeded"))
+                    continue
+            chosen.extend(evict)
             admitted.append(session_id)
-            decisions.append(admission)
+            decisions.append(
+                Admission(
+                    session_id,
+                    epoch,
+                    current.slot,
+                    pos,
+                    current.length,
+                    pos + 1,
+                    False,
+                    tuple(evict),
+                )
+            )
         return decisions
 
 

@@ -24,6 +24,7 @@ from shard_engine_api import (
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._ledger import ImportAdmission, LedgerLimits, SessionLedger
 from shard_engine_api._metrics import Counters
+from shard_engine_api._scheduler import QueueStats
 
 __all__ = ["MIGRATION_BROKEN"]
 
@@ -259,13 +260,20 @@ class CancelClaimsImports(ReferenceEngine):
 
 class _UncountedCounters(Counters):
     def snapshot(
-        self, *, sessions_active: int, tombstones: int, fences_dropped: int, kv_used_tokens: int
+        self,
+        *,
+        sessions_active: int,
+        tombstones: int,
+        fences_dropped: int,
+        kv_used_tokens: int,
+        queue: QueueStats,
     ) -> Metrics:
         metrics = super().snapshot(
             sessions_active=sessions_active,
             tombstones=tombstones,
             fences_dropped=fences_dropped,
             kv_used_tokens=kv_used_tokens,
+            queue=queue,
         )
         return msgspec.structs.replace(metrics, exports=0, imports=0)
 

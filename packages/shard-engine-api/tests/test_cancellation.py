@@ -52,7 +52,7 @@ from shard_engine_api import (
     ShardResult,
     ShardSpec,
     TokenInput,
-    _core,
+    _scheduler,
 )
 from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
 
@@ -1001,8 +1001,7 @@ class _Thread:
 
 
 def _waiters(engine: EngineCore) -> int:
-    with engine._state_lock:
-        return len(engine._compute_waiters)
+    return engine._scheduler.queued
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -1045,7 +1044,7 @@ def test_a_request_waiting_for_the_compute_lock_hears_its_cancel_at_once(
     still runs (it used to only once the operation ended, however long that was), nothing of
     its session changed, and the operation ahead of it is untouched. The waiting request's
     backstop poll is made a minute long: what ends the wait is the cancel itself."""
-    monkeypatch.setattr(_core, "_COMPUTE_WAIT_S", 60.0)
+    monkeypatch.setattr(_scheduler, "WAIT_BACKSTOP_S", 60.0)
     engine = _loaded(Queued())
     _prefilled(engine, "s")
     call = _queued_call(engine, operation)
@@ -1073,7 +1072,7 @@ def test_requests_waiting_for_the_compute_lock_are_woken_when_it_is_released(
 ) -> None:
     """Waiters do not poll for the lock: each is woken when it is released (the backstop poll
     is a minute here), one after another, and every one commits."""
-    monkeypatch.setattr(_core, "_COMPUTE_WAIT_S", 60.0)
+    monkeypatch.setattr(_scheduler, "WAIT_BACKSTOP_S", 60.0)
     engine = _loaded(Queued())
     sessions = ("a", "b", "c")
     _prefilled(engine, *sessions)
@@ -1105,7 +1104,7 @@ def test_close_ends_the_wait_of_queued_requests_at_once(monkeypatch: pytest.Monk
     """close() cancels what is in flight: a request waiting for the compute lock leaves at
     once (Cancelled), not when the operation holding the lock ends; close itself returns once
     that operation has rolled back."""
-    monkeypatch.setattr(_core, "_COMPUTE_WAIT_S", 60.0)
+    monkeypatch.setattr(_scheduler, "WAIT_BACKSTOP_S", 60.0)
     engine = _loaded(Queued())
     _prefilled(engine, "s")
     long = _holding(engine)

@@ -25,7 +25,7 @@ class CancelToken:
     on every decode step costs more than the rare cancel-by-session scan it would speed up).
     """
 
-    __slots__ = ("_cancelled", "_event", "_sealed", "request_id", "session_ids")
+    __slots__ = ("_cancelled", "_event", "_sealed", "linked", "request_id", "session_ids")
 
     def __init__(self, request_id: str, session_ids: Collection[str]) -> None:
         self._cancelled = False
@@ -33,6 +33,9 @@ class CancelToken:
         self._event: threading.Event | None = None
         self.request_id = request_id
         self.session_ids = session_ids
+        # The token of a forward this request shares with others (a coalesced decode): a
+        # cancel of this request stops that forward too; the others then run again.
+        self.linked: CancelToken | None = None
 
     def cancel(self) -> None:
         """Request cancellation unconditionally (closing the engine)."""
@@ -41,6 +44,9 @@ class CancelToken:
         event = self._event
         if event is not None:
             event.set()
+        linked = self.linked
+        if linked is not None:
+            linked.cancel()
 
     def try_cancel(self) -> bool:
         """Request cancellation unless the operation is already committing or cancelled;

@@ -10,13 +10,16 @@ changed), run the backend, check its rows, then commit ledger and backend togeth
 cancel anywhere before the commit point rolls the backend back and leaves the ledger, evictions
 included, exactly as it was.
 
-Threading: operations on one engine are serialised by a compute lock (a model context is not
-re-entrant); ``cancel``, ``health`` and ``metrics`` never wait for it, and a request waiting for
-it leaves as soon as it is cancelled (Cancelled within the cancel latency, however long the
-operation ahead of it runs). Every counter and the ledger change only under the state lock,
-which is also where ``cancel`` and the commit point decide, so ``cancel`` answers
-``cancelled=True`` only for an operation that will not commit. The ledger changes under the
-compute lock too, so admission, which only reads it, takes just that.
+Threading: operations on one engine take turns on the backend (a model context is not
+re-entrant) through the scheduler (``shard_engine_api._scheduler``): in arrival order, with
+single decodes of different sessions that wait together run as one batched forward
+(continuous batching, see :meth:`EngineCore._decode_step`). ``cancel``, ``health`` and
+``metrics`` never wait for it, and a request waiting for its turn leaves as soon as it is
+cancelled (Cancelled within the cancel latency, however long the operation ahead of it runs).
+Every counter and the ledger change only under the state lock, which is also where ``cancel``
+and the commit point decide, so ``cancel`` answers ``cancelled=True`` only for an operation that
+will not commit. The ledger changes only while its changer holds the backend too, so admission,
+which only reads it, needs just the turn.
 
 The edge: each public entry point first checks its request's types, ranges and literals
 (shard_engine_api._edge, one call, before any state or counter is touched), so a badly typed
@@ -59,6 +62,7 @@ from shard_engine_api._ledger import Admission, LedgerLimits, SessionLedger
 from shard_engine_api._lifecycle import Lifecycle
 from shard_engine_api._metrics import Counters
 from shard_engine_api._results import build_result, check_rows, scan_rows
+from shard_engine_api._scheduler import Scheduler
 from shard_engine_api._snapshot import (
     SnapshotTarget,
     build_snapshot,
@@ -120,10 +124,20 @@ class _Work:
     batched: bool = False
 
 
-_COMPUTE_WAIT_S: Final = 0.05
-"""How long a request waiting for the compute lock sleeps before it looks again without being
-woken: only a backstop, every release and every cancel wakes it (see
-:meth:`EngineCore._wait_for_compute`)."""
+@dataclasses.dataclass(slots=True)
+class _DecodeJob:
+    """A single decode waiting to run, possibly in another caller's coalesced forward; the
+    leader that runs it sets ``outcome`` (rows and timings, or the error its caller raises)."""
+
+    token: CancelToken
+    output: OutputMode
+    tokens: npt.NDArray[np.int32] | None
+    hidden: Rows | None
+    session: SessionRef
+    pos: int
+    started: float
+    outcome: tuple[Rows, Timings] | BaseException | None = None
+
 
 _DIGEST_ENTRIES: Final = 1024
 """How many recorded row digests :meth:`EngineCore._record_digest` keeps before it first drops
@@ -165,12 +179,9 @@ class EngineCore(abc.ABC):
         self._admission_limits: LedgerLimits | None = None
         self._snapshot_target: SnapshotTarget | None = None
         self._counters = Counters()
-        self._compute_lock = threading.Lock()
+        self._scheduler: Scheduler[_DecodeJob] = Scheduler()
         self._state_lock = threading.Lock()
         self._in_flight: dict[str, CancelToken] = {}
-        # Requests waiting for the compute lock, each with the event that wakes it: set when
-        # the lock is released (_wake_compute_waiters) and when the request is cancelled.
-        self._compute_waiters: dict[CancelToken, threading.Event] = {}
         self._digests: dict[int, tuple[weakref.ref[Rows], int, bool]] = {}
         self._digest_limit = _DIGEST_ENTRIES
 
@@ -385,7 +396,7 @@ class EngineCore(abc.ABC):
                 )
             output: OutputMode = request.logits if caps.shard.emits_logits else "hidden"
             tokens, hidden = rows
-            result_rows, timings = self._admit_run_commit_one(
+            result_rows, timings = self._prefill_step(
                 caps, token, output, tokens, hidden, session, request.start_pos, n_tokens
             )
             return self._make_result(
@@ -419,8 +430,8 @@ class EngineCore(abc.ABC):
                 caps, request.inputs, session, request.pos, single_row=True
             )
             output: OutputMode = "last" if caps.shard.emits_logits else "hidden"
-            rows, timings = self._admit_run_commit_one(
-                caps, token, output, tokens, hidden, session, request.pos, None
+            rows, timings = self._decode_step(
+                caps, token, output, tokens, hidden, session, request.pos
             )
             return self._make_result(
                 caps, request.request_id, session, request.pos, rows, output, timings, 1
@@ -467,7 +478,7 @@ class EngineCore(abc.ABC):
                 admit=lambda: self._ledger.admit_batch(keys, self._limits()),
                 batched=True,
             )
-            ran, timings = self._admit_run_commit(caps, token, work)
+            ran, timings = self._admit_run_commit(caps, token, work, sessions)
             outcomes.update(zip(valid, ran, strict=True))
             with self._state_lock:
                 # Counted only now: errors of a batch that was cancelled reach no caller.
@@ -515,9 +526,7 @@ class EngineCore(abc.ABC):
                 for cancel_token in tokens:
                     if cancel_token.try_cancel():
                         stopped += 1
-                        wake = self._compute_waiters.get(cancel_token)
-                        if wake is not None:  # waiting for the compute lock: it leaves now
-                            wake.set()
+                        self._scheduler.wake(cancel_token)  # a waiting request leaves now
             return CancelResult(cancelled=stopped > 0, n_requests=stopped)
 
     def release(self, request: ReleaseRequest) -> ReleaseResult:
@@ -527,7 +536,7 @@ class EngineCore(abc.ABC):
         session = request.session
         with self._errors_counted():
             self._require_serving()
-            with self._computing():
+            with self._computing(None, (session.session_id,)):
                 self._require_serving()
                 with self._state_lock:
                     decision = self._ledger.release(session.session_id, session.epoch)
@@ -549,7 +558,7 @@ class EngineCore(abc.ABC):
         try:
             caps = self._require_serving()
             target = self._migration_target(caps)
-            with self._computing(token):
+            with self._computing(token, (session.session_id,)):
                 token.check()
                 self._require_serving()
                 with self._state_lock:
@@ -594,7 +603,7 @@ class EngineCore(abc.ABC):
                 )
             state = check_snapshot_integrity(snapshot, max_state_bytes=self.max_snapshot_bytes)
             started = time.perf_counter()
-            with self._computing(token):
+            with self._computing(token, (session_id,)):
                 compute_started = time.perf_counter()
                 token.check()
                 self._require_serving()
@@ -662,6 +671,7 @@ class EngineCore(abc.ABC):
                 in_flight=len(self._in_flight),
                 kv_used_tokens=self._ledger.kv_used,
                 kv_budget_tokens=self._kv_budget,
+                queued=self._scheduler.queued,
             )
 
     def metrics(self) -> Metrics:
@@ -673,6 +683,7 @@ class EngineCore(abc.ABC):
                 tombstones=len(ledger.fences),
                 fences_dropped=ledger.fences.dropped,
                 kv_used_tokens=ledger.kv_used,
+                queue=self._scheduler.stats_now(),
             )
 
     def close(self) -> None:
@@ -682,8 +693,7 @@ class EngineCore(abc.ABC):
                 return
             for cancel_token in self._in_flight.values():
                 cancel_token.cancel()
-            for wake in self._compute_waiters.values():
-                wake.set()
+        self._scheduler.wake_all()
         with self._computing():
             with self._state_lock:
                 was_loaded = self._config is not None
@@ -772,53 +782,19 @@ class EngineCore(abc.ABC):
                 del self._in_flight[token.request_id]
 
     @contextlib.contextmanager
-    def _computing(self, token: CancelToken | None = None) -> Iterator[None]:
-        """Hold the compute lock. With a request's ``token``, a cancel ends the wait for it
-        (Cancelled; nothing was touched before the lock, so nothing needs undoing); without
-        one (load, release, close) the wait is not cancellable. The prefill, decode and batch
-        paths inline the same steps (a generator costs more than a decode step may)."""
-        lock = self._compute_lock
-        if not lock.acquire(False):
-            if token is None:
-                lock.acquire()
-            else:
-                self._wait_for_compute(token)
+    def _computing(
+        self, token: CancelToken | None = None, session_ids: Collection[str] | None = None
+    ) -> Iterator[None]:
+        """Take the backend for one operation on ``session_ids`` (None: on everything), in
+        arrival order. With a request's ``token``, a cancel ends the wait (Cancelled; nothing
+        was touched before, so nothing needs undoing); without one (load, release, close) the
+        wait is not cancellable."""
+        scheduler = self._scheduler
+        scheduler.enter(token, session_ids)
         try:
             yield
         finally:
-            lock.release()
-            if self._compute_waiters:
-                self._wake_compute_waiters()
-
-    def _wait_for_compute(self, token: CancelToken) -> None:
-        """Take the compute lock, which another operation holds, or raise Cancelled as soon as
-        ``token`` is cancelled: a queued request's caller hears its cancel within the cancel
-        latency, not when the operation ahead of it ends. The request waits on an event of its
-        own, set when the lock is released (:meth:`_wake_compute_waiters`) and when ``cancel``
-        (or ``close``) stops it, so neither a release nor a cancel waits for a poll."""
-        wake = threading.Event()
-        lock = self._compute_lock
-        with self._state_lock:
-            self._compute_waiters[token] = wake
-        try:
-            while True:
-                # Cleared before the lock is tried: a release or cancel after the clear sets
-                # it again, one before it is seen by the try or the check.
-                wake.clear()
-                token.check()
-                if lock.acquire(False):
-                    return
-                wake.wait(_COMPUTE_WAIT_S)
-        finally:
-            with self._state_lock:
-                del self._compute_waiters[token]
-
-    def _wake_compute_waiters(self) -> None:
-        """The compute lock was released while requests wait for it: let them try it."""
-        with self._state_lock:
-            wakes = list(self._compute_waiters.values())
-        for wake in wakes:
-            wake.set()
+            scheduler.leave()
 
     def _require_serving(self) -> Capabilities:
         capabilities = self._capabilities
@@ -885,14 +861,13 @@ class EngineCore(abc.ABC):
     # ----------------------------------------------------------------- admit, run, commit
 
     def _admit_run_commit(
-        self, caps: Capabilities, token: CancelToken, work: _Work
+        self, caps: Capabilities, token: CancelToken, work: _Work, session_ids: Collection[str]
     ) -> tuple[list[Rows | ShardEngineError], Timings]:
-        """Admit, run, check and commit under the compute lock; any failure or cancel before
+        """Admit, run, check and commit in the backend's turn; any failure or cancel before
         the commit point rolls every admitted item back and changes nothing in the ledger."""
         started = time.perf_counter()
-        lock = self._compute_lock
-        if not lock.acquire(False):
-            self._wait_for_compute(token)
+        scheduler = self._scheduler
+        scheduler.enter(token, session_ids)
         try:
             compute_started = time.perf_counter()
             token.check()
@@ -910,9 +885,7 @@ class EngineCore(abc.ABC):
                 results = [d if isinstance(d, ShardEngineError) else next(ran) for d in decisions]
             finished = time.perf_counter()
         finally:
-            lock.release()
-            if self._compute_waiters:
-                self._wake_compute_waiters()
+            scheduler.leave()
         timings = Timings(
             queue_ms=(compute_started - started) * 1000.0,
             compute_ms=(finished - compute_started) * 1000.0,
@@ -1004,7 +977,216 @@ class EngineCore(abc.ABC):
             self._drop(slot)
             _log.info("%s evicted 1 idle session (LRU) for a slot", self.engine_name)
 
-    def _admit_run_commit_one(
+    def _prefill_step(
+        self,
+        caps: Capabilities,
+        token: CancelToken,
+        output: OutputMode,
+        tokens: npt.NDArray[np.int32] | None,
+        hidden: Rows | None,
+        session: SessionRef,
+        start_pos: int,
+        n_prefill: int,
+    ) -> tuple[Rows, Timings]:
+        """One prefill, in its turn (a prefill is never coalesced)."""
+        started = time.perf_counter()
+        scheduler = self._scheduler
+        scheduler.enter(token, (session.session_id,))
+        try:
+            return self._run_one(
+                caps, token, output, tokens, hidden, session, start_pos, n_prefill, started
+            )
+        finally:
+            scheduler.leave()
+
+    def _decode_step(
+        self,
+        caps: Capabilities,
+        token: CancelToken,
+        output: OutputMode,
+        tokens: npt.NDArray[np.int32] | None,
+        hidden: Rows | None,
+        session: SessionRef,
+        pos: int,
+    ) -> tuple[Rows, Timings]:
+        """One decode row, run alone when the backend is idle, else queued: a decode that
+        waits may be run by the leader of a coalesced forward (continuous batching: the
+        thread whose request reaches the front runs every waiting single decode of other
+        sessions as one ``_forward_batch``, see ``_scheduler``), and its outcome handed back.
+        Alone or coalesced, a request keeps its own admission, result or error, timings,
+        cancel and rollback (:meth:`_run_group`)."""
+        started = time.perf_counter()
+        scheduler = self._scheduler
+        if scheduler.try_enter_alone():  # idle: at once, alone
+            try:
+                return self._run_one(
+                    caps, token, output, tokens, hidden, session, pos, None, started
+                )
+            finally:
+                scheduler.leave()
+        job = _DecodeJob(token, output, tokens, hidden, session, pos, started)
+        ticket = scheduler.enter_decode(token, session.session_id, job)
+        if scheduler.leads(ticket):
+            try:
+                group = scheduler.gather(ticket, caps.limits.max_batch_tokens)
+                forward_started = time.perf_counter()
+                try:
+                    if len(group) == 1:
+                        job.outcome = self._run_one(
+                            caps, token, output, tokens, hidden, session, pos, None, started
+                        )
+                    else:
+                        self._run_group(caps, [member.payload for member in group])
+                finally:
+                    scheduler.finish_group(group, time.perf_counter() - forward_started)
+            finally:
+                scheduler.leave()
+        return _job_outcome(job)
+
+    def _run_group(self, caps: Capabilities, payloads: Sequence[_DecodeJob | None]) -> None:
+        """Run coalesced single decodes as one batched forward and set each job's outcome.
+        Each job is admitted on its own (an item the ledger refuses gets its own error). The
+        forward runs under a token of its own that a cancel of any member also sets: the
+        forward then stops, is rolled back whole, and the members not cancelled run again
+        without the cancelled ones, so a cancel never fails or changes another request. A
+        member cancelled too late to stop the forward is rolled back alone at the commit
+        point. A backend failure is every member's error."""
+        jobs = [job for job in payloads if job is not None]
+        try:
+            self._run_group_until_done(caps, jobs)
+        except BaseException as error:
+            for job in jobs:
+                if job.outcome is None:
+                    job.outcome = error
+            if not isinstance(error, Exception):
+                raise
+
+    def _run_group_until_done(self, caps: Capabilities, jobs: list[_DecodeJob]) -> None:
+        pending = jobs
+        while pending:
+            compute_started = time.perf_counter()
+            live: list[_DecodeJob] = []
+            for job in pending:
+                if job.token.cancelled:
+                    job.outcome = Cancelled(f"request {job.token.request_id!r} was cancelled")
+                else:
+                    live.append(job)
+            if not live:
+                return
+            self._require_serving()
+            decisions = self._ledger.admit_batch(
+                [(job.session.session_id, job.session.epoch, job.pos) for job in live],
+                self._limits(),
+            )
+            running: list[_DecodeJob] = []
+            admitted: list[Admission] = []
+            for job, decision in zip(live, decisions, strict=True):
+                if isinstance(decision, ShardEngineError):
+                    job.outcome = decision
+                else:
+                    running.append(job)
+                    admitted.append(decision)
+            if not running:
+                return
+            pending = self._forward_group(caps, running, admitted, compute_started)
+
+    def _forward_group(
+        self,
+        caps: Capabilities,
+        jobs: list[_DecodeJob],
+        admitted: list[Admission],
+        compute_started: float,
+    ) -> list[_DecodeJob]:
+        """One batched forward of admitted jobs; returns the jobs to run again (a member's
+        cancel stopped the forward), else sets every outcome and returns []."""
+        output = jobs[0].output
+        forward_token = CancelToken(
+            f"coalesced decode of {len(jobs)} requests", [job.session.session_id for job in jobs]
+        )
+        with self._state_lock:
+            for job in jobs:
+                job.token.linked = forward_token
+                if job.token.cancelled:
+                    forward_token.cancel()
+        items = [
+            ForwardItem(
+                slot=admission.slot,
+                start_pos=admission.start_pos,
+                committed_length=admission.committed_length,
+                tokens=job.tokens,
+                hidden=job.hidden,
+            )
+            for job, admission in zip(jobs, admitted, strict=True)
+        ]
+        forward_started = time.perf_counter()
+        try:
+            try:
+                outputs = list(self._forward_batch(items, output, forward_token))
+            except Cancelled:
+                if not any(job.token.cancelled for job in jobs):
+                    raise  # the engine is closing: every member's error
+                self._rollback_all(admitted)
+                return jobs  # without the cancelled ones, which hear Cancelled
+            if len(outputs) != len(items):
+                raise EngineCrashed(f"backend returned {len(outputs)} results for {len(items)}")
+            dtype = self.config.boundary_dtype
+            refused: dict[int, ShardEngineError] = {}
+            for index, output_rows in enumerate(outputs):
+                outputs[index], finite = self._scanned_rows(output_rows)
+                try:
+                    check_rows(caps, dtype, outputs[index], output, 1, finite=finite)
+                except MalformedOutput as error:
+                    refused[index] = error
+            compute_ms = (time.perf_counter() - forward_started) * 1000.0
+            with self._state_lock:
+                committing: list[int] = []
+                for index, job in enumerate(jobs):
+                    job.token.linked = None
+                    if index in refused:
+                        continue
+                    if job.token.cancelled:  # too late to stop the forward: rolled back alone
+                        refused[index] = Cancelled(
+                            f"request {job.token.request_id!r} was cancelled"
+                        )
+                        continue
+                    self._seal(job.token)  # the commit point: a cancel from now on answers False
+                    committing.append(index)
+                dropped = self._ledger.commit([admitted[index] for index in committing])
+                counters = self._counters
+                counters.decode_tokens += len(committing)
+                counters.compute_ms += compute_ms
+                counters.evictions += len(dropped)
+        except BaseException:
+            with self._state_lock:
+                for job in jobs:
+                    job.token.linked = None
+            self._rollback_all(admitted)
+            raise
+        if refused:
+            self._rollback_all([admitted[index] for index in sorted(refused)])
+        for index in committing:
+            self._commit(admitted[index].slot)
+        for slot in dropped:
+            self._drop(slot)
+        if dropped:
+            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
+        finished = time.perf_counter()
+        for index, job in enumerate(jobs):
+            failed = refused.get(index)
+            if failed is not None:
+                job.outcome = failed
+                continue
+            job.outcome = (
+                outputs[index],
+                Timings(
+                    queue_ms=(compute_started - job.started) * 1000.0,
+                    compute_ms=(finished - compute_started) * 1000.0,
+                    total_ms=(finished - job.started) * 1000.0,
+                ),
+            )
+        return []
+
+    def _run_one(
         self,
         caps: Capabilities,
         token: CancelToken,
@@ -1014,64 +1196,57 @@ class EngineCore(abc.ABC):
         session: SessionRef,
         start_pos: int,
         n_prefill: int | None,
+        started: float,
     ) -> tuple[Rows, Timings]:
-        """One prefill of ``n_prefill`` rows (a decode when None) through exactly the steps
-        of :meth:`_admit_run_commit` and :meth:`_run_and_commit`, without their lists: every
-        decode step of a session goes this way, and the lists cost more than the checks."""
-        started = time.perf_counter()
-        lock = self._compute_lock
-        if not lock.acquire(False):  # contended: wait, leaving at once if cancelled
-            self._wait_for_compute(token)
+        """One prefill of ``n_prefill`` rows (a decode when None), in the backend's turn,
+        through exactly the steps of :meth:`_admit_run_commit` and :meth:`_run_and_commit`,
+        without their lists: every lone decode step goes this way, and the lists cost more
+        than the checks."""
+        compute_started = time.perf_counter()
+        token.check()
+        self._require_serving()
+        # Admission only reads the ledger, and every change to it happens in the backend's
+        # turn too: no state lock needed.
+        admission = (
+            self._plan_decode(caps, session, start_pos)
+            if n_prefill is None
+            else self._plan_prefill(caps, session, start_pos, n_prefill)
+        )
+        if admission.evict_first is not None:
+            self._hand_over(admission, token)
+        admitted = (admission,)
+        item = ForwardItem(
+            slot=admission.slot,
+            start_pos=admission.start_pos,
+            committed_length=admission.committed_length,
+            tokens=tokens,
+            hidden=hidden,
+        )
+        forward_started = time.perf_counter()
         try:
-            compute_started = time.perf_counter()
-            token.check()
-            self._require_serving()
-            # Admission only reads the ledger, and every change to it holds the compute lock
-            # too: no state lock needed.
-            admission = (
-                self._plan_decode(caps, session, start_pos)
-                if n_prefill is None
-                else self._plan_prefill(caps, session, start_pos, n_prefill)
-            )
-            if admission.evict_first is not None:
-                self._hand_over(admission, token)
-            admitted = (admission,)
-            item = ForwardItem(
-                slot=admission.slot,
-                start_pos=admission.start_pos,
-                committed_length=admission.committed_length,
-                tokens=tokens,
-                hidden=hidden,
-            )
-            forward_started = time.perf_counter()
-            try:
-                rows, finite = self._scanned_rows(self._forward(item, output, token))
-                n_rows = 1 if n_prefill is None else n_prefill
-                check_rows(caps, self.config.boundary_dtype, rows, output, n_rows, finite=finite)
-                compute_ms = (time.perf_counter() - forward_started) * 1000.0
-                with self._state_lock:
-                    self._seal(token)  # the commit point: a cancel from now on answers False
-                    dropped = self._ledger.commit(admitted)
-                    counters = self._counters
-                    if n_prefill is None:
-                        counters.decode_tokens += n_rows
-                    else:
-                        counters.prefill_tokens += n_rows
-                    counters.compute_ms += compute_ms
-                    counters.evictions += len(dropped)
-            except BaseException:
-                self._rollback_all(admitted)
-                raise
-            self._commit(admission.slot)
-            for slot in dropped:
-                self._drop(slot)
-            if dropped:
-                _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
-            finished = time.perf_counter()
-        finally:
-            lock.release()
-            if self._compute_waiters:
-                self._wake_compute_waiters()
+            rows, finite = self._scanned_rows(self._forward(item, output, token))
+            n_rows = 1 if n_prefill is None else n_prefill
+            check_rows(caps, self.config.boundary_dtype, rows, output, n_rows, finite=finite)
+            compute_ms = (time.perf_counter() - forward_started) * 1000.0
+            with self._state_lock:
+                self._seal(token)  # the commit point: a cancel from now on answers False
+                dropped = self._ledger.commit(admitted)
+                counters = self._counters
+                if n_prefill is None:
+                    counters.decode_tokens += n_rows
+                else:
+                    counters.prefill_tokens += n_rows
+                counters.compute_ms += compute_ms
+                counters.evictions += len(dropped)
+        except BaseException:
+            self._rollback_all(admitted)
+            raise
+        self._commit(admission.slot)
+        for slot in dropped:
+            self._drop(slot)
+        if dropped:
+            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
+        finished = time.perf_counter()
         timings = Timings(
             queue_ms=(compute_started - started) * 1000.0,
             compute_ms=(finished - compute_started) * 1000.0,
@@ -1119,3 +1294,13 @@ class EngineCore(abc.ABC):
             n_tokens=n_tokens,
             timings=timings,
         )
+
+
+def _job_outcome(job: _DecodeJob) -> tuple[Rows, Timings]:
+    """What the leader that ran ``job`` handed back: its rows and timings, or its error."""
+    outcome = job.outcome
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if outcome is None:  # every leader path sets it; a lost outcome is the engine's failure
+        raise EngineCrashed(f"decode {job.token.request_id!r} ran without an outcome")
+    return outcome

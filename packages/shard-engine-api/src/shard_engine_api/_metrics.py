@@ -6,6 +6,7 @@ import collections
 from dataclasses import dataclass, field
 
 from shard_engine_api._errors import Cancelled, ShardEngineError
+from shard_engine_api._scheduler import QueueStats
 from shard_engine_api._types import Metrics
 
 __all__ = ["Counters"]
@@ -35,7 +36,13 @@ class Counters:
             self.cancelled += 1
 
     def snapshot(
-        self, *, sessions_active: int, tombstones: int, fences_dropped: int, kv_used_tokens: int
+        self,
+        *,
+        sessions_active: int,
+        tombstones: int,
+        fences_dropped: int,
+        kv_used_tokens: int,
+        queue: QueueStats,
     ) -> Metrics:
         return Metrics(
             requests=self.requests,
@@ -55,4 +62,12 @@ class Counters:
             kv_used_tokens=kv_used_tokens,
             compute_ms=self.compute_ms,
             errors=dict(self.errors),
+            queued=queue.queued_now,
+            queue_peak=queue.queue_peak,
+            queue_waits=queue.waited,
+            queue_wait_ms=queue.wait_ms_total,
+            queue_wait_max_ms=queue.wait_ms_max,
+            coalesced_forwards=queue.groups,
+            coalesced_requests=queue.grouped_requests,
+            coalesced_max=queue.group_max,
         )

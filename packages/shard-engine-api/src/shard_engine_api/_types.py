@@ -748,6 +748,9 @@ class Health(msgspec.Struct, frozen=True, kw_only=True, tag="health"):
     in_flight: Count = 0
     kv_used_tokens: Count = 0
     kv_budget_tokens: Count = 0
+    queued: Count = 0
+    """Requests waiting for their turn on the backend now (see the API README, "Many
+    callers"); ``in_flight`` counts them too."""
 
 
 class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
@@ -786,3 +789,19 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True, tag="metrics"):
     errors: Annotated[dict[ErrorCode, Count], msgspec.Meta(max_length=MAX_ERROR_CODES)] = (
         msgspec.field(default_factory=dict)
     )
+    queued: Count = 0
+    """Requests waiting for their turn on the backend now."""
+    queue_peak: Count = 0
+    """The most requests that waited at once."""
+    queue_waits: Count = 0
+    """Requests that found the backend busy and waited (the rest ran at once)."""
+    queue_wait_ms: Milliseconds = 0.0
+    """Their total wait; ``queue_wait_ms / queue_waits`` is the mean wait."""
+    queue_wait_max_ms: Milliseconds = 0.0
+    """The longest single wait."""
+    coalesced_forwards: Count = 0
+    """Forwards that ran single decodes of several callers together (continuous batching)."""
+    coalesced_requests: Count = 0
+    """The single decodes those forwards ran; over ``coalesced_forwards``: the mean size."""
+    coalesced_max: Count = 0
+    """The largest such forward, in requests."""
