@@ -336,3 +336,85 @@ def dataclass_limits(limits: LedgerLimits) -> LedgerLimits:
         kv_budget=1 << 30,
         evict_lru=False,
     )
+
+
+class Chunking(Recording):
+    """Prefills longer than 4 rows run in chunks of 4; the backend keeps what the first chunk
+    replaced until the prefill commits or rolls back (what a chunking backend must do)."""
+
+    prefill_chunk_tokens = 4
+
+    def _forward(self, item: ForwardItem, output: OutputMode, token: CancelToken) -> Array:
+        kept = self.saved.get(item.slot)
+        try:
+            return super()._forward(item, output, token)
+        finally:
+            if kept is not None and item.start_pos == item.committed_length:
+                self.saved[item.slot] = kept
+
+
+def _prefill(engine: Queued, session_id: str, start: int, tokens: Sequence[int]) -> Array:
+    result = engine.prefill(
+        PrefillRequest(
+            request_id=f"p-{session_id}-{start}",
+            session=SessionRef(session_id=session_id, epoch=1),
+            start_pos=start,
+            inputs=TokenInput(token_ids=tuple(tokens)),
+            logits="all",
+        )
+    )
+    assert isinstance(result, LogitsResult)
+    return np.frombuffer(result.payload, np.float32).reshape(result.n_rows, -1).copy()
+
+
+def test_a_long_prefill_lets_waiting_decodes_run_between_its_chunks() -> None:
+    """A prefill of 10 rows runs as chunks of 4, 4 and 2; the decodes of other sessions that
+    wait when its first chunk ends run as one forward before its second chunk. Every result
+    equals what the same requests give on an engine that does not chunk."""
+    tokens = (LONG, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+    engine = _loaded(Chunking())
+    _prefilled(engine, "a", "b")
+    engine.log.clear()
+    prefill = _Thread(lambda: _prefill(engine, "p", 0, tokens))
+    assert engine.holding.wait(10)
+    decodes = _queued_decodes(engine, ("a", "b"))
+    engine.gate.set()
+    rows = prefill.ended()
+    results = [thread.ended() for thread in decodes]
+    slots = {s: engine._ledger.sessions[s].slot for s in ("a", "b", "p")}
+    # (The first chunk, which holds the backend, is not logged.)
+    assert engine.log == [
+        ("batch", (slots["a"], slots["b"])),
+        ("one", (slots["p"],)),
+        ("one", (slots["p"],)),
+    ]
+    plain = _loaded(Queued())
+    plain.gate.set()
+    _prefilled(plain, "a", "b")
+    expected = _prefill(plain, "p", 0, tokens)
+    assert isinstance(rows, np.ndarray)
+    assert rows.tobytes() == expected.tobytes()
+    serial = _serial_logits(("a", "b"))
+    assert [bytes(r.payload) for r in results if isinstance(r, LogitsResult)] == [
+        serial["a"],
+        serial["b"],
+    ]
+    assert [_committed(engine, s) for s in ("a", "b", "p")] == [4, 4, 10]
+
+
+def test_a_cancelled_chunked_prefill_rolls_back_every_chunk() -> None:
+    """A truncating prefill is cancelled in its second chunk: every chunk is undone, the
+    positions it truncated are back, and the decodes that ran between its chunks stand."""
+    engine = _loaded(Chunking())
+    _prefilled(engine, "a")
+    _prefill(engine, "p", 0, (1, 2, 3, 4, 5, 6))
+    before = [row.copy() for row in engine.cache[engine._ledger.sessions["p"].slot]]
+    prefill = _Thread(lambda: _prefill(engine, "p", 2, (1, 2, 3, 4, LONG, 6, 7)))
+    assert engine.holding.wait(10)
+    assert engine.cancel(CancelRequest(request_id="p-p-2")).cancelled
+    engine.gate.set()  # the held chunk goes on and meets the cancel at its next row
+    assert isinstance(prefill.ended(), Cancelled)
+    after = engine.cache[engine._ledger.sessions["p"].slot]
+    assert _committed(engine, "p") == 6
+    assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
+    assert isinstance(_decode(engine, "a", 3), LogitsResult)

@@ -165,6 +165,16 @@ class EngineCore(abc.ABC):
     :meth:`_record_digest`: the payload is then not read a second time."""
 
     engine_name: ClassVar[str] = "unnamed"
+    prefill_chunk_tokens: int = 0
+    """A prefill longer than this many rows (0: never) runs as chunks of it, one forward each,
+    and the single decodes of other sessions that wait run as one forward between two chunks:
+    a decode waits for at most one chunk, not the whole prefill. The chunks' forwards share one
+    commit or rollback, so a backend that opts in (set it in ``_open``) must take several
+    forwards of one slot before ``_commit``/``_rollback``: chunk ``k > 0`` comes with
+    ``start_pos == committed_length`` (where the previous chunk ended), and the rollback names
+    the first chunk's ``start_pos`` and ``committed_length``. Chunks start at multiples of it
+    from the prefill's start: set it to the backend's own micro-batch so chunked results equal
+    unchunked ones bit for bit."""
     fence_generation: ClassVar[int] = DEFAULT_GENERATION_SIZE
     max_snapshot_bytes: ClassVar[int] = 1 << 32
     rows_private: ClassVar[bool] = False
@@ -1043,17 +1053,25 @@ class EngineCore(abc.ABC):
                 scheduler.leave()
         return _job_outcome(job)
 
-    def _run_group(self, caps: Capabilities, payloads: Sequence[_DecodeJob | None]) -> None:
+    def _run_group(
+        self,
+        caps: Capabilities,
+        payloads: Sequence[_DecodeJob | None],
+        *,
+        protect: Collection[str] = (),
+        reserved: int = 0,
+    ) -> None:
         """Run coalesced single decodes as one batched forward and set each job's outcome.
         Each job is admitted on its own (an item the ledger refuses gets its own error). The
         forward runs under a token of its own that a cancel of any member also sets: the
         forward then stops, is rolled back whole, and the members not cancelled run again
         without the cancelled ones, so a cancel never fails or changes another request. A
         member cancelled too late to stop the forward is rolled back alone at the commit
-        point. A backend failure is every member's error."""
+        point. A backend failure is every member's error. ``protect`` and ``reserved``: what a
+        chunked prefill running between its chunks holds (see ``SessionLedger.admit_batch``)."""
         jobs = [job for job in payloads if job is not None]
         try:
-            self._run_group_until_done(caps, jobs)
+            self._run_group_until_done(caps, jobs, protect, reserved)
         except BaseException as error:
             for job in jobs:
                 if job.outcome is None:
@@ -1061,7 +1079,9 @@ class EngineCore(abc.ABC):
             if not isinstance(error, Exception):
                 raise
 
-    def _run_group_until_done(self, caps: Capabilities, jobs: list[_DecodeJob]) -> None:
+    def _run_group_until_done(
+        self, caps: Capabilities, jobs: list[_DecodeJob], protect: Collection[str], reserved: int
+    ) -> None:
         pending = jobs
         while pending:
             compute_started = time.perf_counter()
@@ -1077,6 +1097,8 @@ class EngineCore(abc.ABC):
             decisions = self._ledger.admit_batch(
                 [(job.session.session_id, job.session.epoch, job.pos) for job in live],
                 self._limits(),
+                protect=protect,
+                reserved=reserved,
             )
             running: list[_DecodeJob] = []
             admitted: list[Admission] = []
@@ -1224,7 +1246,17 @@ class EngineCore(abc.ABC):
         )
         forward_started = time.perf_counter()
         try:
-            rows, finite = self._scanned_rows(self._forward(item, output, token))
+            chunk = self.prefill_chunk_tokens
+            if (
+                n_prefill is not None
+                and 0 < chunk < n_prefill
+                and not admission.evict
+                and admission.evict_first is None
+            ):
+                rows = self._forward_chunks(caps, token, item, output, admission, chunk)
+            else:
+                rows = self._forward(item, output, token)
+            rows, finite = self._scanned_rows(rows)
             n_rows = 1 if n_prefill is None else n_prefill
             check_rows(caps, self.config.boundary_dtype, rows, output, n_rows, finite=finite)
             compute_ms = (time.perf_counter() - forward_started) * 1000.0
@@ -1253,6 +1285,57 @@ class EngineCore(abc.ABC):
             total_ms=(time.perf_counter() - started) * 1000.0,
         )
         return rows, timings
+
+    def _forward_chunks(
+        self,
+        caps: Capabilities,
+        token: CancelToken,
+        item: ForwardItem,
+        output: OutputMode,
+        admission: Admission,
+        chunk: int,
+    ) -> Rows:
+        """A long prefill as forwards of ``chunk`` rows (see ``prefill_chunk_tokens``), the
+        waiting single decodes of other sessions run between two chunks; returns the rows the
+        whole prefill returns. A prefill that evicts runs whole (its victims could otherwise be
+        decoded meanwhile), as does anything else (:meth:`_run_one` decides)."""
+        start, end = item.start_pos, item.start_pos + item.n_tokens
+        parts: list[Rows] = []
+        session_id = admission.session_id
+        growth = max(0, admission.new_length - admission.committed_length)
+        for first in range(start, end, chunk):
+            last = min(first + chunk, end)
+            part = ForwardItem(
+                slot=item.slot,
+                start_pos=first,
+                committed_length=item.committed_length if first == start else first,
+                tokens=None if item.tokens is None else item.tokens[first - start : last - start],
+                hidden=None if item.hidden is None else item.hidden[first - start : last - start],
+            )
+            rows = self._forward(part, output, token)
+            if output != "last" or last == end:
+                parts.append(rows if self.rows_private else np.array(rows))
+            if last < end:
+                token.check()
+                self._between_chunks(caps, session_id, growth)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _between_chunks(self, caps: Capabilities, session_id: str, reserved: int) -> None:
+        """Run the single decodes of other sessions that wait as one forward, while a chunked
+        prefill of ``session_id`` holds the backend and ``reserved`` positions of the budget."""
+        scheduler = self._scheduler
+        members = scheduler.take_decodes(caps.limits.max_batch_tokens, session_id)
+        if not members:
+            return
+        try:
+            self._run_group(
+                caps,
+                [member.payload for member in members],
+                protect=(session_id,),
+                reserved=reserved,
+            )
+        finally:
+            scheduler.finish_members(members)
 
     def _rollback_all(self, admitted: Sequence[Admission]) -> None:
         for admission in admitted:

@@ -11,7 +11,7 @@ as it was, evictions included. The owner (``EngineCore``) serialises every call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from shard_engine_api._errors import CacheMiss, ResourceExhausted, ShardEngineError, StaleEpoch
@@ -239,13 +239,20 @@ class SessionLedger:
         return current
 
     def admit_batch(
-        self, items: Sequence[tuple[str, int, int]], limits: LedgerLimits
+        self,
+        items: Sequence[tuple[str, int, int]],
+        limits: LedgerLimits,
+        *,
+        protect: Collection[str] = (),
+        reserved: int = 0,
     ) -> list[Admission | ShardEngineError]:
         """Admit one decode row per ``(session_id, epoch, pos)`` (distinct sessions). Members are
         never evicted; idle sessions are evicted (least recently used first) before an item is
         refused. O(items) plus one sort of the idle sessions, done only if some item needs
-        room: the victims are taken from that one LRU order, in turn."""
-        members = frozenset(session_id for session_id, _, _ in items)
+        room: the victims are taken from that one LRU order, in turn. ``protect``: sessions
+        that are not idle though they look it (a chunked prefill is running on them), never
+        evicted; ``reserved``: positions an admitted operation not yet committed will use."""
+        members = frozenset(session_id for session_id, _, _ in items).union(protect)
         decisions: list[Admission | ShardEngineError] = []
         admitted = 0  # rows admitted so far
         freed = 0  # positions the victims chosen so far free
@@ -257,7 +264,7 @@ class SessionLedger:
             except ShardEngineError as error:
                 decisions.append(error)
                 continue
-            over = self.kv_used - freed + admitted + 1 - limits.kv_budget
+            over = self.kv_used - freed + admitted + reserved + 1 - limits.kv_budget
             evict: tuple[str, ...] = ()
             if over > 0:
                 if not limits.evict_lru:

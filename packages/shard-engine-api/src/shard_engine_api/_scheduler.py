@@ -250,36 +250,64 @@ class Scheduler(Generic[Payload]):
                             break
                 finally:
                     self._gathering -= 1
-            group = [leader]
-            if limit > 1 and self._queue:
-                taken: set[str] = set(leader.session_ids or ())
-                blocked: set[str] = set()  # sessions of waiting requests passed over
-                keep: collections.deque[Ticket[Payload]] = collections.deque()
-                queue = self._queue
-                while queue:
-                    ticket = queue.popleft()
-                    sessions = ticket.session_ids
-                    if sessions is None:  # nothing overtakes it, nor anything after it
-                        keep.append(ticket)
-                        keep.extend(queue)
-                        break
-                    if (
-                        len(group) < limit
-                        and ticket.kind == "decode"
-                        and not (ticket.token is not None and ticket.token.cancelled)
-                    ):
-                        (session_id,) = sessions
-                        if session_id not in taken and session_id not in blocked:
-                            taken.add(session_id)
-                            ticket.state = _MEMBER
-                            group.append(ticket)
-                            continue
-                    keep.append(ticket)
-                    blocked.update(sessions)
-                self._queue = keep
-                for member in group[1:]:
-                    self._forget(member)
+            return [leader, *self._take(set(leader.session_ids or ()), limit - 1)]
+
+    def _take(self, taken: set[str], limit: int) -> list[Ticket[Payload]]:
+        """Waiting single decodes for a group (under the lock): oldest first, at most one per
+        session and none of ``taken``, at most ``limit``, none moved ahead of an earlier
+        waiting request on its session; they leave the queue as members."""
+        group: list[Ticket[Payload]] = []
+        if limit < 1 or not self._queue:
             return group
+        blocked: set[str] = set()  # sessions of waiting requests passed over
+        keep: collections.deque[Ticket[Payload]] = collections.deque()
+        queue = self._queue
+        while queue:
+            ticket = queue.popleft()
+            sessions = ticket.session_ids
+            if sessions is None:  # nothing overtakes it, nor anything after it
+                keep.append(ticket)
+                keep.extend(queue)
+                break
+            if (
+                len(group) < limit
+                and ticket.kind == "decode"
+                and not (ticket.token is not None and ticket.token.cancelled)
+            ):
+                (session_id,) = sessions
+                if session_id not in taken and session_id not in blocked:
+                    taken.add(session_id)
+                    ticket.state = _MEMBER
+                    group.append(ticket)
+                    continue
+            keep.append(ticket)
+            blocked.update(sessions)
+        self._queue = keep
+        for member in group:
+            self._forget(member)
+        return group
+
+    def take_decodes(self, limit: int, busy_session: str) -> list[Ticket[Payload]]:
+        """Waiting single decodes (oldest first, one per session, ``limit`` at most, none of
+        ``busy_session`` and none ahead of an earlier waiting request on its session), taken
+        into a group that the running operation itself runs: a chunked prefill between two
+        of its chunks. Wake them with :meth:`finish_members`."""
+        with self._mutex:
+            return self._take({busy_session}, limit)
+
+    def finish_members(self, members: list[Ticket[Payload]]) -> None:
+        """Wake ``members``, whose ``outcome`` is set (see :meth:`take_decodes`)."""
+        if not members:
+            return
+        with self._mutex:
+            stats = self.stats
+            stats.groups += 1
+            stats.grouped_requests += len(members)
+            stats.group_max = max(stats.group_max, len(members))
+            for member in members:
+                member.state = _DONE
+        for member in members:
+            member.event.set()
 
     def finish_group(self, group: list[Ticket[Payload]], forward_s: float) -> None:
         """The leader ran ``group`` (``forward_s`` of backend time): record it for the next
