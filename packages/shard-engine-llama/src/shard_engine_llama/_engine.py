@@ -409,6 +409,10 @@ class LlamaEngine(EngineCore):
             # llama.cpp holds its own descriptor and mapping by now.
             pins.close()
         self._runtime = runtime
+        # A long prefill runs in llama.cpp's own micro-batches, so other sessions' decodes can
+        # run between them; each sequence has its own KV stream (kv_unified off), so the
+        # chunks give exactly what one llama_decode of the whole prefill gives.
+        self.prefill_chunk_tokens = runtime.settings.n_ubatch
         self.result_settings = _result_settings(runtime.settings, runtime.n_ctx_seq)
         self._state_identity = _state_identity(
             choice.fingerprint,
