@@ -39,9 +39,10 @@ def _idle(server: EngineServer) -> tuple[IdleSessions, _Clock]:
 def test_dead_clients_sessions_are_released_with_a_fence(
     serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
-    """Four clients fill every slot and vanish: new sessions are refused until the sessions
-    are idle for ``session_idle_s``; then they are released at their epoch (a late client
-    gets StaleEpoch, not a fresh session) and new sessions are admitted."""
+    """Four clients fill every slot and vanish: new sessions are refused (health says
+    ``degraded``, for lack of room) until the sessions are idle for ``session_idle_s``; then
+    they are released at their epoch (a late client gets StaleEpoch, not a fresh session),
+    health is ``ready`` again and new sessions are admitted."""
     server = serve(
         api.LoadConfig(shard=config().shard, max_sessions=4),
         transport=transport,
@@ -55,10 +56,14 @@ def test_dead_clients_sessions_are_released_with_a_fence(
     newcomer = remote(config(target=server.address, transport=transport))
     with pytest.raises(api.ResourceExhausted):
         prefill(newcomer, session="new")
+    full = newcomer.health()
+    assert full.state == "degraded", full  # a full shard, not a ready one refusing everybody
+    assert "lack of room" in full.detail
     clock.now = _IDLE_S - 1
     assert idle.expire() == []
     clock.now = _IDLE_S + 1
     released = idle.expire()
+    assert newcomer.health().state == "ready"
     assert sorted(session.session_id for session in released) == [f"dead-{n}" for n in range(4)]
     assert server.engine.health().sessions == 0
     prefill(newcomer, session="new")

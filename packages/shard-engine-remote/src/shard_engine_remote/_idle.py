@@ -9,6 +9,11 @@ own ``release``, which leaves its fence: a client that comes back late gets Stal
 session is gone, not silently recreated) and starts a new epoch. ``serve`` turns it on
 (``--session-idle-s``, 600 s by default; 0 turns it off); an engine used in-process has none.
 
+While sessions are refused for lack of room (ResourceExhausted for session slots or the KV
+budget), :attr:`IdleSessions.short_of_room` says why, and the server's health reports
+``degraded`` with it, until a new session is admitted or one is released (by its client or by
+expiry): an operator sees a shard that is full, not a ``ready`` one refusing everybody.
+
 Memory: one entry per session the engine admitted through this server, at most
 :data:`_ENTRIES_PER_SESSION` times ``max_sessions`` (the oldest beyond that, sessions an LRU
 engine must have evicted long before, are forgotten).
@@ -31,6 +36,8 @@ __all__ = ["DEFAULT_SESSION_IDLE_S", "IdleSessions"]
 DEFAULT_SESSION_IDLE_S: Final = 600.0
 """``serve``'s default: a session no call touched for 10 minutes is released with a fence."""
 _ENTRIES_PER_SESSION: Final = 4
+_ROOM: Final = frozenset({"sessions", "kv"})
+"""The ``resource`` of a ResourceExhausted that means the shard is full."""
 _LOG: Final = logging.getLogger("shard_engine.remote")
 _Request = TypeVar("_Request")
 _Answer = TypeVar("_Answer")
@@ -84,6 +91,8 @@ class IdleSessions:
         self.idle_s = idle_s
         self.expired = 0
         """Sessions released for idleness so far."""
+        self.short_of_room: str | None = None
+        """Why new work was last refused for lack of room, until room is seen again."""
         self._clock = clock
         self._limit = _ENTRIES_PER_SESSION * max_sessions + 64
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -101,7 +110,14 @@ class IdleSessions:
             try:
                 answer = operation(request)
                 served = _results_of(answer)
+                if isinstance(answer, api.DecodeBatchResult):
+                    for item in answer.items:
+                        if isinstance(item, api.ErrorInfo):
+                            self._refused(item.code, item.details, item.message)
                 return answer
+            except api.ResourceExhausted as error:
+                self._refused(error.code, error.details, error.message)
+                raise
             finally:
                 self._end(sessions, served)
 
@@ -111,6 +127,12 @@ class IdleSessions:
         """A client released the session itself."""
         with self._lock:
             self._entries.pop(session_id, None)
+            self.short_of_room = None
+
+    def _refused(self, code: str, details: object, message: str) -> None:
+        resource = details.get("resource") if isinstance(details, dict) else None
+        if code == api.ResourceExhausted.code and resource in _ROOM:
+            self.short_of_room = f"refusing new work for lack of room ({resource}): {message}"
 
     def _begin(self, sessions: Iterable[api.SessionRef]) -> None:
         with self._lock:
@@ -132,6 +154,7 @@ class IdleSessions:
                 entry = self._entries.get(session.session_id)
                 if entry is None:
                     self._entries[session.session_id] = _Entry(session.epoch, now)
+                    self.short_of_room = None  # a new session got in
                     self._trim()
                 else:
                     entry.epoch = max(entry.epoch, session.epoch)
@@ -174,6 +197,7 @@ class IdleSessions:
                 _LOG.info("idle session %r not released: %s", session.session_id, error)
                 continue
             if result.released:
+                self.short_of_room = None
                 self.expired += 1
                 released.append(session)
                 _LOG.info(

@@ -49,7 +49,7 @@ from grpc_health.v1 import health, health_pb2
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._errors import clamp_text
-from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
+from shard_engine_api._types import MAX_DETAIL_CHARS, MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._admission import DEFAULT_MAX_QUEUED, Admission, Outcome, Ticket
 from shard_engine_remote._idle import IdleSessions
 from shard_engine_remote._import_limits import (
@@ -632,7 +632,7 @@ class EngineServer:
             case CapabilitiesQuery():
                 return engine.capabilities()
             case HealthQuery():
-                return engine.health()
+                return self._served_health()
             case MetricsQuery():
                 return engine.metrics()
             case api.CancelRequest():
@@ -962,6 +962,17 @@ class EngineServer:
         )
         import_session = self._watched_op(self.engine.import_session)
         return self._compute(complete, context, import_session, slot_held=True)
+
+    def _served_health(self) -> api.Health:
+        """The engine's health, ``degraded`` while the served shard refuses new work for lack
+        of room (see ``_idle``)."""
+        health = self.engine.health()
+        full = None if self._idle is None else self._idle.short_of_room
+        if full is None or health.state != "ready":
+            return health
+        return msgspec.structs.replace(
+            health, state="degraded", detail=clamp_text(full, MAX_DETAIL_CHARS)
+        )
 
     def _watched_op(
         self, operation: Callable[[_Request], _Answer]
