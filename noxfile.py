@@ -177,12 +177,14 @@ def bench(session: nox.Session) -> None:
     per shard), batched vs sequential, memory, cancellation (gemma3-270m parts only when the
     model is in the model store); remote engines' per-hop overhead and a pipeline with a
     process per shard; moving a live session (export, wire, import) vs replaying its prefill
-    through 3 shards. Every figure is also merged into .nox/bench/results.json.
+    through 3 shards; 1 to 16 concurrent sessions on one shard (threads in process, a spawned
+    child, serve, a 3-process pipeline) against llama.cpp's own batch API, and the
+    scheduler's held-out checks. Every figure is also merged into .nox/bench/results.json.
 
     Arguments after ``--`` go to every benchmark (e.g. ``--quick``), except ``--readme``:
     after a full run, regenerate the README's "What has been measured" section from the
     results. The final measurement is that one command, on a quiet machine (nothing else
-    running; estimated ~10 minutes on 2 cores, ~15 with gemma3-270m in the model store)::
+    running; estimated ~12 minutes on 2 cores, ~20 with gemma3-270m in the model store)::
 
         python3 -m nox -s bench -- --readme
     """
