@@ -207,7 +207,7 @@ def _model(args: argparse.Namespace, directory: Path) -> BenchModel:
 
 
 def _max_context(settings: Settings) -> int:
-    return max(64, settings.prompt_tokens + settings.steps + 16)
+    return max(128, settings.prompt_tokens + settings.steps + 16)
 
 
 def _load_config(
