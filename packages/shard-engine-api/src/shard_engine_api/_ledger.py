@@ -473,11 +473,11 @@ class SessionLedger:
                 current.length = admission.new_length
                 current.epoch = admission.epoch
                 current.last_used = self._tick
-        dropped: tuple[int, ...] = ()
+        dropped: list[int] = []  # a growing tuple would copy itself once per admission
         for admission in admissions:
             if admission.evict:
-                dropped += tuple(self._evict(victim) for victim in admission.evict)
-        return dropped
+                dropped.extend(self._evict(victim) for victim in admission.evict)
+        return tuple(dropped)
 
     def _evict(self, session_id: str) -> int:
         victim = self.sessions.pop(session_id)
