@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import msgspec
 import pytest
 from conftest import (
@@ -37,13 +36,12 @@ from shard_engine_remote._framed import (
     ABANDON,
     CALL,
     HELLO,
-    NOT_SENT,
     REPLY,
     FramedLink,
-    FramedLinkError,
     _frame,
     _ReplyFrames,
 )
+from shard_engine_remote._link import LinkFailure
 
 QUERY = msgspec.msgpack.encode({"type": "health_query"})
 
@@ -173,9 +171,9 @@ def test_a_reader_whose_deadline_passes_mid_frame_leaves_the_stream_whole(
     _, second_id = script.next_call()
     frame = _frame(REPLY, second_id, _reply("second", 1 << 20))
     sock.sendall(frame[: len(frame) // 2])
-    with pytest.raises(FramedLinkError) as late:
+    with pytest.raises(LinkFailure) as late:
         first.result(5)
-    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert late.value.reason == "deadline_exceeded"
     assert script.next_call(ABANDON)[1] == first_id
     sock.sendall(frame[len(frame) // 2 :])
     assert _detail(second.result(5)) == "second"
@@ -207,9 +205,9 @@ def test_a_lost_connection_fails_every_waiting_caller(script: _Script, link: Fra
     sock.sendall(_HEADER.pack(100, REPLY, 999) + b"\x00" * 10)  # half a frame, then gone
     sock.shutdown(socket.SHUT_RDWR)
     for call in calls:
-        with pytest.raises(FramedLinkError) as lost:
+        with pytest.raises(LinkFailure) as lost:
             call.result(5)
-        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert lost.value.reason == "connection_lost"
     assert time.monotonic() - started < 3.0
 
 
@@ -256,7 +254,7 @@ def test_one_callers_calls_are_served_on_one_thread(
 
 def test_closing_the_link_under_waiting_callers_fails_them_typed(script: _Script) -> None:
     """close() from another thread while callers wait (one reading, others waiting for it),
-    at varying moments: every caller gets a FramedLinkError, never another exception, and no
+    at varying moments: every caller gets a LinkFailure, never another exception, and no
     caller waits out its deadline."""
     for attempt in range(20):
         link = FramedLink(script.path, token=None, max_message_bytes=1 << 20)
@@ -267,7 +265,7 @@ def test_closing_the_link_under_waiting_callers_fails_them_typed(script: _Script
         started = time.monotonic()
         link.close()
         for call in calls:
-            with pytest.raises(FramedLinkError):
+            with pytest.raises(LinkFailure):
                 call.result(5)
         assert time.monotonic() - started < 3.0
 
@@ -276,25 +274,25 @@ def test_a_caller_reading_after_the_socket_closed_gets_a_link_error(
     script: _Script, link: FramedLink
 ) -> None:
     """The socket closed just before a waiting caller starts reading it (close() between two
-    of its steps): a FramedLinkError (connection lost), not the socket's ValueError."""
+    of its steps): a LinkFailure (connection lost), not the socket's ValueError."""
     assert _detail(_call_answered(script, link, "first")) == "first"
     connection = link._connection
     assert connection is not None
     call_id, _ = connection.open_call()
     connection.close()
-    with pytest.raises(FramedLinkError) as lost:
+    with pytest.raises(LinkFailure) as lost:
         connection.receive(call_id, time.monotonic() + 5.0)
-    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert lost.value.reason == "connection_lost"
 
 
 def test_a_send_on_a_closed_connection_is_a_link_error(script: _Script, link: FramedLink) -> None:
     """A send after the connection's socket closed (another thread closed the link): a
-    FramedLinkError saying the request was not sent, never the socket's own exception."""
+    LinkFailure saying the request was not sent, never the socket's own exception."""
     assert _detail(_call_answered(script, link, "first")) == "first"
     connection = link._connection
     assert connection is not None
     connection.close()
-    with pytest.raises(FramedLinkError) as lost:
+    with pytest.raises(LinkFailure) as lost:
         connection.send(CALL, 99, b"x" * (1 << 20), time.monotonic() + 1.0)
-    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert NOT_SENT in lost.value.details()
+    assert lost.value.reason == "connection_lost"
+    assert not lost.value.sent

@@ -39,16 +39,14 @@ from __future__ import annotations
 
 import math
 import random
-import secrets
 import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar, Final, Literal, Protocol, TypeVar, cast
+from typing import ClassVar, Final, Literal, TypeVar
 
-import grpc
 import msgspec
 
 import shard_engine_api as api
@@ -56,26 +54,17 @@ from shard_engine_api import wire
 from shard_engine_api._snapshot import check_snapshot_integrity
 from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
-from shard_engine_remote._framed import (
-    NOT_SENT,
-    FramedLink,
-    FramedLinkError,
-    FramedServer,
-    check_private_socket,
-)
-from shard_engine_remote._security import ClientSecurity, read_pem, read_token, speaks_tls
+from shard_engine_remote._framed import FramedLink, FramedServer, check_private_socket
+from shard_engine_remote._grpc_link import GrpcLink
+from shard_engine_remote._link import Link, LinkFailure
+from shard_engine_remote._security import ClientSecurity, read_pem, read_token
 from shard_engine_remote._server import (
-    CALLER_METADATA_KEY,
     DEFAULT_MAX_MESSAGE_BYTES,
     EngineServer,
     Serving,
-    channel_options,
 )
 from shard_engine_remote._supervisor import ChildProcess
 from shard_engine_remote._wire import (
-    CALL_METHOD,
-    EXPORT_METHOD,
-    IMPORT_METHOD,
     CapabilitiesQuery,
     HealthQuery,
     ImportHeader,
@@ -86,7 +75,6 @@ from shard_engine_remote._wire import (
     ServerStats,
     ServerStatsQuery,
     decode_export_header,
-    decode_reply,
     encode_header,
     encode_request,
 )
@@ -107,16 +95,6 @@ _Reply = TypeVar("_Reply")
 
 _MAX_SNAPSHOT_BYTES: Final = 1 << 36
 """The largest exported state this side reassembles (the contract's own bound on snapshots)."""
-
-
-class _Stream(Protocol):
-    """A server-streaming call: its messages, and a way to stop it."""
-
-    def __iter__(self) -> Iterator[bytes]: ...
-
-    def __next__(self) -> bytes: ...
-
-    def cancel(self) -> bool: ...
 
 
 _DEATH_GRACE_S: Final = 2.0
@@ -235,99 +213,7 @@ def split_options(
         raise api.InvalidRequest(f"bad remote engine option: {error}") from None
 
 
-class _Link:
-    """One channel to one server and the method every call goes through."""
-
-    def __init__(self, target: str, security: ClientSecurity, max_message_bytes: int) -> None:
-        self.target = target
-        # A connection of its own (gRPC would share one between channels to the same target):
-        # the server's per-client limits and a crash's blast radius are per remote engine.
-        options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
-        self.channel = security.channel(target, options)
-        self._plaintext = security.tls_ca is None
-        self._metadata = (*security.metadata(), (CALLER_METADATA_KEY, secrets.token_hex(16)))
-        self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
-            self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
-        )
-        self._export: grpc.UnaryStreamMultiCallable[bytes, bytes] = self.channel.unary_stream(
-            EXPORT_METHOD
-        )
-        self._import: grpc.StreamUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
-            self.channel.stream_unary(IMPORT_METHOD, response_deserializer=decode_reply)
-        )
-
-    def wait_ready(self, timeout: float) -> bool:
-        """Whether the channel connects within ``timeout``. A plaintext channel whose first
-        connection attempt fails asks whether the server speaks TLS: RemoteUnavailable saying
-        to set tls_ca at once, not "no server answered" when the timeout has passed."""
-        states: list[grpc.ChannelConnectivity] = []
-        watch = states.append
-        self.channel.subscribe(watch, try_to_connect=True)
-        try:
-            ready = grpc.channel_ready_future(self.channel)
-            deadline = time.monotonic() + timeout
-            probed = not self._plaintext
-            while True:
-                try:
-                    ready.result(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
-                except grpc.FutureTimeoutError:
-                    if time.monotonic() >= deadline:
-                        return False
-                else:
-                    return True
-                if not probed and grpc.ChannelConnectivity.TRANSIENT_FAILURE in states:
-                    probed = True
-                    if speaks_tls(self.target, max(0.1, min(2.0, deadline - time.monotonic()))):
-                        raise RemoteUnavailable(
-                            f"the server at {self.target} speaks TLS and this client does not: "
-                            "set tls_ca (the PEM of the CA that signed its certificate)",
-                            details={"target": self.target},
-                        )
-        finally:
-            self.channel.unsubscribe(watch)
-
-    # grpcio raises ValueError for a call on a channel closed meanwhile (by close() from
-    # another thread): said as the link error it is, so it maps like every other.
-
-    def call(
-        self, message: bytes, timeout: float | None, reply_bytes: int | None = None
-    ) -> RemoteReply | Rejected:
-        """``reply_bytes`` (what the reply is expected to carry) is the framed link's hint;
-        gRPC has no use for it."""
-        try:
-            return self._call(message, timeout=timeout, metadata=self._metadata)
-        except ValueError as error:
-            raise _closed_channel(error) from None
-
-    def export(self, message: bytes, timeout: float | None) -> _Stream:
-        try:
-            return cast(_Stream, self._export(message, timeout=timeout, metadata=self._metadata))
-        except ValueError as error:
-            raise _closed_channel(error) from None
-
-    def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
-        try:
-            return self._import(messages, timeout=timeout, metadata=self._metadata)
-        except ValueError as error:
-            raise _closed_channel(error) from None
-
-    def close(self) -> None:
-        self.channel.close()
-
-
-def _closed_channel(error: ValueError) -> FramedLinkError:
-    return FramedLinkError(grpc.StatusCode.CANCELLED, f"{error}; {NOT_SENT}")
-
-
-_AnyLink = _Link | FramedLink
 _State = Literal["loading", "ready", "crashed", "closed"]
-
-_REPLY_TOO_LARGE: Final = "CLIENT: Received message larger than max"
-"""How grpcio words a reply this side refused for its size."""
-_REPLY_METADATA_TOO_LARGE: Final = "received metadata size exceeds"
-"""How grpcio words a reply whose headers or trailers this side refused for their size (this
-side's own request metadata is a few dozen bytes: never the cause)."""
-_NOT_SENT_MARKERS: Final = ("failed to connect to all addresses", "Connection refused", NOT_SENT)
 
 
 def _served_version(served: api.Capabilities) -> str:
@@ -349,7 +235,7 @@ class RemoteEngine:
         self._state: _State = "loading"
         self._options: RemoteOptions | None = None
         self._served_config: api.LoadConfig | None = None
-        self._link: _AnyLink | None = None
+        self._link: Link | None = None
         self._child: ChildProcess | None = None
         self._local: tuple[Serving, Path] | None = None
         self._capabilities: api.Capabilities | None = None
@@ -360,9 +246,7 @@ class RemoteEngine:
         local engine's failed state."""
         self._restarts = 0
         self._closing = threading.Event()
-        self._replaced: weakref.WeakKeyDictionary[_AnyLink, ChildProcess] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._replaced: weakref.WeakKeyDictionary[Link, ChildProcess] = weakref.WeakKeyDictionary()
         """The child each replaced link reached, while calls on that link may still fail."""
         self._last_metrics = api.Metrics()
         self._busy_retries = 0
@@ -452,7 +336,7 @@ class RemoteEngine:
                     f"options {sorted(config.options)} are for a served engine, but a target's "
                     "engine was loaded by its server; set them there"
                 )
-            link: _AnyLink
+            link: Link
             if options.framed:
                 security = options.security()
                 check_private_socket(Path(options.target.removeprefix("unix:")))
@@ -463,7 +347,7 @@ class RemoteEngine:
                     shared_memory=options.shared_memory,
                 )
             else:
-                link = _Link(options.target, options.security(), options.max_message_bytes)
+                link = GrpcLink(options.target, options.security(), options.max_message_bytes)
             self._link = link
             if not link.wait_ready(options.connect_timeout_s):
                 raise RemoteUnavailable(
@@ -511,7 +395,7 @@ class RemoteEngine:
         else:
             self._local = (server, directory)
             address = server.start(f"unix:{path}")
-            link = self._link = _Link(address, ClientSecurity(), options.max_message_bytes)
+            link = self._link = GrpcLink(address, ClientSecurity(), options.max_message_bytes)
         return self._expect(
             self._roundtrip(link, config, options.startup_timeout_s, False), api.Capabilities
         )
@@ -530,7 +414,7 @@ class RemoteEngine:
         if self._closing.is_set():
             child.terminate()  # close() may have looked for a child before this one was set
         address = child.start()
-        link: _AnyLink
+        link: Link
         if options.framed:
             link = FramedLink(
                 child.socket_path,
@@ -539,7 +423,7 @@ class RemoteEngine:
                 shared_memory=options.shared_memory,
             )
         else:
-            link = _Link(address, ClientSecurity(token=child.token), options.max_message_bytes)
+            link = GrpcLink(address, ClientSecurity(token=child.token), options.max_message_bytes)
         self._link = link
         return self._expect(
             self._roundtrip(link, config, options.startup_timeout_s, False), api.Capabilities
@@ -667,7 +551,7 @@ class RemoteEngine:
                 raise api.MalformedOutput(
                     f"the export stream carries more than the {header.n_chunks} chunks it announced"
                 )
-        except grpc.RpcError as error:
+        except LinkFailure as error:
             raise self._transport_failure(error, link, False, options.timeout_s) from None
         finally:
             messages.cancel()
@@ -699,7 +583,7 @@ class RemoteEngine:
 
         try:
             reply = link.import_(messages(), options.timeout_s)
-        except grpc.RpcError as error:
+        except LinkFailure as error:
             raise self._transport_failure(
                 error, link, sent_all.is_set(), options.timeout_s
             ) from None
@@ -789,7 +673,7 @@ class RemoteEngine:
     def _can_restart(self, options: RemoteOptions) -> bool:
         return options.restart == "on-crash" and self._restarts < options.max_restarts
 
-    def _serving_link(self, *, restart: bool) -> tuple[_AnyLink, RemoteOptions]:
+    def _serving_link(self, *, restart: bool) -> tuple[Link, RemoteOptions]:
         with self._lock:
             options = self._options
             if self._state == "crashed" and options is not None:
@@ -860,12 +744,12 @@ class RemoteEngine:
                     self._busy_retries += 1
 
     def _roundtrip(
-        self, link: _AnyLink, message: RemoteRequest, timeout: float | None, mutating: bool
+        self, link: Link, message: RemoteRequest, timeout: float | None, mutating: bool
     ) -> RemoteReply:
         encoded = self._encoded(encode_request(message))
         try:
             reply = link.call(encoded, timeout, self._reply_bytes(message))
-        except grpc.RpcError as error:
+        except LinkFailure as error:
             raise self._transport_failure(error, link, mutating, timeout) from None
         if isinstance(reply, Rejected):
             raise reply.error
@@ -914,7 +798,7 @@ class RemoteEngine:
             )
         return encoded
 
-    def _raised(self, reply: api.ErrorInfo, link: _AnyLink) -> api.ShardEngineError:
+    def _raised(self, reply: api.ErrorInfo, link: Link) -> api.ShardEngineError:
         """The typed error a server answered with; the served engine's own EngineCrashed is
         remembered (permanent, like a local engine's failed state)."""
         raised = wire.error_from_info(reply)
@@ -923,78 +807,74 @@ class RemoteEngine:
         return raised
 
     def _transport_failure(
-        self, error: grpc.RpcError, link: _AnyLink, mutating: bool, timeout: float | None
+        self, failure: LinkFailure, link: Link, mutating: bool, timeout: float | None
     ) -> api.ShardEngineError:
-        # The errors of a blocking call are also its grpc.Call (the stubs cannot say so).
-        call = cast(grpc.Call, error)
-        try:
-            code, details = call.code(), call.details() or str(error)
-        except AttributeError:
-            code, details = grpc.StatusCode.UNKNOWN, str(error)
-        facts: dict[str, api.ErrorDetail] = {"grpc_status": code.name, "target": link.target}
+        """The contract's error for a failure of ``link`` (the one mapping for every
+        transport): OutcomeUnknown only for a state-changing call the server may have run."""
+        target, reason = link.target, failure.reason
+        facts: dict[str, api.ErrorDetail] = {"grpc_status": failure.status, "target": target}
         if self._state == "closed" or self._closing.is_set():
-            if mutating and NOT_SENT not in details:
+            if mutating and failure.sent:
                 # A target server lives on after close(): what it received may have run.
                 return OutcomeUnknown(
-                    f"the remote engine was closed while a request to {link.target} was in "
+                    f"the remote engine was closed while a request to {target} was in "
                     "flight; it may or may not have been executed",
                     details={**facts, "reason": "closed", "outcome": "unknown"},
                 )
             return api.NotReady("remote engine was closed", retryable=False)
-        # The child this link reached: a call failing after another thread already replaced
-        # that child still failed because its own child died.
-        child = self._child if link is self._link else self._replaced.get(link)
-        if child is not None:
-            wait = 0.0 if code == grpc.StatusCode.DEADLINE_EXCEEDED else _DEATH_GRACE_S
-            crashed = child.wait_exit(wait)
-            if crashed is not None:
-                with self._lock:
-                    if self._link is link:
-                        self._state = "crashed"
-                        self._crash = crashed
-                return api.EngineCrashed(crashed.message, details=dict(crashed.details))
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
-            _REPLY_TOO_LARGE in details or _REPLY_METADATA_TOO_LARGE in details
-        ):
-            # This side refused the server's reply, not the server this request: it may have
-            # run, like a reply lost with the connection (the framed link says the same).
-            code = grpc.StatusCode.DATA_LOSS
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            return Unauthenticated(f"{link.target} refused the call: {details}", details=facts)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            too_large = "larger than max" in details or "message" in details.lower()
-            return api.ResourceExhausted(
-                f"{link.target} refused the call: {details}",
-                retryable=not too_large,
-                details={**facts, "resource": "message_bytes" if too_large else "server_calls"},
-            )
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            return RemoteUnavailable(
-                f"{link.target} does not serve the shard-engine service: {details}",
-                retryable=False,
-                details=facts,
-            )
-        never_sent = code == grpc.StatusCode.UNAVAILABLE and any(
-            marker in details for marker in _NOT_SENT_MARKERS
-        )
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            sentence = f"no answer from {link.target} within {timeout} s"
-            reason = "deadline_exceeded"
-        elif code == grpc.StatusCode.CANCELLED:
-            sentence = f"the call to {link.target} was cancelled"
-            reason = "cancelled"
-        elif code == grpc.StatusCode.UNAVAILABLE:
-            sentence = f"lost the connection to {link.target}: {details}"
-            reason = "connection_lost"
-        else:
-            sentence = f"transport error talking to {link.target}: {code.name}: {details}"
-            reason = "transport_error"
-        if not mutating or never_sent:
+        crashed = self._child_crash(link, 0.0 if reason == "deadline_exceeded" else _DEATH_GRACE_S)
+        if crashed is not None:
+            return crashed
+        match reason:
+            case "unauthenticated":
+                return Unauthenticated(
+                    f"{target} refused the call: {failure.message}", details=facts
+                )
+            case "request_too_large" | "busy":
+                too_large = reason == "request_too_large"
+                return api.ResourceExhausted(
+                    f"{target} refused the call: {failure.message}",
+                    retryable=not too_large,
+                    details={**facts, "resource": "message_bytes" if too_large else "server_calls"},
+                )
+            case "not_served":
+                return RemoteUnavailable(
+                    f"{target} does not serve the shard-engine service: {failure.message}",
+                    retryable=False,
+                    details=facts,
+                )
+            case "deadline_exceeded":
+                sentence = f"no answer from {target} within {timeout} s"
+            case "cancelled":
+                sentence = f"the call to {target} was cancelled"
+            case "connection_lost":
+                sentence = f"lost the connection to {target}: {failure.message}"
+            case _:
+                sentence = (
+                    f"transport error talking to {target}: {failure.status}: {failure.message}"
+                )
+        if not mutating or not failure.sent:
             return RemoteUnavailable(sentence, details={**facts, "reason": reason})
         return OutcomeUnknown(
             f"{sentence}; the request may or may not have been executed",
             details={**facts, "reason": reason, "outcome": "unknown"},
         )
+
+    def _child_crash(self, link: Link, wait: float) -> api.EngineCrashed | None:
+        """EngineCrashed when the child ``link`` reached has died (waiting up to ``wait`` for
+        its exit to be reaped). A call failing after another thread already replaced that
+        child still failed because its own child died."""
+        child = self._child if link is self._link else self._replaced.get(link)
+        if child is None:
+            return None
+        crashed = child.wait_exit(wait)
+        if crashed is None:
+            return None
+        with self._lock:
+            if self._link is link:
+                self._state = "crashed"
+                self._crash = crashed
+        return api.EngineCrashed(crashed.message, details=dict(crashed.details))
 
     @staticmethod
     def _expect(reply: RemoteReply, kind: type[_Reply]) -> _Reply:

@@ -14,8 +14,9 @@ Semantics are the gRPC path's, by construction: the server hands every decoded r
 same :class:`~shard_engine_remote._server.EngineServer` dispatch, and a call that ends early
 (the client abandoned it at its deadline, or the connection broke) ends its context, whose
 callback is ``engine.cancel(request_id)``. The client reports link failures as
-:class:`FramedLinkError`, which answers ``code()`` and ``details()`` like a gRPC error, so the
-remote engine's one mapping to OutcomeUnknown, RemoteUnavailable and EngineCrashed serves both.
+:class:`~shard_engine_remote._link.LinkFailure` (what failed, and whether the request may have
+reached the server's engine), raised where the socket fails: the remote engine's one mapping to
+OutcomeUnknown, RemoteUnavailable and EngineCrashed serves both transports.
 
 A frame is a 13-byte header (little-endian: body length u32, kind u8, call id u64) and the body.
 One connection multiplexes calls by id. The first frame of a connection is HELLO carrying the
@@ -23,7 +24,10 @@ token; the server answers HELLO, or ERROR and closes. Client to server: CALL (a 
 EXPORT (an ExportSessionRequest: answered by ITEMs and END), IMPORT (empty) followed by the
 stream's messages (an ImportHeader, then the snapshot's chunks) as CHUNKs and an END, ABANDON
 (the caller gave up: cancel the engine work). Server to client: REPLY, ITEM, END, ERROR (a
-transport-level refusal: ``[status name, message]``). A body over the message limit is skipped
+transport-level refusal: ``[status name, message]``, the status in gRPC's vocabulary:
+``UNAUTHENTICATED`` and ``RESOURCE_EXHAUSTED`` answer a greeting, ``UNAVAILABLE`` a call the
+server refused before its engine saw it, ``DEADLINE_EXCEEDED`` an export the client read too
+slowly). A body over the message limit is skipped
 unread and answered ResourceExhausted, a malformed body InvalidRequest, a frame of an unknown
 kind InvalidRequest; each is counted, and the connection keeps serving.
 
@@ -68,10 +72,10 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Final
 
-import grpc
 import msgspec
 
 import shard_engine_api as api
+from shard_engine_remote._link import LinkFailure, Reason
 from shard_engine_remote._server import (
     DEFAULT_CONNECTION_IDLE_S,
     EngineServer,
@@ -96,7 +100,7 @@ from shard_engine_remote._wire import (
     payload_bytes,
 )
 
-__all__ = ["FramedLink", "FramedLinkError", "FramedServer", "check_private_socket"]
+__all__ = ["FramedLink", "FramedServer", "check_private_socket"]
 
 HELLO: Final = 1
 CALL: Final = 2
@@ -153,9 +157,6 @@ _MAX_OUTGOING_BYTES: Final = 8 << 20
 new calls until they have left (or the connection is dropped)."""
 _ABANDON_TIMEOUT_S: Final = 1.0
 _ACCEPT_RETRY_S: Final = 0.05
-NOT_SENT: Final = "the request was not sent"
-"""Words in a link error's details meaning the request never reached the server (the remote
-engine then reports RemoteUnavailable, never OutcomeUnknown)."""
 _HELLO_ENCODER: Final = msgspec.msgpack.Encoder()
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
@@ -179,19 +180,31 @@ _WELCOME_DECODER: Final = msgspec.msgpack.Decoder(_Welcome)
 _ERROR_DECODER: Final = msgspec.msgpack.Decoder(tuple[str, str])
 
 
-class FramedLinkError(grpc.RpcError):
-    """A failure of the framed link, told with the gRPC status code it corresponds to."""
+_ERROR_REASONS: Final[dict[str, tuple[Reason, bool]]] = {
+    "UNAUTHENTICATED": ("unauthenticated", False),
+    "PERMISSION_DENIED": ("unauthenticated", False),
+    "RESOURCE_EXHAUSTED": ("busy", False),
+    "UNAVAILABLE": ("connection_lost", False),
+    "DEADLINE_EXCEEDED": ("deadline_exceeded", True),
+    "CANCELLED": ("cancelled", True),
+}
+"""What an ERROR frame's status says: why, and whether the call may have reached the engine."""
 
-    def __init__(self, status: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._status = status
-        self._details = details
 
-    def code(self) -> grpc.StatusCode:
-        return self._status
+def _lost(message: str, *, sent: bool = True) -> LinkFailure:
+    return LinkFailure("connection_lost", message, sent=sent, status="UNAVAILABLE")
 
-    def details(self) -> str:
-        return self._details
+
+def _late(message: str, *, sent: bool = True) -> LinkFailure:
+    return LinkFailure("deadline_exceeded", message, sent=sent, status="DEADLINE_EXCEEDED")
+
+
+def _link_closed(*, sent: bool) -> LinkFailure:
+    return LinkFailure("cancelled", "link closed", sent=sent, status="CANCELLED")
+
+
+def _data_loss(message: str) -> LinkFailure:
+    return LinkFailure("transport_error", message, sent=True, status="DATA_LOSS")
 
 
 class _Closed(Exception):
@@ -209,10 +222,12 @@ def _check_peer(sock: socket.socket, target: str) -> None:
     credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
     _, uid, _ = _PEER_CREDENTIALS.unpack(credentials)
     if uid != os.getuid():
-        raise FramedLinkError(
-            grpc.StatusCode.PERMISSION_DENIED,
+        raise LinkFailure(
+            "unauthenticated",
             f"{target} is served by user {uid}, not this user ({os.getuid()}): the token was "
-            f"not offered; {NOT_SENT}",
+            "not offered",
+            sent=False,
+            status="PERMISSION_DENIED",
         )
 
 
@@ -332,16 +347,14 @@ class _Reader:
 def _send(
     sock: socket.socket, lock: threading.Lock, kind: int, call_id: int, body: bytes, deadline: float
 ) -> None:
-    """Send one frame whole by ``deadline`` (time.monotonic). Raises FramedLinkError:
-    DEADLINE_EXCEEDED or UNAVAILABLE with :data:`NOT_SENT` in its details when no byte left,
-    UNAVAILABLE otherwise, after shutting the connection down (a frame cut in two leaves the
+    """Send one frame whole by ``deadline`` (time.monotonic). Raises LinkFailure
+    (``deadline_exceeded`` or ``connection_lost``; ``sent`` when a byte left, after shutting the
+    connection down (a frame cut in two leaves the
     stream unreadable). Sends never block the socket for readers: MSG_DONTWAIT and poll."""
     header = _HEADER.pack(len(body), kind, call_id)
     parts = [header + body] if len(body) <= _COALESCE_BYTES else [header, body]
     if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-        raise FramedLinkError(
-            grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed waiting to send; {NOT_SENT}"
-        )
+        raise _late("deadline passed waiting to send", sent=False)
     sent_any = False
     try:
         for part in parts:
@@ -352,10 +365,7 @@ def _send(
                 except BlockingIOError:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise FramedLinkError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            "deadline passed while sending" + ("" if sent_any else f"; {NOT_SENT}"),
-                        ) from None
+                        raise _late("deadline passed while sending", sent=sent_any) from None
                     poller = select.poll()
                     poller.register(sock, select.POLLOUT)
                     poller.poll(min(remaining, 60.0) * 1000)
@@ -363,11 +373,8 @@ def _send(
                 sent_any = True
                 view = view[sent:]
     except (OSError, ValueError) as error:  # ValueError: closed meanwhile (no descriptor)
-        raise FramedLinkError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"connection lost while sending: {error}" + ("" if sent_any else f"; {NOT_SENT}"),
-        ) from None
-    except FramedLinkError:
+        raise _lost(f"connection lost while sending: {error}", sent=sent_any) from None
+    except LinkFailure:
         if sent_any:
             _shutdown(sock)
         raise
@@ -508,7 +515,7 @@ class _ReplyFrames:
 
     def next(self, deadline: float) -> tuple[int, int, bytes]:
         """(kind, call id, body) of the next frame. Raises TimeoutError at ``deadline`` (the
-        part read is kept), _Closed or OSError when the connection ended, FramedLinkError when
+        part read is kept), _Closed or OSError when the connection ended, LinkFailure when
         the server announces a reply over the limit."""
         buffer = self._buffer
         if self._header is None:
@@ -518,8 +525,7 @@ class _ReplyFrames:
             if length > self._max_reply_bytes:
                 # Not RESOURCE_EXHAUSTED: that says the server refused the request (it did
                 # not run); an oversized reply is a broken server whose call may have run.
-                raise FramedLinkError(
-                    grpc.StatusCode.DATA_LOSS,
+                raise _data_loss(
                     f"the server announced a {length}-byte reply, larger than max "
                     f"{self._max_reply_bytes}; the connection was dropped",
                 )
@@ -562,7 +568,7 @@ class _Connection:
         self._arrived: dict[int, collections.deque[tuple[int, bytes]]] = {}
         self._reading = False
         self._ids = itertools.count(1)
-        self.broken: FramedLinkError | None = None
+        self.broken: LinkFailure | None = None
         self.arena = arena
         self._free_slots = list(range(arena.slots)) if arena is not None else []
         self._slot_of: dict[int, int] = {}
@@ -577,7 +583,7 @@ class _Connection:
         call_id = next(self._ids)
         with self._condition:
             if self.broken is not None:
-                raise FramedLinkError(self.broken.code(), f"{self.broken.details()}; {NOT_SENT}")
+                raise self.broken.unsent()
             self._arrived[call_id] = collections.deque()
             index = self._free_slots.pop() if slot and self._free_slots else None
             if index is not None:
@@ -602,7 +608,7 @@ class _Connection:
         try:
             self.arena.put(slot, request)
         except ValueError:  # the link was closed meanwhile (the mapping is gone)
-            raise FramedLinkError(grpc.StatusCode.CANCELLED, f"link closed; {NOT_SENT}") from None
+            raise _link_closed(sent=False) from None
         return _SLOT_CALL.pack(slot, len(request))
 
     def slot_reply(self, slot: int, body: bytes) -> bytes:
@@ -610,8 +616,7 @@ class _Connection:
         assert self.arena is not None
         (length,) = _SLOT_ANSWER.unpack(body) if len(body) == _SLOT_ANSWER.size else (-1,)
         if not 0 < length <= min(self.arena.slot_bytes, self._max_reply_bytes):
-            error = FramedLinkError(
-                grpc.StatusCode.DATA_LOSS,
+            error = _data_loss(
                 f"the server announced a reply of {length} bytes in a shared-memory slot of "
                 f"{self.arena.slot_bytes}; the connection was dropped",
             )
@@ -620,18 +625,16 @@ class _Connection:
         try:
             return self.arena.take(slot, length)
         except ValueError:  # the link was closed meanwhile (the mapping is gone)
-            raise FramedLinkError(grpc.StatusCode.CANCELLED, "link closed") from None
+            raise _link_closed(sent=True) from None
 
     def send(self, kind: int, call_id: int, body: bytes, deadline: float) -> None:
         try:
             _send(self.sock, self.send_lock, kind, call_id, body, deadline)
-        except FramedLinkError as error:
-            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or NOT_SENT not in error.details():
+        except LinkFailure as error:
+            if error.reason != "deadline_exceeded" or error.sent:
                 # Nothing read this socket while no call waited: a send is where a dead
                 # server (or a frame cut in two) shows first.
-                self.fail(
-                    FramedLinkError(grpc.StatusCode.UNAVAILABLE, "connection lost while sending")
-                )
+                self.fail(_lost("connection lost while sending"))
             raise
 
     def alive(self) -> bool:
@@ -675,7 +678,9 @@ class _Connection:
                     if self.broken is not None:
                         raise self.broken
                     if arrived is None:
-                        raise FramedLinkError(grpc.StatusCode.CANCELLED, "the call was closed")
+                        raise LinkFailure(
+                            "cancelled", "the call was closed", sent=True, status="CANCELLED"
+                        )
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
@@ -685,7 +690,7 @@ class _Connection:
                     self._condition.wait(remaining)
             if remaining <= 0:
                 self.abandon(call_id)
-                raise FramedLinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                raise _late("deadline exceeded")
             self._read_until(call_id, deadline)
 
     def _read_until(self, call_id: int | None, deadline: float) -> None:
@@ -711,8 +716,8 @@ class _Connection:
                         self._condition.notify_all()
         except (OSError, _Closed) as error:
             reason = str(error) or "the server closed it"
-            self.fail(FramedLinkError(grpc.StatusCode.UNAVAILABLE, f"connection lost: {reason}"))
-        except FramedLinkError as error:
+            self.fail(_lost(f"connection lost: {reason}"))
+        except LinkFailure as error:
             self.fail(error)
         finally:
             with self._condition:
@@ -721,10 +726,10 @@ class _Connection:
 
     def abandon(self, call_id: int) -> None:
         self.close_call(call_id)
-        with suppress(FramedLinkError):
+        with suppress(LinkFailure):
             self.send(ABANDON, call_id, b"", time.monotonic() + _ABANDON_TIMEOUT_S)
 
-    def fail(self, error: FramedLinkError) -> None:
+    def fail(self, error: LinkFailure) -> None:
         with self._condition:
             if self.broken is None:
                 self.broken = error
@@ -742,13 +747,16 @@ class _Connection:
             self.arena.close()
 
 
-def _error_frame(body: bytes) -> FramedLinkError:
+def _error_frame(body: bytes) -> LinkFailure:
+    """The failure an ERROR frame announces (see the module docstring for its statuses)."""
     try:
-        status_name, message = _ERROR_DECODER.decode(body)
-        status = grpc.StatusCode[status_name]
+        status, message = _ERROR_DECODER.decode(body)
+        reason, sent = _ERROR_REASONS[status]
     except (msgspec.MsgspecError, KeyError):
-        return FramedLinkError(grpc.StatusCode.UNKNOWN, "the server sent an undecodable error")
-    return FramedLinkError(status, message)
+        return LinkFailure(
+            "transport_error", "the server sent an undecodable error", sent=True, status="UNKNOWN"
+        )
+    return LinkFailure(reason, message, sent=sent, status=status)
 
 
 def _deadline(timeout: float | None) -> float:
@@ -777,7 +785,7 @@ class _FramedStream:
             raise StopIteration
         try:
             kind, body = self._connection.receive(self._call_id, self._deadline)
-        except FramedLinkError:
+        except LinkFailure:
             self._done = True
             raise
         if kind == END:
@@ -817,7 +825,7 @@ class FramedLink:
         self._max_reply_bytes = 2 * max_message_bytes
         self._lock = threading.Lock()
         self._connection: _Connection | None = None
-        self._refusal: FramedLinkError | None = None
+        self._refusal: LinkFailure | None = None
         self._closed = False
 
     def _connected(self, deadline: float) -> _Connection:
@@ -827,16 +835,13 @@ class FramedLink:
         # Another caller may be connecting (a greeting may take its whole deadline): wait
         # for it no longer than this call's own deadline.
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise FramedLinkError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"deadline passed waiting for a connection to {self.target}; {NOT_SENT}",
-            )
+            raise _late(f"deadline passed waiting for a connection to {self.target}", sent=False)
         try:
             connection = self._connection
             if connection is not None and connection.broken is None:
                 return connection
             if self._closed:
-                raise FramedLinkError(grpc.StatusCode.CANCELLED, f"link closed; {NOT_SENT}")
+                raise _link_closed(sent=False)
             refusal, self._refusal = self._refusal, None
             if refusal is not None:
                 raise refusal
@@ -862,27 +867,22 @@ class FramedLink:
             length, kind, _ = reader.header()
             body = reader.body(length) if length <= _MAX_GREETING_BYTES else b""
             sock.settimeout(None)
-        except FramedLinkError:
+        except LinkFailure:
             sock.close()
             raise
         except TimeoutError:
             sock.close()
-            raise FramedLinkError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from {self.target}; {NOT_SENT}"
-            ) from None
+            raise _late(f"no answer from {self.target}", sent=False) from None
         except (OSError, _Closed) as error:
             sock.close()
-            raise FramedLinkError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"failed to connect to {self.target}: {error or 'closed'}; {NOT_SENT}",
+            raise _lost(
+                f"failed to connect to {self.target}: {error or 'closed'}", sent=False
             ) from None
         if kind != HELLO or length > _MAX_GREETING_BYTES:
             sock.close()
-            refused = _error_frame(body) if kind == ERROR and body else None
-            raise FramedLinkError(
-                refused.code() if refused else grpc.StatusCode.UNAVAILABLE,
-                f"{refused.details() if refused else 'unexpected answer to HELLO'}; {NOT_SENT}",
-            )
+            if kind == ERROR and body:
+                raise _error_frame(body).unsent()
+            raise _lost("unexpected answer to HELLO", sent=False)
         try:
             welcome = _WELCOME_DECODER.decode(body) if body else _Welcome()
         except msgspec.MsgspecError:
@@ -921,8 +921,8 @@ class FramedLink:
         answer, raised by the next call."""
         try:
             self._connected(_deadline(timeout))
-        except FramedLinkError as error:
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        except LinkFailure as error:
+            if error.reason in ("connection_lost", "deadline_exceeded"):
                 return False
             self._refusal = error
         return True
@@ -949,8 +949,8 @@ class FramedLink:
             if kind == SLOT_REPLY and slot is not None:
                 body = connection.slot_reply(slot, body)
             # Any other frame than a reply decodes as the malformed reply it is.
-        except FramedLinkError as error:
-            sent = sent or NOT_SENT not in error.details()
+        except LinkFailure as error:
+            sent = sent or error.sent
             raise
         finally:
             connection.close_call(call_id, sent=sent)
@@ -962,7 +962,7 @@ class FramedLink:
         call_id, _ = connection.open_call()
         try:
             connection.send(EXPORT, call_id, message, deadline)
-        except FramedLinkError:
+        except LinkFailure:
             connection.close_call(call_id)
             raise
         return _FramedStream(connection, call_id, deadline)
@@ -1504,7 +1504,7 @@ class _ServerConnection:
         self._turn.release()
 
     def _draining_error(self, call_id: int) -> None:
-        message = f"the server is shutting down; {NOT_SENT} to its engine"
+        message = "the server is shutting down; the request was not sent to its engine"
         self.send(ERROR, call_id, _HELLO_ENCODER.encode(("UNAVAILABLE", message)))
 
     def _refuse_busy(self, call_id: int) -> None:

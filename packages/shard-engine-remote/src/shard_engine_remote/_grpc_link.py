@@ -1,0 +1,178 @@
+"""The gRPC link: a :class:`~shard_engine_remote._link.Link` over one gRPC channel, with generic
+method handlers whose (de)serializers are the project's codec.
+
+Its failures are mapped once, in :func:`map_grpc_failures`, from grpcio's status codes to a
+:class:`~shard_engine_remote._link.LinkFailure`. grpcio tells three of them apart only in its
+own words (no code, no exception type): a connection that was never made (``UNAVAILABLE``:
+nothing was sent) and a reply this side refused for its size (``RESOURCE_EXHAUSTED``, like the
+server's refusal of the request, but the call may have run), and the server's refusal of a
+message's size. Those words are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Final, cast
+
+import grpc
+
+from shard_engine_remote._errors import RemoteUnavailable
+from shard_engine_remote._link import LinkFailure, Reason, Stream
+from shard_engine_remote._security import ClientSecurity, speaks_tls
+from shard_engine_remote._server import CALLER_METADATA_KEY, channel_options
+from shard_engine_remote._wire import (
+    CALL_METHOD,
+    EXPORT_METHOD,
+    IMPORT_METHOD,
+    Rejected,
+    RemoteReply,
+    decode_reply,
+)
+
+__all__ = ["GrpcLink", "map_grpc_failures"]
+
+_REPLY_TOO_LARGE: Final = "CLIENT: Received message larger than max"
+"""How grpcio words a reply this side refused for its size."""
+_REPLY_METADATA_TOO_LARGE: Final = "received metadata size exceeds"
+"""How grpcio words a reply whose headers or trailers this side refused for their size (this
+side's own request metadata is a few dozen bytes: never the cause)."""
+_NEVER_CONNECTED: Final = ("failed to connect to all addresses", "Connection refused")
+"""How grpcio words an UNAVAILABLE call that found no connection (nothing was sent)."""
+_REASONS: Final[dict[grpc.StatusCode, Reason]] = {
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "unauthenticated",
+    grpc.StatusCode.UNIMPLEMENTED: "not_served",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
+    grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.UNAVAILABLE: "connection_lost",
+}
+_REFUSED: Final = frozenset(("unauthenticated", "not_served", "request_too_large", "busy"))
+"""Reasons that say the server refused the call before running it."""
+
+
+def _failure(error: grpc.RpcError) -> LinkFailure:
+    # The errors of a blocking call are also its grpc.Call (the stubs cannot say so).
+    call = cast(grpc.Call, error)
+    try:
+        code, details = call.code(), call.details() or str(error)
+    except AttributeError:
+        code, details = grpc.StatusCode.UNKNOWN, str(error)
+    reason: Reason = _REASONS.get(code, "transport_error")
+    sent = True
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if _REPLY_TOO_LARGE in details or _REPLY_METADATA_TOO_LARGE in details:
+            # This side refused the server's reply, not the server this request: it may have
+            # run, like a reply lost with the connection (the framed link says the same).
+            reason = "transport_error"
+        elif "larger than max" in details or "message" in details.lower():
+            reason = "request_too_large"
+        else:
+            reason = "busy"
+    elif code == grpc.StatusCode.UNAVAILABLE:
+        sent = not any(words in details for words in _NEVER_CONNECTED)
+    return LinkFailure(reason, details, sent=sent and reason not in _REFUSED, status=code.name)
+
+
+@contextmanager
+def map_grpc_failures() -> Iterator[None]:
+    """Raise every gRPC failure of the block as the LinkFailure it is. grpcio raises ValueError
+    for a call on a channel closed meanwhile (by close() from another thread): that is the
+    link closed, and the call never left."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise _failure(error) from None
+    except ValueError as error:
+        raise LinkFailure("cancelled", str(error), sent=False, status="CANCELLED") from None
+
+
+class _GrpcStream:
+    """An export's messages, failures mapped."""
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        with map_grpc_failures():
+            return next(self._stream)
+
+    def cancel(self) -> bool:
+        return self._stream.cancel()
+
+
+class GrpcLink:
+    """One channel to one server and the method every call goes through."""
+
+    def __init__(self, target: str, security: ClientSecurity, max_message_bytes: int) -> None:
+        self.target = target
+        # A connection of its own (gRPC would share one between channels to the same target):
+        # the server's per-client limits and a crash's blast radius are per remote engine.
+        options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        self.channel = security.channel(target, options)
+        self._plaintext = security.tls_ca is None
+        self._metadata = (*security.metadata(), (CALLER_METADATA_KEY, secrets.token_hex(16)))
+        self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
+            self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
+        )
+        self._export: grpc.UnaryStreamMultiCallable[bytes, bytes] = self.channel.unary_stream(
+            EXPORT_METHOD
+        )
+        self._import: grpc.StreamUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
+            self.channel.stream_unary(IMPORT_METHOD, response_deserializer=decode_reply)
+        )
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the channel connects within ``timeout``. A plaintext channel whose first
+        connection attempt fails asks whether the server speaks TLS: RemoteUnavailable saying
+        to set tls_ca at once, not "no server answered" when the timeout has passed."""
+        states: list[grpc.ChannelConnectivity] = []
+        watch = states.append
+        self.channel.subscribe(watch, try_to_connect=True)
+        try:
+            ready = grpc.channel_ready_future(self.channel)
+            deadline = time.monotonic() + timeout
+            probed = not self._plaintext
+            while True:
+                try:
+                    ready.result(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() >= deadline:
+                        return False
+                else:
+                    return True
+                if not probed and grpc.ChannelConnectivity.TRANSIENT_FAILURE in states:
+                    probed = True
+                    if speaks_tls(self.target, max(0.1, min(2.0, deadline - time.monotonic()))):
+                        raise RemoteUnavailable(
+                            f"the server at {self.target} speaks TLS and this client does not: "
+                            "set tls_ca (the PEM of the CA that signed its certificate)",
+                            details={"target": self.target},
+                        )
+        finally:
+            self.channel.unsubscribe(watch)
+
+    def call(
+        self, message: bytes, timeout: float | None, reply_bytes: int | None = None
+    ) -> RemoteReply | Rejected:
+        """``reply_bytes`` (what the reply is expected to carry) is the framed link's hint;
+        gRPC has no use for it."""
+        with map_grpc_failures():
+            return self._call(message, timeout=timeout, metadata=self._metadata)
+
+    def export(self, message: bytes, timeout: float | None) -> Stream:
+        with map_grpc_failures():
+            stream = self._export(message, timeout=timeout, metadata=self._metadata)
+        return _GrpcStream(cast(Stream, stream))
+
+    def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
+        with map_grpc_failures():
+            return self._import(messages, timeout=timeout, metadata=self._metadata)
+
+    def close(self) -> None:
+        self.channel.close()
