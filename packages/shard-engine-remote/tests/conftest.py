@@ -20,8 +20,8 @@ import pytest
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api.engine import TEST_OPTIONS_ENV
-from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity, _framed
-from shard_engine_remote._framed import FramedServer
+from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity
+from shard_engine_remote._framed import FramedServer, frames
 
 # These tests load engines with test-only options (injected crashes, aborts and delays), as the
 # conformance suite does; spawned engine processes inherit the setting (test_llama_abort.py checks
@@ -225,7 +225,7 @@ def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
             data += chunk
         return data
 
-    length, kind, call_id = _framed._HEADER.unpack(exactly(_framed._HEADER.size))
+    length, kind, call_id = frames.HEADER.unpack(exactly(frames.HEADER.size))
     return kind, call_id, exactly(length)
 
 
@@ -243,7 +243,7 @@ class FramedPeer:
             self.sock.connect(address.removeprefix("unix:"))
             if token is not None:
                 hello = msgspec.msgpack.encode({"token": token})
-                self.sock.sendall(_framed._frame(_framed.HELLO, 0, hello))
+                self.sock.sendall(frames.encode_frame(frames.HELLO, 0, hello))
         except OSError:  # (refused: closed here, not left to the garbage collector)
             self.sock.close()
             raise
@@ -255,13 +255,13 @@ class FramedPeer:
         """A call id this connection has not used."""
         return next(self._ids)
 
-    def exchange(self, body: bytes, kind: int = _framed.CALL, call_id: int | None = None) -> bytes:
+    def exchange(self, body: bytes, kind: int = frames.CALL, call_id: int | None = None) -> bytes:
         """Send one frame (under a fresh call id unless ``call_id`` is given) and return the
         body of the REPLY to it."""
         call_id = self.fresh_id() if call_id is None else call_id
-        self.sock.sendall(_framed._frame(kind, call_id, body))
+        self.sock.sendall(frames.encode_frame(kind, call_id, body))
         answer_kind, answer_id, answer = read_frame(self.sock)
-        assert (answer_kind, answer_id) == (_framed.REPLY, call_id)
+        assert (answer_kind, answer_id) == (frames.REPLY, call_id)
         return answer
 
     def close(self) -> None:

@@ -28,7 +28,8 @@ from conftest import FramedPeer
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._framed import HELLO, FramedServer
+from shard_engine_remote._framed import FramedServer
+from shard_engine_remote._framed.frames import HELLO
 from shard_engine_remote._wire import (
     CALL_METHOD,
     CapabilitiesQuery,

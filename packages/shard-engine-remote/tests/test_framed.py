@@ -27,17 +27,17 @@ from conftest import (
 import shard_engine_api as api
 from shard_engine_api import cli, wire
 from shard_engine_remote import EngineServer, ServerSecurity, Unauthenticated
-from shard_engine_remote._framed import (
-    _HEADER,
+from shard_engine_remote._framed import FramedServer
+from shard_engine_remote._framed.frames import (
     ABANDON,
     CALL,
     CHUNK,
     END,
     ERROR,
+    HEADER,
     HELLO,
     REPLY,
-    FramedServer,
-    _frame,
+    encode_frame,
 )
 from shard_engine_remote._wire import decode_reply
 
@@ -129,9 +129,11 @@ def test_bad_frames_get_typed_errors(framed: EngineServer, worker: api.ShardEngi
         assert error.details["resource"] == "message_bytes"
     # Chunks, ends and abandons of calls that do not exist change nothing.
     for kind in (CHUNK, END, ABANDON):
-        raw.sock.sendall(_frame(kind, 12345, b"junk"))
+        raw.sock.sendall(encode_frame(kind, 12345, b"junk"))
     health_id = raw.fresh_id()
-    raw.sock.sendall(_frame(CALL, health_id, msgspec.msgpack.encode({"type": "health_query"})))
+    raw.sock.sendall(
+        encode_frame(CALL, health_id, msgspec.msgpack.encode({"type": "health_query"}))
+    )
     kind, call_id, body = read_frame(raw.sock)
     assert (kind, call_id) == (REPLY, health_id)
     health = decode_reply(body)
@@ -152,11 +154,11 @@ def test_frames_cut_short_leave_the_server_serving(
     assert framed.address is not None
     raw = _Raw(framed.address)
     raw.greeting()
-    raw.sock.sendall(_HEADER.pack(0xFFFFFFFF, CALL, 1) + b"\x00" * 100_000)
+    raw.sock.sendall(HEADER.pack(0xFFFFFFFF, CALL, 1) + b"\x00" * 100_000)
     raw.close()
     raw = _Raw(framed.address)
     raw.greeting()
-    raw.sock.sendall(_HEADER.pack(10, CALL, 1)[:5])
+    raw.sock.sendall(HEADER.pack(10, CALL, 1)[:5])
     raw.close()
     decode(worker, 3)
     assert framed.stats().oversized == 0, "nothing was answered: the frames never ended"
@@ -208,7 +210,7 @@ def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) ->
         raws.append(flood)
         # The server may close it before its greeting arrives: refused all the same.
         with contextlib.suppress(OSError):
-            flood.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": ""})))
+            flood.sock.sendall(encode_frame(HELLO, 0, msgspec.msgpack.encode({"token": ""})))
         kind, _, body = flood.greeting()
         assert kind == ERROR
         assert msgspec.msgpack.decode(body)[0] == "RESOURCE_EXHAUSTED"

@@ -31,17 +31,17 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._framed import (
-    _HEADER,
+from shard_engine_remote._framed import FramedServer
+from shard_engine_remote._framed.frames import (
     CALL,
     END,
     ERROR,
     EXPORT,
+    HEADER,
     HELLO,
     ITEM,
     REPLY,
-    FramedServer,
-    _frame,
+    encode_frame,
 )
 from shard_engine_remote._wire import (
     CapabilitiesQuery,
@@ -126,7 +126,7 @@ def _flood(path: str, n_bytes: int, devnull: int) -> socket.socket:
     descriptors with each, ``n_bytes`` of it (or until the server closes the connection)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    data = _HEADER.pack(4096, HELLO, 0) + b"\0" * 4096
+    data = HEADER.pack(4096, HELLO, 0) + b"\0" * 4096
     for index in range(n_bytes):
         while True:
             try:
@@ -205,10 +205,10 @@ def test_a_greeting_with_several_descriptors_keeps_none(framed: Serve) -> None:
     try:
         sock.connect(_path(server))
         hello = msgspec.msgpack.encode({"token": TOKEN, "arena_slots": 4, "arena_slot_bytes": 4096})
-        socket.send_fds(sock, [_frame(HELLO, 0, hello)], fds)
+        socket.send_fds(sock, [encode_frame(HELLO, 0, hello)], fds)
         kind, _, _ = read_frame(sock)
         assert kind == HELLO
-        sock.sendall(_frame(CALL, 1, encode_request(CapabilitiesQuery())))
+        sock.sendall(encode_frame(CALL, 1, encode_request(CapabilitiesQuery())))
         kind, call_id, body = read_frame(sock)
         assert (kind, call_id) == (REPLY, 1)
         assert isinstance(decode_reply(body), api.Capabilities)
@@ -243,7 +243,7 @@ def test_a_framed_export_read_at_a_trickle_is_cut_off_and_frees_its_slot(
 
     slow = _peer(server)
     slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    slow.sock.sendall(_frame(EXPORT, 7, encode_request(request)))
+    slow.sock.sendall(encode_frame(EXPORT, 7, encode_request(request)))
     received = bytearray()
     start = time.monotonic()
     while server.stats().stalled == 0:
@@ -259,13 +259,13 @@ def test_a_framed_export_read_at_a_trickle_is_cut_off_and_frees_its_slot(
     slow.sock.settimeout(10)
     kinds: list[int] = []
     while True:
-        while len(received) < _HEADER.size:
+        while len(received) < HEADER.size:
             received += slow.sock.recv(1 << 20)
-        length, kind, call_id = _HEADER.unpack_from(received)
-        while len(received) < _HEADER.size + length:
+        length, kind, call_id = HEADER.unpack_from(received)
+        while len(received) < HEADER.size + length:
             received += slow.sock.recv(1 << 20)
-        body = bytes(received[_HEADER.size : _HEADER.size + length])
-        del received[: _HEADER.size + length]
+        body = bytes(received[HEADER.size : HEADER.size + length])
+        del received[: HEADER.size + length]
         assert call_id == 7
         kinds.append(kind)
         if kind != ITEM:
@@ -303,7 +303,8 @@ def _overlapping(peer: FramedPeer, first: bytes, *others: bytes) -> dict[int, ob
     ids = {peer.fresh_id(): position for position in range(1, len(others) + 2)}
     peer.sock.sendall(
         b"".join(
-            _frame(CALL, call_id, body) for call_id, body in zip(ids, (first, *others), strict=True)
+            encode_frame(CALL, call_id, body)
+            for call_id, body in zip(ids, (first, *others), strict=True)
         )
     )
     replies: dict[int, object] = {}
@@ -351,7 +352,7 @@ def _attack(serving: FramedServer, server: EngineServer, attackers: list[FramedP
         for pair in range(16):  # two overlapping calls at a time (each finds a compute slot)
             calls = server.stats().calls
             frames = b"".join(
-                _frame(CALL, 2 * pair + index + 1, _attack_call(number, 2 * pair + index))
+                encode_frame(CALL, 2 * pair + index + 1, _attack_call(number, 2 * pair + index))
                 for index in range(2)
             )
             try:
@@ -416,9 +417,9 @@ def test_control_calls_are_served_when_the_pool_has_no_place(
             )
         )
         peer.sock.sendall(
-            _frame(CALL, 1, slow)
-            + b"".join(_frame(CALL, i + 2, call) for i, call in enumerate(_control_calls()))
-            + _frame(CALL, 5, decode)
+            encode_frame(CALL, 1, slow)
+            + b"".join(encode_frame(CALL, i + 2, call) for i, call in enumerate(_control_calls()))
+            + encode_frame(CALL, 5, decode)
         )
         replies: dict[int, object] = {}
         start = time.monotonic()

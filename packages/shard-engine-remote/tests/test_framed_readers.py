@@ -31,16 +31,9 @@ from conftest import (
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer
-from shard_engine_remote._framed import (
-    _HEADER,
-    ABANDON,
-    CALL,
-    HELLO,
-    REPLY,
-    FramedLink,
-    _frame,
-    _ReplyFrames,
-)
+from shard_engine_remote._framed import FramedLink
+from shard_engine_remote._framed.client import _ReplyFrames
+from shard_engine_remote._framed.frames import ABANDON, CALL, HEADER, HELLO, REPLY, encode_frame
 from shard_engine_remote._link import LinkFailure
 
 QUERY = msgspec.msgpack.encode({"type": "health_query"})
@@ -74,7 +67,7 @@ class _Script(UnixPeer):
             while True:
                 kind, call_id, _ = read_frame(sock)
                 if kind == HELLO:
-                    sock.sendall(_frame(HELLO, 0, b""))
+                    sock.sendall(encode_frame(HELLO, 0, b""))
                 else:
                     self.frames.put((sock, kind, call_id))
         except (EOFError, OSError):
@@ -123,7 +116,7 @@ def test_a_lone_caller_reads_its_own_reply(
         readers.clear()
         call = Background(calling)
         sock, call_id = script.next_call()
-        sock.sendall(_frame(REPLY, call_id, _reply(f"reply {index}")))
+        sock.sendall(encode_frame(REPLY, call_id, _reply(f"reply {index}")))
         outcome = call.result()
         assert isinstance(outcome, tuple)
         caller, reply = outcome
@@ -141,7 +134,7 @@ def _call_answered(script: _Script, link: FramedLink, tag: str) -> object:
 
 def _answer_next(script: _Script, tag: str) -> None:
     sock, call_id = script.next_call()
-    sock.sendall(_frame(REPLY, call_id, _reply(tag)))
+    sock.sendall(encode_frame(REPLY, call_id, _reply(tag)))
 
 
 @pytest.mark.parametrize("padding", [0, 3 << 20], ids=["small", "3MiB"])
@@ -153,7 +146,7 @@ def test_concurrent_callers_get_their_own_replies_in_any_order(
     calls = [Background(lambda: link.call(QUERY, 20.0)) for _ in range(8)]
     arrived = [script.next_call() for _ in calls]
     for sock, call_id in reversed(arrived):
-        sock.sendall(_frame(REPLY, call_id, _reply(f"call {call_id}", padding)))
+        sock.sendall(encode_frame(REPLY, call_id, _reply(f"call {call_id}", padding)))
     details = sorted(_detail(call.result()) for call in calls)
     assert details == sorted(f"call {call_id}" for _, call_id in arrived)
 
@@ -169,7 +162,7 @@ def test_a_reader_whose_deadline_passes_mid_frame_leaves_the_stream_whole(
     sock, first_id = script.next_call()
     second = Background(lambda: link.call(QUERY, 10.0))
     _, second_id = script.next_call()
-    frame = _frame(REPLY, second_id, _reply("second", 1 << 20))
+    frame = encode_frame(REPLY, second_id, _reply("second", 1 << 20))
     sock.sendall(frame[: len(frame) // 2])
     with pytest.raises(LinkFailure) as late:
         first.result(5)
@@ -202,7 +195,7 @@ def test_a_lost_connection_fails_every_waiting_caller(script: _Script, link: Fra
     for _ in calls[1:]:
         script.next_call()
     started = time.monotonic()
-    sock.sendall(_HEADER.pack(100, REPLY, 999) + b"\x00" * 10)  # half a frame, then gone
+    sock.sendall(HEADER.pack(100, REPLY, 999) + b"\x00" * 10)  # half a frame, then gone
     sock.shutdown(socket.SHUT_RDWR)
     for call in calls:
         with pytest.raises(LinkFailure) as lost:

@@ -14,10 +14,13 @@ import pytest
 from conftest import RemoteFactory, ServeFactory, delay, ref, wait_until
 
 import shard_engine_api as api
-from shard_engine_remote import RemoteEngine, _framed
-from shard_engine_remote._framed import ARENA_SLOTS, FramedLink, _Connection
+from shard_engine_remote import RemoteEngine
+from shard_engine_remote._framed import SHARED_MEMORY, FramedLink
+from shard_engine_remote._framed import client as framed_client
+from shard_engine_remote._framed.arena import ARENA_SLOTS
+from shard_engine_remote._framed.client import _Connection
 
-pytestmark = pytest.mark.skipif(not _framed.SHARED_MEMORY, reason="no sealed memfds here")
+pytestmark = pytest.mark.skipif(not SHARED_MEMORY, reason="no sealed memfds here")
 
 N_LAYERS = 6
 WIDE = "fake:hidden=512,vocab=131072"
@@ -202,7 +205,7 @@ def test_bodies_larger_than_a_slot_take_the_socket(
     """With 256 KiB slots, a 512 KiB bundle and 512 KiB logits rows go over the socket on a
     connection that has shared memory, with the same results, and nothing is counted as shared;
     a 1 KiB-row model's replies on the same kind of connection stay inline."""
-    monkeypatch.setattr(_framed, "ARENA_SLOT_BYTES", 256 << 10)
+    monkeypatch.setattr(framed_client, "ARENA_SLOT_BYTES", 256 << 10)
     tails = _tails(remote, "server")
     try:
         local, shared = tails["local"], tails["shared"]

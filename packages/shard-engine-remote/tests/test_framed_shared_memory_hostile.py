@@ -49,22 +49,20 @@ from shard_engine_remote import (
     RemoteUnavailable,
     ServerSecurity,
 )
-from shard_engine_remote._framed import (
-    _HEADER,
-    _SLOT_ANSWER,
-    _SLOT_CALL,
-    ARENA_SLOT_BYTES,
-    ARENA_SLOTS,
+from shard_engine_remote._framed import SHARED_MEMORY
+from shard_engine_remote._framed.arena import ARENA_SLOT_BYTES, ARENA_SLOTS, Arena
+from shard_engine_remote._framed.frames import (
     CALL,
     CALL_SLOT,
+    HEADER,
     HELLO,
     REPLY,
-    SHARED_MEMORY,
+    SLOT_ANSWER,
+    SLOT_CALL,
     SLOT_REPLY,
-    _Arena,
-    _frame,
-    _Hello,
-    _Welcome,
+    Hello,
+    Welcome,
+    encode_frame,
 )
 from shard_engine_remote._wire import CapabilitiesQuery, decode_reply, encode_request
 
@@ -78,7 +76,7 @@ cross in a slot."""
 MESSAGE_LIMIT = 1 << 20
 """The served engine's message limit (a slot is larger)."""
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-"""The seals :meth:`_Arena.create` puts on its file."""
+"""The seals :meth:`Arena.create` puts on its file."""
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _names = itertools.count()
@@ -142,7 +140,7 @@ def _closed(sock: socket.socket) -> bool:
 
 def _hello(slots: int = ARENA_SLOTS, slot_bytes: int = ARENA_SLOT_BYTES) -> bytes:
     return msgspec.msgpack.encode(
-        _Hello(token=TOKEN, arena_slots=slots, arena_slot_bytes=slot_bytes)
+        Hello(token=TOKEN, arena_slots=slots, arena_slot_bytes=slot_bytes)
     )
 
 
@@ -156,7 +154,7 @@ class _Client:
         try:
             self.sock.settimeout(10)
             self.sock.connect(address.removeprefix("unix:"))
-            frame = _frame(HELLO, 0, hello)
+            frame = encode_frame(HELLO, 0, hello)
             if fds:
                 assert socket.send_fds(self.sock, [frame], list(fds)) == len(frame)
             else:
@@ -165,15 +163,15 @@ class _Client:
             self.sock.close()
             raise
 
-    def welcome(self) -> _Welcome:
+    def welcome(self) -> Welcome:
         kind, _, body = read_frame(self.sock)
         assert kind == HELLO, (kind, body)
-        return msgspec.msgpack.decode(body, type=_Welcome)
+        return msgspec.msgpack.decode(body, type=Welcome)
 
     def call(self, kind: int, body: bytes) -> tuple[int, bytes]:
         """(kind, body) of the answer to one frame."""
         call_id = next(self._ids)
-        self.sock.sendall(_frame(kind, call_id, body))
+        self.sock.sendall(encode_frame(kind, call_id, body))
         answer_kind, answer_id, answer = read_frame(self.sock)
         assert answer_id == call_id, (answer_id, call_id)
         return answer_kind, answer
@@ -317,7 +315,7 @@ def test_offers_other_than_a_sealed_arena_are_refused_and_served_over_the_socket
     try:
         sent = {_open_files()[fd] for fd in fds}
         client = clients(server.address, _hello(slots, slot_bytes), fds)
-        assert client.welcome() == _Welcome(arena=False)
+        assert client.welcome() == Welcome(arena=False)
         assert server.stats().refused_shared_memory == 1
         # The welcome leaves after the server closed what it received: only this side's
         # descriptors still name those files, and no one mapped them.
@@ -331,7 +329,7 @@ def test_offers_other_than_a_sealed_arena_are_refused_and_served_over_the_socket
         for fd in fds:
             os.close(fd)
     assert client.capabilities().vocab_size == VOCAB
-    refused = client.refusal(_SLOT_CALL.pack(0, 0) + encode_request(CapabilitiesQuery()))
+    refused = client.refusal(SLOT_CALL.pack(0, 0) + encode_request(CapabilitiesQuery()))
     assert isinstance(refused, api.InvalidRequest)
     assert "without shared memory" in refused.message
     assert client.capabilities().vocab_size == VOCAB, "the connection keeps serving"
@@ -362,7 +360,7 @@ def test_refused_offers_leak_no_descriptors(
             finally:
                 for fd in fds:
                     os.close(fd)
-            assert client.welcome() == _Welcome(arena=False), name
+            assert client.welcome() == Welcome(arena=False), name
             assert client.capabilities().vocab_size == VOCAB
             client.close()
             greetings += 1
@@ -388,7 +386,7 @@ def test_greetings_refused_outright_close_the_descriptors_they_carried(
     nor mapped. Descriptors sent with a frame after the greeting are dropped unread."""
     address = _address(server)
     wrong_token = msgspec.msgpack.encode(
-        _Hello(token="wrong", arena_slots=ARENA_SLOTS, arena_slot_bytes=ARENA_SLOT_BYTES)
+        Hello(token="wrong", arena_slots=ARENA_SLOTS, arena_slot_bytes=ARENA_SLOT_BYTES)
     )
     sent: set[str] = set()
     for hello in (wrong_token, b"\xc1\xff", b"\x81\xa5token\x01"):
@@ -408,7 +406,9 @@ def test_greetings_refused_outright_close_the_descriptors_they_carried(
         fd = _memfd(ARENA_BYTES)
         try:
             sent.add(_open_files()[fd])
-            socket.send_fds(sock, [_frame(CALL, 1, encode_request(CapabilitiesQuery()))], [fd])
+            socket.send_fds(
+                sock, [encode_frame(CALL, 1, encode_request(CapabilitiesQuery()))], [fd]
+            )
         finally:
             os.close(fd)
         assert _closed(sock), "the connection was not closed"
@@ -417,11 +417,13 @@ def test_greetings_refused_outright_close_the_descriptors_they_carried(
     # After the welcome (not before: bytes read ahead with the greeting bring their
     # descriptors into it), descriptors are never taken.
     client = clients(address, _hello(0, 0))
-    assert client.welcome() == _Welcome(arena=False)
+    assert client.welcome() == Welcome(arena=False)
     fd = _memfd(ARENA_BYTES)
     try:
         sent.add(_open_files()[fd])
-        socket.send_fds(client.sock, [_frame(CALL, 1, encode_request(CapabilitiesQuery()))], [fd])
+        socket.send_fds(
+            client.sock, [encode_frame(CALL, 1, encode_request(CapabilitiesQuery()))], [fd]
+        )
     finally:
         os.close(fd)
     kind, _, body = read_frame(client.sock)
@@ -439,20 +441,20 @@ def test_greetings_refused_outright_close_the_descriptors_they_carried(
 @pytest.fixture
 def lent(
     server: EngineServer, clients: Callable[..., _Client]
-) -> Iterator[tuple[_Client, _Arena, int]]:
+) -> Iterator[tuple[_Client, Arena, int]]:
     """A hand-made client that lent the server an arena made as the real client makes one:
     the client, its side of the arena, and its descriptor of the file (kept open)."""
-    arena, fd = _Arena.create(ARENA_SLOTS, ARENA_SLOT_BYTES)
+    arena, fd = Arena.create(ARENA_SLOTS, ARENA_SLOT_BYTES)
     try:
         client = clients(server.address, _hello(), [fd])
-        assert client.welcome() == _Welcome(arena=True)
+        assert client.welcome() == Welcome(arena=True)
         yield client, arena, fd
     finally:
         os.close(fd)
 
 
 def test_malformed_slot_calls_get_invalid_request_and_the_connection_serves_on(
-    server: EngineServer, lent: tuple[_Client, _Arena, int]
+    server: EngineServer, lent: tuple[_Client, Arena, int]
 ) -> None:
     """A CALL_SLOT shorter than its 8-byte header, naming a slot past the last or more bytes
     than a slot holds, or naming bytes in the slot and carrying some inline too, each gets an
@@ -464,12 +466,12 @@ def test_malformed_slot_calls_get_invalid_request_and_the_connection_serves_on(
     malformed = {
         "empty": b"",
         "short": b"\x00\x00\x00",
-        "seven_bytes": _SLOT_CALL.pack(0, 0)[:7],
-        "slot_past_the_last": _SLOT_CALL.pack(ARENA_SLOTS, 0) + query,
-        "slot_u32_max": _SLOT_CALL.pack(0xFFFFFFFF, len(query)),
-        "length_over_the_slot": _SLOT_CALL.pack(0, ARENA_SLOT_BYTES + 1),
-        "length_u32_max": _SLOT_CALL.pack(1, 0xFFFFFFFF),
-        "length_and_inline": _SLOT_CALL.pack(0, len(query)) + query,
+        "seven_bytes": SLOT_CALL.pack(0, 0)[:7],
+        "slot_past_the_last": SLOT_CALL.pack(ARENA_SLOTS, 0) + query,
+        "slot_u32_max": SLOT_CALL.pack(0xFFFFFFFF, len(query)),
+        "length_over_the_slot": SLOT_CALL.pack(0, ARENA_SLOT_BYTES + 1),
+        "length_u32_max": SLOT_CALL.pack(1, 0xFFFFFFFF),
+        "length_and_inline": SLOT_CALL.pack(0, len(query)) + query,
     }
     arena.put(0, query)
     for name, body in malformed.items():
@@ -484,11 +486,11 @@ def test_malformed_slot_calls_get_invalid_request_and_the_connection_serves_on(
     }
     for slot, (name, junk) in enumerate(garbage.items()):
         arena.put(slot % ARENA_SLOTS, junk)
-        error = client.refusal(_SLOT_CALL.pack(slot % ARENA_SLOTS, len(junk)))
+        error = client.refusal(SLOT_CALL.pack(slot % ARENA_SLOTS, len(junk)))
         assert type(error) is api.InvalidRequest, (name, error)
     oversized = MESSAGE_LIMIT + 1
     arena.put(2, query + bytes(oversized - len(query)))
-    error = client.refusal(_SLOT_CALL.pack(2, oversized))
+    error = client.refusal(SLOT_CALL.pack(2, oversized))
     assert type(error) is api.ResourceExhausted, error
     assert not error.retryable
     assert client.capabilities().vocab_size == VOCAB
@@ -500,24 +502,24 @@ def test_malformed_slot_calls_get_invalid_request_and_the_connection_serves_on(
 
 
 def test_slot_calls_are_answered_small_in_a_reply_and_large_in_the_slot(
-    server: EngineServer, lent: tuple[_Client, _Arena, int]
+    server: EngineServer, lent: tuple[_Client, Arena, int]
 ) -> None:
     """A request inline in a CALL_SLOT, or in its slot, is served; a small reply comes as
     REPLY, a logits row (256 KiB) as SLOT_REPLY announcing its length, read from the slot.
     Calls that moved bytes through the slot are counted."""
     client, arena, _ = lent
     query = encode_request(CapabilitiesQuery())
-    kind, body = client.call(CALL_SLOT, _SLOT_CALL.pack(1, 0) + query)
+    kind, body = client.call(CALL_SLOT, SLOT_CALL.pack(1, 0) + query)
     assert kind == REPLY
     assert isinstance(decode_reply(body), api.Capabilities)
     arena.put(2, query)
-    kind, body = client.call(CALL_SLOT, _SLOT_CALL.pack(2, len(query)))
+    kind, body = client.call(CALL_SLOT, SLOT_CALL.pack(2, len(query)))
     assert kind == REPLY
     assert isinstance(decode_reply(body), api.Capabilities)
     request = PREFILL
-    kind, body = client.call(CALL_SLOT, _SLOT_CALL.pack(3, 0) + request)
+    kind, body = client.call(CALL_SLOT, SLOT_CALL.pack(3, 0) + request)
     assert kind == SLOT_REPLY
-    (length,) = _SLOT_ANSWER.unpack(body)
+    (length,) = SLOT_ANSWER.unpack(body)
     assert VOCAB * 4 < length <= ARENA_SLOT_BYTES
     result = decode_reply(arena.take(3, length))
     assert isinstance(result, api.LogitsResult)
@@ -526,7 +528,7 @@ def test_slot_calls_are_answered_small_in_a_reply_and_large_in_the_slot(
 
 
 def test_the_client_cannot_cut_the_arena_under_the_server(
-    server: EngineServer, lent: tuple[_Client, _Arena, int]
+    server: EngineServer, lent: tuple[_Client, Arena, int]
 ) -> None:
     """Once the server mapped the arena its client can neither shrink it (which would make
     the server's next touch of the lost pages a SIGBUS), nor grow it, nor unseal it: each is
@@ -551,12 +553,12 @@ def test_the_client_cannot_cut_the_arena_under_the_server(
     )
     assert punched == 0, os.strerror(ctypes.get_errno())
     assert arena.take(0, len(query)) == bytes(len(query))
-    error = client.refusal(_SLOT_CALL.pack(0, len(query)))
+    error = client.refusal(SLOT_CALL.pack(0, len(query)))
     assert type(error) is api.InvalidRequest
     request = PREFILL
-    kind, body = client.call(CALL_SLOT, _SLOT_CALL.pack(1, 0) + request)
+    kind, body = client.call(CALL_SLOT, SLOT_CALL.pack(1, 0) + request)
     assert kind == SLOT_REPLY
-    assert isinstance(decode_reply(arena.take(1, *_SLOT_ANSWER.unpack(body))), api.LogitsResult)
+    assert isinstance(decode_reply(arena.take(1, *SLOT_ANSWER.unpack(body))), api.LogitsResult)
 
 
 def test_arenas_are_unmapped_when_their_connections_end(
@@ -574,11 +576,9 @@ def test_arenas_are_unmapped_when_their_connections_end(
             client = clients(address, _hello(), [fd])
         finally:
             os.close(fd)
-        assert client.welcome() == _Welcome(arena=True)
+        assert client.welcome() == Welcome(arena=True)
         assert _mapped(lent), "the server maps the arena it took"
-        kind, _ = client.call(
-            CALL_SLOT, _SLOT_CALL.pack(0, 0) + encode_request(CapabilitiesQuery())
-        )
+        kind, _ = client.call(CALL_SLOT, SLOT_CALL.pack(0, 0) + encode_request(CapabilitiesQuery()))
         assert kind == REPLY
         client.close()
     # No server thread keeps an ended connection (nor its mapping) alive.
@@ -599,11 +599,11 @@ def test_a_descriptor_sent_with_the_frame_after_hello_is_not_the_greetings(
         try:
             name = _open_files()[fd]
             client = clients(address, _hello())
-            follow = _frame(CALL, 1, encode_request(CapabilitiesQuery()))
+            follow = encode_frame(CALL, 1, encode_request(CapabilitiesQuery()))
             assert socket.send_fds(client.sock, [follow], [fd]) == len(follow)
         finally:
             os.close(fd)
-        assert client.welcome() == _Welcome(arena=False), attempt
+        assert client.welcome() == Welcome(arena=False), attempt
         kind, _, body = read_frame(client.sock)
         assert kind == REPLY
         assert isinstance(decode_reply(body), api.Capabilities)
@@ -621,21 +621,21 @@ def test_a_slot_request_over_the_message_limit_is_refused_before_it_is_copied(
     without the server copying more than the limit out of the shared memory, as one over the
     socket is skipped unread."""
     copied: list[int] = []
-    take = _Arena.take
+    take = Arena.take
 
-    def recording(self: _Arena, index: int, length: int) -> bytes:
+    def recording(self: Arena, index: int, length: int) -> bytes:
         copied.append(length)
         return take(self, index, length)
 
-    monkeypatch.setattr(_Arena, "take", recording)
+    monkeypatch.setattr(Arena, "take", recording)
     slot_bytes = 8 * MESSAGE_LIMIT
-    fd = _memfd(slot_bytes)  # sealed as _Arena.create seals
+    fd = _memfd(slot_bytes)  # sealed as Arena.create seals
     try:
         client = clients(server.address, _hello(1, slot_bytes), [fd])
     finally:
         os.close(fd)
-    assert client.welcome() == _Welcome(arena=True)
-    error = client.refusal(_SLOT_CALL.pack(0, slot_bytes))
+    assert client.welcome() == Welcome(arena=True)
+    error = client.refusal(SLOT_CALL.pack(0, slot_bytes))
     assert type(error) is api.ResourceExhausted
     assert max(copied, default=0) <= MESSAGE_LIMIT, f"the server copied {max(copied)} bytes"
     assert client.capabilities().vocab_size > 0  # and serves on
@@ -675,7 +675,7 @@ class _Call:
     slot_bytes: int
 
     def answer(self, kind: int, body: bytes, call_id: int | None = None) -> None:
-        self.sock.sendall(_frame(kind, self.call_id if call_id is None else call_id, body))
+        self.sock.sendall(encode_frame(kind, self.call_id if call_id is None else call_id, body))
 
     def in_slot(self, body: bytes) -> None:
         """Write ``body`` at the start of the call's slot."""
@@ -687,7 +687,7 @@ class _Call:
     def slot_reply(self, body: bytes) -> None:
         """Answer as a faithful server does: ``body`` in the slot, its length announced."""
         self.in_slot(body)
-        self.answer(SLOT_REPLY, _SLOT_ANSWER.pack(len(body)))
+        self.answer(SLOT_REPLY, SLOT_ANSWER.pack(len(body)))
 
 
 Misbehaviour = Callable[[_Call], None]
@@ -712,11 +712,11 @@ class _Frames:
             self._buffer += chunk
 
     def next(self, fds: list[int] | None = None) -> tuple[int, int, bytes]:
-        self._fill(_HEADER.size, fds)
-        length, kind, call_id = _HEADER.unpack_from(self._buffer)
-        self._fill(_HEADER.size + length, fds)
-        body = bytes(self._buffer[_HEADER.size : _HEADER.size + length])
-        del self._buffer[: _HEADER.size + length]
+        self._fill(HEADER.size, fds)
+        length, kind, call_id = HEADER.unpack_from(self._buffer)
+        self._fill(HEADER.size + length, fds)
+        body = bytes(self._buffer[HEADER.size : HEADER.size + length])
+        del self._buffer[: HEADER.size + length]
         return kind, call_id, body
 
 
@@ -745,7 +745,7 @@ class _SlotServer(UnixPeer):
         self,
         later: Misbehaviour,
         *,
-        welcome: bytes = msgspec.msgpack.encode(_Welcome(arena=True)),
+        welcome: bytes = msgspec.msgpack.encode(Welcome(arena=True)),
         capabilities_in_slot: bool = False,
         welcome_fd: bool = False,
     ) -> None:
@@ -776,7 +776,7 @@ class _SlotServer(UnixPeer):
         try:
             kind, _, body = frames.next(fds)
             assert kind == HELLO
-            hello = msgspec.msgpack.decode(body, type=_Hello)
+            hello = msgspec.msgpack.decode(body, type=Hello)
             memory = None
             if fds and hello.arena_slots:
                 memory = mmap.mmap(fds[0], hello.arena_slots * hello.arena_slot_bytes)
@@ -785,7 +785,7 @@ class _SlotServer(UnixPeer):
             for fd in fds:
                 os.close(fd)
         self.lent.append(memory is not None)
-        welcome = _frame(HELLO, 0, self._welcome)
+        welcome = encode_frame(HELLO, 0, self._welcome)
         if self._welcome_fd:
             _send_with_memfd(sock, welcome, self.sent)
         else:
@@ -797,7 +797,7 @@ class _SlotServer(UnixPeer):
             self.kinds.append(kind)
             slot = None
             if kind == CALL_SLOT:
-                slot, _ = _SLOT_CALL.unpack_from(body)
+                slot, _ = SLOT_CALL.unpack_from(body)
             call = _Call(sock, call_id, slot, memory, hello.arena_slot_bytes)
             if next(self._calls) > 0:
                 self._later(call)
@@ -881,17 +881,17 @@ def test_a_faithful_slot_server_is_served_from_the_slots(
 @pytest.mark.parametrize(
     ("answer", "options"),
     [
-        pytest.param(_announcing(_SLOT_ANSWER.pack(0)), {}, id="zero_bytes"),
-        pytest.param(_announcing(_SLOT_ANSWER.pack(ARENA_SLOT_BYTES + 1)), {}, id="past_the_slot"),
-        pytest.param(_announcing(_SLOT_ANSWER.pack(0xFFFFFFFF)), {}, id="u32_max"),
+        pytest.param(_announcing(SLOT_ANSWER.pack(0)), {}, id="zero_bytes"),
+        pytest.param(_announcing(SLOT_ANSWER.pack(ARENA_SLOT_BYTES + 1)), {}, id="past_the_slot"),
+        pytest.param(_announcing(SLOT_ANSWER.pack(0xFFFFFFFF)), {}, id="u32_max"),
         pytest.param(
-            _announcing(_SLOT_ANSWER.pack(1 << 20)),
+            _announcing(SLOT_ANSWER.pack(1 << 20)),
             {"max_message_bytes": 65536},
             id="past_the_reply_limit",
         ),
         pytest.param(_announcing(b""), {}, id="empty_body"),
         pytest.param(_announcing(b"\x10\x00"), {}, id="short_body"),
-        pytest.param(_announcing(_SLOT_ANSWER.pack(16) * 2), {}, id="long_body"),
+        pytest.param(_announcing(SLOT_ANSWER.pack(16) * 2), {}, id="long_body"),
     ],
 )
 def test_slot_replies_of_impossible_lengths_are_data_loss(
@@ -930,7 +930,7 @@ def _health_in_slot(call: _Call) -> None:
 
 def _slot_reply_without_slot(call: _Call) -> None:
     assert call.slot is None
-    call.answer(SLOT_REPLY, _SLOT_ANSWER.pack(len(HEALTH)))
+    call.answer(SLOT_REPLY, SLOT_ANSWER.pack(len(HEALTH)))
 
 
 @pytest.mark.parametrize(
@@ -972,7 +972,7 @@ def test_a_slot_reply_for_a_call_that_does_not_exist_is_ignored(
 
     def other_call(call: _Call) -> None:
         call.in_slot(HEALTH)
-        call.answer(SLOT_REPLY, _SLOT_ANSWER.pack(len(HEALTH)), call_id=call.call_id + 1000)
+        call.answer(SLOT_REPLY, SLOT_ANSWER.pack(len(HEALTH)), call_id=call.call_id + 1000)
 
     server = slot_server(other_call)
     engine = _engine(remote, server)
@@ -993,7 +993,7 @@ def test_a_slot_reply_for_a_call_that_does_not_exist_is_ignored(
         pytest.param(b"\xc1\xff", {}, True, id="undecodable"),
         pytest.param(msgspec.msgpack.encode({"arena": "yes"}), {}, True, id="mistyped"),
         pytest.param(
-            msgspec.msgpack.encode(_Welcome(arena=True)),
+            msgspec.msgpack.encode(Welcome(arena=True)),
             {"shared_memory": False},
             False,
             id="arena_never_lent",
@@ -1063,7 +1063,7 @@ def test_descriptors_a_server_sends_are_dropped_by_the_client(
     def with_memfd(call: _Call) -> None:
         call.in_slot(HEALTH)
         _send_with_memfd(
-            call.sock, _frame(SLOT_REPLY, call.call_id, _SLOT_ANSWER.pack(len(HEALTH))), sent
+            call.sock, encode_frame(SLOT_REPLY, call.call_id, SLOT_ANSWER.pack(len(HEALTH))), sent
         )
 
     server = slot_server(with_memfd, welcome_fd=True)

@@ -32,7 +32,8 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._framed import HELLO, IMPORT, FramedServer, _frame
+from shard_engine_remote._framed import FramedServer
+from shard_engine_remote._framed.frames import HELLO, IMPORT, encode_frame
 from shard_engine_remote._wire import CALL_METHOD, EXPORT_METHOD, IMPORT_METHOD, encode_request
 
 TOKEN = "hostile-token"
@@ -75,13 +76,13 @@ class _StalledFramedImports:
     def __init__(self, address: str, count: int) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(address.removeprefix("unix:"))
-        self.sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({"token": TOKEN})))
+        self.sock.sendall(encode_frame(HELLO, 0, msgspec.msgpack.encode({"token": TOKEN})))
         self.sock.recv(64)
         # Its refusals are read (and dropped): a client that stops reading loses only its
         # own connection, which is another test's matter.
         self._drain = threading.Thread(target=self._read, daemon=True)
         self._drain.start()
-        self.sock.sendall(b"".join(_frame(IMPORT, 100 + n, b"") for n in range(count)))
+        self.sock.sendall(b"".join(encode_frame(IMPORT, 100 + n, b"") for n in range(count)))
 
     def _read(self) -> None:
         try:

@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, ServerSecurity
-from shard_engine_remote._framed import CHUNK, HELLO, IMPORT, REPLY, _frame
+from shard_engine_remote._framed.frames import CHUNK, HELLO, IMPORT, REPLY, encode_frame
 from shard_engine_remote._server import _Waiting
 from shard_engine_remote._wire import (
     CALL_METHOD,
@@ -306,16 +306,16 @@ def test_a_trickled_import_holds_its_slot_only_as_long_as_its_size_allows(
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(60)
         sock.connect(server.address.removeprefix("unix:"))
-        sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
+        sock.sendall(encode_frame(HELLO, 0, msgspec.msgpack.encode({})))
         assert read_frame(sock)[0] == HELLO
-        sock.sendall(_frame(IMPORT, 1, b""))
+        sock.sendall(encode_frame(IMPORT, 1, b""))
         replied: list[bytes] = []
 
         def feed() -> None:
             for message in _trickle(header, 100, 0.4):
                 if replied:
                     return
-                sock.sendall(_frame(CHUNK, 1, message))
+                sock.sendall(encode_frame(CHUNK, 1, message))
 
         feeding = threading.Thread(target=feed, daemon=True)
         feeding.start()

@@ -35,17 +35,17 @@ from shard_engine_remote import (
     RemoteUnavailable,
     ServerSecurity,
     Unauthenticated,
-    _framed,
 )
-from shard_engine_remote._framed import (
-    _HEADER,
+from shard_engine_remote._framed import FramedServer, frames
+from shard_engine_remote._framed import connection as framed_connection
+from shard_engine_remote._framed.frames import (
     CALL,
     CHUNK,
+    HEADER,
     HELLO,
     IMPORT,
     REPLY,
-    FramedServer,
-    _frame,
+    encode_frame,
 )
 
 
@@ -78,8 +78,8 @@ def test_a_length_header_takes_no_memory_for_bytes_never_sent() -> None:
     for 13 bytes."""
     reading, writing = socket.socketpair()
     announced = 64 << 20
-    writing.sendall(_HEADER.pack(announced, CALL, 1) + b"x" * 100)
-    reader = _framed._Reader(reading)
+    writing.sendall(HEADER.pack(announced, CALL, 1) + b"x" * 100)
+    reader = frames.Reader(reading)
     outcome: list[BaseException] = []
 
     def read() -> None:
@@ -101,7 +101,7 @@ def test_a_length_header_takes_no_memory_for_bytes_never_sent() -> None:
         reading.close()
     assert not thread.is_alive()
     assert len(outcome) == 1
-    assert isinstance(outcome[0], _framed._Closed)
+    assert isinstance(outcome[0], frames.Closed)
     assert peak < announced // 4, f"{peak} bytes held for a body of which 100 bytes arrived"
 
 
@@ -109,9 +109,9 @@ def test_a_body_read_in_pieces_is_whole() -> None:
     """The large-body path returns exactly what was sent, whatever the pieces."""
     reading, writing = socket.socketpair()
     body = os.urandom(3 << 20) + b"tail"
-    sender = threading.Thread(target=writing.sendall, args=(_frame(CALL, 9, body) * 2,))
+    sender = threading.Thread(target=writing.sendall, args=(encode_frame(CALL, 9, body) * 2,))
     sender.start()
-    reader = _framed._Reader(reading)
+    reader = frames.Reader(reading)
     try:
         for _ in range(2):
             length, kind, call_id = reader.header()
@@ -129,10 +129,10 @@ def test_a_trickled_greeting_is_cut_off_at_its_deadline(
     """A connection sending its HELLO a byte at a time, each byte well inside the greeting
     timeout, is closed once the greeting as a whole is late: it cannot hold one of the
     bounded greeting places for as long as it likes."""
-    monkeypatch.setattr(_framed, "_HELLO_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(framed_connection, "HELLO_TIMEOUT_S", 0.5)
     server = serve(config(), transport="framed", security=ServerSecurity(token="t"))
     assert server.address is not None
-    hello = _frame(HELLO, 0, msgspec.msgpack.encode({"token": "t" * 4000}))
+    hello = encode_frame(HELLO, 0, msgspec.msgpack.encode({"token": "t" * 4000}))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(server.address.removeprefix("unix:"))
     try:
@@ -164,7 +164,7 @@ def test_a_client_greeting_a_trickling_server_gives_up_at_its_deadline(
 
     def trickle() -> None:
         sock, _ = listener.accept()
-        answer = _frame(HELLO, 0, b"\x80" * 4000)
+        answer = encode_frame(HELLO, 0, b"\x80" * 4000)
         try:
             for index in range(400):  # ~20 s at most
                 sock.send(answer[index : index + 1])
@@ -204,14 +204,14 @@ def test_a_call_id_in_flight_cannot_be_reused(serve: ServeFactory) -> None:
     sock.settimeout(10)
     sock.connect(server.address.removeprefix("unix:"))
     try:
-        sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
+        sock.sendall(encode_frame(HELLO, 0, msgspec.msgpack.encode({})))
         assert read_frame(sock)[0] == HELLO
-        sock.sendall(_frame(CALL, 7, wire.encode(request)))
+        sock.sendall(encode_frame(CALL, 7, wire.encode(request)))
         wait_until(lambda: server.engine.health().in_flight == 1)
         other = msgspec.structs.replace(
             request, request_id="slow-2", session=api.SessionRef(session_id="t", epoch=1)
         )
-        sock.sendall(_frame(CALL, 7, wire.encode(other)))
+        sock.sendall(encode_frame(CALL, 7, wire.encode(other)))
         kind, call_id, body = read_frame(sock)
         assert (kind, call_id) == (REPLY, 7)
         error = wire.decode_error(body)
@@ -342,18 +342,20 @@ def test_import_chunks_sent_ahead_of_a_busy_server_are_bounded(
     releasing, streaming = _greeted(private_dir), _greeted(private_dir)
     try:
         for call_id in range(1, 7):  # its own thread and all five of the pool's
-            releasing.sendall(_frame(CALL, call_id, wire.encode(api.ReleaseRequest(session=_REF))))
+            releasing.sendall(
+                encode_frame(CALL, call_id, wire.encode(api.ReleaseRequest(session=_REF)))
+            )
         wait_until(lambda: server.stats().in_flight == 6)
-        streaming.sendall(_frame(CALL, 1, wire.encode(api.ReleaseRequest(session=_REF))))
+        streaming.sendall(encode_frame(CALL, 1, wire.encode(api.ReleaseRequest(session=_REF))))
         wait_until(lambda: server.stats().in_flight == 7)
-        streaming.sendall(_frame(IMPORT, 2, b""))  # queued: no thread is free
+        streaming.sendall(encode_frame(IMPORT, 2, b""))  # queued: no thread is free
         chunk = bytes(1 << 20)
         tracemalloc.start()
         try:
             for _ in range(100):
-                streaming.sendall(_frame(CHUNK, 2, chunk))
+                streaming.sendall(encode_frame(CHUNK, 2, chunk))
             # Answered by the reading thread once it handled every chunk before it.
-            streaming.sendall(_frame(99, 3, b""))
+            streaming.sendall(encode_frame(99, 3, b""))
             assert read_frame(streaming)[:2] == (REPLY, 3)
             held, _ = tracemalloc.get_traced_memory()
         finally:
@@ -383,6 +385,6 @@ def _greeted(directory: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(30)
     sock.connect(str(directory / "engine.sock"))
-    sock.sendall(_frame(HELLO, 0, msgspec.msgpack.encode({})))
+    sock.sendall(encode_frame(HELLO, 0, msgspec.msgpack.encode({})))
     assert read_frame(sock)[0] == HELLO
     return sock

@@ -36,16 +36,16 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._types import MAX_ID_CHARS
 from shard_engine_remote import EngineServer, OutcomeUnknown, RemoteEngine, RemoteUnavailable
-from shard_engine_remote._framed import (
-    _HEADER,
+from shard_engine_remote._framed import FramedLink
+from shard_engine_remote._framed.frames import (
     CALL,
     END,
     ERROR,
+    HEADER,
     HELLO,
     ITEM,
     REPLY,
-    FramedLink,
-    _frame,
+    encode_frame,
 )
 from shard_engine_remote._link import LinkFailure
 from shard_engine_remote._wire import SERVICE_NAME
@@ -239,13 +239,13 @@ class _ByteServer(UnixPeer):
             try:
                 reader = sock.makefile("rb")
                 while True:
-                    header = reader.read(_HEADER.size)
-                    if len(header) < _HEADER.size:
+                    header = reader.read(HEADER.size)
+                    if len(header) < HEADER.size:
                         return
-                    length, kind, call_id = _HEADER.unpack(header)
+                    length, kind, call_id = HEADER.unpack(header)
                     reader.read(length)
                     if kind == HELLO:
-                        sock.sendall(_frame(HELLO, 0, b""))
+                        sock.sendall(encode_frame(HELLO, 0, b""))
                     elif kind == CALL:
                         self._answer(sock, call_id)
             except OSError:
@@ -276,7 +276,7 @@ def _answering(second: Answer) -> Answer:
 
     def answer(sock: socket.socket, call_id: int) -> None:
         if next(calls) == 0:
-            sock.sendall(_frame(REPLY, call_id, CAPABILITIES))
+            sock.sendall(encode_frame(REPLY, call_id, CAPABILITIES))
         else:
             second(sock, call_id)
 
@@ -284,27 +284,27 @@ def _answering(second: Answer) -> Answer:
 
 
 def _garbage(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_frame(REPLY, call_id, b"\xc1\xff garbage"))
+    sock.sendall(encode_frame(REPLY, call_id, b"\xc1\xff garbage"))
 
 
 def _wrong_type(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_frame(REPLY, call_id, HEALTH))
+    sock.sendall(encode_frame(REPLY, call_id, HEALTH))
 
 
 def _end_instead(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_frame(END, call_id, b""))
+    sock.sendall(encode_frame(END, call_id, b""))
 
 
 def _item_instead(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_frame(ITEM, call_id, CAPABILITIES))
+    sock.sendall(encode_frame(ITEM, call_id, CAPABILITIES))
 
 
 def _bad_error_frame(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_frame(ERROR, call_id, b"\x93\x01\x02\x03"))
+    sock.sendall(encode_frame(ERROR, call_id, b"\x93\x01\x02\x03"))
 
 
 def _other_call(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_frame(REPLY, call_id + 1000, CAPABILITIES))
+    sock.sendall(encode_frame(REPLY, call_id + 1000, CAPABILITIES))
 
 
 def _silence(sock: socket.socket, call_id: int) -> None:
@@ -312,12 +312,12 @@ def _silence(sock: socket.socket, call_id: int) -> None:
 
 
 def _cut(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_HEADER.pack(1000, REPLY, call_id) + b"\x85" * 10)
+    sock.sendall(HEADER.pack(1000, REPLY, call_id) + b"\x85" * 10)
     sock.shutdown(socket.SHUT_RDWR)
 
 
 def _oversized(sock: socket.socket, call_id: int) -> None:
-    sock.sendall(_HEADER.pack(0xFFFFFFFF, REPLY, call_id))
+    sock.sendall(HEADER.pack(0xFFFFFFFF, REPLY, call_id))
 
 
 def _closed(sock: socket.socket, call_id: int) -> None:

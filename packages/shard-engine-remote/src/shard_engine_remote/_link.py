@@ -5,7 +5,7 @@ holds one and never knows which transport it is. Two implement it (as httpx's tr
 implement ``handle_request``):
 
     GrpcLink     (_grpc_link)       gRPC; everything beyond this machine
-    FramedLink   (_framed)          codec frames on a private unix socket; a worker's children
+    FramedLink   (_framed.client)   codec frames on a private unix socket; a worker's children
 
 Every failure of a link, whatever its transport, is one :class:`LinkFailure` carrying what the
 remote engine decides on: whether the request may have reached the server's engine (``sent``)
