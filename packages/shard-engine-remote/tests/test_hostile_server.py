@@ -412,8 +412,8 @@ def test_a_grpc_reply_with_oversized_metadata_is_outcome_unknown(remote: RemoteF
     never the retryable "server busy" ResourceExhausted that says nothing ran."""
 
     class Bloated(EngineServer):
-        def _call(self, request: object, context: grpc.ServicerContext) -> object:  # type: ignore[override]
-            reply = super()._call(request, context)  # type: ignore[arg-type]
+        def serve_call(self, request: object, context: grpc.ServicerContext) -> object:  # type: ignore[override]
+            reply = super().serve_call(request, context)  # type: ignore[arg-type]
             if isinstance(request, api.PrefillRequest):
                 context.set_trailing_metadata((("x-padding", "a" * 200_000),))
             return reply

@@ -235,10 +235,10 @@ class _HostileServer(EngineServer):
 
     mode = "truncate"
 
-    def _export(
+    def serve_export(
         self, request: RemoteRequest | Rejected, context: CallContext
     ) -> Generator[bytes, None, None]:
-        messages = list(super()._export(request, context))
+        messages = list(super().serve_export(request, context))
         if self.mode == "truncate":
             yield from messages[:-1]
         elif self.mode == "extend":
@@ -325,10 +325,10 @@ class _CuttingServer(EngineServer):
 
     keep = 0
 
-    def _export(
+    def serve_export(
         self, request: RemoteRequest | Rejected, context: CallContext
     ) -> Generator[bytes, None, None]:
-        yield from list(super()._export(request, context))[: self.keep]
+        yield from list(super().serve_export(request, context))[: self.keep]
 
 
 def test_export_streams_cut_after_any_message_are_malformed(

@@ -20,6 +20,12 @@ in :attr:`EngineServer.counters`, which clients read as :class:`ServerStats`
 
 ``grpc.health.v1`` is served alongside (``""`` and ``shard_engine.v1.Engine``): SERVING while
 the engine is ready or degraded, NOT_SERVING otherwise and while draining.
+
+Another transport serves through the same public surface, and so keeps every rule above: it
+decodes a message and hands it, with a :class:`CallContext` whose end cancels the engine work,
+to :meth:`EngineServer.serve_call`, :meth:`~EngineServer.serve_export` or
+:meth:`~EngineServer.serve_import` (the framed transport, :mod:`~shard_engine_remote._framed`,
+does; what it could not decode goes to :meth:`~EngineServer.refused_frame`).
 """
 
 from __future__ import annotations
@@ -469,7 +475,7 @@ class EngineServer:
         self._waiting.start()
         self._health_waiting.start()
         self._server.start()
-        self._refresh_health()
+        self.refresh_health()
         return self.address
 
     def stop(self, grace: float | None = 10.0) -> None:
@@ -534,7 +540,7 @@ class EngineServer:
     def _grpc_call(
         self, requests: Iterator[RemoteRequest | Rejected], context: grpc.ServicerContext
     ) -> RemoteReply:
-        return self._call(self._request(requests, context, self._waiting), context)
+        return self.serve_call(self._request(requests, context, self._waiting), context)
 
     def _request(
         self, requests: Iterator[_Message], context: grpc.ServicerContext, waiting: _Waiting
@@ -571,7 +577,9 @@ class EngineServer:
             context.abort(grpc.StatusCode.CANCELLED, "the call waited too long for its request")
         return request
 
-    def _call(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
+    def serve_call(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
+        """Serve one unary call a transport decoded (a ``Rejected`` for what did not decode):
+        rate limit, dispatch, counters; engine failures come back as ErrorInfo, never raised."""
         self.counters.call_started()
         try:
             return self._dispatch(request, context)
@@ -592,7 +600,9 @@ class EngineServer:
             details={"resource": "rate_limit", "retry_after_s": retry_after},
         ).to_info()
 
-    def _refused_frame(self, error: api.ShardEngineError) -> api.ErrorInfo:
+    def refused_frame(self, error: api.ShardEngineError) -> api.ErrorInfo:
+        """The reply to a message a transport refused before decoding it (``error``: too large,
+        or malformed), counted as ``oversized`` or ``rejected_frames``."""
         is_oversized = isinstance(error, api.ResourceExhausted)
         self.counters.add("oversized" if is_oversized else "rejected_frames")
         return error.to_info()
@@ -604,7 +614,7 @@ class EngineServer:
             return run()
         except api.ShardEngineError as error:
             if isinstance(error, api.EngineCrashed | api.NotReady):
-                self._refresh_health()
+                self.refresh_health()
             return error.to_info()
         except Exception as error:  # noqa: BLE001 - an engine bug must not kill the server
             _LOG.exception("the served engine raised %s", type(error).__name__)
@@ -626,7 +636,7 @@ class EngineServer:
         engine = self.engine
         match request:
             case Rejected(error=error):
-                return self._refused_frame(error)
+                return self.refused_frame(error)
             case ServerStatsQuery():
                 return self.stats()
             case CapabilitiesQuery():
@@ -649,7 +659,7 @@ class EngineServer:
                     )
                 self._allow_load = False
                 capabilities = engine.load(request)
-                self._refresh_health()
+                self.refresh_health()
                 return capabilities
             case api.PrefillRequest():
                 return self._compute(request, context, self._watched_op(engine.prefill))
@@ -667,10 +677,12 @@ class EngineServer:
 
     # ----------------------------------------------------------------- snapshot streams
 
-    def _export(
+    def serve_export(
         self, request: RemoteRequest | Rejected, context: CallContext
     ) -> Generator[bytes, None, None]:
-        """The export stream: the header (or the ErrorInfo of a refusal), then each chunk."""
+        """Serve an export stream: the header (or the ErrorInfo of a refusal), then each chunk.
+        The transport sends each message and ends the stream (``close()``) when the client
+        takes too long (see :meth:`stream_due`); closing it frees its slots at once."""
         self.counters.call_started()
         held = False
         try:
@@ -705,19 +717,19 @@ class EngineServer:
             self.counters.add("transport_cancels")
             context.cancel()
 
-        messages = self._export(self._request(requests, context, self._waiting), context)
+        messages = self.serve_export(self._request(requests, context, self._waiting), context)
         due: float | None = None
         try:
             for message in messages:
                 if due is None:
                     header = decode_export_header(message)
                     size = header.snapshot.state_bytes if isinstance(header, SnapshotHeader) else 0
-                    due = self._stream_due(size)
+                    due = self.stream_due(size)
                 elif time.monotonic() > due:
                     self.counters.add("stalled")
                     context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the client takes the export slower than {self._rate_words()}",
+                        f"the client takes the export slower than {self.stream_rate_words()}",
                     )
                 timer = threading.Timer(self.stream_idle_s, cut_off)
                 timer.daemon = True
@@ -733,7 +745,7 @@ class EngineServer:
         self, request: RemoteRequest | Rejected, context: CallContext
     ) -> api.SessionSnapshot:
         if isinstance(request, Rejected):
-            raise api.InvalidRequest(self._refused_frame(request.error).message)
+            raise api.InvalidRequest(self.refused_frame(request.error).message)
         if not isinstance(request, api.ExportSessionRequest):
             raise api.InvalidRequest(
                 f"ExportSession takes an ExportSessionRequest, not {type(request).__name__}"
@@ -745,7 +757,7 @@ class EngineServer:
         # streams that never send one hold no slot, only a waiting place others may evict.
         first = self._first(messages, context, self._waiting)
         head = () if first is None else (first,)
-        return self._import(itertools.chain(head, self._watched(messages, context)), context)
+        return self.serve_import(itertools.chain(head, self._watched(messages, context)), context)
 
     def _watched(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """gRPC's request iterator waits without a timeout: a timer cancels the RPC when the
@@ -770,8 +782,8 @@ class EngineServer:
                 return
             yield message
 
-    def _import(self, messages: Iterator[bytes], context: CallContext) -> RemoteReply:
-        """An import stream (``messages`` must end, or raise StreamBroken, within
+    def serve_import(self, messages: Iterator[bytes], context: CallContext) -> RemoteReply:
+        """Serve an import stream (``messages`` must end, or raise StreamBroken, within
         ``stream_idle_s`` of the previous message: the transport sees to it)."""
         self.counters.call_started()
         held = False
@@ -786,11 +798,12 @@ class EngineServer:
                 self._release_stream_slots()
             self.counters.call_ended()
 
-    def _stream_due(self, size: int) -> float:
+    def stream_due(self, size: int) -> float:
         """When a stream of ``size`` bytes starting now must have ended."""
         return time.monotonic() + self.stream_idle_s + size / self.min_stream_bytes_per_s
 
-    def _rate_words(self) -> str:
+    def stream_rate_words(self) -> str:
+        """The stream rate a client must keep, in words for its error."""
         return (
             f"{self.min_stream_bytes_per_s:g} bytes/s on average (after {self.stream_idle_s:g} "
             "s of grace)"
@@ -919,13 +932,13 @@ class EngineServer:
         snapshot = request.snapshot
         chunks: list[bytes] = []
         total = 0
-        due = self._stream_due(snapshot.state_bytes)
+        due = self.stream_due(snapshot.state_bytes)
         for index in range(n_chunks):
             if time.monotonic() > due:
                 self.counters.add("stalled")
                 raise api.Cancelled(
                     f"the import stream moved {total} bytes in {index} chunk(s), slower than "
-                    f"{self._rate_words()}; nothing was imported",
+                    f"{self.stream_rate_words()}; nothing was imported",
                     details={"received_bytes": total, "reason": "too_slow"},
                 )
             chunk = self._next_message(messages, index + 1)
@@ -1113,7 +1126,9 @@ class EngineServer:
         finally:
             self._health_waiting.leave(ticket)
 
-    def _refresh_health(self) -> None:
+    def refresh_health(self) -> None:
+        """Bring ``grpc.health.v1``'s answer up to date with the engine's health (a transport
+        calls it once it serves)."""
         state = self.engine.health().state
         status = (
             health_pb2.HealthCheckResponse.SERVING

@@ -604,7 +604,7 @@ class ServerConnection:
 
     def _refuse(self, call_id: int, error: api.ShardEngineError) -> None:
         self._server.counters.add("calls")
-        self.send(REPLY, call_id, encode_reply(self._server._refused_frame(error)))
+        self.send(REPLY, call_id, encode_reply(self._server.refused_frame(error)))
 
     def _run(
         self,
@@ -652,7 +652,7 @@ class ServerConnection:
             self._pooled -= 1
 
     def _call(self, call_id: int, context: _CallContext, request: RemoteRequest | Rejected) -> None:
-        reply = self._server._call(request, context)
+        reply = self._server.serve_call(request, context)
         if not context.ended:
             self.send(REPLY, call_id, encode_reply(reply))
 
@@ -688,7 +688,7 @@ class ServerConnection:
             request = arena.take(slot, length) if length else body[SLOT_CALL.size :]
         except ValueError:
             return  # the connection ended: its shared memory is unmapped, no one listens
-        reply = self._server._call(decode_request(request, max_bytes=limit), context)
+        reply = self._server.serve_call(decode_request(request, max_bytes=limit), context)
         # A large reply straight into the slot (its payload copied once), unless it does not
         # fit; a small one in its frame.
         try:
@@ -709,11 +709,11 @@ class ServerConnection:
     def _export(self, call_id: int, context: _CallContext, body: bytes) -> None:
         """The export stream, under the gRPC export's rules: each message must leave within
         ``stream_idle_s`` and the whole stream by ``stream_idle_s + size /
-        min_stream_bytes_per_s`` (``EngineServer._stream_due``); else it ends with
+        min_stream_bytes_per_s`` (``EngineServer.stream_due``); else it ends with
         DEADLINE_EXCEEDED, counted as ``stalled``, and frees its slots at once."""
         server = self._server
         request = decode_request(body, max_bytes=server.max_message_bytes)
-        messages = server._export(request, context)
+        messages = server.serve_export(request, context)
         idle = server.stream_idle_s
         due: float | None = None
         try:
@@ -723,12 +723,12 @@ class ServerConnection:
                 if due is None:  # the header: the stream's size
                     header = decode_export_header(message)
                     size = header.snapshot.state_bytes if isinstance(header, SnapshotHeader) else 0
-                    due = server._stream_due(size)
+                    due = server.stream_due(size)
                 if not self.send(ITEM, call_id, message, min(due, time.monotonic() + idle)):
                     if not context.ended:
                         server.counters.add("stalled")
                         why = (
-                            f"slower than {server._rate_words()}"
+                            f"slower than {server.stream_rate_words()}"
                             if time.monotonic() >= due
                             else f"without taking a message for {idle:g} s"
                         )
@@ -767,6 +767,6 @@ class ServerConnection:
                 self._taken(item)
                 yield item
 
-        reply = self._server._import(messages(), context)
+        reply = self._server.serve_import(messages(), context)
         if not context.ended:
             self.send(REPLY, call_id, encode_reply(reply))

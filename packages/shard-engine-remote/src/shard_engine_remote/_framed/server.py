@@ -183,7 +183,7 @@ class FramedServer:
             raise api.InvalidRequest(f"cannot listen on unix:{path}: {error}") from error
         self._listener, self._path = listener, path
         self.address = f"unix:{path}"
-        self.server._refresh_health()
+        self.server.refresh_health()
         watcher = select.epoll()
         wake, self._stop_watching = os.pipe()
         watcher.register(wake, select.EPOLLIN)
