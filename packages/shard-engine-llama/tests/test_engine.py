@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -650,12 +649,13 @@ def test_a_shard_altered_anywhere_is_refused(tiny_model: Path, tmp_path: Path) -
         assert refused.value.details["rule"] == "shard-integrity", region
 
 
+@pytest.mark.parametrize("private_copy", [True, False])
 def test_a_symlink_swapped_during_the_load_cannot_slip_another_file_in(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, private_copy: bool
 ) -> None:
     """The name is pointed at another file after the checks and back once llama.cpp has opened
     it: the identity checks see the verified file both times, so only loading the file that was
-    verified (pinned by descriptor) keeps the other one out."""
+    verified (pinned by descriptor, or its private copy) keeps the other one out."""
     manifest = split_model(tiny_model, [(0, 2), (2, TINY_MODEL_LAYERS)], tmp_path / "shards")
     good = manifest.shard_path(1)
     other = tmp_path / "other.gguf"
@@ -664,22 +664,28 @@ def test_a_symlink_swapped_during_the_load_cannot_slip_another_file_in(
     link = tmp_path / "tail.gguf"
     link.symlink_to(good)
     real_runtime = _abi.ShardRuntime
-    opened: list[int] = []
+    opened: list[tuple[int, bytes]] = []
 
     def swapping(path: Path, **options: object) -> _abi.ShardRuntime:
         link.unlink()
         link.symlink_to(other)
         try:
-            opened.append(os.stat(options.get("load_from") or path).st_ino)  # type: ignore[arg-type]
+            loaded = Path(options.get("load_from") or path)  # type: ignore[arg-type]
+            opened.append((loaded.stat().st_ino, loaded.read_bytes()))
             return real_runtime(path, **options)  # type: ignore[arg-type]
         finally:
             link.unlink()
             link.symlink_to(good)
 
     monkeypatch.setattr(_abi, "ShardRuntime", swapping)
-    engine = _load(link, 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS)
+    engine = _load(
+        link, 2, TINY_MODEL_LAYERS, TINY_MODEL_LAYERS, options={"private_copy": private_copy}
+    )
     try:
-        assert opened == [good.stat().st_ino]
+        assert len(opened) == 1
+        inode, content = opened[0]
+        assert content == good.read_bytes()
+        assert (inode == good.stat().st_ino) is not private_copy
         assert engine.shard_path == link
     finally:
         engine.close()

@@ -64,6 +64,7 @@ from shard_engine_llama._gguf.integrity import ShardIntegrityError, verify_shard
 from shard_engine_llama._gguf.layout import hyperparameters
 from shard_engine_llama._gguf.store import FileIdentity, file_identity, hash_cache
 from shard_engine_llama._gguf.writer import ShardLayout, planned_layout, shard_layout
+from shard_engine_llama._sealed import SealedCopy, sealed_copies_supported
 
 _log = logging.getLogger("shard_engine.llama")
 
@@ -97,6 +98,13 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
       ~1e5, where no absolute bound fits.
     - ``self_test``: run the start-up self-test (a generated model split 2-way, bitwise) before
       the first engine of the process reports ready.
+    - ``private_copy``: llama.cpp maps a private copy of the shard file, sealed against any
+      change (a ``memfd``), filled by the read that verifies the file (default). A file
+      rewritten in place or truncated under the engine then changes nothing. It costs the
+      file's size in memory that is not shared with other processes and not reclaimable, and
+      one read of the file per load (see the README's "Shard integrity"). False maps the file
+      itself (shared page cache): a file rewritten in place under a running engine then
+      changes its outputs without an error, and a truncated one kills the process (SIGBUS).
     The three test-only options below are refused (InvalidRequest) unless the process runs with
     ``SHARD_ENGINE_TEST_OPTIONS=1`` (``shard_engine_api.engine.TEST_OPTIONS_ENV``; the
     conformance suite sets it): a configuration sent to a worker cannot make it crash.
@@ -123,6 +131,7 @@ class LlamaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model_store: str | None = None
     tolerance: float | None = None
     self_test: bool = True
+    private_copy: bool = True
     inject_crash: bool = False
     inject_abort: bool = False
     slow_forward_us: int = 0
@@ -154,6 +163,10 @@ class _PinnedFiles:
     def __init__(self) -> None:
         self._descriptors: list[int] = []
         self._names: dict[str, str] = {}
+        # Each pinned file's identity when it was pinned, before any check read it.
+        self._identities: dict[str, FileIdentity] = {}
+        # The private copy of the file llama.cpp will load (LlamaOptions.private_copy).
+        self.copy: SealedCopy | None = None
 
     def pin(self, path: Path) -> Path:
         # O_NONBLOCK: a name swapped to a FIFO must not block the open (the reader then refuses
@@ -161,10 +174,35 @@ class _PinnedFiles:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         self._descriptors.append(descriptor)
         link = Path(f"/proc/self/fd/{descriptor}")
-        if not link.exists():
-            return path
-        self._names[str(link)] = str(path)
-        return link
+        pinned = link if link.exists() else path
+        if pinned == link:
+            self._names[str(link)] = str(path)
+        with contextlib.suppress(OSError):
+            self._identities[str(pinned)] = file_identity(pinned)
+        return pinned
+
+    def unchanged_since_pinned(self, pinned: Path, identity: FileIdentity) -> bool:
+        """Whether ``identity`` (taken after the checks) is the one ``pinned`` had when it was
+        pinned: a file written between the two was checked in no single version."""
+        return self._identities.get(str(pinned)) == identity
+
+    def private_copy(self, pinned: Path) -> SealedCopy:
+        """A new, empty private copy for ``pinned`` (the file llama.cpp will load), refused
+        with ResourceExhausted when the memory it needs is not available."""
+        size = os.stat(pinned).st_size
+        available = _available_memory()
+        if available is not None and size > available:
+            raise ResourceExhausted(
+                f"a private copy of {self.name(pinned)} needs {size / 2**30:.2f} GiB and "
+                f"{available / 2**30:.2f} GiB are available; the option private_copy=false "
+                "maps the file instead (shared page cache, but exposed to changes of the file)",
+                retryable=False,
+                details={"resource": "memory", "bytes": size, "available": available},
+            )
+        if self.copy is not None:
+            self.copy.close()
+        self.copy = SealedCopy(f"shard-engine:{self.name(pinned).name}")
+        return self.copy
 
     def name(self, path: Path) -> Path:
         return Path(self._names.get(str(path), str(path)))
@@ -178,6 +216,10 @@ class _PinnedFiles:
     def close(self) -> None:
         while self._descriptors:
             os.close(self._descriptors.pop())
+        if self.copy is not None:
+            # A mapping llama.cpp made of the copy keeps it alive.
+            self.copy.close()
+            self.copy = None
 
     def open_validated(self, named: Path) -> tuple[Path, GGUFHeader]:
         """Pin the GGUF file ``named`` and validate it through the pin, with its family's
@@ -221,8 +263,13 @@ class _ShardChoice:
     # The file's identity once verified: it must be unchanged after llama.cpp has mapped it.
     identity: FileIdentity = field(default_factory=lambda: FileIdentity("", 0, 0, 0, 0, 0))
 
-    def verified(self) -> _ShardChoice:
-        return replace(self, identity=file_identity(self.path))
+    def verified(self, pins: _PinnedFiles) -> _ShardChoice:
+        """This choice with the file's identity now, which must be the one it had when it was
+        pinned (before it was validated and hashed)."""
+        identity = file_identity(self.path)
+        if not pins.unchanged_since_pinned(self.path, identity):
+            raise ShardIntegrityError(f"{pins.name(self.path)} changed while it was being checked")
+        return replace(self, identity=identity)
 
 
 def _store_write_error(store: Path, directory: Path, error: OSError) -> InvalidRequest:
@@ -355,6 +402,12 @@ class LlamaEngine(EngineCore):
                 f"max_sessions may not exceed {_MAX_SEQUENCES - 1} (llama.cpp's sequence limit, "
                 "one sequence kept spare so that an LRU eviction happens only at commit)"
             )
+        if options.private_copy and not sealed_copies_supported():
+            raise UnsupportedFeature(
+                "private_copy needs sealable memfds and /proc (Linux); set private_copy=false "
+                "to map the shard file itself, which must then not change while it is loaded",
+                details={"field": "options.private_copy"},
+            )
         if options.self_test:
             try:
                 self.self_test_report = _run_self_test()
@@ -366,10 +419,17 @@ class LlamaEngine(EngineCore):
             determinism = _declared_determinism(
                 choice.header, options.tolerance, config.boundary_dtype
             )
+            load_from = choice.path
+            if pins.copy is not None:
+                if not pins.copy.complete:
+                    # The digest was cached for the file's identity: the copy needs a read of
+                    # its own, and the identity check below proves it copied that version.
+                    pins.copy.fill(choice.path)
+                load_from = pins.copy.seal(choice.identity.size)
             _check_memory(choice.header, choice.layout, config, options)
             runtime = _abi.ShardRuntime(
                 pins.name(choice.path),
-                load_from=choice.path,
+                load_from=load_from,
                 # One spare sequence (slot max_sessions): a new session evicting the LRU one
                 # runs in it, so a failed or cancelled forward evicts nothing.
                 n_ctx=config.max_context * (config.max_sessions + 1),
@@ -389,7 +449,8 @@ class LlamaEngine(EngineCore):
                 kv_row_elements=_abi.kv_row_bound(choice.header),
             )
             if file_identity(choice.path) != choice.identity:
-                # Rewritten in place between verification and llama.cpp mapping it.
+                # Rewritten in place between verification and llama.cpp mapping it (or
+                # copying it).
                 runtime.close()
                 raise ShardIntegrityError(
                     f"{pins.name(choice.path)} changed while it was being loaded"
@@ -456,13 +517,19 @@ class LlamaEngine(EngineCore):
         )
 
     @staticmethod
-    def _file_digest(source: Path, store: Path | None) -> str:
+    def _file_digest(source: Path, store: Path | None, copy: SealedCopy | None = None) -> str:
         """``source``'s sha256 from the hash cache, checked to be 64 hex digits before it is
         reported as a fingerprint or names a directory of the store (a digest with a "/" or
-        ".." in it would put the shard outside the store)."""
+        ".." in it would put the shard outside the store). ``copy``: when the file is hashed,
+        the same read fills it."""
         from shard_engine_llama._gguf.store import is_sha256_hex
 
-        digest = hash_cache().digest(source, "file", file_sha256, store=store)
+        digest = hash_cache().digest(
+            source,
+            "file",
+            file_sha256 if copy is None else (lambda target: copy.hash_copying(target, None)),
+            store=store,
+        )
         if not is_sha256_hex(digest):
             raise ShardIntegrityError(f"{source}: its digest {digest[:80]!r} is not sha256 hex")
         return digest
@@ -474,7 +541,8 @@ class LlamaEngine(EngineCore):
 
         The given model's header is parsed once here and handed on (a 262k vocabulary takes
         seconds to parse); whole-file digests come from the per-identity hash cache. Every
-        file is pinned before it is checked, and the pinned file is what llama.cpp loads.
+        file is pinned before it is checked, and the pinned file is what llama.cpp loads (or
+        its private copy, ``pins.copy``, filled by the read that hashes it, if one does).
         """
         spec = config.shard
         named = Path(spec.model)
@@ -490,20 +558,29 @@ class LlamaEngine(EngineCore):
                     f"[{spec.start}, {spec.end}) of {spec.n_layers}"
                 )
             # The source fingerprint is only reported for bytes proven to be what split wrote.
-            verify_shard(header, store=_usable_store(options.model_store))
+            verify_shard(
+                header,
+                store=_usable_store(options.model_store),
+                copy=pins.private_copy(source) if options.private_copy else None,
+            )
             fingerprint = header.get_str("shard.source_sha256")
             vocab_entry = header.metadata.get("shard.source_vocab_size")
             vocab = int(vocab_entry.value) if vocab_entry is not None else info.vocab_size  # type: ignore[arg-type]
-            return _ShardChoice(source, fingerprint, vocab, header, shard_layout(header)).verified()
+            choice = _ShardChoice(source, fingerprint, vocab, header, shard_layout(header))
+            return choice.verified(pins)
         if info.n_layers != spec.n_layers:
             raise ShardMismatch(
                 f"{named.name} has {info.n_layers} layers; the spec says {spec.n_layers}"
             )
         if spec.role == "full":
-            fingerprint = self._file_digest(source, _usable_store(options.model_store))
+            fingerprint = self._file_digest(
+                source,
+                _usable_store(options.model_store),
+                pins.private_copy(source) if options.private_copy else None,
+            )
             return _ShardChoice(
                 source, fingerprint, info.vocab_size, header, shard_layout(header)
-            ).verified()
+            ).verified(pins)
         if not info.shardable:
             raise ShardingRefusedError(info.refusal or "not shardable")
         store = model_store(options.model_store)
@@ -531,31 +608,35 @@ class LlamaEngine(EngineCore):
             if manifest.source_sha256 != digest:
                 # The name was pointed at another file while the shard was being written.
                 raise ShardIntegrityError(f"{named} changed while its shard was being written")
-            shard = pins.pin(manifest.shard_path(0))
+            shard_name = manifest.shard_path(0)
+            action = "reused" if manifest.reused and manifest.reused[0] else "wrote"
+            shard = pins.pin(shard_name)
         layout = planned_layout(header, spec.start, spec.end)
         _log.info(
             "shard [%d, %d) of %s: %s %s",
             spec.start,
             spec.end,
             named.name,
-            "reused" if manifest.reused and manifest.reused[0] else "wrote",
-            manifest.shard_path(0).name,
+            action,
+            shard_name.name,
         )
         # The store's shard file (pinned above) is checked again: what llama.cpp opens must be
         # the shard of this source and range, with the bytes its digest records.
         shard_header = validate_gguf(shard)
-        verify_shard(shard_header, store=store)
+        verify_shard(
+            shard_header,
+            store=store,
+            copy=pins.private_copy(shard) if options.private_copy else None,
+        )
         if (
-            shard_header.get_str("shard.source_sha256") != manifest.source_sha256
+            shard_header.get_str("shard.source_sha256") != digest
             or shard_header.get_int("shard.start") != spec.start
             or shard_header.get_int("shard.end") != spec.end
         ):
             raise ShardIntegrityError(
-                f"{manifest.shard_path(0)} is not the shard [{spec.start}, {spec.end}) of {named}"
+                f"{shard_name} is not the shard [{spec.start}, {spec.end}) of {named}"
             )
-        return _ShardChoice(
-            shard, manifest.source_sha256, info.vocab_size, header, layout
-        ).verified()
+        return _ShardChoice(shard, digest, info.vocab_size, header, layout).verified(pins)
 
     def _forward(
         self, item: ForwardItem, output: OutputMode, token: CancelToken

@@ -18,11 +18,15 @@ import hashlib
 import os
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 
 from shard_engine_llama._gguf.reader import GGUFHeader, GGUFValidationError
 from shard_engine_llama._gguf.store import hash_cache
+
+if TYPE_CHECKING:
+    from shard_engine_llama._sealed import SealedCopy
 
 __all__ = [
     "CONTENT_KEY",
@@ -104,13 +108,20 @@ def seal_shard(path: Path) -> str:
     return digest
 
 
-def _verify(path: Path, offset: int, recorded: str, store: Path | None) -> str:
+def _verify(
+    path: Path, offset: int, recorded: str, store: Path | None, copy: SealedCopy | None = None
+) -> str:
     # ``expected``: a cached digest that disagrees with the recorded one is re-computed before
     # the shard is refused (a damaged cache entry must not refuse a good shard for good).
+    # ``copy``: a file that is hashed is copied into it by the same read.
     actual = hash_cache().digest(
         path,
         _DIGEST_KIND,
-        lambda target: content_sha256(target, offset),
+        (
+            (lambda target: content_sha256(target, offset))
+            if copy is None
+            else (lambda target: copy.hash_copying(target, offset))
+        ),
         store=store,
         expected=recorded,
     )
@@ -122,15 +133,20 @@ def _verify(path: Path, offset: int, recorded: str, store: Path | None) -> str:
     return actual
 
 
-def verify_shard(header: GGUFHeader, *, store: Path | None = None) -> str:
-    """Check a parsed shard against the digest it carries; return the digest."""
+def verify_shard(
+    header: GGUFHeader, *, store: Path | None = None, copy: SealedCopy | None = None
+) -> str:
+    """Check a parsed shard against the digest it carries; return the digest. ``copy``: when
+    the shard is hashed (its digest is not cached for its identity), the read that hashes it
+    also fills ``copy`` (:class:`shard_engine_llama._sealed.SealedCopy`); otherwise ``copy``
+    is left empty for the caller to fill."""
     entry = header.metadata.get(CONTENT_KEY)
     if entry is None or not isinstance(entry.value, str) or entry.offset < 0:
         raise ShardIntegrityError(
             f"{header.path}: carries no {CONTENT_KEY} (written by an older split); split the "
             "source model again"
         )
-    return _verify(header.path, entry.offset, entry.value, store)
+    return _verify(header.path, entry.offset, entry.value, store, copy)
 
 
 def verify_shard_file(path: Path, *, store: Path | None = None) -> str:
