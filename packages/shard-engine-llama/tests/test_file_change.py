@@ -1,4 +1,4 @@
-"""Shard files that change under a running engine.
+"""Shard files that change under a running engine, and model stores that cannot be written.
 
 llama.cpp maps the file it loads: a shard rewritten in place (``cp``, ``rsync --inplace``) used
 to change a running engine's outputs with no error, and a truncated one killed the process with
@@ -237,3 +237,105 @@ def test_private_copy_false_maps_the_file(own_model: Path, tmp_path: Path) -> No
         assert "memfd:shard-engine:" in maps
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------- read-only model stores
+
+
+def _populate(model: Path, store: Path) -> None:
+    """The store with the head shard [0, 2) of ``model`` written and verified by a load."""
+    _load(model, 0, 2, store).close()
+
+
+def test_a_store_that_is_not_writable_serves_its_verified_shards(
+    own_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writability decision is ``os.access`` (which a read-only mount answers with no even
+    for root, while plain permissions do not stop root): monkeypatched here, so the test runs
+    as any user. A shard already in the store loads without the lock file being written or
+    created; one that is not there is a typed error naming the store."""
+    store = tmp_path / "store"
+    _populate(own_model, store)
+    (lock,) = store.rglob("*.lock")
+    lock.unlink()  # a store copied without its lock files must serve as well
+    before = sorted((p, p.stat().st_mtime_ns) for p in store.rglob("*"))
+    real_access = os.access
+
+    def no_writes(path: object, mode: int, **kwargs: object) -> bool:
+        if mode & os.W_OK and str(path).startswith(str(store)):
+            return False
+        return real_access(path, mode, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", no_writes)
+    engine = _load(own_model, 0, 2, store)
+    engine.close()
+    assert sorted((p, p.stat().st_mtime_ns) for p in store.rglob("*")) == before
+    with pytest.raises(InvalidRequest) as refused:
+        _load(own_model, 2, 4, store)
+    assert refused.value.details == {"path": str(store), "rule": "model-store-read-only"}
+    assert str(store) in str(refused.value)
+
+
+_READ_ONLY_CHILD = r"""
+import json, sys
+from shard_engine_api import InvalidRequest, LoadConfig, ShardSpec
+from shard_engine_llama import LlamaEngine
+
+model, store, n_layers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+outcome = {}
+for start, end in ((0, 2), (2, 4)):
+    engine = LlamaEngine()
+    try:
+        engine.load(LoadConfig(
+            shard=ShardSpec(model=model, n_layers=n_layers, start=start, end=end),
+            max_sessions=2, max_context=64, options={"n_ubatch": 4, "model_store": store},
+        ))
+        outcome[f"{start}-{end}"] = "loaded"
+        engine.close()
+    except InvalidRequest as error:
+        outcome[f"{start}-{end}"] = error.details.get("rule")
+print(json.dumps(outcome))
+"""
+
+
+def test_a_store_on_a_read_only_mount_serves_its_verified_shards(
+    own_model: Path, tmp_path: Path
+) -> None:
+    """The store bind-mounted read-only in a private mount namespace (``unshare -m``; skipped
+    where that is not allowed): the shard in it loads, a missing one is refused by name."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare")
+    store = tmp_path / "store"
+    _populate(own_model, store)
+    mounted = tmp_path / "read-only-store"
+    mounted.mkdir()
+    script = 'mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && shift 2 && exec "$@"'
+    process = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(store),
+            str(mounted),
+            sys.executable,
+            "-c",
+            _READ_ONLY_CHILD,
+            str(own_model),
+            str(mounted),
+            str(TINY_MODEL_LAYERS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if process.returncode != 0 and "mount" in process.stderr.lower():
+        pytest.skip(f"no read-only bind mount here: {process.stderr.strip()[-200:]}")
+    assert process.returncode == 0, process.stderr[-2000:]
+    outcome = json.loads(process.stdout.strip().splitlines()[-1])
+    assert outcome == {"0-2": "loaded", "2-4": "model-store-read-only"}

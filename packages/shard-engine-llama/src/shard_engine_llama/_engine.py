@@ -39,6 +39,7 @@ from shard_engine_api import (
     UnsupportedFeature,
 )
 from shard_engine_api.engine import (
+    MODEL_STORE_ENV,
     TEST_OPTIONS_ENV,
     CancelToken,
     EngineCore,
@@ -63,7 +64,12 @@ from shard_engine_llama._gguf.families import FAMILIES
 from shard_engine_llama._gguf.integrity import ShardIntegrityError, verify_shard
 from shard_engine_llama._gguf.layout import hyperparameters
 from shard_engine_llama._gguf.store import FileIdentity, file_identity, hash_cache
-from shard_engine_llama._gguf.writer import ShardLayout, planned_layout, shard_layout
+from shard_engine_llama._gguf.writer import (
+    ShardLayout,
+    planned_layout,
+    shard_file_name,
+    shard_layout,
+)
 from shard_engine_llama._sealed import SealedCopy, sealed_copies_supported
 
 _log = logging.getLogger("shard_engine.llama")
@@ -282,22 +288,47 @@ def _store_write_error(store: Path, directory: Path, error: OSError) -> InvalidR
     )
 
 
+def _store_writable(directory: Path) -> bool:
+    """Whether this process may create ``directory``'s lock file and shard files: the nearest
+    existing one of ``directory``'s parents is writable (``os.access``, which says no on a
+    read-only mount even to root)."""
+    for candidate in (directory.parent, *directory.parent.parents):
+        if candidate.exists():
+            return os.access(candidate, os.W_OK | os.X_OK)
+    return False
+
+
 @contextlib.contextmanager
-def _store_lock(store: Path, directory: Path) -> Iterator[None]:
+def _store_lock(store: Path, directory: Path) -> Iterator[bool]:
     """An exclusive ``flock`` on ``<directory>.lock`` (per open file, so threads of one
-    process exclude each other too) for as long as the block runs."""
+    process exclude each other too) for as long as the block runs; yields whether the store
+    can be written.
+
+    A store this process cannot write (a read-only mount, another user's directory) can
+    still serve shards already in it: the lock file is then opened read-only when it exists
+    (``flock`` needs no write permission, so writers elsewhere are still excluded) and no
+    lock is taken when it does not, and the block must only read.
+    """
+    lock_path = directory.with_name(directory.name + ".lock")
+    writable = _store_writable(directory)
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(
-            directory.with_name(directory.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        )
+        if writable:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            descriptor: int | None = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        else:
+            try:
+                descriptor = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                descriptor = None
     except OSError as error:
         raise _store_write_error(store, directory, error) from error
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
+        if descriptor is not None:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield writable
     finally:
-        os.close(descriptor)
+        if descriptor is not None:
+            os.close(descriptor)
 
 
 def _usable_store(explicit: str | None) -> Path | None:
@@ -593,23 +624,41 @@ class LlamaEngine(EngineCore):
         directory = (
             store / "shards" / f"{named.stem}-{digest[:16]}" / f"{spec.start:03d}-{spec.end:03d}"
         )
-        with _store_lock(store, directory):
-            try:
-                manifest = split_model(
-                    named,
-                    [(spec.start, spec.end)],
-                    directory,
-                    partial=True,
-                    header=header,
-                    hash_store=store,
+        with _store_lock(store, directory) as writable:
+            if writable:
+                try:
+                    manifest = split_model(
+                        named,
+                        [(spec.start, spec.end)],
+                        directory,
+                        partial=True,
+                        header=header,
+                        hash_store=store,
+                    )
+                except OSError as error:
+                    raise _store_write_error(store, directory, error) from error
+                if manifest.source_sha256 != digest:
+                    # The name was pointed at another file while the shard was being written.
+                    raise ShardIntegrityError(f"{named} changed while its shard was being written")
+                shard_name = manifest.shard_path(0)
+                action = "reused" if manifest.reused and manifest.reused[0] else "wrote"
+            else:
+                # A read-only store: only a shard already in it can serve, and it is checked
+                # below exactly as a reused one (its own digest, source and range).
+                shard_name = directory / shard_file_name(
+                    named.resolve(), spec.start, spec.end, spec.n_layers
                 )
-            except OSError as error:
-                raise _store_write_error(store, directory, error) from error
-            if manifest.source_sha256 != digest:
-                # The name was pointed at another file while the shard was being written.
-                raise ShardIntegrityError(f"{named} changed while its shard was being written")
-            shard_name = manifest.shard_path(0)
-            action = "reused" if manifest.reused and manifest.reused[0] else "wrote"
+                if not shard_name.is_file():
+                    raise InvalidRequest(
+                        f"the model store {store} is not writable and holds no shard "
+                        f"[{spec.start}, {spec.end}) of {named.name} to reuse "
+                        f"({shard_name.relative_to(store)}): make the store writable, or "
+                        "choose a writable one (the model_store option or "
+                        f"{MODEL_STORE_ENV}), or give the engine a shard written by "
+                        "shard-engine split",
+                        details={"path": str(store), "rule": "model-store-read-only"},
+                    )
+                action = "reused (read-only store)"
             shard = pins.pin(shard_name)
         layout = planned_layout(header, spec.start, spec.end)
         _log.info(
