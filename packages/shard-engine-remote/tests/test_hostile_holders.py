@@ -35,7 +35,7 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_remote import EngineServer, ServerSecurity
 from shard_engine_remote._framed.frames import CHUNK, HELLO, IMPORT, REPLY, encode_frame
-from shard_engine_remote._server import _Waiting
+from shard_engine_remote._waiting import Waiting
 from shard_engine_remote._wire import (
     CALL_METHOD,
     EXPORT_METHOD,
@@ -224,7 +224,7 @@ def test_health_of_unknown_services_keeps_nothing(guarded: EngineServer) -> None
             first = cast(health_pb2.HealthCheckResponse, next(stream))
             assert first.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
             cast(grpc.Call, stream).cancel()
-    servicer = guarded._health  # what the servicer keeps is the point
+    servicer = guarded._grpc_health._servicer  # what the servicer keeps is the point
     wait_until(lambda: len(servicer._send_response_callbacks) <= 2)
     assert _check(guarded.address) == health_pb2.HealthCheckResponse.SERVING
 
@@ -390,7 +390,7 @@ def test_waiting_places_go_to_new_calls_only_from_stale_waiters() -> None:
     it stops waiting, even if its message arrived in between: it never starts work its
     client will see cancelled."""
     cut: list[int] = []
-    waiting = _Waiting(3, 0.4, lambda: cut.append(1))
+    waiting = Waiting(3, 0.4, lambda: cut.append(1))
     assert waiting.grace_s == 0.2
     hog = [_Context() for _ in range(3)]
     tickets = [waiting.enter(cast(grpc.ServicerContext, context), "hog") for context in hog]
@@ -406,7 +406,7 @@ def test_waiting_places_go_to_new_calls_only_from_stale_waiters() -> None:
     assert not waiting.leave(tickets[0])
     assert all(ticket is not None and waiting.leave(ticket) for ticket in mine)
     assert len(waiting) == 0
-    timed = _Waiting(4, 0.2, lambda: cut.append(1))
+    timed = Waiting(4, 0.2, lambda: cut.append(1))
     timed.start()
     try:
         late = _Context()

@@ -19,8 +19,8 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, RemoteUnavailable
+from shard_engine_remote._callers import CallContext
 from shard_engine_remote._framed import FramedLink
-from shard_engine_remote._server import CallContext
 from shard_engine_remote._wire import (
     IMPORT_METHOD,
     ImportHeader,

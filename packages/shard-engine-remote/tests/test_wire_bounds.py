@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 import shard_engine_api as api
-from shard_engine_remote._server import CALLER_METADATA_KEY, ServerCounters, caller_key
+from shard_engine_remote._callers import CALLER_METADATA_KEY, caller_key
+from shard_engine_remote._counters import ServerCounters
 from shard_engine_remote._wire import (
     MAX_ENV_VALUE_CHARS,
     MAX_THREADING_ENTRIES,

@@ -3,6 +3,7 @@ with the project's msgpack codec (or, to the worker's own children, the same cod
 private unix socket), and survive its crashes."""
 
 from shard_engine_remote._client import ENGINE_VERSION, RemoteEngine, RemoteOptions
+from shard_engine_remote._counters import ServerCounters
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._ratelimit import RateLimit
 from shard_engine_remote._security import (
@@ -11,12 +12,8 @@ from shard_engine_remote._security import (
     ServerSecurity,
     is_loopback,
 )
-from shard_engine_remote._server import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    EngineServer,
-    ServerCounters,
-    serve_until_signalled,
-)
+from shard_engine_remote._server import DEFAULT_MAX_MESSAGE_BYTES, EngineServer
+from shard_engine_remote._signals import serve_until_signalled
 from shard_engine_remote._supervisor import ChildProcess
 from shard_engine_remote._wire import CALL_METHOD, SERVICE_NAME, ServerStats
 

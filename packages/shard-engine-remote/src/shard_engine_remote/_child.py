@@ -40,12 +40,8 @@ from typing import Final
 import shard_engine_api as api
 from shard_engine_remote._framed import FramedServer
 from shard_engine_remote._security import ServerSecurity, read_token
-from shard_engine_remote._server import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    EngineServer,
-    Serving,
-    serve_until_signalled,
-)
+from shard_engine_remote._server import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, Serving
+from shard_engine_remote._signals import serve_until_signalled
 
 __all__ = ["main"]
 

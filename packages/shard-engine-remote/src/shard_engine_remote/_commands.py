@@ -69,7 +69,8 @@ def _command_serve(args: argparse.Namespace) -> int:
         read_pem,
         read_token,
     )
-    from shard_engine_remote._server import EngineServer, Serving, serve_until_signalled
+    from shard_engine_remote._server import EngineServer, Serving
+    from shard_engine_remote._signals import serve_until_signalled
 
     manager = get_plugin_manager()
     if args.model:

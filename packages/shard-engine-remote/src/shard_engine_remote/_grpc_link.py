@@ -19,10 +19,11 @@ from typing import Final, cast
 
 import grpc
 
+from shard_engine_remote._callers import CALLER_METADATA_KEY
 from shard_engine_remote._errors import RemoteUnavailable
 from shard_engine_remote._link import LinkFailure, Reason, Stream
 from shard_engine_remote._security import ClientSecurity, speaks_tls
-from shard_engine_remote._server import CALLER_METADATA_KEY, channel_options
+from shard_engine_remote._server import channel_options
 from shard_engine_remote._wire import (
     CALL_METHOD,
     EXPORT_METHOD,

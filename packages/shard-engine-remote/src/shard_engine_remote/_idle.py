@@ -31,7 +31,7 @@ from typing import Final, TypeVar
 
 import shard_engine_api as api
 
-__all__ = ["DEFAULT_SESSION_IDLE_S", "IdleSessions"]
+__all__ = ["DEFAULT_SESSION_IDLE_S", "IdleSessions", "served_max_sessions"]
 
 DEFAULT_SESSION_IDLE_S: Final = 600.0
 """``serve``'s default: a session no call touched for 10 minutes is released with a fence."""
@@ -41,6 +41,15 @@ _ROOM: Final = frozenset({"sessions", "kv"})
 _LOG: Final = logging.getLogger("shard_engine.remote")
 _Request = TypeVar("_Request")
 _Answer = TypeVar("_Answer")
+
+
+def served_max_sessions(engine: api.ShardEngine) -> int:
+    """The served engine's session limit (16 before it is loaded: a child's engine loads
+    through its first call)."""
+    try:
+        return engine.capabilities().limits.max_sessions
+    except api.ShardEngineError:
+        return 16
 
 
 @dataclass(slots=True)

@@ -31,33 +31,36 @@ does; what it could not decode goes to :meth:`~EngineServer.refused_frame`).
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import logging
-import os
-import signal
 import threading
 import time
 import traceback
 import typing
-from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import Final, TypeAlias, TypeVar
+from typing import Final, TypeVar
 
 import grpc
 import msgspec
-from grpc_health.v1 import health, health_pb2
 
 import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api._errors import clamp_text
-from shard_engine_api._types import MAX_DETAIL_CHARS, MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
+from shard_engine_api._types import MAX_DETAIL_CHARS, SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote._admission import DEFAULT_MAX_QUEUED, Admission, Outcome, Ticket
-from shard_engine_remote._idle import IdleSessions
+from shard_engine_remote._callers import (
+    CallContext,
+    InFlight,
+    answer_as_callers,
+    as_callers,
+    caller_key,
+    client_key,
+)
+from shard_engine_remote._counters import ServerCounters
+from shard_engine_remote._grpc_health import SERVING_STATES, GrpcHealth
+from shard_engine_remote._idle import IdleSessions, served_max_sessions
 from shard_engine_remote._import_limits import (
     DEFAULT_MAX_IMPORT_BYTES,
     ImportBudget,
@@ -65,10 +68,9 @@ from shard_engine_remote._import_limits import (
 )
 from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
+from shard_engine_remote._waiting import Waiting
 from shard_engine_remote._wire import (
-    MAX_ENV_VALUE_CHARS,
     SERVICE_NAME,
-    THREADING_ENV,
     CapabilitiesQuery,
     HealthQuery,
     MetricsQuery,
@@ -86,34 +88,20 @@ from shard_engine_remote._wire import (
 )
 
 __all__ = [
-    "CALLER_METADATA_KEY",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
     "DEFAULT_MIN_STREAM_BYTES_PER_S",
     "DEFAULT_STREAM_IDLE_S",
-    "CallContext",
     "EngineServer",
-    "ServerCounters",
     "Serving",
     "StreamBroken",
-    "caller_key",
     "channel_options",
-    "client_key",
     "drain_margin_s",
-    "serve_until_signalled",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
-_SERVING_STATES: Final = ("ready", "degraded")
-_HEALTH_SERVICE: Final = "grpc.health.v1.Health"
-_HEALTH_SLOTS: Final = 4
-"""Threads health checks may hold at once, waiting for their request or watching (a Watch
-holds one for as long as it lasts), see _Waiting. Few: health needs no token, and a request
-may be as large as any message while it arrives."""
-_HEALTH_REQUEST_S: Final = 5.0
-"""How long a health check's request message may take to arrive."""
 DEFAULT_MAX_CONNECTIONS: Final = 1000
 """Connections a gRPC server holds at once (never more than half the process's descriptors):
 gRPC closes any beyond it as soon as it is accepted."""
@@ -132,20 +120,6 @@ holds its slot for at most ``stream_idle_s + n / min_stream_bytes_per_s`` second
 _Result = TypeVar("_Result")
 _Message = TypeVar("_Message")
 _LOG: Final = logging.getLogger("shard_engine.remote")
-
-
-class CallContext(typing.Protocol):
-    """What dispatch needs of a call: who makes it, and callbacks run when it ends (completed,
-    cancelled, past its deadline or its connection lost). gRPC's ServicerContext is one; the
-    framed transport has its own."""
-
-    def add_callback(self, callback: Callable[[], None]) -> bool: ...
-
-    def peer(self) -> str: ...
-
-    def peer_identities(self) -> Iterable[bytes] | None: ...
-
-    def invocation_metadata(self) -> Iterable[tuple[str, str | bytes]] | None: ...
 
 
 class StreamBroken(Exception):
@@ -174,102 +148,21 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
     ]
 
 
-@dataclass
-class ServerCounters:
-    """What the server saw, refused or cut short since it started (see :class:`ServerStats`
-    for what each counts)."""
-
-    calls: int = 0
-    in_flight: int = 0
-    unauthenticated: int = 0
-    rejected_frames: int = 0
-    oversized: int = 0
-    rate_limited: int = 0
-    busy: int = 0
-    transport_cancels: int = 0
-    stalled: int = 0
-    shared_memory_calls: int = 0
-    refused_shared_memory: int = 0
-    drain_refused: int = 0
-    queue: Callable[[], dict[str, int | float]] | None = field(
-        default=None, repr=False, compare=False
-    )
-    """The compute queue's own figures (depth, waits: ``Admission.stats``), when there is one."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + amount)
-
-    def call_started(self) -> None:
-        with self._lock:
-            self.calls += 1
-            self.in_flight += 1
-
-    def call_ended(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
-
-    def stats(self, rate_limited_clients: int = 0) -> ServerStats:
-        queue = {} if self.queue is None else self.queue()
-        with self._lock:
-            stats = ServerStats(
-                drain_refused=self.drain_refused,
-                calls=self.calls,
-                in_flight=self.in_flight,
-                unauthenticated=self.unauthenticated,
-                rejected_frames=self.rejected_frames,
-                oversized=self.oversized,
-                rate_limited=self.rate_limited,
-                busy=self.busy,
-                transport_cancels=self.transport_cancels,
-                shared_memory_calls=self.shared_memory_calls,
-                refused_shared_memory=self.refused_shared_memory,
-                stalled=self.stalled,
-                rate_limited_clients=rate_limited_clients,
-                threading={
-                    name: clamp_text(os.environ[name], MAX_ENV_VALUE_CHARS)
-                    for name in THREADING_ENV
-                    if name in os.environ
-                },
-            )
-        return msgspec.structs.replace(stats, **queue) if queue else stats
-
-    def snapshot(self) -> dict[str, int]:
-        return msgspec.structs.asdict(self.stats())
-
-
-def client_key(context: CallContext) -> str:
-    """Who is calling, for the rate limiter: the mutual-TLS identity when the peer presented a
-    certificate, else its connection (``ipv4:127.0.0.1:PORT``, ``unix:...``)."""
-    identities = context.peer_identities()
-    if identities:
-        return "tls:" + b",".join(identities).decode("utf-8", "replace")
-    return context.peer()
-
-
-CALLER_METADATA_KEY: Final = "shard-engine-caller"
-"""Metadata naming the remote engine a gRPC call comes from (a random id it draws once):
-every gRPC client on a unix socket has the same peer, ``unix:``."""
-
-
-def caller_key(context: CallContext) -> str:
-    """Whose work a call is, for cancels: :func:`client_key` and, over gRPC, the caller's
-    random id (unguessable, so naming it proves nothing to anyone else; never used for rate
-    limits, which a client could dodge by drawing new ids)."""
-    key = client_key(context)
-    for name, value in context.invocation_metadata() or ():
-        if name == CALLER_METADATA_KEY:
-            caller = value if isinstance(value, str) else value.hex()
-            if len(caller) > _MAX_CALLER_CHARS:
-                # Held for as long as the call runs: a long id costs its digest's size only.
-                caller = "sha256:" + hashlib.sha256(caller.encode("utf-8", "replace")).hexdigest()
-            return f"{key}/{caller}"
-    return key
-
-
-_MAX_CALLER_CHARS: Final = 128
-"""The longest caller id kept as sent (a client draws 32 hex digits); longer ones are hashed."""
+_Request = TypeVar(
+    "_Request",
+    api.PrefillRequest,
+    api.DecodeRequest,
+    api.DecodeBatchRequest,
+    api.ExportSessionRequest,
+    api.ImportSessionRequest,
+)
+_Answer = TypeVar(
+    "_Answer",
+    api.BoundaryResult | api.LogitsResult,
+    api.DecodeBatchResult,
+    api.SessionSnapshot,
+    api.ImportSessionResult,
+)
 
 
 class EngineServer:
@@ -356,23 +249,20 @@ class EngineServer:
         self._idle: IdleSessions | None = None
         if session_idle_s is not None:
             self._idle = IdleSessions(
-                engine, session_idle_s, max_sessions=_served_max_sessions(engine)
+                engine, session_idle_s, max_sessions=served_max_sessions(engine)
             )
         self._limiter = None if rate_limit is None else RateLimiter(rate_limit, clock)
         self.max_queued = max_queued
         self._compute_slots = Admission(max_workers - 4, max_queued)
         self.counters.queue = self._compute_slots.stats
         self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
-        self._in_flight = _InFlight()
-        self._waiting = _Waiting(
+        self._in_flight = InFlight()
+        self._waiting = Waiting(
             4 * max_workers, stream_idle_s, functools.partial(self.counters.add, "stalled")
         )
-        self._health_waiting = _Waiting(
-            _HEALTH_SLOTS, _HEALTH_REQUEST_S, functools.partial(self.counters.add, "stalled")
+        self._grpc_health = GrpcHealth(
+            self._request, functools.partial(self.counters.add, "stalled"), self.counters.add
         )
-        self._health = health.HealthServicer()
-        self._health_status: int | None = None
-        self._health_lock = threading.Lock()
         interceptors: list[grpc.ServerInterceptor] = []
         if self.security.token:
             interceptors.append(
@@ -381,7 +271,9 @@ class EngineServer:
                 )
             )
         # Calls waiting in the compute queue hold a thread each, beyond max_workers.
-        threads = max_workers + max_queued + self._waiting.capacity + self._health_waiting.capacity
+        threads = (
+            max_workers + max_queued + self._waiting.capacity + self._grpc_health.waiting.capacity
+        )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engine-rpc"),
             interceptors=interceptors,
@@ -409,7 +301,7 @@ class EngineServer:
             maximum_concurrent_rpcs=max_workers * 8 + max_queued,
         )
         # Request-streaming handlers for unary calls (the same on the wire): the wait for
-        # the request message is ours, bounded (see _Waiting).
+        # the request message is ours, bounded (see Waiting).
         handler: grpc.RpcMethodHandler[RemoteRequest | Rejected, RemoteReply]
         handler = grpc.stream_unary_rpc_method_handler(
             self._grpc_call,
@@ -433,25 +325,7 @@ class EngineServer:
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, methods),)
         )
-        check: grpc.RpcMethodHandler[typing.Any, typing.Any]
-        check = grpc.stream_unary_rpc_method_handler(
-            self._health_check,
-            request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-        )
-        watch: grpc.RpcMethodHandler[typing.Any, typing.Any]
-        watch = grpc.stream_stream_rpc_method_handler(
-            self._health_watch,
-            request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-        )
-        self._server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    _HEALTH_SERVICE, {"Check": check, "Watch": watch}
-                ),
-            )
-        )
+        self._server.add_generic_rpc_handlers((self._grpc_health.handler(),))
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -473,7 +347,7 @@ class EngineServer:
         else:
             self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
         self._waiting.start()
-        self._health_waiting.start()
+        self._grpc_health.waiting.start()
         self._server.start()
         self.refresh_health()
         return self.address
@@ -490,7 +364,7 @@ class EngineServer:
         refusal. Then gRPC stops taking calls (one arriving after that is CANCELLED by gRPC
         itself, which a remote engine must take as "may have run") and waits for the rest of
         the grace."""
-        self._health.enter_graceful_shutdown()
+        self._grpc_health.enter_graceful_shutdown()
         self.refuse_new_calls()
         remaining = None
         if grace is not None:
@@ -505,7 +379,7 @@ class EngineServer:
         self.refuse_queued_calls()
         self._server.stop(remaining).wait()
         self._waiting.stop()
-        self._health_waiting.stop()
+        self._grpc_health.waiting.stop()
         if self._idle is not None:
             self._idle.stop()
 
@@ -543,7 +417,7 @@ class EngineServer:
         return self.serve_call(self._request(requests, context, self._waiting), context)
 
     def _request(
-        self, requests: Iterator[_Message], context: grpc.ServicerContext, waiting: _Waiting
+        self, requests: Iterator[_Message], context: grpc.ServicerContext, waiting: Waiting
     ) -> _Message:
         """A call's one request message, waited for as one of ``waiting`` (cut off when it is
         late or older waiters must make room: the call ends CANCELLED). A stream that ends
@@ -554,7 +428,7 @@ class EngineServer:
         return request
 
     def _first(
-        self, requests: Iterator[_Message], context: grpc.ServicerContext, waiting: _Waiting
+        self, requests: Iterator[_Message], context: grpc.ServicerContext, waiting: Waiting
     ) -> _Message | None:
         """The stream's first message (None: it ended without one), waited for as one of
         ``waiting``."""
@@ -976,6 +850,11 @@ class EngineServer:
         import_session = self._watched_op(self.engine.import_session)
         return self._compute(complete, context, import_session, slot_held=True)
 
+    def refresh_health(self) -> None:
+        """Bring ``grpc.health.v1``'s answer up to date with the engine's health (a transport
+        calls it once it serves)."""
+        self._grpc_health.refresh(self.engine.health().state)
+
     def _served_health(self) -> api.Health:
         """The engine's health, ``degraded`` while the served shard refuses new work for lack
         of room (see ``_idle``)."""
@@ -1046,8 +925,8 @@ class EngineServer:
             try:
                 answer = operation(msgspec.structs.replace(request, request_id=engine_id))
             except api.ShardEngineError as error:
-                raise _as_callers(error, engine_id, request_id) from None
-            return _answer_as_callers(answer, engine_id, request_id)
+                raise as_callers(error, engine_id, request_id) from None
+            return answer_as_callers(answer, engine_id, request_id)
         finally:
             finished.set()
             self._in_flight.end(client, call)
@@ -1074,7 +953,7 @@ class EngineServer:
             return engine.cancel(request)  # the engine's own InvalidRequest
         mine = self._in_flight.matching(caller_key(context), request)
         if not mine:
-            if engine.health().state in _SERVING_STATES:
+            if engine.health().state in SERVING_STATES:
                 return api.CancelResult(cancelled=False)
             # An engine that is not serving answers as it must (a failed one EngineCrashed),
             # asked about an id no request of anyone's has.
@@ -1087,69 +966,6 @@ class EngineServer:
                 continue
             stopped += engine.cancel(api.CancelRequest(request_id=call.engine_id)).n_requests
         return api.CancelResult(cancelled=stopped > 0, n_requests=stopped)
-
-    # grpc.health.v1 answers without a token. Its handlers are request-streaming too, so
-    # their wait for the request is bounded (its own _Waiting: health callers cannot evict
-    # token holders' calls). Only the services this server serves are answered: the
-    # servicer keeps an entry per service watched, which names made up would grow for ever.
-
-    def _health_request(
-        self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
-    ) -> health_pb2.HealthCheckRequest:
-        return self._request(requests, context, self._health_waiting)
-
-    def _health_check(
-        self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:
-        request = self._health_request(requests, context)
-        if request.service not in _HEALTH_SERVICES:
-            context.abort(grpc.StatusCode.NOT_FOUND, "this server serves no such service")
-        return self._health.Check(request, context)
-
-    def _health_watch(
-        self, requests: Iterator[health_pb2.HealthCheckRequest], context: grpc.ServicerContext
-    ) -> Iterator[health_pb2.HealthCheckResponse]:
-        request = self._health_request(requests, context)
-        if request.service not in _HEALTH_SERVICES:
-            yield health_pb2.HealthCheckResponse(
-                status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-            )
-            return
-        # A watch holds its thread for as long as it lasts: it stays one of the waiting
-        # (no time limit), the first to be evicted when a newer health call needs room.
-        ticket = self._health_waiting.enter(context, client_key(context), timed=False)
-        if ticket is None:
-            self.counters.add("busy")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "health checks are busy; retry")
-        try:
-            yield from self._health.Watch(request, context)
-        finally:
-            self._health_waiting.leave(ticket)
-
-    def refresh_health(self) -> None:
-        """Bring ``grpc.health.v1``'s answer up to date with the engine's health (a transport
-        calls it once it serves)."""
-        state = self.engine.health().state
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if state in _SERVING_STATES
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        with self._health_lock:
-            if status == self._health_status:
-                return
-            self._health_status = status
-            self._health.set("", status)
-            self._health.set(SERVICE_NAME, status)
-
-
-def _served_max_sessions(engine: api.ShardEngine) -> int:
-    """The served engine's session limit (16 before it is loaded: a child's engine loads
-    through its first call)."""
-    try:
-        return engine.capabilities().limits.max_sessions
-    except api.ShardEngineError:
-        return 16
 
 
 def _connection_limit(wanted: int) -> int:
@@ -1173,320 +989,6 @@ def drain_margin_s(grace: float) -> float:
     return min(1.0, grace / 5)
 
 
-_HEALTH_SERVICES: Final = frozenset(("", SERVICE_NAME))
-
-_Compute: TypeAlias = (
-    api.PrefillRequest
-    | api.DecodeRequest
-    | api.DecodeBatchRequest
-    | api.ExportSessionRequest
-    | api.ImportSessionRequest
-)
-_Request = TypeVar(
-    "_Request",
-    api.PrefillRequest,
-    api.DecodeRequest,
-    api.DecodeBatchRequest,
-    api.ExportSessionRequest,
-    api.ImportSessionRequest,
-)
-_Answer = TypeVar(
-    "_Answer",
-    api.BoundaryResult | api.LogitsResult,
-    api.DecodeBatchResult,
-    api.SessionSnapshot,
-    api.ImportSessionResult,
-)
-
-
-def _answer_as_callers(answer: _Answer, engine_id: str, request_id: str) -> _Answer:
-    """``answer`` with the caller's request id where the engine put the server's. An answer
-    carrying any other id is left as it is: the client's checks refuse it (MalformedOutput)."""
-    if isinstance(answer, api.SessionSnapshot) or answer.request_id != engine_id:
-        return answer
-    return msgspec.structs.replace(answer, request_id=request_id)
-
-
-def _as_callers(
-    error: api.ShardEngineError, engine_id: str, request_id: str
-) -> api.ShardEngineError:
-    """``error`` saying the caller's request id where it says the server's (its message and
-    details), so the server's ids never reach a client."""
-    message = error.message
-    if isinstance(message, str) and engine_id in message:
-        message = message.replace(repr(engine_id), repr(request_id))
-        error.message = message.replace(engine_id, request_id)
-        error.args = (error.message,)
-    for name, value in list(error.details.items()):
-        if isinstance(value, str) and engine_id in value:
-            error.details[name] = value.replace(engine_id, request_id)
-    return error
-
-
-def _names(request: _Compute) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """What else a cancel may name to reach ``request`` besides its id: its batch items' ids,
-    and its session(s)."""
-    match request:
-        case api.DecodeBatchRequest():
-            return (
-                tuple(item.request_id for item in request.items),
-                tuple(item.session.session_id for item in request.items),
-            )
-        case api.ImportSessionRequest():
-            return (), (request.snapshot.session.session_id,)
-        case _:
-            return (), (request.session.session_id,)
-
-
-class _Waiting:
-    """Calls that hold one of the server's threads while they wait on their peer (for their
-    request message, or a health Watch for as long as it lasts): at most ``capacity`` at once,
-    for at most ``limit_s`` each (a Watch: no limit).
-
-    gRPC's sync server gives each call a pool thread as it starts and waits there for the
-    request message, without a timeout. Here that wait is bounded: a call whose message is
-    ``limit_s`` late is cancelled, and when ``capacity`` calls wait, a new call cancels the
-    oldest waiter of the peer holding the most places among those whose oldest has waited
-    ``grace_s`` (a message that late is not merely queued behind a burst of others); when
-    there is none, the new call is refused (None: the caller answers busy, retryable, nothing
-    ran). A well-behaved client's message follows its headers at once: whoever keeps calls
-    waiting loses them, and can keep others out only by opening ``capacity`` new calls every
-    ``grace_s``. One sweeper thread (started with the server) enforces the time limit;
-    entering and leaving cost a lock and dict updates, no thread or timer per call."""
-
-    def __init__(self, capacity: int, limit_s: float, on_cut: Callable[[], None]) -> None:
-        self.capacity = capacity
-        self.limit_s = limit_s
-        self.grace_s = min(1.0, limit_s / 2)
-        self._on_cut = on_cut
-        self._condition = threading.Condition()
-        # peer -> ticket -> (entered, deadline, context), oldest first; and ticket -> peer.
-        self._peers: dict[str, OrderedDict[int, tuple[float, float, grpc.ServicerContext]]] = {}
-        self._owners: dict[int, str] = {}
-        self._tickets = itertools.count()
-        self._running = False
-        self._sweeper: threading.Thread | None = None
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-    def enter(self, context: grpc.ServicerContext, peer: str, *, timed: bool = True) -> int | None:
-        """Count ``context`` as waiting for ``peer``; returns the ticket :meth:`leave` takes,
-        or None when the call is refused (every place taken, none by a waiter ``grace_s``
-        old)."""
-        now = time.monotonic()
-        deadline = now + self.limit_s if timed else float("inf")
-        evicted: grpc.ServicerContext | None = None
-        ticket = next(self._tickets)
-        with self._condition:
-            if len(self._owners) >= self.capacity:
-                stale = now - self.grace_s
-                holders = [
-                    key
-                    for key, waiters in self._peers.items()
-                    if next(iter(waiters.values()))[0] <= stale
-                ]
-                if not holders:
-                    return None
-                biggest = max(holders, key=lambda key: len(self._peers[key]))
-                victims = self._peers[biggest]
-                victim, (_, _, evicted) = victims.popitem(last=False)
-                del self._owners[victim]
-                if not victims:
-                    del self._peers[biggest]
-            mine = self._peers.get(peer)
-            if mine is None:
-                mine = self._peers[peer] = OrderedDict()
-            mine[ticket] = (now, deadline, context)
-            self._owners[ticket] = peer
-        if evicted is not None:
-            self._cut(evicted)
-        return ticket
-
-    def leave(self, ticket: int) -> bool:
-        """Stop counting a waiter; False when it was cut off already (it is being cancelled:
-        the call must not go on, even when its message arrived meanwhile)."""
-        with self._condition:
-            return self._pop(ticket) is not None
-
-    def _pop(self, ticket: int) -> grpc.ServicerContext | None:
-        peer = self._owners.pop(ticket, None)
-        if peer is None:
-            return None
-        waiters = self._peers[peer]
-        _, _, context = waiters.pop(ticket)
-        if not waiters:
-            del self._peers[peer]
-        return context
-
-    def _cut(self, context: grpc.ServicerContext) -> None:
-        self._on_cut()
-        context.cancel()
-
-    def start(self) -> None:
-        with self._condition:
-            if self._running:
-                return
-            self._running = True
-        self._sweeper = threading.Thread(target=self._sweep, name="engine-rpc-waiting", daemon=True)
-        self._sweeper.start()
-
-    def stop(self) -> None:
-        with self._condition:
-            self._running = False
-            self._condition.notify_all()
-        if self._sweeper is not None:
-            self._sweeper.join()
-
-    def _sweep(self) -> None:
-        while True:
-            expired: list[grpc.ServicerContext] = []
-            with self._condition:
-                if not self._running:
-                    return
-                now = time.monotonic()
-                due = now + self.limit_s
-                late: list[int] = []
-                for waiters in self._peers.values():
-                    for ticket, (_, deadline, _) in waiters.items():
-                        if deadline <= now:
-                            late.append(ticket)
-                        else:
-                            due = min(due, deadline)
-                for ticket in late:
-                    context = self._pop(ticket)
-                    if context is not None:
-                        expired.append(context)
-                # A waiter entering later is due no earlier than now + limit_s: sleeping
-                # until the earliest deadline known (or limit_s) never oversleeps one.
-                if not expired:
-                    self._condition.wait(due - now)
-            for context in expired:
-                self._cut(context)
-
-
-@dataclass(slots=True, eq=False)
-class _Call:
-    """One compute call in flight: the caller's request id, the id the engine knows it by, and
-    what else a cancel may name to reach it (its batch items' ids, its sessions)."""
-
-    request_id: str
-    engine_id: str
-    item_ids: tuple[str, ...]
-    session_ids: tuple[str, ...]
-    ticket: Ticket | None = None
-    """Its place in the compute queue (None: a stream's call, which holds its slot)."""
-
-
-class _InFlight:
-    """Each caller's (see :func:`caller_key`) compute calls in flight, by the caller's request
-    id.
-
-    Request ids are the caller's own: the engine runs each call under an id the server makes,
-    unique among all clients' requests, so two clients using the same id never collide, and a
-    caller's second call with an id it has in flight is refused (as the engine refuses one).
-    A cancel reaches only the caller's own work, as a local engine's cancel reaches only
-    requests made through that engine: the server cancels in the engine exactly the caller's
-    calls the cancel names; one client guessing (or sharing) another's request id or session
-    id cannot stop the other's work, and learns nothing (the answer is the one for a request
-    that is not in flight: ``cancelled=False``). Sessions themselves are the served engine's,
-    shared by every client holding the server's token (see the package README)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls: dict[str, dict[str, _Call]] = {}
-        self._serial = itertools.count(1)
-
-    def begin(self, client: str, request: _Compute) -> _Call:
-        """Register ``request`` as ``client``'s; InvalidRequest when the client has a call
-        with its request id in flight."""
-        request_id = request.request_id
-        item_ids, session_ids = _names(request)
-        with self._lock:
-            calls = self._calls.get(client)
-            if calls is None:
-                calls = self._calls[client] = {}
-            elif request_id in calls:
-                raise api.InvalidRequest(f"request_id {request_id!r} is already in flight")
-            # The serial makes it unique; the caller's id (cut to fit) makes the engine's
-            # logs readable.
-            engine_id = f"{next(self._serial)}:{request_id}"[:MAX_ID_CHARS]
-            call = calls[request_id] = _Call(request_id, engine_id, item_ids, session_ids)
-        return call
-
-    def end(self, client: str, call: _Call) -> None:
-        with self._lock:
-            calls = self._calls.get(client)
-            if calls is not None and calls.get(call.request_id) is call:
-                del calls[call.request_id]
-                if not calls:
-                    del self._calls[client]
-
-    def matching(self, client: str, request: api.CancelRequest) -> list[_Call]:
-        """``client``'s calls in flight that ``request`` (naming exactly one of a request id
-        and a session) names."""
-        with self._lock:
-            calls = self._calls.get(client)
-            if not calls:
-                return []
-            request_id = request.request_id
-            if request_id is not None:
-                return [
-                    call
-                    for call in calls.values()
-                    if call.request_id == request_id or request_id in call.item_ids
-                ]
-            session_id = request.session_id
-            return [call for call in calls.values() if session_id in call.session_ids]
-
-    def unused_id(self) -> str:
-        """An engine request id no call was or will be given."""
-        with self._lock:
-            return f"{next(self._serial)}:"
-
-
-_SIGNAL_POLL_S: Final = 0.05
-"""How often the serving loop looks for a signal its handler recorded."""
 _DRAIN_QUIET_S: Final = 0.1
 """How long a draining gRPC server, its compute calls done, must see no new call before it
 stops taking them (until then they get the drain's typed refusal)."""
-
-
-def serve_until_signalled(
-    server: Serving,
-    *,
-    drain_seconds: float = 10.0,
-    stop: threading.Event | None = None,
-    on_stopped: Callable[[], None] | None = None,
-) -> int | None:
-    """Block until SIGTERM, SIGHUP or SIGINT (or ``stop`` is set), then drain in-flight calls
-    for up to ``drain_seconds``, close the engine and return the first signal received (None
-    when ``stop`` ended it). Call from the main thread. SIGHUP drains too: a closed terminal or
-    a service manager's hang-up must not kill a server mid-call."""
-    stop = stop or threading.Event()
-    signalled: list[int] = []
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        # No lock here (not even Event.set's): a second signal runs this handler again on
-        # the same thread, inside the first, and would wait for good on a lock it holds (a
-        # supervisor sends SIGTERM twice: once to ask, once from its stop).
-        signalled.append(signum)
-
-    previous = {
-        sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-    }
-    try:
-        while not signalled and not stop.wait(_SIGNAL_POLL_S):
-            pass
-        server.stop(drain_seconds)
-    finally:
-        # The handlers stay until the engine is closed: a repeated SIGTERM must not kill the
-        # process halfway through closing it.
-        try:
-            server.engine.close()
-            if on_stopped is not None:
-                on_stopped()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    return signalled[0] if signalled else None
