@@ -132,11 +132,16 @@ class GrpcLink:
         """Whether the channel connects within ``timeout``. A plaintext channel whose first
         connection attempt fails asks whether the server speaks TLS: RemoteUnavailable saying
         to set tls_ca at once, not "no server answered" when the timeout has passed."""
+        # The ready future subscribes first and asks to connect. The watcher, subscribed
+        # after it, must not ask too: gRPC keeps a later subscriber's request to connect as a
+        # flag that its polling thread acts on up to 0.2 s later, and a channel closed
+        # meanwhile raises "Channel closed!" in that thread (the first subscriber's request
+        # is the thread's argument instead, never left behind).
+        ready = grpc.channel_ready_future(self.channel)
         states: list[grpc.ChannelConnectivity] = []
         watch = states.append
-        self.channel.subscribe(watch, try_to_connect=True)
+        self.channel.subscribe(watch, try_to_connect=False)
         try:
-            ready = grpc.channel_ready_future(self.channel)
             deadline = time.monotonic() + timeout
             probed = not self._plaintext
             while True:
