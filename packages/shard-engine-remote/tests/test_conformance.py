@@ -13,9 +13,8 @@ import msgspec
 import pytest
 
 from shard_engine_api import ShardEngine
-from shard_engine_api._plugins import get_plugin_manager, model_fixture
 from shard_engine_api.conformance import ShardEngineConformance
-from shard_engine_api.engine import ModelFixture
+from shard_engine_api.engine import ModelFixture, get_plugin_manager, model_fixture
 from shard_engine_remote import RemoteEngine
 
 

@@ -34,7 +34,7 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._types import MAX_ID_CHARS
+from shard_engine_api.wire import MAX_ID_CHARS
 from shard_engine_remote import EngineServer, OutcomeUnknown, RemoteEngine, RemoteUnavailable
 from shard_engine_remote._framed import FramedLink
 from shard_engine_remote._framed.frames import (

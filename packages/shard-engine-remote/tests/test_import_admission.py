@@ -15,7 +15,7 @@ from conftest import RemoteFactory, ServeFactory, ref, shard, wait_until
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
+from shard_engine_api.wire import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer
 from shard_engine_remote._framed import FramedLink
 from shard_engine_remote._import_limits import ImportBudget

@@ -17,7 +17,7 @@ from conftest import Background, RemoteFactory, ServeFactory, fill, ref, shard, 
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._types import SNAPSHOT_CHUNK_BYTES
+from shard_engine_api.wire import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer, RemoteUnavailable
 from shard_engine_remote._callers import CallContext
 from shard_engine_remote._framed import FramedLink

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 
 from shard_engine_api import InvalidRequest
-from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api.cli import build_parser
+from shard_engine_api.wire import BOUNDARY_DTYPES
 from shard_engine_remote._security import check_port_free
 
 

@@ -18,8 +18,10 @@ from shard_engine_api._plugins import (
     BrokenPlugin,
     PluginProblem,
     check_pending,
+    describe_model,
     engine_description,
     get_plugin_manager,
+    model_fixture,
     plugin_problems,
 )
 from shard_engine_api._store import (
@@ -30,6 +32,7 @@ from shard_engine_api._store import (
     model_store,
     portable_path,
     portable_text,
+    unchecked_model_store,
 )
 
 __all__ = [
@@ -50,14 +53,17 @@ __all__ = [
     "PluginProblem",
     "Tokenizer",
     "check_pending",
+    "describe_model",
     "engine_description",
     "file_sha256",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",
+    "model_fixture",
     "model_store",
     "plugin_problems",
     "portable_path",
     "portable_text",
     "test_options_enabled",
+    "unchecked_model_store",
 ]

@@ -15,7 +15,7 @@ from typing import Final, TypeAlias, TypeVar
 import msgspec
 
 import shard_engine_api as api
-from shard_engine_api._types import MAX_ID_CHARS
+from shard_engine_api.wire import MAX_ID_CHARS
 from shard_engine_remote._admission import Ticket
 
 __all__ = [

@@ -51,8 +51,7 @@ import msgspec
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._snapshot import check_snapshot_integrity
-from shard_engine_api._types import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES
+from shard_engine_api.wire import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES, check_snapshot_integrity
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._framed import FramedLink, FramedServer, check_private_socket
 from shard_engine_remote._grpc_link import GrpcLink

@@ -59,8 +59,13 @@ def _option(text: str) -> tuple[str, object]:
 
 def _command_serve(args: argparse.Namespace) -> int:
     import shard_engine_api as api
-    from shard_engine_api._plugins import describe_model, get_plugin_manager, model_fixture
-    from shard_engine_api._store import model_store, unchecked_model_store
+    from shard_engine_api.engine import (
+        describe_model,
+        get_plugin_manager,
+        model_fixture,
+        model_store,
+        unchecked_model_store,
+    )
     from shard_engine_remote._prometheus import MetricsEndpoint, start_metrics_endpoint
     from shard_engine_remote._ratelimit import RateLimit
     from shard_engine_remote._security import (
@@ -165,7 +170,7 @@ def _command_serve(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` to the ``shard-engine`` CLI."""
     from shard_engine_api import wire
-    from shard_engine_api._dtypes import BOUNDARY_DTYPES
+    from shard_engine_api.wire import BOUNDARY_DTYPES
     from shard_engine_remote._idle import DEFAULT_SESSION_IDLE_S
     from shard_engine_remote._import_limits import DEFAULT_MAX_IMPORT_BYTES
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shard_engine_api._errors import clamp_text
+from shard_engine_api.wire import clamp_text
 from shard_engine_remote._wire import MAX_ENV_VALUE_CHARS, THREADING_ENV, ServerStats
 
 __all__ = ["ServerCounters"]

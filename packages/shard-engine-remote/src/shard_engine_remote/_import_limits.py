@@ -26,7 +26,8 @@ import threading
 from typing import Final, Protocol, runtime_checkable
 
 import shard_engine_api as api
-from shard_engine_api._types import CONTRACT_VERSION, SNAPSHOT_CHUNK_BYTES
+from shard_engine_api import CONTRACT_VERSION
+from shard_engine_api.wire import SNAPSHOT_CHUNK_BYTES
 
 __all__ = [
     "DEFAULT_MAX_IMPORT_BYTES",

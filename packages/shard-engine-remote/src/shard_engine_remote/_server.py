@@ -47,8 +47,7 @@ import msgspec
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._errors import clamp_text
-from shard_engine_api._types import MAX_DETAIL_CHARS, SNAPSHOT_CHUNK_BYTES
+from shard_engine_api.wire import MAX_DETAIL_CHARS, SNAPSHOT_CHUNK_BYTES, clamp_text
 from shard_engine_remote._admission import DEFAULT_MAX_QUEUED, Admission, Outcome, Ticket
 from shard_engine_remote._callers import (
     CallContext,

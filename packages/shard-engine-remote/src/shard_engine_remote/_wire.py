@@ -20,7 +20,7 @@ import msgspec
 
 import shard_engine_api as api
 from shard_engine_api import wire
-from shard_engine_api._types import MAX_ID_CHARS, MAX_SNAPSHOT_CHUNKS, Count, Milliseconds
+from shard_engine_api.wire import MAX_ID_CHARS, MAX_SNAPSHOT_CHUNKS, Count, Milliseconds
 
 __all__ = [
     "CALL_METHOD",

@@ -37,7 +37,7 @@ def _new_engine() -> ShardEngine:
 def _model_fixture(workdir: Path) -> ModelFixture:
     """The served engine's own fixture, loaded through a remote engine: the conformance suite
     and ``shard-engine run --engine remote`` then cross the transport for every call."""
-    from shard_engine_api._plugins import model_fixture
+    from shard_engine_api.engine import model_fixture
 
     served = os.environ.get(SERVED_ENGINE_ENV, "fake")
     isolation = os.environ.get(ISOLATION_ENV, "spawn")
