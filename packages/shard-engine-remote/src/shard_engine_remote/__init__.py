@@ -1,6 +1,15 @@
 """shard-engine-remote: run a ShardEngine in another process or on another machine, over gRPC
 with the project's msgpack codec (or, to the worker's own children, the same codec framed on a
-private unix socket), and survive its crashes."""
+private unix socket), and survive its crashes.
+
+The client: ``_client`` (RemoteEngine) over a ``_link.Link``, ``_grpc_link`` or ``_framed``
+(``frames``, ``arena``, ``client``, ``connection``, ``server``). The server: ``_server``
+(EngineServer), with ``_callers``, ``_admission``, ``_import_limits``, ``_idle``,
+``_ratelimit``, ``_waiting``, ``_grpc_health``, ``_counters``, ``_security`` and ``_wire``.
+Processes: ``_supervisor``, ``_child``, ``_signals``, ``_commands`` (``serve``),
+``_prometheus``. Errors: ``_errors``. The entry point: ``plugin``. The package README maps
+them.
+"""
 
 from shard_engine_remote._client import ENGINE_VERSION, RemoteEngine, RemoteOptions
 from shard_engine_remote._counters import ServerCounters

@@ -12,7 +12,7 @@ remote engine decides on: whether the request may have reached the server's engi
 and why the call failed (``reason``). Each transport maps its own failures to it exactly once,
 where they arise (the gRPC link in one ``map_grpc_failures`` block, the framed link where its
 socket fails); the remote engine maps a LinkFailure to the contract's errors once
-(``RemoteEngine._link_error``), deciding nothing on message text.
+(``RemoteEngine._transport_failure``), deciding nothing on message text.
 """
 
 from __future__ import annotations
