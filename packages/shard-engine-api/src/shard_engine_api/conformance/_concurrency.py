@@ -48,12 +48,15 @@ _THREADS: Final = 8
 _SESSIONS_PER_THREAD: Final = 2
 _ROUNDS: Final = 5
 _LOOP_STEPS: Final = 200
+"""Decode steps of the tight loop the starvation test runs beside another caller before it
+truncates back and goes on."""
 _LOOP_BOUND: Final = 100_000
 """The most steps the decode loop of the starvation test takes before it gives up."""
-"""Decode steps of the tight loop the starvation test runs beside another caller."""
 _FAIR_STEPS: Final = 16
 """The most steps of that loop another caller's operation may wait: a fair (FIFO) engine lets
 it in after the step running when it arrived, and a coalescing one sooner."""
+_ATTEMPTS: Final = 3
+"""Measurements of each operation of the starvation test before a long wait counts."""
 _CANCEL_SLACK_MS: Final = 25.0
 
 
@@ -146,8 +149,9 @@ class ConcurrencyTests(TargetedTests):
     def test_no_starvation_behind_a_decode_loop(self) -> None:
         """While one thread decodes in a tight loop (until they are done), an export (when
         advertised), a prefill and a decode of other sessions from this thread each get in
-        within 16 of the loop's steps: the engine serves callers in arrival order, so no
-        caller waits for another's loop to end.
+        within 16 of the loop's steps (in one of three attempts: a caller served at once may
+        resume only at the interpreter's next thread switch): the engine serves callers in
+        arrival order, so no caller waits for another's loop to end.
 
         Fix: serve waiting callers in arrival order (a FIFO queue, not a bare lock that the
         looping thread re-takes before a woken waiter runs); coalescing the waiting decodes
@@ -180,32 +184,51 @@ class ConcurrencyTests(TargetedTests):
             except BaseException as error:  # noqa: BLE001 - reported by the test thread
                 failure.append(error)
 
-        operations: list[tuple[str, Callable[[], object]]] = []
+        # Each operation is measured up to _ATTEMPTS times and fails only if every attempt
+        # waited too long: a caller served at once may still resume only at the interpreter's
+        # next thread switch (5 ms by default, dozens of a fast engine's steps, more on a
+        # loaded machine), which the count cannot tell from waiting; a caller the engine
+        # makes wait behind the loop waits every time.
+        decoded = [4]
+
+        def decode_other() -> object:
+            result = h.decode(engine, other, decoded[0], (1,))
+            decoded[0] += 1
+            return result
+
+        operations: list[tuple[str, Callable[[int], object]]] = []
         if caps.features.session_migration:
             operations.append(
                 (
                     "export_session",
-                    partial(
-                        engine.export_session,
-                        ExportSessionRequest(request_id=h.request_id(), session=other),
+                    lambda attempt: engine.export_session(
+                        ExportSessionRequest(request_id=h.request_id(), session=other)
                     ),
                 )
             )
         operations += [
-            ("prefill", partial(h.prefill, engine, h.session("newcomer"), 0, h.tokens(8, seed=3))),
-            ("decode", partial(h.decode, engine, other, 4, (1,))),
+            (
+                "prefill",
+                lambda attempt: h.prefill(
+                    engine, h.session(f"newcomer-{attempt}"), 0, h.tokens(8, seed=3)
+                ),
+            ),
+            ("decode", lambda attempt: decode_other()),
         ]
         looping = threading.Thread(target=loop, name="conformance-decode-loop", daemon=True)
         looping.start()
-        waited: dict[str, int] = {}
+        waited: dict[str, list[int]] = {}
         try:
             _wait_until(lambda: steps[0] >= 3 or not looping.is_alive())
             for name, call in operations:
-                if not looping.is_alive():
-                    break
-                before = steps[0]
-                call()
-                waited[name] = steps[0] - before
+                for attempt in range(_ATTEMPTS):
+                    if not looping.is_alive():
+                        break
+                    before = steps[0]
+                    call(attempt)
+                    waited.setdefault(name, []).append(steps[0] - before)
+                    if waited[name][-1] <= _FAIR_STEPS:
+                        break
         finally:
             stop.set()
             looping.join(timeout=60.0)
@@ -215,10 +238,11 @@ class ConcurrencyTests(TargetedTests):
             f"the decode loop took {_LOOP_BOUND} steps before every other caller's operation "
             f"ran (only {waited} did): they starved"
         )
-        starved = {name: count for name, count in waited.items() if count > _FAIR_STEPS}
+        starved = {name: counts for name, counts in waited.items() if min(counts) > _FAIR_STEPS}
         assert not starved, (
             f"while another thread decoded in a tight loop, {starved} (operation: loop steps "
-            f"it waited) waited more than {_FAIR_STEPS} steps; every operation: {waited}"
+            f"each of its {_ATTEMPTS} attempts waited) waited more than {_FAIR_STEPS} steps "
+            f"every time; every operation: {waited}"
         )
 
     def _queued_behind_a_slow_prefill(
