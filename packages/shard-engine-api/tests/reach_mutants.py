@@ -431,31 +431,19 @@ class QueuesOutsideTheCore(ReferenceEngine):
 
 
 _MACHINE: Final = ("test_state_machine_every_role", "test_state_machine_full_shard")
-_UNFAIR_CORE: Final = ("test_no_starvation_behind_a_decode_loop",)
-"""May fail on every engine built on today's EngineCore, whose compute lock is unfair: a
-thread decoding in a tight loop can re-take it before a woken waiter runs (seen under load).
-Remove once the FIFO scheduler replaces the lock; the test must then pass everywhere."""
 
 REACH_MUTANTS: Final[dict[str, Broken]] = {
     "decode_cell_index_wraps_at256": Broken(
-        DecodeCellIndexWrapsAt256,
-        ("test_long_session_decode_and_chunks_match_one_prefill",),
-        may_fail=_UNFAIR_CORE,
+        DecodeCellIndexWrapsAt256, ("test_long_session_decode_and_chunks_match_one_prefill",)
     ),
     "fences_forgotten_past4096": Broken(
-        FencesForgottenPast4096,
-        ("test_thousands_of_releases_keep_every_fence",),
-        may_fail=_UNFAIR_CORE,
+        FencesForgottenPast4096, ("test_thousands_of_releases_keep_every_fence",)
     ),
     "batch_rows_wrap_at8": Broken(
-        BatchRowsWrapAt8,
-        ("test_large_shuffled_batches_match_single_decodes",),
-        may_fail=_UNFAIR_CORE,
+        BatchRowsWrapAt8, ("test_large_shuffled_batches_match_single_decodes",)
     ),
     "batch_shares_rows_of_equal_inputs": Broken(
-        BatchSharesRowsOfEqualInputs,
-        ("test_large_shuffled_batches_match_single_decodes",),
-        may_fail=_UNFAIR_CORE,
+        BatchSharesRowsOfEqualInputs, ("test_large_shuffled_batches_match_single_decodes",)
     ),
     "batch_budget_not_retryable": Broken(
         BatchBudgetNotRetryable,
@@ -463,7 +451,6 @@ REACH_MUTANTS: Final[dict[str, Broken]] = {
             "test_batch_at_the_kv_budget",
             "test_retryable_on_every_path",
         ),
-        may_fail=_UNFAIR_CORE,
     ),
     "batch_misses_lose_reason": Broken(
         BatchMissesLoseReason,
@@ -471,60 +458,44 @@ REACH_MUTANTS: Final[dict[str, Broken]] = {
             "test_batch_error_items_carry_their_fields",
             *_MACHINE,
         ),
-        may_fail=_UNFAIR_CORE,
     ),
-    "batch_keeps_lru_order": Broken(
-        BatchKeepsLruOrder, ("test_batch_use_refreshes_lru_order",), may_fail=_UNFAIR_CORE
-    ),
+    "batch_keeps_lru_order": Broken(BatchKeepsLruOrder, ("test_batch_use_refreshes_lru_order",)),
     "decode_checksum_not_retryable": Broken(
-        DecodeChecksumNotRetryable, ("test_retryable_on_every_path",), may_fail=_UNFAIR_CORE
+        DecodeChecksumNotRetryable, ("test_retryable_on_every_path",)
     ),
     "decode_accepts_older_contract": Broken(
-        DecodeAcceptsOlderContract, ("test_contract_version_at_its_edges",), may_fail=_UNFAIR_CORE
+        DecodeAcceptsOlderContract, ("test_contract_version_at_its_edges",)
     ),
     "contract_version_in_a_byte": Broken(
-        ContractVersionInAByte, ("test_contract_version_at_its_edges",), may_fail=_UNFAIR_CORE
+        ContractVersionInAByte, ("test_contract_version_at_its_edges",)
     ),
     "empty_reserved_values_accepted": Broken(
-        EmptyReservedValuesAccepted, ("test_empty_reserved_values_refused",), may_fail=_UNFAIR_CORE
+        EmptyReservedValuesAccepted, ("test_empty_reserved_values_refused",)
     ),
     "session_ids_end_at_nul": Broken(
-        SessionIdsEndAtNul,
-        ("test_session_ids_across_characters_and_lengths",),
-        may_fail=_UNFAIR_CORE,
+        SessionIdsEndAtNul, ("test_session_ids_across_characters_and_lengths",)
     ),
     "session_ids_kept_in256_bytes": Broken(
-        SessionIdsKeptIn256Bytes,
-        ("test_session_ids_across_characters_and_lengths",),
-        may_fail=_UNFAIR_CORE,
+        SessionIdsKeptIn256Bytes, ("test_session_ids_across_characters_and_lengths",)
     ),
     "reused_id_loses_the_first": Broken(
-        ReusedIdLosesTheFirst, ("test_request_id_reused_while_in_flight",), may_fail=_UNFAIR_CORE
+        ReusedIdLosesTheFirst, ("test_request_id_reused_while_in_flight",)
     ),
     "release_ignores_running_requests": Broken(
-        ReleaseIgnoresRunningRequests, ("test_release_while_a_request_runs",), may_fail=_UNFAIR_CORE
+        ReleaseIgnoresRunningRequests, ("test_release_while_a_request_runs",)
     ),
-    "compute_ms_cumulative": Broken(
-        ComputeMsCumulative, ("test_timings_against_the_wall_clock",), may_fail=_UNFAIR_CORE
-    ),
-    "timings_in_seconds": Broken(
-        TimingsInSeconds, ("test_timings_against_the_wall_clock",), may_fail=_UNFAIR_CORE
-    ),
-    "refused_load_sticks": Broken(
-        RefusedLoadSticks, ("test_load_after_a_refused_load",), may_fail=_UNFAIR_CORE
-    ),
+    "compute_ms_cumulative": Broken(ComputeMsCumulative, ("test_timings_against_the_wall_clock",)),
+    "timings_in_seconds": Broken(TimingsInSeconds, ("test_timings_against_the_wall_clock",)),
+    "refused_load_sticks": Broken(RefusedLoadSticks, ("test_load_after_a_refused_load",)),
     "newer_epoch_drops_the_old_first": Broken(
         NewerEpochDropsTheOldFirst,
         (
             "test_refused_first_prefill_of_a_newer_epoch",
             *_MACHINE,
         ),
-        may_fail=_UNFAIR_CORE,
     ),
     "cancel_reaches_queued_neighbours": Broken(
-        CancelReachesQueuedNeighbours,
-        ("test_cancel_one_of_queued_requests",),
-        may_fail=_UNFAIR_CORE,
+        CancelReachesQueuedNeighbours, ("test_cancel_one_of_queued_requests",)
     ),
     "queues_outside_the_core": Broken(
         QueuesOutsideTheCore,
@@ -535,7 +506,6 @@ REACH_MUTANTS: Final[dict[str, Broken]] = {
             "test_queued_cancel_heard_at_once",
             "test_request_id_reused_while_in_flight",
         ),
-        may_fail=_UNFAIR_CORE,
     ),
 }
 """Each broken engine and the standard tests that must fail on it (and no others)."""
