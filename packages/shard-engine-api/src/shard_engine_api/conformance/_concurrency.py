@@ -9,6 +9,7 @@ several queued requests leaves the others' results; a queued request hears its c
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -55,8 +56,6 @@ _LOOP_BOUND: Final = 100_000
 _FAIR_STEPS: Final = 16
 """The most steps of that loop another caller's operation may wait: a fair (FIFO) engine lets
 it in after the step running when it arrived, and a coalescing one sooner."""
-_ATTEMPTS: Final = 3
-"""Measurements of each operation of the starvation test before a long wait counts."""
 _CANCEL_SLACK_MS: Final = 25.0
 
 
@@ -73,6 +72,22 @@ def _wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
             return True
         time.sleep(0.0002)
     return condition()
+
+
+@dataclasses.dataclass(slots=True)
+class _Watched:
+    """An operation of the starvation test as its decode loop sees it: the metrics counter its
+    commit moves, the value that means committed, and the loop steps at which it was first
+    seen in flight and committed."""
+
+    counter: str
+    expect: int
+    arrived: int | None = None
+    committed: int | None = None
+
+
+def _served(watched: _Watched, looping: threading.Thread) -> bool:
+    return watched.committed is not None or not looping.is_alive()
 
 
 class ConcurrencyTests(TargetedTests):
@@ -149,9 +164,15 @@ class ConcurrencyTests(TargetedTests):
     def test_no_starvation_behind_a_decode_loop(self) -> None:
         """While one thread decodes in a tight loop (until they are done), an export (when
         advertised), a prefill and a decode of other sessions from this thread each get in
-        within 16 of the loop's steps (in one of three attempts: a caller served at once may
-        resume only at the interpreter's next thread switch): the engine serves callers in
-        arrival order, so no caller waits for another's loop to end.
+        within 16 of the loop's steps: the engine serves callers in arrival order, so no
+        caller waits for another's loop to end.
+
+        The loop itself counts, after each of its steps: from the step after which it first
+        sees the operation in flight (``health().in_flight``) to the step after which the
+        operation's commit shows in ``metrics()`` (an export in ``exports``, the prefill in
+        ``prefill_tokens``, the decode in ``decode_tokens``, less the loop's own). So the
+        count does not include the time the caller takes to resume after it was served (a
+        thread switch, which on a loaded machine is dozens of a fast engine's steps).
 
         Fix: serve waiting callers in arrival order (a FIFO queue, not a bare lock that the
         looping thread re-takes before a woken waiter runs); coalescing the waiting decodes
@@ -164,8 +185,24 @@ class ConcurrencyTests(TargetedTests):
         h.prefill(engine, looper, 0, h.tokens(4, seed=1))
         h.prefill(engine, other, 0, h.tokens(4, seed=2))
         steps = [0]
+        own = {"decode_tokens": 0, "prefill_tokens": 0}  # the loop's own commits
+        watched: list[_Watched] = []
         stop = threading.Event()
         failure: list[BaseException] = []
+
+        def look() -> None:
+            """After a loop step: has the watched operation arrived, has it committed?"""
+            if not watched or watched[-1].committed is not None:
+                return
+            current = watched[-1]
+            if current.arrived is None and engine.health().in_flight >= 1:
+                current.arrived = steps[0]
+            metrics = engine.metrics()
+            count = getattr(metrics, current.counter) - own.get(current.counter, 0)
+            if count >= current.expect:
+                current.committed = steps[0]
+                if current.arrived is None:  # arrived and committed between two looks
+                    current.arrived = steps[0]
 
         def loop() -> None:
             # Decodes until the operations are done (at most _LOOP_BOUND steps): at the end of
@@ -176,59 +213,55 @@ class ConcurrencyTests(TargetedTests):
                 while not stop.is_set() and steps[0] < _LOOP_BOUND:
                     if pos >= 4 + loop_steps:
                         h.prefill(engine, looper, 4, (pos % caps.vocab_size,))
+                        own["prefill_tokens"] += 1
                         pos = 5
                     else:
                         h.decode(engine, looper, pos, (pos % caps.vocab_size,))
+                        own["decode_tokens"] += 1
                         pos += 1
                     steps[0] += 1
+                    look()
             except BaseException as error:  # noqa: BLE001 - reported by the test thread
                 failure.append(error)
 
-        # Each operation is measured up to _ATTEMPTS times and fails only if every attempt
-        # waited too long: a caller served at once may still resume only at the interpreter's
-        # next thread switch (5 ms by default, dozens of a fast engine's steps, more on a
-        # loaded machine), which the count cannot tell from waiting; a caller the engine
-        # makes wait behind the loop waits every time.
-        decoded = [4]
-
-        def decode_other() -> object:
-            result = h.decode(engine, other, decoded[0], (1,))
-            decoded[0] += 1
-            return result
-
-        operations: list[tuple[str, Callable[[int], object]]] = []
+        operations: list[tuple[str, str, int, Callable[[], object]]] = []
         if caps.features.session_migration:
             operations.append(
                 (
                     "export_session",
-                    lambda attempt: engine.export_session(
-                        ExportSessionRequest(request_id=h.request_id(), session=other)
+                    "exports",
+                    1,
+                    partial(
+                        engine.export_session,
+                        ExportSessionRequest(request_id=h.request_id(), session=other),
                     ),
                 )
             )
         operations += [
             (
                 "prefill",
-                lambda attempt: h.prefill(
-                    engine, h.session(f"newcomer-{attempt}"), 0, h.tokens(8, seed=3)
-                ),
+                "prefill_tokens",
+                8,
+                partial(h.prefill, engine, h.session("newcomer"), 0, h.tokens(8, seed=3)),
             ),
-            ("decode", lambda attempt: decode_other()),
+            ("decode", "decode_tokens", 1, partial(h.decode, engine, other, 4, (1,))),
         ]
         looping = threading.Thread(target=loop, name="conformance-decode-loop", daemon=True)
-        looping.start()
-        waited: dict[str, list[int]] = {}
+        waited: dict[str, int] = {}
         try:
+            looping.start()
             _wait_until(lambda: steps[0] >= 3 or not looping.is_alive())
-            for name, call in operations:
-                for attempt in range(_ATTEMPTS):
-                    if not looping.is_alive():
-                        break
-                    before = steps[0]
-                    call(attempt)
-                    waited.setdefault(name, []).append(steps[0] - before)
-                    if waited[name][-1] <= _FAIR_STEPS:
-                        break
+            for name, counter, rows, call in operations:
+                if not looping.is_alive():
+                    break
+                before = getattr(engine.metrics(), counter) - own.get(counter, 0)
+                current = _Watched(counter=counter, expect=before + rows)
+                watched.append(current)
+                call()
+                # Served: the loop sees the commit at its next step (or it has ended).
+                _wait_until(partial(_served, current, looping), 60)
+                if current.committed is not None and current.arrived is not None:
+                    waited[name] = current.committed - current.arrived
         finally:
             stop.set()
             looping.join(timeout=60.0)
@@ -236,13 +269,13 @@ class ConcurrencyTests(TargetedTests):
             raise AssertionError(f"the decode loop failed: {failure[0]!r}") from failure[0]
         assert len(waited) == len(operations), (
             f"the decode loop took {_LOOP_BOUND} steps before every other caller's operation "
-            f"ran (only {waited} did): they starved"
+            f"was served (only {waited} were): they starved"
         )
-        starved = {name: counts for name, counts in waited.items() if min(counts) > _FAIR_STEPS}
+        starved = {name: count for name, count in waited.items() if count > _FAIR_STEPS}
         assert not starved, (
             f"while another thread decoded in a tight loop, {starved} (operation: loop steps "
-            f"each of its {_ATTEMPTS} attempts waited) waited more than {_FAIR_STEPS} steps "
-            f"every time; every operation: {waited}"
+            f"from its arrival to its commit) waited more than {_FAIR_STEPS} steps; every "
+            f"operation: {waited}"
         )
 
     def _queued_behind_a_slow_prefill(
