@@ -186,6 +186,9 @@ class ConcurrencyTests(TargetedTests):
         h.prefill(engine, other, 0, h.tokens(4, seed=2))
         steps = [0]
         own = {"decode_tokens": 0, "prefill_tokens": 0}  # the loop's own commits
+        # Held by the loop across each of its calls and the count of it, so the baseline read
+        # below never sees the loop's commit in metrics() before the loop counted it as its own.
+        own_lock = threading.Lock()
         watched: list[_Watched] = []
         stop = threading.Event()
         failure: list[BaseException] = []
@@ -211,14 +214,15 @@ class ConcurrencyTests(TargetedTests):
             try:
                 pos = 4
                 while not stop.is_set() and steps[0] < _LOOP_BOUND:
-                    if pos >= 4 + loop_steps:
-                        h.prefill(engine, looper, 4, (pos % caps.vocab_size,))
-                        own["prefill_tokens"] += 1
-                        pos = 5
-                    else:
-                        h.decode(engine, looper, pos, (pos % caps.vocab_size,))
-                        own["decode_tokens"] += 1
-                        pos += 1
+                    with own_lock:
+                        if pos >= 4 + loop_steps:
+                            h.prefill(engine, looper, 4, (pos % caps.vocab_size,))
+                            own["prefill_tokens"] += 1
+                            pos = 5
+                        else:
+                            h.decode(engine, looper, pos, (pos % caps.vocab_size,))
+                            own["decode_tokens"] += 1
+                            pos += 1
                     steps[0] += 1
                     look()
             except BaseException as error:  # noqa: BLE001 - reported by the test thread
@@ -254,7 +258,8 @@ class ConcurrencyTests(TargetedTests):
             for name, counter, rows, call in operations:
                 if not looping.is_alive():
                     break
-                before = getattr(engine.metrics(), counter) - own.get(counter, 0)
+                with own_lock:  # between two of the loop's calls
+                    before = getattr(engine.metrics(), counter) - own.get(counter, 0)
                 current = _Watched(counter=counter, expect=before + rows)
                 watched.append(current)
                 call()
