@@ -2134,6 +2134,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     "own_error_subclass": Broken(
         OwnErrorSubclass,
         (
+            "test_batch_error_items_carry_their_fields",
             "test_batched_decode_item_errors",
             "test_batched_decode_metrics",
             "test_batched_decode_order_with_interleaved_errors",
