@@ -36,8 +36,10 @@ from shard_engine_api import (
     PrefillRequest,
     SessionRef,
     TokenInput,
+    _scheduler,
 )
 from shard_engine_api._ledger import Admission, LedgerLimits, SessionLedger
+from shard_engine_api._scheduler import Scheduler
 from shard_engine_api.engine import CancelToken, ForwardItem, OutputMode
 
 Array = npt.NDArray[np.float32]
@@ -418,3 +420,34 @@ def test_a_cancelled_chunked_prefill_rolls_back_every_chunk() -> None:
     assert _committed(engine, "p") == 6
     assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
     assert isinstance(_decode(engine, "a", 3), LogitsResult)
+
+
+def test_a_cancelled_waiter_leaving_hands_the_free_backend_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backend is left while the only waiting request is cancelled but not yet gone (it
+    is passed over: the backend is free), and another request queues behind it. When the
+    cancelled one leaves, the one behind it runs: it used to wait for ever (a release, which
+    has no token, waited with nobody left to wake it)."""
+    monkeypatch.setattr(_scheduler, "WAIT_BACKSTOP_S", 60.0)
+    scheduler: Scheduler[None] = Scheduler()
+    scheduler.enter(None, ("a",))
+    token = CancelToken("b", ("b",))
+    cancelled = _Thread(lambda: scheduler.enter(token, ("b",)))
+    _wait_for(lambda: scheduler.queued == 1)
+    token.cancel()  # not woken yet: it is still in the queue
+    scheduler.leave()  # passes it over as cancelled: the backend is free
+    entered = threading.Event()
+
+    def release() -> None:
+        scheduler.enter(None, ("c",))  # queues behind the cancelled one
+        entered.set()
+
+    behind = _Thread(release)
+    _wait_for(lambda: scheduler.queued == 2)
+    scheduler.wake(token)
+    assert isinstance(cancelled.ended(), Cancelled)
+    assert behind.ended() is None
+    assert entered.is_set()
+    scheduler.leave()
+    assert scheduler.try_enter_alone()

@@ -184,11 +184,17 @@ class Scheduler(Generic[Payload]):
                 state = ticket.state
                 if state in (_RUNNING, _DONE):
                     return
-                if state == _WAITING and token is not None and token.cancelled:
-                    self._queue.remove(ticket)
-                    self._forget(ticket)
-                    raise Cancelled(f"request {token.request_id!r} was cancelled")
                 # A member waits for its leader whatever happens: the leader answers it.
+                if state != _WAITING or token is None or not token.cancelled:
+                    continue
+                self._queue.remove(ticket)
+                self._forget(ticket)
+                # The backend may have been left while this request was passed over as
+                # cancelled, and others have queued behind it since: they run now.
+                following = None if self._busy else self._hand_on()
+            if following is not None:
+                following.event.set()
+            raise Cancelled(f"request {token.request_id!r} was cancelled")
 
     def _forget(self, ticket: Ticket[Payload]) -> None:
         """``ticket`` left the queue (it runs, joined a group or was cancelled)."""
@@ -331,17 +337,23 @@ class Scheduler(Generic[Payload]):
 
     def leave(self) -> None:
         """The running operation is done: the oldest waiting request that is not cancelled
-        runs next (a cancelled one is leaving by itself)."""
+        runs next (a cancelled one is leaving by itself, and hands on in turn if the backend
+        is free by then)."""
         with self._mutex:
-            chosen: Ticket[Payload] | None = None
-            for ticket in self._queue:
-                if ticket.token is None or not ticket.token.cancelled:
-                    chosen = ticket
-                    break
-            if chosen is None:
-                self._busy = False
-                return
-            self._queue.remove(chosen)
-            self._forget(chosen)
-            chosen.state = _RUNNING
-        chosen.event.set()
+            chosen = self._hand_on()
+        if chosen is not None:
+            chosen.event.set()
+
+    def _hand_on(self) -> Ticket[Payload] | None:
+        """With the backend free (under the lock): the oldest waiting request that is not
+        cancelled takes it (returned, to be woken once the lock is released); None leaves the
+        backend free."""
+        for ticket in self._queue:
+            if ticket.token is None or not ticket.token.cancelled:
+                self._queue.remove(ticket)
+                self._forget(ticket)
+                ticket.state = _RUNNING
+                self._busy = True
+                return ticket
+        self._busy = False
+        return None
