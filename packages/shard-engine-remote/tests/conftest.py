@@ -296,3 +296,28 @@ class UnixPeer:
         self._listener.close()
         for sock in self.connections:
             sock.close()
+
+
+PARENT_SCRIPT = """
+import sys, time
+import shard_engine_api as api
+from shard_engine_remote import RemoteEngine
+engine = RemoteEngine()
+engine.load(api.LoadConfig(
+    shard=api.ShardSpec(model="fake", n_layers=6, start=0, end=6),
+    options={"spawn": "fake", "transport": sys.argv[1]},
+))
+print(engine.child_pid, engine._child.directory, flush=True)
+time.sleep(120)
+"""
+"""A worker process holding a spawned fake child: prints the child's pid and directory, then
+sleeps (argv[1]: the transport). Tests kill or stop it and watch what the child does."""
+
+
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` no longer runs (reaped, or a zombie its new parent has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):  # reaped while being read
+        return True

@@ -13,31 +13,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import RemoteFactory, config, decode, prefill, wait_until
+from conftest import PARENT_SCRIPT, RemoteFactory, config, decode, prefill, process_gone, wait_until
 
 import shard_engine_api as api
 from shard_engine_remote import RemoteEngine
-
-_PARENT = """
-import sys, time
-import shard_engine_api as api
-from shard_engine_remote import RemoteEngine
-engine = RemoteEngine()
-engine.load(api.LoadConfig(
-    shard=api.ShardSpec(model="fake", n_layers=6, start=0, end=6),
-    options={"spawn": "fake", "transport": sys.argv[1]},
-))
-print(engine.child_pid, engine._child.directory, flush=True)
-time.sleep(120)
-"""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):  # reaped while being read
-        return True
 
 
 def test_a_stopped_child_ends_with_its_worker(transport: str) -> None:
@@ -45,7 +24,7 @@ def test_a_stopped_child_ends_with_its_worker(transport: str) -> None:
     death signal), which sees its stdin closed, exits and removes its private directory; no
     one has to send SIGCONT."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, transport], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", PARENT_SCRIPT, transport], stdout=subprocess.PIPE, text=True
     )
     pid = 0
     try:
@@ -60,10 +39,10 @@ def test_a_stopped_child_ends_with_its_worker(transport: str) -> None:
         if parent.stdout is not None:
             parent.stdout.close()
     try:
-        wait_until(lambda: _gone(pid), timeout=60)
+        wait_until(lambda: process_gone(pid), timeout=60)
         wait_until(lambda: not Path(directory).exists(), timeout=60)
     finally:
-        if pid and not _gone(pid):
+        if pid and not process_gone(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -131,7 +110,7 @@ def test_child_pid_never_raises_across_restarts(remote: RemoteFactory) -> None:
             pid = engine.child_pid
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            wait_until(functools.partial(_gone, pid), timeout=30)
+            wait_until(functools.partial(process_gone, pid), timeout=30)
             with pytest.raises(api.EngineCrashed):
                 prefill(engine)
             prefill(engine)  # restarted

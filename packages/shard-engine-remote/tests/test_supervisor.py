@@ -13,32 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Background, RemoteFactory, config, decode, prefill, wait_until
+from conftest import (
+    PARENT_SCRIPT,
+    Background,
+    RemoteFactory,
+    config,
+    decode,
+    prefill,
+    process_gone,
+    wait_until,
+)
 
 import shard_engine_api as api
 from shard_engine_remote import RemoteEngine
-
-_PARENT = """
-import sys, time
-import shard_engine_api as api
-from shard_engine_remote import RemoteEngine
-engine = RemoteEngine()
-engine.load(api.LoadConfig(
-    shard=api.ShardSpec(model="fake", n_layers=6, start=0, end=6),
-    options={"spawn": "fake", "transport": sys.argv[1]},
-))
-print(engine.child_pid, engine._child.directory, flush=True)
-time.sleep(120)
-"""
-
-
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` no longer runs (reaped, or a zombie its new parent has yet to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def _descriptors() -> set[str]:
@@ -57,7 +44,7 @@ def test_a_child_outliving_its_supervisor_exits_and_removes_its_directory(
     """SIGKILL the supervising process: its child sees its stdin close, drains, exits and
     removes its private directory (socket and stderr log) itself."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, transport], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", PARENT_SCRIPT, transport], stdout=subprocess.PIPE, text=True
     )
     try:
         assert parent.stdout is not None
@@ -68,7 +55,7 @@ def test_a_child_outliving_its_supervisor_exits_and_removes_its_directory(
         if parent.stdout is not None:
             parent.stdout.close()
     pid = int(pid_text)
-    wait_until(lambda: _gone(pid), timeout=30)
+    wait_until(lambda: process_gone(pid), timeout=30)
     wait_until(lambda: not Path(directory).exists(), timeout=10)
 
 
@@ -94,7 +81,7 @@ def test_close_crashes_and_restarts_leave_nothing(remote: RemoteFactory, transpo
             os.kill(pid, sig)
             # A core-dumping signal stops one thread first: let it end the process before
             # the next call, which another thread could otherwise still serve.
-            wait_until(functools.partial(_gone, pid))
+            wait_until(functools.partial(process_gone, pid))
             with pytest.raises(api.EngineCrashed, match=signal.Signals(sig).name):
                 decode(engine, 3)
         prefill(engine)
@@ -105,7 +92,7 @@ def test_close_crashes_and_restarts_leave_nothing(remote: RemoteFactory, transpo
         directories.append(_directory(engine))
     finally:
         engine.close()
-    assert all(_gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
     with pytest.raises(ChildProcessError):
         os.waitpid(-1, os.WNOHANG)  # no child of this process is left, zombie or not
     assert not any(directory.exists() for directory in directories)
@@ -125,7 +112,7 @@ def test_closing_a_stopped_child_does_not_wait_out_the_grace(transport: str) -> 
     started = time.monotonic()
     engine.close()
     assert time.monotonic() - started < 4.0, "the child was killed at the end of its grace"
-    assert _gone(pid)
+    assert process_gone(pid)
     assert not directory.exists()
 
 
@@ -160,7 +147,7 @@ def test_close_ends_a_load_whose_child_stopped_starting(transport: str) -> None:
     with pytest.raises(api.NotReady, match="closed"):
         loading.result(timeout=30)
     assert engine.health().state == "closed"
-    wait_until(lambda: _gone(pid))
+    wait_until(lambda: process_gone(pid))
     assert directory is not None
     assert not directory.exists()
 
@@ -177,7 +164,7 @@ def test_close_ends_a_restart_whose_child_stopped_starting(transport: str) -> No
         first = engine.child_pid
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        wait_until(functools.partial(_gone, first))
+        wait_until(functools.partial(process_gone, first))
         with pytest.raises(api.EngineCrashed, match="SIGKILL"):
             decode(engine, 3)
         restarting = Background(lambda: prefill(engine))
@@ -186,7 +173,7 @@ def test_close_ends_a_restart_whose_child_stopped_starting(transport: str) -> No
         Background(engine.close).result(timeout=30)
         with pytest.raises(api.NotReady, match="closed"):
             restarting.result(timeout=30)
-        wait_until(lambda: _gone(pid))
+        wait_until(lambda: process_gone(pid))
     finally:
         engine.close()
 
