@@ -568,35 +568,42 @@ class SessionsRun:
                 self._leave(group, member)
 
     def _prefill(self, index: int, member: _Member) -> None:
-        started = time.perf_counter()
-        request_id = f"{self.pipeline._request_id()}/{index}"
-        try:
-            request = PrefillRequest(
-                request_id=request_id,
-                session=member.state.session,
-                start_pos=member.pos,
-                inputs=_inputs(member),
+        engine = self.engines[index]
+
+        def call(request_id: str) -> ShardResult:
+            return engine.prefill(
+                PrefillRequest(
+                    request_id=request_id,
+                    session=member.state.session,
+                    start_pos=member.pos,
+                    inputs=_inputs(member),
+                )
             )
-            result = self._call(index, request_id, lambda: self.engines[index].prefill(request))
-        except ShardEngineError as error:
-            _log_failure(index, request_id, error)
-            self._fail(member, index, error)
-            return
-        seconds = time.perf_counter() - started
-        self._counters[index].add(1, seconds)
-        self._accept(index, member, result, seconds)
+
+        self._step(index, member, call)
 
     def _decode(self, index: int, member: _Member) -> None:
+        engine = self.engines[index]
+
+        def call(request_id: str) -> ShardResult:
+            return engine.decode(
+                DecodeRequest(
+                    request_id=request_id,
+                    session=member.state.session,
+                    pos=member.pos,
+                    inputs=_inputs(member),
+                )
+            )
+
+        self._step(index, member, call)
+
+    def _step(self, index: int, member: _Member, call: Callable[[str], ShardResult]) -> None:
+        """One member's own call at shard ``index`` (a prefill, or a lone decode), timed and
+        counted; a failure is that member's error."""
         started = time.perf_counter()
         request_id = f"{self.pipeline._request_id()}/{index}"
         try:
-            request = DecodeRequest(
-                request_id=request_id,
-                session=member.state.session,
-                pos=member.pos,
-                inputs=_inputs(member),
-            )
-            result = self._call(index, request_id, lambda: self.engines[index].decode(request))
+            result = self._call(index, request_id, lambda: call(request_id))
         except ShardEngineError as error:
             _log_failure(index, request_id, error)
             self._fail(member, index, error)
