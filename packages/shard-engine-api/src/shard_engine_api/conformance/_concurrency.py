@@ -31,7 +31,11 @@ from shard_engine_api._types import (
     ShardResult,
     TokenInput,
 )
-from shard_engine_api.conformance._harness import assert_cancelled, assert_matches
+from shard_engine_api.conformance._harness import (
+    assert_cancelled,
+    assert_matches,
+    assert_threads_match_serial,
+)
 from shard_engine_api.conformance._recorder import suite_skip
 from shard_engine_api.conformance._targeted import TargetedTests
 
@@ -121,34 +125,9 @@ class ConcurrencyTests(TargetedTests):
                     out.append(_rows(h.decode(target, session, lengths[k] + step, (token,))))
             return out
 
-        expected = [script(serial, thread) for thread in range(_THREADS)]
-        results: list[list[npt.NDArray[np.floating]] | BaseException | None] = [None] * _THREADS
-        barrier = threading.Barrier(_THREADS)
-
-        def worker(thread: int) -> None:
-            try:
-                barrier.wait(timeout=10.0)
-                results[thread] = script(engine, thread)
-            except BaseException as error:  # noqa: BLE001 - reported by the test thread
-                results[thread] = error
-
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(_THREADS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120.0)
-        for index, outcome in enumerate(results):
-            if isinstance(outcome, BaseException):
-                raise AssertionError(f"thread {index} failed: {outcome!r}") from outcome
-            assert outcome is not None, f"thread {index} did not finish in 120 s"
-            for step, (have, want) in enumerate(zip(outcome, expected[index], strict=True)):
-                assert_matches(
-                    have,
-                    want,
-                    exact=exact,
-                    tolerance=tolerance,
-                    what=f"thread {index} output {step} vs the serial run",
-                )
+        assert_threads_match_serial(
+            engine, serial, script, _THREADS, exact=exact, tolerance=tolerance, join_s=120.0
+        )
         calls = _THREADS * _SESSIONS_PER_THREAD * (1 + _ROUNDS)
         metrics, health = engine.metrics(), engine.health()
         positions = sum(

@@ -215,6 +215,51 @@ def assert_matches(
         )
 
 
+def assert_threads_match_serial(
+    engine: ShardEngine,
+    serial: ShardEngine,
+    script: Callable[[ShardEngine, int], list[npt.NDArray[np.floating]]],
+    n_threads: int,
+    *,
+    exact: bool,
+    tolerance: Tolerances,
+    join_s: float,
+) -> None:
+    """Run ``script(engine, i)`` on ``n_threads`` threads at once (released together by a
+    barrier) and compare every output of thread ``i`` with ``script(serial, i)`` run first,
+    one thread after another, on a fresh engine: exactly, or within ``tolerance``."""
+    expected = [script(serial, index) for index in range(n_threads)]
+    results: list[list[npt.NDArray[np.floating]] | BaseException | None] = [None] * n_threads
+    barrier = threading.Barrier(n_threads)
+
+    def worker(index: int) -> None:
+        try:
+            barrier.wait(timeout=10.0)
+            results[index] = script(engine, index)
+        except BaseException as error:  # noqa: BLE001 - reported by the test thread
+            results[index] = error
+
+    threads = [
+        threading.Thread(target=worker, args=(index,), daemon=True) for index in range(n_threads)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=join_s)
+    for index, outcome in enumerate(results):
+        if isinstance(outcome, BaseException):
+            raise AssertionError(f"thread {index} failed: {outcome!r}") from outcome
+        assert outcome is not None, f"thread {index} did not finish in {join_s:g} s"
+        for step, (have, want) in enumerate(zip(outcome, expected[index], strict=True)):
+            assert_matches(
+                have,
+                want,
+                exact=exact,
+                tolerance=tolerance,
+                what=f"thread {index} output {step} vs the serial run",
+            )
+
+
 def _declared(value: msgspec.Struct) -> dict[str, DeclaredValue]:
     """A declared capabilities struct as report fields (nested tolerances as mappings)."""
     fields = msgspec.to_builtins(value)

@@ -64,6 +64,7 @@ from shard_engine_api.conformance._harness import (
     Tolerances,
     assert_cancelled,
     assert_matches,
+    assert_threads_match_serial,
     bundle_of,
     logits_array,
     rebuilt_bundle,
@@ -2043,37 +2044,9 @@ class TargetedTests:
                 out.append(self._rows(h.decode(target, session, 6 + step, (step,))))
             return out
 
-        expected = [script(serial, index) for index in range(n_threads)]
-        results: list[list[npt.NDArray[np.floating]] | BaseException | None] = [None] * n_threads
-        barrier = threading.Barrier(n_threads)
-
-        def worker(index: int) -> None:
-            try:
-                barrier.wait(timeout=10.0)
-                results[index] = script(engine, index)
-            except BaseException as error:  # noqa: BLE001 - reported by the test thread
-                results[index] = error
-
-        threads = [
-            threading.Thread(target=worker, args=(index,), daemon=True)
-            for index in range(n_threads)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60.0)
-        for index, outcome in enumerate(results):
-            if isinstance(outcome, BaseException):
-                raise AssertionError(f"thread {index} failed: {outcome!r}") from outcome
-            assert outcome is not None, f"thread {index} did not finish"
-            for step, (have, want) in enumerate(zip(outcome, expected[index], strict=True)):
-                assert_matches(
-                    have,
-                    want,
-                    exact=exact,
-                    tolerance=tolerance,
-                    what=f"thread {index} step {step} vs the serial run",
-                )
+        assert_threads_match_serial(
+            engine, serial, script, n_threads, exact=exact, tolerance=tolerance, join_s=60.0
+        )
         metrics, health = engine.metrics(), engine.health()
         assert metrics.requests == 8 * n_threads, f"metrics.requests {metrics.requests}"
         assert health.sessions == n_threads
