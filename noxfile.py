@@ -248,8 +248,8 @@ def certify(session: nox.Session) -> None:
 
 FUZZ_TESTS = [
     f"{API}/tests/test_codec_fuzz.py",
-    f"{API}/tests/test_edge.py",
-    f"{API}/tests/test_edge_engine.py",
+    f"{API}/tests/test_typecheck.py",
+    f"{API}/tests/test_typecheck_engine.py",
 ]
 
 

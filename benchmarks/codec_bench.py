@@ -36,7 +36,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from _results import Results, add_results_option, add_size_options, run_mode
 
-from shard_engine_api import CONTRACT_VERSION, BoundaryBundle, BoundaryDtype, SessionRef, _boundary
+from shard_engine_api import (
+    CONTRACT_VERSION,
+    BoundaryBundle,
+    BoundaryDtype,
+    SessionRef,
+    _bundle_checks,
+)
 from shard_engine_api._checksum import NATIVE_MODULE
 from shard_engine_api._dtypes import python_payload_finite
 from shard_engine_api._types import numpy_dtype
@@ -60,17 +66,17 @@ def fallback_verification() -> Iterator[None]:
     """The codec's checks with the pure-Python verification (what an install without a C
     compiler runs), for the codec-fallback column."""
     swaps = {
-        "verify_payload": _boundary.python_verify_payload,
+        "verify_payload": _bundle_checks.python_verify_payload,
         "payload_finite": python_payload_finite,
     }
-    bound = {name: getattr(_boundary, name) for name in swaps}
+    bound = {name: getattr(_bundle_checks, name) for name in swaps}
     for name, fallback in swaps.items():
-        setattr(_boundary, name, fallback)
+        setattr(_bundle_checks, name, fallback)
     try:
         yield
     finally:
         for name, function in bound.items():
-            setattr(_boundary, name, function)
+            setattr(_bundle_checks, name, function)
 
 
 DTYPES: list[BoundaryDtype] = ["f16", "bf16", "f32"]

@@ -25,7 +25,7 @@ from shard_engine_api import (
     SessionRef,
 )
 from shard_engine_api._checksum import CHECKSUM_ALGORITHM, CHECKSUM_MAX
-from shard_engine_api._edge import check_fields
+from shard_engine_api._typecheck import check_fields
 from shard_engine_api.wire import (
     Codec,
     chunks_checksum,

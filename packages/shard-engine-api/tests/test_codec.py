@@ -38,7 +38,7 @@ from shard_engine_api import (
     ShardMismatch,
     ShardSpec,
     TokenInput,
-    _boundary,
+    _bundle_checks,
     _codec,
 )
 from shard_engine_api._codec import all_finite
@@ -486,7 +486,7 @@ def test_payload_over_the_limit_is_refused_before_hashing(
     def forbidden(*arguments: object) -> int:
         raise AssertionError("hashed an oversized payload")
 
-    monkeypatch.setattr(_boundary, "verify_payload", forbidden)
+    monkeypatch.setattr(_bundle_checks, "verify_payload", forbidden)
     with pytest.raises(ResourceExhausted) as caught:
         decode_bundle(buf, max_payload_bytes=1023)
     assert not caught.value.retryable

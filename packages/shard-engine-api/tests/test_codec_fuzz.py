@@ -55,7 +55,7 @@ from shard_engine_api import (
     TokenInput,
 )
 from shard_engine_api._codec import MAX_OPTIONS_BYTES, MAX_STRUCTURE_BYTES
-from shard_engine_api._edge import check_request
+from shard_engine_api._typecheck import check_request
 from shard_engine_api.wire import (
     Codec,
     WireMessage,

@@ -18,7 +18,7 @@ import pytest
 import xxhash
 
 from shard_engine_api import BoundaryDtype
-from shard_engine_api._boundary import (
+from shard_engine_api._bundle_checks import (
     CHECKSUM_MISMATCH,
     NONFINITE,
     SOUND,

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 import shard_engine_api as api
-from shard_engine_api import _edge
+from shard_engine_api import _typecheck
 from shard_engine_fake import FakeEngine
 
 THREADS: Final = 4
@@ -69,8 +69,8 @@ def test_first_requests_from_many_threads_match_serial(
     serial_engine.close()
     # A fresh process: no request checker compiled yet, and compiling slow enough that every
     # thread's first request arrives while another thread is compiling.
-    monkeypatch.setattr(_edge, "_STRUCT_CHECKERS", {})
-    monkeypatch.setattr(_edge, "_FIELD_CHECKERS", {})
+    monkeypatch.setattr(_typecheck, "_STRUCT_CHECKERS", {})
+    monkeypatch.setattr(_typecheck, "_FIELD_CHECKERS", {})
     type_info = msgspec.inspect.type_info
 
     def slow_type_info(cls: object) -> msgspec.inspect.Type:

@@ -19,7 +19,7 @@ that forges payloads (authenticated transports do that).
 Two implementations, one result: the optional C extension ``shard_engine_api._native`` (xxHash's
 own XXH3_64bits, vendored, with its run-time SSE2/AVX2/AVX-512 dispatch) when it was built, else
 the ``xxhash`` package. The extension also verifies a payload's checksum and finiteness in one
-pass (``verify_payload`` of shard_engine_api._boundary); without it that is the checksum, then
+pass (``verify_payload`` of shard_engine_api._bundle_checks); without it that is the checksum, then
 the numpy bit tests of shard_engine_api._dtypes. :data:`NATIVE` says which is in use; the
 environment variable ``SHARD_ENGINE_API_NATIVE=0``, set before the import, selects the fallback
 (the tests pin that both give the same answers).
@@ -29,7 +29,7 @@ uint64, so checksum fields are typed ``Checksum`` (0..2**64-1), not ``Count`` (<
 
 Scan marks: a bundle or logits result whose payload was verified (checksum, and optionally
 finiteness) carries a private mark saying so, so the same object is not scanned twice at one
-hop (see shard_engine_api._boundary). A mark is only set where the payload cannot change.
+hop (see shard_engine_api._bundle_checks). A mark is only set where the payload cannot change.
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ message type that carries no payload, read from its tag), every container's leng
 element is decoded), the nesting depth (no decoder recurses without bound: a nested-array bomb
 is InvalidRequest, never RecursionError), and engine options (``LoadConfig.options`` is decoded
 only after its encoded size passed :data:`MAX_OPTIONS_BYTES`, then held to the bounds of
-:func:`shard_engine_api._edge.check_option_value`).
+:func:`shard_engine_api._typecheck.check_option_value`).
 
 Payloads (bundle hidden states and logits) decode zero-copy: the ``payload`` memoryview is a
 view into the input buffer, and ``array()`` is ``np.frombuffer`` on it. The decoded object keeps
 the input buffer alive. Decoding verifies every bundle and logits payload with the checks of
-shard_engine_api._boundary (cheapest first: contract version, reserved state, header values,
+shard_engine_api._bundle_checks (cheapest first: contract version, reserved state, header values,
 dtype, the receiver's expected hidden size, model fingerprint and layer, payload size limit
 before any hashing, payload length, checksum, finiteness); a bundle verified here is marked so
 the engine core that receives it does not scan its payload again.
@@ -48,14 +48,13 @@ from typing import Annotated, Final, Literal, TypeAlias, TypeVar
 
 import msgspec
 
-from shard_engine_api._boundary import (
+from shard_engine_api._bundle_checks import (
     BundleExpectation,
     all_finite,
     check_bundle,
     check_logits,
     violation_error,
 )
-from shard_engine_api._edge import check_option_value
 from shard_engine_api._errors import (
     MAX_ERROR_CODE_CHARS,
     MAX_ERROR_DETAIL_CHARS,
@@ -71,6 +70,7 @@ from shard_engine_api._errors import (
     error_from_info,
 )
 from shard_engine_api._snapshot import verify_snapshot_integrity
+from shard_engine_api._typecheck import check_option_value
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     MAX_BATCH_ITEMS,

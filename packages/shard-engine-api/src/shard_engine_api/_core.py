@@ -44,7 +44,6 @@ import numpy.typing as npt
 
 from shard_engine_api._backend import ForwardItem, ModelInfo, OutputMode, describe
 from shard_engine_api._cancel import CancelToken
-from shard_engine_api._edge import check_request
 from shard_engine_api._errors import (
     Cancelled,
     EngineCrashed,
@@ -69,6 +68,7 @@ from shard_engine_api._snapshot import (
     check_snapshot_integrity,
     check_snapshot_target,
 )
+from shard_engine_api._typecheck import check_request
 from shard_engine_api._types import (
     MAX_DETAIL_CHARS,
     BoundaryResult,

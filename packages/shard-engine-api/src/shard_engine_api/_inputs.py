@@ -1,7 +1,7 @@
 """A request's inputs turned into backend arrays: the role decides tokens or a boundary bundle,
 and the bundle must be the one this shard expects (model, layer, session, position, size,
-payload: the checks of shard_engine_api._boundary). Reserved hooks (MTP, aux) are refused here.
-Field types were checked at the edge (shard_engine_api._edge) before anything got here."""
+payload: the checks of shard_engine_api._bundle_checks). Reserved hooks (MTP, aux) are refused here.
+Field types were checked at the edge (shard_engine_api._typecheck) before anything got here."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._boundary import BundleExpectation, check_bundle, violation_error
+from shard_engine_api._bundle_checks import BundleExpectation, check_bundle, violation_error
 from shard_engine_api._checksum import payload_immutable, scanned
 from shard_engine_api._dtypes import payload_rows
 from shard_engine_api._errors import InvalidRequest, ShardEngineError, UnsupportedFeature, WrongRole
@@ -88,7 +88,7 @@ def decode_inputs(
     if violation is not None:
         raise violation_error(violation)
     # A bundle the codec (or a ValidatingEngine) already scanned is not scanned again: see
-    # shard_engine_api._boundary. The payload length was checked there too, so the rows are a
+    # shard_engine_api._bundle_checks. The payload length was checked there too, so the rows are a
     # plain view for f32, converted for f16 and bf16 (a bit shift, exact).
     return None, payload_rows(bundle.payload, bundle.dtype, bundle.n_tokens, bundle.hidden_size)
 

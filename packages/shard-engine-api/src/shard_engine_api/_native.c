@@ -53,7 +53,7 @@
 
 /* Finiteness kinds (shard_engine_api._dtypes.FINITE_KINDS). */
 enum { KIND_NONE = 0, KIND_F16 = 1, KIND_BF16 = 2, KIND_F32 = 3 };
-/* Results of verify() (shard_engine_api._boundary's SOUND, CHECKSUM_MISMATCH, NONFINITE). */
+/* Results of verify() (shard_engine_api._bundle_checks's SOUND, CHECKSUM_MISMATCH, NONFINITE). */
 enum { SOUND = 0, CHECKSUM_MISMATCH = 1, NONFINITE = 2 };
 
 /* Blocks of the streaming shape: small enough to stay in L1 between hashing and testing. */

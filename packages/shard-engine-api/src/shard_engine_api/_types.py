@@ -125,7 +125,7 @@ MAX_SNAPSHOT_CHUNKS: Final = 1 << 16
 ``max_payload_bytes`` is the practical bound, see shard_engine_api._codec)."""
 
 # Wire bounds as msgspec constraints: the decoders enforce them in C while decoding (container
-# lengths before any element is built), and the edge checks of shard_engine_api._edge read them
+# lengths before any element is built), and the edge checks of shard_engine_api._typecheck read them
 # from the same annotations for structs built in Python.
 Count: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 """A non-negative wire integer: positions, epochs, counts, sizes."""
@@ -174,7 +174,7 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     end: Count
 
     def __post_init__(self) -> None:
-        from shard_engine_api._edge import check_fields
+        from shard_engine_api._typecheck import check_fields
 
         check_fields(self)
         if self.n_layers < 1:
@@ -225,7 +225,7 @@ class SessionRef(msgspec.Struct, frozen=True, kw_only=True):
             or not 0 <= epoch <= INT64_MAX
             or not session_id.isascii()
         ):
-            from shard_engine_api._edge import check_fields
+            from shard_engine_api._typecheck import check_fields
 
             check_fields(self)
 
@@ -261,7 +261,7 @@ class BoundaryBundle(msgspec.Struct, frozen=True, kw_only=True, tag="boundary", 
     these states enter (the producer's ``end``).
 
     (``dict=True`` gives an instance room for the private mark that records a completed
-    payload verification, so a bundle is scanned once per hop; see shard_engine_api._boundary.
+    payload verification, so a bundle is scanned once per hop; see shard_engine_api._bundle_checks.
     The mark is not a field: it is never encoded and never compared.)
     """
 
@@ -718,7 +718,7 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, tag="load"):
     ] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from shard_engine_api._edge import check_fields
+        from shard_engine_api._typecheck import check_fields
 
         # Types, ranges, literals and options (JSON-like, bounded) with the field path named.
         check_fields(self)

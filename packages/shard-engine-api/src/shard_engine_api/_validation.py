@@ -10,9 +10,9 @@ later as wrong logits.
 It runs on every decode step, so everything that can be derived once is derived when the
 capabilities are first seen (at ``load``, or at the first call if the inner engine was loaded
 before it was wrapped), and each result costs a few attribute comparisons plus one checksum and
-one finiteness pass over its payload. The payload checks are those of shard_engine_api._boundary
-(shared with the engine core and the codec); a bundle that passes them is marked, so the next
-shard's core in an in-process pipeline does not scan it again.
+one finiteness pass over its payload. The payload checks are those of
+shard_engine_api._bundle_checks (shared with the engine core and the codec); a bundle that passes
+them is marked, so the next shard's core in an in-process pipeline does not scan it again.
 
 Both paths catch the same defects: the loaded boundary dtype comes from
 ``Capabilities.boundary_dtype`` when the engine was loaded before it was wrapped (and, for an
@@ -28,15 +28,15 @@ from typing import Final, NoReturn
 
 import msgspec
 
-from shard_engine_api._boundary import BundleExpectation, Violation, check_bundle, check_logits
+from shard_engine_api._bundle_checks import BundleExpectation, Violation, check_bundle, check_logits
 from shard_engine_api._checksum import SCANNED_FINITE, scanned
 from shard_engine_api._codec import NonFinitePolicy
 from shard_engine_api._core import EngineCore
 from shard_engine_api._dtypes import BOUNDARY_DTYPES
-from shard_engine_api._edge import check_request, result_ok
 from shard_engine_api._errors import ErrorInfo, InvalidRequest, MalformedOutput, ShardEngineError
 from shard_engine_api._protocol import ShardEngine
 from shard_engine_api._snapshot import verify_snapshot_integrity
+from shard_engine_api._typecheck import check_request, result_ok
 from shard_engine_api._types import (
     CONTRACT_VERSION,
     BoundaryBundle,

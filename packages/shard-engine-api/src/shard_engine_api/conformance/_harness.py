@@ -17,11 +17,11 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import payload_checksum
-from shard_engine_api._edge import check_request, result_ok
 from shard_engine_api._errors import Cancelled, InvalidRequest
 from shard_engine_api._hookspecs import ModelFixture
 from shard_engine_api._pipeline import Pipeline
 from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._typecheck import check_request, result_ok
 from shard_engine_api._types import (
     BoundaryBundle,
     BoundaryResult,

@@ -215,7 +215,7 @@ def check_bundle(
     """Check ``bundle`` against the contract, ``expect``, and (when given) the session,
     first position and row count of the request it belongs to. Returns the first violation,
     or None. The bundle's fields must already have their declared types (see
-    shard_engine_api._edge); nothing here raises."""
+    shard_engine_api._typecheck); nothing here raises."""
     version = bundle.contract_version
     if version != CONTRACT_VERSION:
         return Violation(

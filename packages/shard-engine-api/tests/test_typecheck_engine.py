@@ -39,7 +39,7 @@ from shard_engine_api import (
     ShardSpec,
     TokenInput,
 )
-from shard_engine_api._edge import check_request
+from shard_engine_api._typecheck import check_request
 
 EXAMPLES: Final = int(os.environ.get("SHARD_ENGINE_FUZZ_EXAMPLES", "0")) or None
 PROPERTIES = settings(

@@ -19,9 +19,9 @@ from shard_engine_api import (
     SessionRef,
     ShardSpec,
     TokenInput,
-    _edge,
+    _typecheck,
 )
-from shard_engine_api._edge import check_fields, check_request
+from shard_engine_api._typecheck import check_fields, check_request
 
 THREADS: Final = 8
 
@@ -30,8 +30,8 @@ def _fresh_checkers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget every compiled checker and make compiling slow, so that every thread of a test
     makes its first call while another is still compiling (the window a fresh worker process
     opens when its threads all send their first request)."""
-    monkeypatch.setattr(_edge, "_STRUCT_CHECKERS", {})
-    monkeypatch.setattr(_edge, "_FIELD_CHECKERS", {})
+    monkeypatch.setattr(_typecheck, "_STRUCT_CHECKERS", {})
+    monkeypatch.setattr(_typecheck, "_FIELD_CHECKERS", {})
     type_info = msgspec.inspect.type_info
 
     def slow_type_info(cls: object) -> msgspec.inspect.Type:

@@ -31,7 +31,7 @@ from shard_engine_api import (
     ShardSpec,
     TokenInput,
 )
-from shard_engine_api._edge import _FAST, check_option_value, check_request, result_ok
+from shard_engine_api._typecheck import _FAST, check_option_value, check_request, result_ok
 
 EXAMPLES: Final = int(os.environ.get("SHARD_ENGINE_FUZZ_EXAMPLES", "0")) or None
 PROPERTIES = settings(

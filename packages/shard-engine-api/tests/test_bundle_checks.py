@@ -37,9 +37,9 @@ from shard_engine_api import (
     UnsupportedFeature,
     ValidatingEngine,
 )
-from shard_engine_api import _boundary as boundary
+from shard_engine_api import _bundle_checks as boundary
 from shard_engine_api import _results as results
-from shard_engine_api._boundary import BundleExpectation, ViolationKind, check_bundle
+from shard_engine_api._bundle_checks import BundleExpectation, ViolationKind, check_bundle
 from shard_engine_api._dtypes import checksum_and_finite, payload_finite
 from shard_engine_api.wire import Codec, encode
 
