@@ -43,7 +43,7 @@ from shard_engine_llama._gguf import (
     validate_header,
 )
 from shard_engine_llama._gguf.families import FAMILIES, ROPE_FACTOR_TENSORS, Hyperparameters
-from shard_engine_llama._gguf.layout import _ARCH_KEYS
+from shard_engine_llama._gguf.family_checks import _ARCH_KEYS
 from shard_engine_llama._tiny_model import SUPPORTED_TINY_ARCHITECTURES, write_tiny_model
 
 U32 = gguf.GGUFValueType.UINT32

@@ -797,7 +797,7 @@ def test_the_tiny_model_cannot_be_written_into_an_unwritable_store(
 
 def _rope_factors(path: Path, names: Sequence[str], seed: int = 5) -> dict[str, TensorEdit | None]:
     from shard_engine_llama._gguf.families import FAMILIES
-    from shard_engine_llama._gguf.layout import hyperparameters
+    from shard_engine_llama._gguf.hyperparameters import hyperparameters
 
     header = read_gguf_header(path)
     size = hyperparameters(header, FAMILIES[header.architecture]).n_rot // 2

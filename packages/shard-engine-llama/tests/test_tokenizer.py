@@ -218,7 +218,7 @@ def test_no_accepted_bpe_pre_tokenizer_aborts_on_whitespace_runs(tmp_path: Path)
     in find_bpe_rank). It is refused when the file is loaded; every other pre-tokenizer
     llama.cpp knows is accepted and encodes whitespace runs without aborting (one child
     process runs them all and must exit 0)."""
-    from shard_engine_llama._gguf.layout import _BPE_PRE_TOKENIZERS
+    from shard_engine_llama._gguf.tokenizer_checks import _BPE_PRE_TOKENIZERS
     from shard_engine_llama._gguf.validation import _BYTE_LEVEL
     from shard_engine_llama._tiny_model import write_tiny_model
 

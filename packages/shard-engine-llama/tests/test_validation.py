@@ -1318,7 +1318,7 @@ def _rope_set_file(
     source = tmp_path / f"{arch}.gguf"
     if not source.exists():
         write_tiny_model(source, arch=arch, n_layers=2)
-    from shard_engine_llama._gguf.layout import hyperparameters
+    from shard_engine_llama._gguf.hyperparameters import hyperparameters
 
     n_rot = hyperparameters(read_gguf_header(source), FAMILIES[arch]).n_rot
     name = f"{arch}-{scaling}-{'-'.join(tensors) or 'none'}.gguf"
@@ -1380,7 +1380,10 @@ def test_gemma3_final_logit_softcap_of_zero_is_off_and_accepted(tmp_path: Path) 
 def test_whitespace_is_the_only_known_bpe_pre_tokenizer_refused() -> None:
     """The table of refused pre-tokenizers is a subset of the ones llama.cpp knows: every other
     known name is accepted (test_tokenizer.py encodes whitespace runs with each of them)."""
-    from shard_engine_llama._gguf.layout import _BPE_PRE_TOKENIZERS, _REFUSED_BPE_PRE_TOKENIZERS
+    from shard_engine_llama._gguf.tokenizer_checks import (
+        _BPE_PRE_TOKENIZERS,
+        _REFUSED_BPE_PRE_TOKENIZERS,
+    )
 
     assert set(_REFUSED_BPE_PRE_TOKENIZERS) == {"whitespace"}
     assert set(_REFUSED_BPE_PRE_TOKENIZERS) <= _BPE_PRE_TOKENIZERS

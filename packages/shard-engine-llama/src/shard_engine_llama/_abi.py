@@ -31,15 +31,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NoReturn, TypedDict, cast
+from typing import Final, NoReturn, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
-
-if TYPE_CHECKING:
-    from shard_engine_llama._gguf.reader import GGUFHeader
 
 SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
 _SUPPORTED_MINIMUM = (0, 3, 36)
@@ -427,34 +424,6 @@ class _StateLimits(TypedDict):
     geometry: _state.Geometry
 
 
-def largest_count(header: GGUFHeader, key: str, default: int) -> int:
-    """The largest value of a per-layer (or scalar) count; ``default`` when absent."""
-    entry = header.metadata.get(key)
-    if entry is None:
-        return default
-    values = entry.value if isinstance(entry.value, list) else [entry.value]
-    return max([int(v) for v in values if isinstance(v, int)] or [default])
-
-
-def kv_row_bound(header: GGUFHeader) -> int:
-    """An upper bound of the elements in one cell's K or V of any layer of this file: its most
-    KV heads times its largest head size (``key_length``, ``value_length``, their sliding-
-    window forms, or the embedding width over the head count), and at least the embedding
-    width. A sequence state that declares wider rows is not of this file."""
-    from shard_engine_llama._gguf.families import FAMILIES
-    from shard_engine_llama._gguf.layout import hyperparameters
-
-    h = hyperparameters(header, FAMILIES[header.architecture])
-    prefix = f"{header.architecture}.attention."
-    heads_kv = largest_count(header, prefix + "head_count_kv", h.n_head_kv)
-    head = max(
-        h.n_embd_head_k,
-        h.n_embd_head_v,
-        *(largest_count(header, prefix + key, 0) for key in ("key_length_swa", "value_length_swa")),
-    )
-    return max(h.n_embd, heads_kv * head)
-
-
 class ShardRuntime:
     """One shard file loaded into one llama.cpp context.
 
@@ -499,6 +468,7 @@ class ShardRuntime:
         from it when not given), which bounds the sequence states :meth:`restore_sequence`
         accepts.
         """
+        from shard_engine_llama._gguf.hyperparameters import kv_row_bound
         from shard_engine_llama._gguf.reader import read_gguf_header
         from shard_engine_llama._gguf.writer import shard_layout
 

@@ -61,8 +61,12 @@ from shard_engine_llama._gguf import (
     validate_gguf,
 )
 from shard_engine_llama._gguf.families import FAMILIES
+from shard_engine_llama._gguf.hyperparameters import (
+    hyperparameters,
+    kv_row_bound,
+    largest_count,
+)
 from shard_engine_llama._gguf.integrity import ShardIntegrityError, verify_shard
-from shard_engine_llama._gguf.layout import hyperparameters
 from shard_engine_llama._gguf.store import FileIdentity, file_identity, hash_cache
 from shard_engine_llama._gguf.writer import (
     ShardLayout,
@@ -477,7 +481,7 @@ class LlamaEngine(EngineCore):
                 last_layer_index=choice.layout.last_layer_index,
                 native_callbacks=options.native_callbacks,
                 abort_poll_delay_s=options.slow_forward_us / 1e6,
-                kv_row_elements=_abi.kv_row_bound(choice.header),
+                kv_row_elements=kv_row_bound(choice.header),
             )
             if file_identity(choice.path) != choice.identity:
                 # Rewritten in place between verification and llama.cpp mapping it (or
@@ -964,8 +968,8 @@ def _check_memory(
     family = FAMILIES[header.architecture]
     h = hyperparameters(header, family)
     prefix = header.architecture + ".attention."
-    heads = _abi.largest_count(header, prefix + "head_count", h.n_head)
-    heads_kv = _abi.largest_count(header, prefix + "head_count_kv", h.n_head_kv)
+    heads = largest_count(header, prefix + "head_count", h.n_head)
+    heads_kv = largest_count(header, prefix + "head_count_kv", h.n_head_kv)
     n_ctx_seq = -(-config.max_context // _KV_CELL_PAD) * _KV_CELL_PAD
     # The file's blocks: the shard's own (smollm3 shards may lead with identity blocks) and
     # the identity block a non-tail shard ends in.

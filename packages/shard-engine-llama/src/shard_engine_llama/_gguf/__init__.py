@@ -3,6 +3,8 @@ cached file digests. One module per concern:
 
 - ``reader``: header parsing, every bound checked against the file;
 - ``validation``: the checks that keep a file llama.cpp would abort on away from it;
+- ``hyperparameters``: what llama.cpp's loader derives from a family's metadata;
+- ``family_checks`` and ``tokenizer_checks``: the family-aware checks ``validation`` runs;
 - ``planning``: shardability (the allow-list and its rules) and layer-range plans;
 - ``writer``: shard metadata and tensors, streamed into new files, plus the manifest;
 - ``store``: file digests cached per file identity.

@@ -20,8 +20,9 @@ from shard_engine_llama._gguf.families import (
     NO_ROPE_STEP_PADDING,
     SWA_PATTERN_EXPLICIT,
 )
+from shard_engine_llama._gguf.family_checks import check_family
+from shard_engine_llama._gguf.hyperparameters import LLAMA_MAX_LAYERS, uses_sliding_window
 from shard_engine_llama._gguf.integrity import CONTENT_KEY
-from shard_engine_llama._gguf.layout import LLAMA_MAX_LAYERS, check_family, uses_sliding_window
 from shard_engine_llama._gguf.reader import (
     GGUFHeader,
     GGUFValidationError,

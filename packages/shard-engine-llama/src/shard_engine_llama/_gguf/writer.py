@@ -35,6 +35,11 @@ from shard_engine_llama._gguf.families import (
     FAMILIES,
     GEMMA3_27B_LAYER_COUNT,
 )
+from shard_engine_llama._gguf.hyperparameters import (
+    hyperparameters,
+    swa_pattern,
+    uses_sliding_window,
+)
 from shard_engine_llama._gguf.integrity import (
     CONTENT_KEY,
     PLACEHOLDER,
@@ -42,7 +47,6 @@ from shard_engine_llama._gguf.integrity import (
     seal_shard,
     verify_shard_file,
 )
-from shard_engine_llama._gguf.layout import hyperparameters, swa_pattern, uses_sliding_window
 from shard_engine_llama._gguf.planning import (
     GGUFModelInfo,
     ShardingRefusedError,

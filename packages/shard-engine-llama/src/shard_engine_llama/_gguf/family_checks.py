@@ -1,4 +1,6 @@
 """Family-aware checks: metadata types, sane hyper-parameters, and every tensor a family needs.
+The values are read as llama.cpp's loader reads them by ``hyperparameters``; the tokenizer's
+checks are ``tokenizer_checks``.
 
 Each check mirrors something llama.cpp does with the file, and says which:
 
@@ -28,15 +30,26 @@ import gguf
 import numpy as np
 
 from shard_engine_llama._gguf.families import (
-    FAMILIES,
     ROPE_FACTOR_TENSORS,
     Family,
     Hyperparameters,
     TensorNeed,
 )
+from shard_engine_llama._gguf.hyperparameters import (
+    fail,
+    hyperparameters,
+    optional_int,
+    swa_pattern,
+    uses_sliding_window,
+)
 from shard_engine_llama._gguf.reader import GGUFHeader, GGUFValidationError
+from shard_engine_llama._gguf.tokenizer_checks import (
+    TOKENIZER_ARRAYS,
+    TOKENIZER_KEYS,
+    check_tokenizer,
+)
 
-__all__ = ["check_family", "hyperparameters", "swa_pattern", "uses_sliding_window"]
+__all__ = ["check_family"]
 
 _U32 = gguf.GGUFValueType.UINT32
 _F32 = gguf.GGUFValueType.FLOAT32
@@ -45,7 +58,6 @@ _STR = gguf.GGUFValueType.STRING
 _ARRAY = gguf.GGUFValueType.ARRAY
 _I32 = gguf.GGUFValueType.INT32
 
-LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
 # Mixtral routes to 2 experts, Qwen MoE models to 4 to 8, Granite MoE to 8.
 MAX_EXPERTS_USED = 8
@@ -133,46 +145,6 @@ _DIVISORS_ZERO_OFF: dict[str, tuple[str, ...]] = {
 # overflow to inf and every logit became NaN.
 _MAX_MULTIPLIER = 1e6
 _MULTIPLIERS = ("attention.scale", "embedding_scale", "residual_scale")
-_TOKENIZER_KEYS: dict[str, gguf.GGUFValueType] = {
-    "tokenizer.ggml.model": _STR,
-    "tokenizer.ggml.pre": _STR,
-    "tokenizer.ggml.bos_token_id": _U32,
-    "tokenizer.ggml.eos_token_id": _U32,
-    "tokenizer.ggml.unknown_token_id": _U32,
-    "tokenizer.ggml.padding_token_id": _U32,
-    "tokenizer.ggml.seperator_token_id": _U32,
-    "tokenizer.ggml.eot_token_id": _U32,
-    "tokenizer.ggml.eom_token_id": _U32,
-    "tokenizer.ggml.cls_token_id": _U32,
-    "tokenizer.ggml.mask_token_id": _U32,
-    "tokenizer.ggml.prefix_token_id": _U32,
-    "tokenizer.ggml.suffix_token_id": _U32,
-    "tokenizer.ggml.middle_token_id": _U32,
-    "tokenizer.ggml.fim_pre_token_id": _U32,
-    "tokenizer.ggml.fim_suf_token_id": _U32,
-    "tokenizer.ggml.fim_mid_token_id": _U32,
-    "tokenizer.ggml.fim_pad_token_id": _U32,
-    "tokenizer.ggml.fim_rep_token_id": _U32,
-    "tokenizer.ggml.fim_sep_token_id": _U32,
-    "tokenizer.ggml.token_type_count": _U32,
-    "tokenizer.ggml.add_bos_token": _BOOL,
-    "tokenizer.ggml.add_eos_token": _BOOL,
-    "tokenizer.ggml.add_sep_token": _BOOL,
-    "tokenizer.ggml.add_space_prefix": _BOOL,
-    "tokenizer.ggml.remove_extra_whitespaces": _BOOL,
-    "tokenizer.ggml.normalizer.lowercase": _BOOL,
-    "tokenizer.ggml.normalizer.strip_accents": _BOOL,
-}
-# Arrays llama-vocab.cpp reads, with the element types it takes (any other throws "invalid gguf
-# type"); the lengths are checked against the token list in validation.py.
-_TOKENIZER_ARRAYS: dict[str, tuple[gguf.GGUFValueType, ...]] = {
-    "tokenizer.ggml.tokens": (_STR,),
-    "tokenizer.ggml.scores": (_F32, _I32),
-    "tokenizer.ggml.token_type": (_I32,),
-    "tokenizer.ggml.merges": (_STR,),
-    "tokenizer.ggml.suppress_tokens": (_I32,),
-    "tokenizer.ggml.precompiled_charsmap": (gguf.GGUFValueType.INT8, gguf.GGUFValueType.UINT8),
-}
 # general.* keys llama.cpp reads (GGUFMeta::get_kv throws on another type; gguf.cpp reads the
 # alignment, see reader.py).
 _GENERAL_KEYS: dict[str, gguf.GGUFValueType] = {
@@ -215,122 +187,7 @@ _READ_UNCHECKED_ARCH_KEYS: dict[str, frozenset[str]] = {
         }
     ),
     "granite": frozenset({"deepstack_mapping"}),
-}
-# The pre-tokenizer names llama-vocab.cpp knows for a BPE (gpt2) vocabulary; any other throws
-# "unknown pre-tokenizer type" (llama.cpp of llama-cpp-python 0.3.36). Those in
-# _REFUSED_BPE_PRE_TOKENIZERS are known but refused.
-_BPE_PRE_TOKENIZERS = frozenset(
-    [
-        "default",
-        "kimi-k2",
-        "minicpm5",
-        "llama3",
-        "llama-v3",
-        "llama-bpe",
-        "falcon3",
-        "falcon-h1",
-        "pixtral",
-        "midm-2.0",
-        "lfm2",
-        "jina-v5-nano",
-        "deepseek-llm",
-        "deepseek-coder",
-        "deepseek-v3",
-        "spark2_5",
-        "youtu",
-        "falcon",
-        "mpt",
-        "starcoder",
-        "gpt-2",
-        "phi-2",
-        "jina-es",
-        "jina-de",
-        "gigachat",
-        "jina-v2-es",
-        "jina-v2-de",
-        "a.x-4.0",
-        "mellum",
-        "modern-bert",
-        "jais-2",
-        "gemma4",
-        "granite-embed-multi-311m",
-        "sarvam-moe",
-        "jina-v1-en",
-        "jina-v2-code",
-        "roberta-bpe",
-        "whitespace",
-        "refact",
-        "command-r",
-        "qwen2",
-        "deepseek-r1-qwen",
-        "kormo",
-        "f2llmv2",
-        "qwen35",
-        "stablelm2",
-        "olmo",
-        "dbrx",
-        "smaug-bpe",
-        "poro-chat",
-        "chatglm-bpe",
-        "glm4",
-        "glm5",
-        "viking",
-        "jais",
-        "tekken",
-        "smollm",
-        "codeshell",
-        "bloom",
-        "gpt3-finnish",
-        "exaone",
-        "exaone4",
-        "exaone-moe",
-        "chameleon",
-        "minerva-7b",
-        "megrez",
-        "gpt-4o",
-        "llama4",
-        "kanana2",
-        "talkie",
-        "granite-embed-multi-97m",
-        "tiny_aya",
-        "cohere2moe",
-        "superbpe",
-        "trillion",
-        "granite-docling",
-        "bailingmoe",
-        "bailingmoe2",
-        "llada-moe",
-        "seed-coder",
-        "hunyuan",
-        "hunyuan-dense",
-        "hy_v4",
-        "joyai-llm",
-        "ufakzeka",
-        "grok-2",
-        "afmoe",
-        "laguna",
-        "minimax-m2",
-        "solar-open",
-        "mellum2",
-    ]
-)
-# BPE merging looks pairs up in llama_vocab::find_bpe_rank, which asserts that neither half holds
-# a space (GGML_ASSERT: aborts the process). Every other pre-tokenizer above hands it pieces
-# without one: the GPT-2 byte encoding turns a space into "Ġ", and the pre-tokenizers that skip
-# that encoding (gemma4, granite-embed-multi-311m, sarvam-moe) escape spaces to U+2581 first.
-# "whitespace" does neither: it splits on \S+ without byte encoding, the runs of whitespace
-# between the matches become pieces too, and two spaces in a row are a piece whose first merge
-# aborts (probed: 91 pre-tokenizers x 49 texts, only this one aborted).
-_REFUSED_BPE_PRE_TOKENIZERS: dict[str, str] = {
-    "whitespace": (
-        "leaves raw spaces in the pieces BPE merges (no byte encoding, no space escaping); "
-        "llama.cpp aborts the process encoding any text with two whitespace characters in a "
-        "row (GGML_ASSERT in find_bpe_rank)"
-    ),
-}
-# Tokenizers whose loading this package has exercised; others are refused rather than guessed.
-_TOKENIZER_MODELS = ("llama", "gpt2", "none")
-# Types no weight matrix may have: integer and F64 tensors, and Q8_1 / Q8_K, which ggml uses
+}  # Types no weight matrix may have: integer and F64 tensors, and Q8_1 / Q8_K, which ggml uses
 # only for quantized activations (no dequantize or get_rows kernel: a weight of either type
 # crashes the first forward, SIGSEGV, or is refused).
 _NON_MATRIX_TYPES = frozenset(
@@ -346,14 +203,10 @@ _NON_MATRIX_TYPES = frozenset(
 )
 
 
-def _fail(header: GGUFHeader, rule: str, field: str, message: str) -> GGUFValidationError:
-    return GGUFValidationError(f"{header.path}: {field}: {message}", rule=rule, field=field)
-
-
 def _wrong_type(
     header: GGUFHeader, key: str, got: gguf.GGUFValueType, expected: gguf.GGUFValueType
 ) -> GGUFValidationError:
-    return _fail(
+    return fail(
         header,
         "metadata-type",
         key,
@@ -380,7 +233,7 @@ def _check_key_types(header: GGUFHeader, arch: str) -> None:
             if suffix in read_unchecked:
                 # llama.cpp reads it for this family (multi-token prediction layers, SWA head
                 # sizes, pooling, ...) and may assert on its value: refused, not handed on.
-                raise _fail(
+                raise fail(
                     header,
                     "metadata-unknown-key",
                     key,
@@ -388,14 +241,14 @@ def _check_key_types(header: GGUFHeader, arch: str) -> None:
                     "(llama.cpp may refuse or abort on its value)",
                 )
         elif key.startswith(_UNSUPPORTED_GENERAL_PREFIX):
-            raise _fail(
+            raise fail(
                 header,
                 "metadata-unsupported",
                 key,
                 "per-tensor precision policies are not supported",
             )
     _check_scalar_types(header, _GENERAL_KEYS)
-    for key, element_types in _TOKENIZER_ARRAYS.items():
+    for key, element_types in TOKENIZER_ARRAYS.items():
         entry = header.metadata.get(key)
         if entry is not None and (
             entry.value_type != _ARRAY or entry.element_type not in element_types
@@ -403,7 +256,7 @@ def _check_key_types(header: GGUFHeader, arch: str) -> None:
             got = entry.value_type.name + (
                 f" of {entry.element_type.name}" if entry.element_type is not None else ""
             )
-            raise _fail(
+            raise fail(
                 header,
                 "metadata-type",
                 key,
@@ -417,117 +270,11 @@ def _check_key_types(header: GGUFHeader, arch: str) -> None:
             continue
         if entry.value_type == _ARRAY and array_ok:
             if entry.element_type != expected:
-                raise _fail(header, "metadata-type", key, "per-layer array of the wrong type")
+                raise fail(header, "metadata-type", key, "per-layer array of the wrong type")
             continue
         if entry.value_type != expected:
             raise _wrong_type(header, key, entry.value_type, expected)
-    _check_scalar_types(header, _TOKENIZER_KEYS)
-
-
-def _per_layer(
-    header: GGUFHeader, key: str, n_layer: int, default: int | None, uniform: bool
-) -> list[int]:
-    entry = header.metadata.get(key)
-    if entry is None:
-        if default is None:
-            raise _fail(header, "metadata-missing", key, "required key is missing")
-        return [default] * n_layer
-    if isinstance(entry.value, list):
-        values = entry.value
-        if len(values) != n_layer:
-            raise _fail(
-                header,
-                "hparam-per-layer-length",
-                key,
-                f"has {len(values)} entries for {n_layer} layers",
-            )
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise _fail(header, "metadata-type", key, "per-layer array is not integer")
-        ints = [int(v) for v in values]
-        if uniform and len(set(ints)) > 1:
-            raise _fail(
-                header,
-                "hparam-per-layer-uniform",
-                key,
-                f"varies per layer ({sorted(set(ints))}); this family's loader uses layer 0's "
-                "value for every layer",
-            )
-        return ints
-    value = entry.value
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(header, "metadata-type", key, "is not an integer")
-    return [value] * n_layer
-
-
-def _optional_int(header: GGUFHeader, key: str, default: int) -> int:
-    entry = header.metadata.get(key)
-    if entry is None:
-        return default
-    if isinstance(entry.value, bool) or not isinstance(entry.value, int):
-        raise _fail(header, "metadata-type", key, "is not an integer")
-    return entry.value
-
-
-def _vocabulary_size(header: GGUFHeader, arch: str) -> int:
-    model = header.metadata.get("tokenizer.ggml.model")
-    if model is not None and model.value in ("none", "no_vocab"):
-        # llama-vocab.cpp: a vocabulary-less model ignores any token list and gets
-        # <arch>.vocab_size dummy tokens.
-        return _optional_int(header, f"{arch}.vocab_size", 0)
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    if tokens is not None and isinstance(tokens.value, list):
-        return len(tokens.value)
-    raise _fail(
-        header, "vocabulary-missing", "tokenizer.ggml.tokens", "the model has no token list"
-    )
-
-
-def hyperparameters(header: GGUFHeader, family: Family) -> Hyperparameters:
-    """What llama.cpp's ``load_hparams`` derives for this family (see families.py)."""
-    arch = family.name
-    n_layer = header.get_int(f"{arch}.block_count")
-    if not 0 < n_layer <= LLAMA_MAX_LAYERS:
-        raise _fail(
-            header,
-            "hparam-block-count",
-            f"{arch}.block_count",
-            f"{n_layer} outside [1, {LLAMA_MAX_LAYERS}] (GGML_ASSERT in load_hparams)",
-        )
-    n_embd = header.get_int(f"{arch}.embedding_length")
-    uniform = family.uniform_arrays
-    heads = _per_layer(header, f"{arch}.attention.head_count", n_layer, 0, uniform)
-    heads_kv = _per_layer(header, f"{arch}.attention.head_count_kv", n_layer, heads[0], uniform)
-    ffs = _per_layer(header, f"{arch}.feed_forward_length", n_layer, 0, uniform)
-    n_head = heads[0]
-    head_k = _optional_int(
-        header, f"{arch}.attention.key_length", n_embd // n_head if n_head > 0 else 0
-    )
-    head_v = _optional_int(
-        header, f"{arch}.attention.value_length", n_embd // n_head if n_head > 0 else 0
-    )
-    n_expert = _optional_int(header, f"{arch}.expert_count", 0)
-    used = _per_layer(header, f"{arch}.expert_used_count", n_layer, 0, uniform)
-    ff_exp = _per_layer(header, f"{arch}.expert_feed_forward_length", n_layer, 0, uniform)
-    scaling = header.metadata.get(f"{arch}.rope.scaling.type")
-    return Hyperparameters(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_vocab=_vocabulary_size(header, arch),
-        n_head=n_head,
-        n_head_kv=heads_kv[0],
-        n_embd_head_k=head_k,
-        n_embd_head_v=head_v,
-        n_rot=_optional_int(header, f"{arch}.rope.dimension_count", head_k),
-        n_ff=ffs[0],
-        n_expert=n_expert,
-        n_expert_used=used[0],
-        n_ff_exp=ff_exp[0],
-        n_ff_shexp=_optional_int(header, f"{arch}.expert_shared_feed_forward_length", 0),
-        n_layer_dense_lead=_optional_int(header, f"{arch}.leading_dense_block_count", 0),
-        rope_scaling_type=scaling.value
-        if scaling is not None and isinstance(scaling.value, str)
-        else "linear",
-    )
+    _check_scalar_types(header, TOKENIZER_KEYS)
 
 
 def _float(header: GGUFHeader, key: str) -> float | None:
@@ -535,19 +282,31 @@ def _float(header: GGUFHeader, key: str) -> float | None:
     if entry is None:
         return None
     if isinstance(entry.value, bool) or not isinstance(entry.value, int | float):
-        raise _fail(header, "metadata-type", key, "is not a number")
+        raise fail(header, "metadata-type", key, "is not a number")
     return float(entry.value)
 
 
 def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    """Every hyper-parameter check, in the order a file's first problem is reported."""
     arch = family.name
     key = f"{arch}."
+    _check_positive_numbers(header, key)
+    _check_rope_and_attention(header, key)
+    _check_overflowing_numbers(header, arch)
+    _check_shapes(header, family, h)
+    _check_experts(header, family, h)
+    _check_sliding_window(header, family, h)
+
+
+def _check_positive_numbers(header: GGUFHeader, key: str) -> None:
+    """``hparam-*`` of the sizes and floats that must be positive or non-negative (and finite),
+    and the norm epsilon llama.cpp requires; ``key`` is the ``<arch>.`` prefix."""
     for name in ("context_length", "embedding_length"):
         if header.get_int(key + name) <= 0:
-            raise _fail(header, f"hparam-{name.replace('_', '-')}", key + name, "must be positive")
+            raise fail(header, f"hparam-{name.replace('_', '-')}", key + name, "must be positive")
     epsilon = _float(header, key + "attention.layer_norm_rms_epsilon")
     if epsilon is None:
-        raise _fail(
+        raise fail(
             header,
             "metadata-missing",
             key + "attention.layer_norm_rms_epsilon",
@@ -556,7 +315,7 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
     for name in _POSITIVE_FLOATS:
         number = _float(header, key + name)
         if number is not None and not (math.isfinite(number) and number > 0):
-            raise _fail(
+            raise fail(
                 header,
                 "hparam-positive-finite",
                 key + name,
@@ -570,15 +329,20 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
     for name in _NON_NEGATIVE_FLOATS:
         number = _float(header, key + name)
         if number is not None and not (math.isfinite(number) and number >= 0):
-            raise _fail(
+            raise fail(
                 header, "hparam-non-negative-finite", key + name, f"{number!r} must be finite, >= 0"
             )
+
+
+def _check_rope_and_attention(header: GGUFHeader, key: str) -> None:
+    """Rope's frequency base and attention factor within what keeps angles and scores finite,
+    and causal attention (what cached sessions need)."""
     for name in ("rope.freq_base", "rope.freq_base_swa"):
         base = _float(header, key + name)
         if base is not None and base < 1:
             # Rotation angles grow as pos * base ** -(i / n): below 1 they grow with the
             # dimension instead of shrinking, and at 1e-45 they overflow to inf (sin(inf) is NaN).
-            raise _fail(
+            raise fail(
                 header,
                 "hparam-rope-freq-base",
                 key + name,
@@ -587,7 +351,7 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             )
     attn_factor = _float(header, key + "rope.scaling.attn_factor")
     if attn_factor is not None and attn_factor > _MAX_ROPE_ATTN_FACTOR:
-        raise _fail(
+        raise fail(
             header,
             "hparam-rope-attn-factor",
             key + "rope.scaling.attn_factor",
@@ -600,17 +364,23 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
         # Non-causal attention lets every position see the later ones of its batch: a cached
         # prefix then differs from the same positions prefilled with what follows, so
         # prefill + decode no longer equals one prefill (0.36 apart on a tiny llama).
-        raise _fail(
+        raise fail(
             header,
             "hparam-causal",
             key + "attention.causal",
             "non-causal attention: sessions cache positions and extend them one token at a "
             "time, which only causal attention computes the same way as one prefill",
         )
+
+
+def _check_overflowing_numbers(header: GGUFHeader, arch: str) -> None:
+    """Multipliers, divisors and YaRN's original context within what keeps every logit
+    finite."""
+    key = f"{arch}."
     for name in _MULTIPLIERS:
         number = _float(header, key + name)
         if number is not None and number > _MAX_MULTIPLIER:
-            raise _fail(
+            raise fail(
                 header,
                 "hparam-multiplier",
                 key + name,
@@ -623,7 +393,7 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
         if name in zero_off and number == 0:
             continue
         if number is not None and number < _MIN_DIVISOR:
-            raise _fail(
+            raise fail(
                 header,
                 "hparam-divisor",
                 key + name,
@@ -631,13 +401,13 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
                 "quotient overflows (every logit becomes inf or NaN)",
             )
     if _scaling_is_yarn(header, arch):
-        original = _optional_int(
+        original = optional_int(
             header,
             key + "rope.scaling.original_context_length",
             header.get_int(key + "context_length"),
         )
         if original > _MAX_INT32:
-            raise _fail(
+            raise fail(
                 header,
                 "hparam-rope-original-context",
                 key + "rope.scaling.original_context_length"
@@ -646,32 +416,39 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
                 f"{original} does not fit llama.cpp's 32-bit signed n_ctx_orig: YaRN takes the "
                 "logarithm of a negative length and every logit becomes NaN",
             )
+
+
+def _check_shapes(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    """The family's required keys, the rope scaling type, and head counts, head sizes, rope
+    dimensions and feed-forward width that the loader and the graph assert on."""
+    arch = family.name
+    key = f"{arch}."
     for name in family.extra_required_keys:
         if key + name not in header.metadata:
-            raise _fail(header, "metadata-missing", key + name, "required key is missing")
+            raise fail(header, "metadata-missing", key + name, "required key is missing")
     scaling = header.metadata.get(key + "rope.scaling.type")
     if scaling is not None and scaling.value not in _ROPE_SCALING_TYPES:
-        raise _fail(
+        raise fail(
             header,
             "hparam-rope-scaling-type",
             key + "rope.scaling.type",
             f"{scaling.value!r} is not one of {list(_ROPE_SCALING_TYPES)} (GGML_ASSERT)",
         )
     if h.n_head <= 0:
-        raise _fail(header, "hparam-head-count", key + "attention.head_count", "must be positive")
+        raise fail(header, "hparam-head-count", key + "attention.head_count", "must be positive")
     if h.n_head_kv <= 0 or h.n_head % h.n_head_kv:
-        raise _fail(
+        raise fail(
             header,
             "hparam-head-count-kv",
             key + "attention.head_count_kv",
             f"{h.n_head_kv} must be positive and divide head_count {h.n_head}",
         )
     if h.n_embd_head_k <= 0 or h.n_embd_head_v <= 0:
-        raise _fail(
+        raise fail(
             header, "hparam-head-size", key + "attention.key_length", "head sizes must be positive"
         )
     if family.heads_span_embedding and h.n_head * h.n_embd_head_k != h.n_embd:
-        raise _fail(
+        raise fail(
             header,
             "hparam-head-count",
             key + "attention.head_count",
@@ -679,7 +456,7 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             f"the width {arch}'s attention projections have (the graph asserts it)",
         )
     if h.n_embd_head_v != h.n_embd_head_k:
-        raise _fail(
+        raise fail(
             header,
             "hparam-head-size",
             key + "attention.value_length",
@@ -687,7 +464,7 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             "(the graph asserts they are equal)",
         )
     if not 0 < h.n_rot <= h.n_embd_head_k or h.n_rot % 2:
-        raise _fail(
+        raise fail(
             header,
             "hparam-rope-dimension",
             key + "rope.dimension_count",
@@ -695,7 +472,7 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             "(ggml's rope asserts both)",
         )
     if (family.rope_is_head or arch == "llama") and h.n_rot != h.n_embd_head_k:
-        raise _fail(
+        raise fail(
             header,
             "hparam-rope-dimension",
             key + "rope.dimension_count",
@@ -703,19 +480,24 @@ def _check_hyperparameters(header: GGUFHeader, family: Family, h: Hyperparameter
             "(GGML_ASSERT(n_embd_head == n_rot) in its graph)",
         )
     if h.n_ff <= 0 and not (family.moe and h.n_ff_exp > 0):
-        raise _fail(
+        raise fail(
             header, "hparam-feed-forward-length", key + "feed_forward_length", "must be positive"
         )
-    _check_experts(header, family, h)
-    window = _optional_int(header, key + "attention.sliding_window", 0)
+
+
+def _check_sliding_window(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    """A sliding window that is positive where the family always has one, no longer than the
+    context, and a pattern llama.cpp can build its cache from."""
+    key = f"{family.name}."
+    window = optional_int(header, key + "attention.sliding_window", 0)
     context = header.get_int(key + "context_length")
     if family.swa_always and window <= 0 and key + "attention.sliding_window" in header.metadata:
-        raise _fail(
+        raise fail(
             header, "hparam-sliding-window", key + "attention.sliding_window", "must be positive"
         )
     if window > context:
         # llama-kv-cache.cpp reserves memory in proportion to the window on every ubatch.
-        raise _fail(
+        raise fail(
             header,
             "hparam-sliding-window",
             key + "attention.sliding_window",
@@ -730,33 +512,6 @@ def _scaling_is_yarn(header: GGUFHeader, arch: str) -> bool:
     return entry is not None and entry.value == "yarn"
 
 
-def swa_pattern(header: GGUFHeader, n_layers: int, default_period: int) -> list[bool]:
-    """Which of the first ``n_layers`` layers are sliding-window ones, as llama.cpp's
-    ``load_swa_pattern`` reads them: an explicit per-layer array, or a period (the key's or the
-    family's default)."""
-    key = f"{header.architecture}.attention.sliding_window_pattern"
-    entry = header.metadata.get(key)
-    if entry is not None and isinstance(entry.value, list):
-        return [bool(item) for item in entry.value[:n_layers]]
-    period = default_period
-    if entry is not None and isinstance(entry.value, int):
-        period = entry.value
-    # Mirrors llama_hparams::set_swa_pattern(n_pattern, dense_first=false).
-    return [period == 0 or il % period < period - 1 for il in range(n_layers)]
-
-
-def uses_sliding_window(header: GGUFHeader) -> bool:
-    """Whether llama.cpp builds this model with sliding-window layers (a family with a pattern
-    and a positive window; gemma2 always)."""
-    family = FAMILIES.get(header.architecture)
-    if family is None or not family.swa_period:
-        return False
-    window = header.metadata.get(f"{header.architecture}.attention.sliding_window")
-    if window is None:
-        return family.swa_always
-    return isinstance(window.value, int) and not isinstance(window.value, bool) and window.value > 0
-
-
 def _check_swa_pattern(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
     key = f"{family.name}.attention.sliding_window_pattern"
     pattern = header.metadata.get(key)
@@ -764,17 +519,17 @@ def _check_swa_pattern(header: GGUFHeader, family: Family, h: Hyperparameters) -
         if pattern.value_type == _ARRAY:
             # get_arr into the per-layer bool array: BOOL, UINT32 or INT32 elements.
             if pattern.element_type not in (_BOOL, _U32, _I32):
-                raise _fail(header, "metadata-type", key, "per-layer array of the wrong type")
+                raise fail(header, "metadata-type", key, "per-layer array of the wrong type")
             assert isinstance(pattern.value, list)
             if len(pattern.value) != h.n_layer:
-                raise _fail(
+                raise fail(
                     header,
                     "hparam-per-layer-length",
                     key,
                     f"has {len(pattern.value)} entries for {h.n_layer} layers",
                 )
         elif pattern.value_type != _U32:
-            raise _fail(
+            raise fail(
                 header,
                 "metadata-type",
                 key,
@@ -787,7 +542,7 @@ def _check_swa_pattern(header: GGUFHeader, family: Family, h: Hyperparameters) -
         and not any(swa_pattern(header, h.n_layer, family.swa_period))
     ):
         # The sliding-window half of llama.cpp's iSWA cache would hold no layer: it asserts.
-        raise _fail(
+        raise fail(
             header,
             "hparam-sliding-window-pattern",
             key,
@@ -799,11 +554,11 @@ def _check_swa_pattern(header: GGUFHeader, family: Family, h: Hyperparameters) -
 def _check_experts(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
     key = f"{family.name}."
     if h.n_expert > LLAMA_MAX_EXPERTS:
-        raise _fail(
+        raise fail(
             header, "hparam-expert-count", key + "expert_count", f"exceeds {LLAMA_MAX_EXPERTS}"
         )
     if h.n_expert_used > h.n_expert:
-        raise _fail(
+        raise fail(
             header,
             "hparam-expert-count",
             key + "expert_used_count",
@@ -814,7 +569,7 @@ def _check_experts(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
         # 8 * n_tensors) and build_moe_ffn adds two tensors per routed expert per layer: 12 of
         # 12 experts aborted at 12 and 24 layers (GGML_ASSERT(obj_new) in ggml.c), 10 at 200
         # granitemoe layers, and 9 loaded at every layer count measured.
-        raise _fail(
+        raise fail(
             header,
             "hparam-expert-count",
             key + "expert_used_count",
@@ -823,23 +578,23 @@ def _check_experts(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
             "process from about 10)",
         )
     if h.n_expert > 0 and h.n_expert_used <= 0:
-        raise _fail(
+        raise fail(
             header,
             "hparam-expert-count",
             key + "expert_used_count",
             "must be positive when expert_count is (GGML_ASSERT in load_hparams)",
         )
     if family.moe and h.n_expert <= 0:
-        raise _fail(
+        raise fail(
             header, "hparam-expert-count", key + "expert_count", f"{family.name} needs experts"
         )
-    groups = _optional_int(header, key + "expert_group_count", 0)
+    groups = optional_int(header, key + "expert_group_count", 0)
     if groups:
-        raise _fail(
+        raise fail(
             header, "hparam-expert-groups", key + "expert_group_count", "expert groups unsupported"
         )
     if h.n_expert > 0 and family.moe and h.n_ff_exp <= 0 and h.n_ff // h.n_expert_used <= 0:
-        raise _fail(
+        raise fail(
             header,
             "hparam-feed-forward-length",
             key + "expert_feed_forward_length",
@@ -851,10 +606,10 @@ def _check_tensor(header: GGUFHeader, need: TensorNeed) -> None:
     record = header.tensors.get(need.name)
     if record is None:
         if need.required:
-            raise _fail(header, "tensor-missing", need.name, "required tensor is missing")
+            raise fail(header, "tensor-missing", need.name, "required tensor is missing")
         return
     if record.shape != need.shape:
-        raise _fail(
+        raise fail(
             header,
             "tensor-shape",
             need.name,
@@ -862,11 +617,11 @@ def _check_tensor(header: GGUFHeader, need: TensorNeed) -> None:
         )
     if len(need.shape) == 1:
         if record.ggml_type != gguf.GGMLQuantizationType.F32:
-            raise _fail(
+            raise fail(
                 header, "tensor-type", need.name, f"1-D tensor of type {record.ggml_type.name}"
             )
     elif record.ggml_type in _NON_MATRIX_TYPES:
-        raise _fail(header, "tensor-type", need.name, f"type {record.ggml_type.name}")
+        raise fail(header, "tensor-type", need.name, f"type {record.ggml_type.name}")
 
 
 def _check_tensors(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
@@ -888,107 +643,13 @@ def _check_tensors(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
                 f"; with rope.scaling.type {h.rope_scaling_type!r} its loader asks for "
                 f"{asked or 'no rope factors'} only"
             )
-        raise _fail(
+        raise fail(
             header,
             "tensor-unexpected",
             unexpected[0],
             f"{len(unexpected)} tensor(s) {family.name} does not use (llama.cpp refuses the file "
             f"with 'wrong number of tensors'): {unexpected[:4]}{rope_note}",
         )
-
-
-def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
-    model = header.metadata.get("tokenizer.ggml.model")
-    if model is None:
-        raise _fail(header, "metadata-missing", "tokenizer.ggml.model", "required key is missing")
-    if model.value not in _TOKENIZER_MODELS:
-        raise _fail(
-            header,
-            "tokenizer-model",
-            "tokenizer.ggml.model",
-            f"{model.value!r} is not one of {list(_TOKENIZER_MODELS)}",
-        )
-    if model.value == "gpt2":
-        merges = header.metadata.get("tokenizer.ggml.merges")
-        if merges is None or merges.element_type != _STR:
-            raise _fail(
-                header,
-                "tokenizer-merges",
-                "tokenizer.ggml.merges",
-                "a BPE (gpt2) vocabulary needs an array of merge strings",
-            )
-        pre = header.metadata.get("tokenizer.ggml.pre")
-        if pre is not None and isinstance(pre.value, str):
-            refused = _REFUSED_BPE_PRE_TOKENIZERS.get(pre.value)
-            if refused is not None:
-                raise _fail(
-                    header, "tokenizer-pre", "tokenizer.ggml.pre", f"{pre.value!r} {refused}"
-                )
-        if pre is not None and pre.value not in _BPE_PRE_TOKENIZERS and pre.value != "":
-            raise _fail(
-                header,
-                "tokenizer-pre",
-                "tokenizer.ggml.pre",
-                f"{pre.value!r} is not a pre-tokenizer llama.cpp knows (it refuses the file)",
-            )
-    if h.n_vocab < 1:
-        # llama.cpp loads it: a head then refuses every token, and a tail returns logits with
-        # no column to sample from.
-        raise _fail(
-            header,
-            "vocabulary-size",
-            f"{header.architecture}.vocab_size"
-            if model.value == "none"
-            else "tokenizer.ggml.tokens",
-            "the vocabulary is empty (a model needs a token to embed and to score)",
-        )
-    if model.value == "llama" and h.n_vocab < 3:
-        raise _fail(
-            header,
-            "vocabulary-size",
-            "tokenizer.ggml.tokens",
-            "a SentencePiece vocabulary needs at least <unk>, <s> and </s>",
-        )
-    for key in _TOKENIZER_KEYS:
-        if not key.endswith("_token_id"):
-            continue
-        entry = header.metadata.get(key)
-        if entry is not None and isinstance(entry.value, int) and entry.value >= max(h.n_vocab, 1):
-            if model.value == "none":
-                continue
-            raise _fail(
-                header,
-                "vocabulary-token-id",
-                key,
-                f"{entry.value} outside the vocabulary of {h.n_vocab}",
-            )
-
-
-# llama-vocab.cpp sets token attributes by general.name and looks these tokens up with .at(),
-# which throws when one is missing.
-_NAMED_VOCABULARY_TOKENS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
-    (("phi-3", "phi3"), ("</s>", "<unk>", "<s>", "<|endoftext|>")),
-)
-
-
-def _check_named_vocabulary(header: GGUFHeader) -> None:
-    name = header.metadata.get("general.name")
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    if name is None or not isinstance(name.value, str) or tokens is None:
-        return
-    lowered = name.value.lower()
-    present = set(tokens.value) if isinstance(tokens.value, list) else set()
-    for markers, needed in _NAMED_VOCABULARY_TOKENS:
-        if any(marker in lowered for marker in markers):
-            missing = [token for token in needed if token not in present]
-            if missing:
-                raise _fail(
-                    header,
-                    "vocabulary-named-tokens",
-                    "general.name",
-                    f"a model named like {markers[0]!r} must have the tokens {missing} "
-                    "(llama.cpp looks them up by name and refuses the file)",
-                )
 
 
 def _identity_blocks(header: GGUFHeader, n_layer: int) -> set[int]:
@@ -1020,13 +681,13 @@ def _check_vectors(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
                 raw = handle.read(record.n_bytes)
                 values[record.name] = np.frombuffer(raw, dtype="<f4")
     except OSError as error:
-        raise _fail(
+        raise fail(
             header, "file-unreadable", vectors[0].name if vectors else "", str(error)
         ) from error
     for record in vectors:
         data = values[record.name]
         if data.size * 4 != record.n_bytes or not np.isfinite(data).all():
-            raise _fail(
+            raise fail(
                 header,
                 "tensor-values",
                 record.name,
@@ -1036,7 +697,7 @@ def _check_vectors(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
         factors = values.get(name)
         if factors is not None and not bool(np.all(factors >= _MIN_DIVISOR)):
             # ggml's rope divides each rotation angle by its factor: 0 or a denormal is inf.
-            raise _fail(
+            raise fail(
                 header,
                 "tensor-values",
                 name,
@@ -1053,7 +714,7 @@ def _check_vectors(header: GGUFHeader, family: Family, h: Hyperparameters) -> No
             continue
         # Products this small underflow to a logit of exactly 0 as well (a gate of 1e-45s).
         if float(np.max(np.abs(gate * norm))) < _MIN_DIVISOR:
-            raise _fail(
+            raise fail(
                 header,
                 "tensor-values",
                 f"blk.{il}.ffn_gate_inp_shexp.weight",
@@ -1067,8 +728,7 @@ def check_family(header: GGUFHeader, family: Family) -> Hyperparameters:
     _check_key_types(header, family.name)
     h = hyperparameters(header, family)
     _check_hyperparameters(header, family, h)
-    _check_tokenizer(header, h)
-    _check_named_vocabulary(header)
+    check_tokenizer(header, h)
     _check_tensors(header, family, h)
     _check_vectors(header, family, h)
     return h
