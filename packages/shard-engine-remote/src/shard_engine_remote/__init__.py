@@ -5,7 +5,8 @@ private unix socket), and survive its crashes.
 The client: ``_client`` (RemoteEngine) over a ``_link.Link``, ``_grpc_link`` or ``_framed``
 (``frames``, ``arena``, ``client``, ``connection``, ``server``). The server: ``_server``
 (EngineServer), with ``_callers``, ``_admission``, ``_import_limits``, ``_idle``,
-``_ratelimit``, ``_waiting``, ``_grpc_health``, ``_counters``, ``_security`` and ``_wire``.
+``_ratelimit``, ``_waiting``, ``_grpc_health``, ``_counters``, ``_latency``, ``_security`` and
+``_wire``.
 Processes: ``_supervisor``, ``_child``, ``_signals``, ``_commands`` (``serve``),
 ``_prometheus``. Errors: ``_errors``. The entry point: ``plugin``. The package README maps
 them.

@@ -6,11 +6,16 @@ Every value is read at scrape time from ``engine.metrics()``, ``engine.health()`
 ``shard_engine_<field>`` for the engine's metrics (counters end in ``_total``; errors are
 ``shard_engine_errors_total{code=...}``), ``shard_engine_health_<field>`` and
 ``shard_engine_state{state=...}`` for its health, ``shard_engine_server_<field>`` for the
-server's stats.
+server's stats. Two histograms per operation (label ``operation``: prefill, decode, decode_batch,
+export, import, cancel, release, ...) are the server's own records (:mod:`._latency`):
+``shard_engine_server_call_duration_seconds`` (each call, from its decoded request to its reply,
+queue wait included) and ``shard_engine_server_queue_wait_seconds`` (each compute call's wait
+for a compute slot).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
 
     from prometheus_client.registry import CollectorRegistry
 
+    from shard_engine_remote._latency import CallLatency, HistogramSnapshot
     from shard_engine_remote._wire import ServerStats
 
 __all__ = ["MetricsEndpoint", "collector_registry", "start_metrics_endpoint"]
@@ -51,6 +57,9 @@ class _Served(Protocol):
 
     @property
     def engine(self) -> api.ShardEngine: ...
+
+    @property
+    def latency(self) -> CallLatency: ...
 
     def stats(self) -> ServerStats: ...
 
@@ -101,6 +110,35 @@ class _Collector:
                 yield GaugeMetricFamily(f"shard_engine_server_{name}", described, value=value)
             else:
                 yield CounterMetricFamily(f"shard_engine_server_{name}", described, value=value)
+        latency = self._served.latency
+        yield _histograms(
+            "shard_engine_server_call_duration_seconds",
+            "Server-side latency of each call, queue wait included, by operation",
+            latency.calls(),
+        )
+        yield _histograms(
+            "shard_engine_server_queue_wait_seconds",
+            "Time each compute call waited for a compute slot, by operation",
+            latency.waits(),
+        )
+
+
+def _histograms(
+    name: str, documentation: str, by_operation: dict[str, HistogramSnapshot]
+) -> object:
+    from prometheus_client.core import HistogramMetricFamily
+
+    family = HistogramMetricFamily(name, documentation, labels=["operation"])
+    for operation, histogram in by_operation.items():
+        family.add_metric(
+            [operation],
+            buckets=[
+                ("+Inf" if bound == math.inf else repr(bound), count)
+                for bound, count in histogram.buckets
+            ],
+            sum_value=histogram.sum_s,
+        )
+    return family
 
 
 def collector_registry(served: _Served) -> CollectorRegistry:

@@ -65,6 +65,7 @@ from shard_engine_remote._import_limits import (
     ImportBudget,
     check_import_header,
 )
+from shard_engine_remote._latency import CallLatency, operation_of
 from shard_engine_remote._ratelimit import RateLimit, RateLimiter
 from shard_engine_remote._security import BearerTokenInterceptor, ServerSecurity
 from shard_engine_remote._waiting import Waiting
@@ -241,6 +242,8 @@ class EngineServer:
         self.max_message_bytes = max_message_bytes
         self.security = security or ServerSecurity()
         self.counters = ServerCounters()
+        self.latency = CallLatency()
+        """Each operation's call latency and queue wait (see :mod:`._latency`)."""
         self.address: str | None = None
         self._allow_load = allow_load
         self.max_snapshot_bytes = max_snapshot_bytes
@@ -453,11 +456,13 @@ class EngineServer:
     def serve_call(self, request: RemoteRequest | Rejected, context: CallContext) -> RemoteReply:
         """Serve one unary call a transport decoded (a ``Rejected`` for what did not decode):
         rate limit, dispatch, counters; engine failures come back as ErrorInfo, never raised."""
+        started = time.perf_counter()
         self.counters.call_started()
         try:
             return self._dispatch(request, context)
         finally:
             self.counters.call_ended()
+            self.latency.record_call(operation_of(request), time.perf_counter() - started)
 
     def _rate_limited(self, context: CallContext) -> api.ErrorInfo | None:
         limiter = self._limiter
@@ -556,6 +561,7 @@ class EngineServer:
         """Serve an export stream: the header (or the ErrorInfo of a refusal), then each chunk.
         The transport sends each message and ends the stream (``close()``) when the client
         takes too long (see :meth:`stream_due`); closing it frees its slots at once."""
+        started = time.perf_counter()
         self.counters.call_started()
         held = False
         try:
@@ -566,6 +572,7 @@ class EngineServer:
                 if refused is not None
                 else self._guarded(functools.partial(self._export_snapshot, request, context))
             )
+            self.latency.record_call("export", time.perf_counter() - started)
             if isinstance(reply, api.ErrorInfo):
                 yield encode_header(reply)
                 return
@@ -658,6 +665,7 @@ class EngineServer:
     def serve_import(self, messages: Iterator[bytes], context: CallContext) -> RemoteReply:
         """Serve an import stream (``messages`` must end, or raise StreamBroken, within
         ``stream_idle_s`` of the previous message: the transport sees to it)."""
+        started = time.perf_counter()
         self.counters.call_started()
         held = False
         try:
@@ -670,6 +678,7 @@ class EngineServer:
             if held:
                 self._release_stream_slots()
             self.counters.call_ended()
+            self.latency.record_call("import", time.perf_counter() - started)
 
     def stream_due(self, size: int) -> float:
         """When a stream of ``size`` bytes starting now must have ended."""
@@ -889,6 +898,7 @@ class EngineServer:
         ended, its client cancelled it, another client's call took its place, the server
         drains) raises the error that says so and never reaches the engine."""
         ticket: Ticket | None = None
+        asked = time.perf_counter()
         if not slot_held:
             ticket = self._compute_slots.enter(client_key(context))
             if ticket is None:
@@ -919,8 +929,9 @@ class EngineServer:
                 raise api.Cancelled(f"request {request_id!r} ended before it started")
             if ticket is not None:
                 outcome = self._compute_slots.wait(ticket)
-                if outcome != "granted":
-                    raise self._left_queue(outcome, request_id)
+            self.latency.record_wait(operation_of(request), time.perf_counter() - asked)
+            if outcome is not None and outcome != "granted":
+                raise self._left_queue(outcome, request_id)
             try:
                 answer = operation(msgspec.structs.replace(request, request_id=engine_id))
             except api.ShardEngineError as error:
