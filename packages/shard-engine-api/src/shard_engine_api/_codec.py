@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Annotated, Final, Literal, TypeAlias, TypeVar
+from collections.abc import Iterable
+from typing import Annotated, Final, Literal, TypeAlias, TypeVar, get_args
 
 import msgspec
 
@@ -137,6 +138,8 @@ config. Decoded, msgpack's small containers become Python objects up to ~15 time
 encoded size (a 23 MB metrics map of short error codes took 337 MB), so a larger one is refused
 from its size and tag, before anything of it is built."""
 
+# Each set of message types is written once, in these aliases; the decoders and the set of
+# encodable types are derived from them (typing.get_args), so a new message type is added here.
 WireRequest: TypeAlias = (
     LoadConfig
     | PrefillRequest
@@ -163,28 +166,7 @@ WireReply: TypeAlias = (
 )
 """Every successful answer an engine sends back (an error travels as :class:`ErrorInfo`)."""
 
-WireMessage: TypeAlias = (
-    LoadConfig
-    | PrefillRequest
-    | DecodeRequest
-    | DecodeBatchRequest
-    | CancelRequest
-    | ReleaseRequest
-    | Capabilities
-    | BoundaryResult
-    | LogitsResult
-    | DecodeBatchResult
-    | CancelResult
-    | ReleaseResult
-    | Health
-    | Metrics
-    | ErrorInfo
-    | BoundaryBundle
-    | ExportSessionRequest
-    | ImportSessionRequest
-    | SessionSnapshot
-    | ImportSessionResult
-)
+WireMessage: TypeAlias = WireRequest | WireReply | ErrorInfo | BoundaryBundle
 """Every top-level message of the wire: requests, replies, errors and bare bundles.
 (``TokenInput``, ``MtpState`` and ``AuxState`` are tagged too, but only travel nested.)"""
 
@@ -208,7 +190,7 @@ def _wire_load_config() -> type[msgspec.Struct]:
 
 
 _WireLoadConfig: Final = _wire_load_config()
-_WIRE_TYPES: Final[frozenset[type]] = frozenset(WireMessage.__args__)
+_WIRE_TYPES: Final[frozenset[type]] = frozenset(get_args(WireMessage))
 _OPTIONS_DECODER: Final = msgspec.msgpack.Decoder(dict[str, object])
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
@@ -220,38 +202,25 @@ _EMPTY_PAYLOAD_ENTRY: Final = _ENCODER.encode("payload") + b"\xc4\x00"
 _PAYLOAD_KEY: Final = _ENCODER.encode("payload")
 _PAD_KEY: Final = _ENCODER.encode("_pad")
 _TAG_KEY: Final = _ENCODER.encode("type")
+
+
+def _union(types: Iterable[type]) -> object:
+    """The union of ``types`` as a runtime object msgspec builds a decoder for."""
+    return functools.reduce(operator.or_, types)
+
+
+def _decoded_as(alias: object) -> object:
+    """The union a decoder of ``alias`` reads: each member type as its wire form is decoded
+    (LoadConfig as :data:`_WireLoadConfig`, see :func:`_wire_load_config`)."""
+    return _union(_WireLoadConfig if cls is LoadConfig else cls for cls in get_args(alias))
+
+
 # msgspec's stubs type a decoder built from a union as Decoder[Any]; pin the real types.
 _MESSAGE_DECODER: Final[msgspec.msgpack.Decoder[WireMessage]] = msgspec.msgpack.Decoder(
-    _WireLoadConfig  # stands in for LoadConfig, see _wire_load_config
-    | PrefillRequest
-    | DecodeRequest
-    | DecodeBatchRequest
-    | CancelRequest
-    | ReleaseRequest
-    | Capabilities
-    | BoundaryResult
-    | LogitsResult
-    | DecodeBatchResult
-    | CancelResult
-    | ReleaseResult
-    | Health
-    | Metrics
-    | ErrorInfo
-    | BoundaryBundle
-    | ExportSessionRequest
-    | ImportSessionRequest
-    | SessionSnapshot
-    | ImportSessionResult
+    _decoded_as(WireMessage)
 )
 _REQUEST_DECODER: Final[msgspec.msgpack.Decoder[WireRequest]] = msgspec.msgpack.Decoder(
-    _WireLoadConfig
-    | PrefillRequest
-    | DecodeRequest
-    | DecodeBatchRequest
-    | CancelRequest
-    | ReleaseRequest
-    | ExportSessionRequest
-    | ImportSessionRequest
+    _decoded_as(WireRequest)
 )
 _REPLY_DECODER: Final[msgspec.msgpack.Decoder[WireReply | ErrorInfo]] = msgspec.msgpack.Decoder(
     WireReply | ErrorInfo
@@ -346,7 +315,7 @@ _STRUCTURE_ONLY: Final = (
 )
 _STRUCTURE_ONLY_TAGS: Final = frozenset(cls.__struct_config__.tag for cls in _STRUCTURE_ONLY)
 _SKELETON_DECODER: Final[msgspec.msgpack.Decoder[msgspec.Struct]] = msgspec.msgpack.Decoder(
-    functools.reduce(operator.or_, [_skeleton(cls) for cls in WireMessage.__args__])
+    _union(_skeleton(cls) for cls in get_args(WireMessage))
 )
 
 
