@@ -22,7 +22,7 @@ from shard_engine_api import (
     ShardSpec,
     TokenInput,
 )
-from shard_engine_llama import LlamaEngine, _engine
+from shard_engine_llama import LlamaEngine, _memory, _shard_files
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS
 from shard_engine_llama._gguf import split_model
 
@@ -105,7 +105,7 @@ def test_context_beyond_memory_is_refused_before_allocation(
     """llama.cpp allocates and clears every sequence's KV stream at load: 1.7 GB for this
     1 MB model at a 65,536 context with 16 sessions, and a context larger than the memory got
     the process killed. The estimate is refused before llama.cpp sees the config."""
-    monkeypatch.setattr(_engine, "_available_memory", lambda: 256 * MiB)
+    monkeypatch.setattr(_memory, "available_memory", lambda: 256 * MiB)
     engine = LlamaEngine()
     before = _peak_rss()
     with pytest.raises(ResourceExhausted, match="KV cache") as raised:
@@ -123,7 +123,7 @@ def test_tail_logits_buffer_counts_against_memory(
 ) -> None:
     """A tail reserves logits for a whole batch (max_batch_tokens rows of the vocabulary); a
     middle shard with the same settings computes no logits and fits."""
-    monkeypatch.setattr(_engine, "_available_memory", lambda: 512 * MiB)
+    monkeypatch.setattr(_memory, "available_memory", lambda: 512 * MiB)
     fields = {"max_context": 16, "max_sessions": 1, "max_batch_tokens": 1 << 20}
     engine = LlamaEngine()
     with pytest.raises(ResourceExhausted, match="logits"):
@@ -159,7 +159,7 @@ def test_engines_loading_one_range_at_once_take_turns(
             with guard:
                 active -= 1
 
-    monkeypatch.setattr(_engine, "split_model", slow_split)
+    monkeypatch.setattr(_shard_files, "split_model", slow_split)
     store = tmp_path / "store"
     config = LoadConfig(
         shard=ShardSpec(model=str(tiny_model), n_layers=TINY_MODEL_LAYERS, start=2, end=4),

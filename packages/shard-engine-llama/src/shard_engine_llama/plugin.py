@@ -217,13 +217,13 @@ def _tokenizer(model: str) -> Tokenizer | None:
     directly. The file is opened once and validated and loaded through that descriptor."""
     # Imported here: llama_cpp loads only when a tokenizer is really needed.
     from shard_engine_llama._abi import ModelLoadError, Vocabulary
-    from shard_engine_llama._engine import _PinnedFiles
     from shard_engine_llama._gguf import GGUFValidationError
     from shard_engine_llama._gguf.validation import unspellable_bytes
+    from shard_engine_llama._shard_files import PinnedFiles
 
     if type(model) is not str or not model or "\x00" in model:
         raise InvalidRequest(f"model must be a GGUF path, got {model!r}")
-    pins = _PinnedFiles()
+    pins = PinnedFiles()
     try:
         pinned, header = pins.open_validated(Path(model))
         try:
