@@ -1,7 +1,8 @@
 """Broken engines whose bug lives past the conformance suite's habitual small cases (positions
 past 256, batches past 8 items, thousands of releases, values at their edges, clocks, several
-callers): each violates one rule of the contract and passed every test before the suite's
-reach tests (``conformance/_reach.py``, ``conformance/_concurrency.py``).
+callers): each violates one rule of the contract and passed every test before the suite
+reached that far (the tests at scale and at the edges, now in the conformance modules of their
+subjects, and ``conformance/_concurrency.py``).
 test_conformance_reach_mutants runs the suite on each and checks which tests catch it."""
 
 from __future__ import annotations

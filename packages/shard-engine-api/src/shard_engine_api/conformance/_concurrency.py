@@ -28,21 +28,23 @@ from shard_engine_api._types import (
     ExportSessionRequest,
     LogitsResult,
     PrefillRequest,
-    ShardResult,
     TokenInput,
 )
 from shard_engine_api.conformance._harness import (
+    SuiteHelpers,
+    _rows,
+    _wait_until,
     assert_cancelled,
     assert_matches,
     assert_threads_match_serial,
 )
 from shard_engine_api.conformance._recorder import suite_skip
-from shard_engine_api.conformance._targeted import TargetedTests
 
 __all__ = ["CONCURRENCY_TESTS", "ConcurrencyTests"]
 
 CONCURRENCY_TESTS: Final[tuple[str, ...]] = (
     "test_cancel_one_of_queued_requests",
+    "test_concurrent_threads_match_serial",
     "test_many_threads_many_sessions_match_serial",
     "test_no_starvation_behind_a_decode_loop",
     "test_queued_cancel_heard_at_once",
@@ -63,21 +65,6 @@ it in after the step running when it arrived, and a coalescing one sooner."""
 _CANCEL_SLACK_MS: Final = 25.0
 
 
-def _rows(result: ShardResult) -> npt.NDArray[np.floating]:
-    if isinstance(result, LogitsResult):
-        return np.array(result.array())
-    return np.array(result.bundle.array())
-
-
-def _wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.0002)
-    return condition()
-
-
 @dataclasses.dataclass(slots=True)
 class _Watched:
     """An operation of the starvation test as its decode loop sees it: the metrics counter its
@@ -94,7 +81,7 @@ def _served(watched: _Watched, looping: threading.Thread) -> bool:
     return watched.committed is not None or not looping.is_alive()
 
 
-class ConcurrencyTests(TargetedTests):
+class ConcurrencyTests(SuiteHelpers):
     """The standard tests of concurrent callers (module docstring)."""
 
     def test_many_threads_many_sessions_match_serial(self) -> None:
@@ -413,3 +400,35 @@ class ConcurrencyTests(TargetedTests):
             )
             return
         h.no_cancel_landed("a queued prefill was never cancelled while a slow prefill ran")
+
+    def test_concurrent_threads_match_serial(self) -> None:
+        """Calls from several threads at once (each thread one session: prefill, decodes, a
+        truncation) give exactly the outputs of the same calls run serially, and health and
+        metrics count every call.
+
+        Fix: make every entry point thread-safe (one lock around the backend, atomic ledger
+        updates); never share scratch buffers between calls."""
+        h = self.harness
+        engine = h.load()
+        serial = h.load()
+        exact, tolerance = self._isolation_exactness(engine.capabilities())
+        n_threads = 4
+
+        def script(target: ShardEngine, index: int) -> list[npt.NDArray[np.floating]]:
+            session = h.session(f"thread-{index}")
+            out = [_rows(h.prefill(target, session, 0, h.tokens(5 + index, seed=index)))]
+            for step in range(4):
+                out.append(_rows(h.decode(target, session, 5 + index + step, (step + index,))))
+            out.append(_rows(h.prefill(target, session, 3, h.tokens(3, seed=index + 9))))
+            for step in range(2):
+                out.append(_rows(h.decode(target, session, 6 + step, (step,))))
+            return out
+
+        assert_threads_match_serial(
+            engine, serial, script, n_threads, exact=exact, tolerance=tolerance, join_s=60.0
+        )
+        metrics, health = engine.metrics(), engine.health()
+        assert metrics.requests == 8 * n_threads, f"metrics.requests {metrics.requests}"
+        assert health.sessions == n_threads
+        assert health.kv_used_tokens == 8 * n_threads
+        assert health.in_flight == 0

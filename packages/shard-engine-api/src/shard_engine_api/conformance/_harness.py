@@ -1,6 +1,12 @@
 """The helpers the standard tests are written with: load engines for layer ranges, make
 requests with unique ids, run pipelines of shards, compare outputs by the engine's declared
-determinism, and cancel from another thread."""
+determinism, and cancel from another thread.
+
+:class:`SuiteHelpers` is the base of every test mixin of the suite: the helpers tests of
+several subjects share (skips for a missing capability, declared exactness, batch items,
+committed lengths, long sessions, pipeline inputs). The private module-level helpers
+(``_raises``, ``_rows``, ``_PROMPT``, ...) are likewise shared by the suite's test modules and
+live only here."""
 
 from __future__ import annotations
 
@@ -17,7 +23,13 @@ import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api._checksum import payload_checksum
-from shard_engine_api._errors import Cancelled, InvalidRequest
+from shard_engine_api._errors import (
+    CacheMiss,
+    Cancelled,
+    InvalidRequest,
+    ShardEngineError,
+    UnsupportedFeature,
+)
 from shard_engine_api._hookspecs import ModelFixture
 from shard_engine_api._pipeline import Pipeline
 from shard_engine_api._protocol import ShardEngine
@@ -28,6 +40,8 @@ from shard_engine_api._types import (
     CancelRequest,
     CancelResult,
     Capabilities,
+    DecodeBatchRequest,
+    DecodeBatchResult,
     DecodeRequest,
     Determinism,
     LoadConfig,
@@ -53,6 +67,7 @@ __all__ = [
     "Canceller",
     "EngineUnderTest",
     "Harness",
+    "SuiteHelpers",
     "Tolerances",
     "assert_cancelled",
     "assert_matches",
@@ -499,3 +514,284 @@ def rebuilt_bundle(bundle: BoundaryBundle, **changes: object) -> BoundaryBundle:
     """A copy with changed fields and a checksum that matches the (possibly new) payload."""
     changed = msgspec.structs.replace(bundle, **changes)
     return msgspec.structs.replace(changed, checksum=payload_checksum(changed.payload))
+
+
+_PROMPT: Final = 6
+"""Prompt length used by most tests: long enough for history to matter, short to stay fast."""
+_LONG: Final = 300
+"""Positions of a long session: past 256 (a byte-sized index, a 256-bit map) and past any
+micro-batch of up to a few hundred rows."""
+
+
+def _raises(
+    expected: type[ShardEngineError], call: Callable[[], object], what: str
+) -> ShardEngineError:
+    """Run ``call``; it must raise ``expected`` (or a subclass). Say what came instead."""
+    try:
+        outcome = call()
+    except ShardEngineError as error:
+        if isinstance(error, expected):
+            return error
+        raise AssertionError(
+            f"{what}: expected {expected.__name__} (code {expected.code!r}), got "
+            f"{type(error).__name__} (code {error.code!r}): {error}"
+        ) from error
+    raise AssertionError(f"{what}: expected {expected.__name__}, but it returned {outcome!r}")
+
+
+def _raises_exactly(
+    expected: type[ShardEngineError], call: Callable[[], object], what: str
+) -> ShardEngineError:
+    """As :func:`_raises`, but the error must be of class ``expected`` itself (its code)."""
+    error = _raises(expected, call, what)
+    if type(error) is not expected:
+        raise AssertionError(
+            f"{what}: expected {expected.__name__} (code {expected.code!r}) itself, got "
+            f"{type(error).__name__} (code {error.code!r}): {error}"
+        )
+    return error
+
+
+def _rows(result: ShardResult) -> npt.NDArray[np.floating]:
+    if isinstance(result, LogitsResult):
+        return np.array(result.array())
+    return np.array(bundle_of(result).array())
+
+
+def _chunks(total: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """``[0, total)`` cut at ``cuts`` (those inside it)."""
+    points = [0, *sorted(c for c in set(cuts) if 0 < c < total), total]
+    return list(itertools.pairwise(points))
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.0002)
+    return condition()
+
+
+def _assert_addressed_to(result: ShardResult, session: SessionRef, what: str) -> None:
+    addressed = [result.session]
+    if isinstance(result, BoundaryResult):
+        addressed.append(result.bundle.session)
+    assert all(ref == session for ref in addressed), (
+        f"{what}: the result is addressed to {addressed}, not to the request's {session}"
+    )
+
+
+class SuiteHelpers:
+    """The helpers the standard tests of every subject share: every mixin of the suite
+    inherits them, and a subclass of the suite may not replace them."""
+
+    harness: Harness
+
+    def _need_layers(self, n_layers: int, purpose: str) -> None:
+        if self.harness.n_layers < n_layers:
+            suite_skip(
+                f"{purpose} needs a model fixture with >= {n_layers} layers; this one has "
+                f"{self.harness.n_layers}"
+            )
+
+    def _tolerances(self, caps: Capabilities) -> Tolerances:
+        """The engine's declared tolerance per output kind, recording what is measured."""
+        return Tolerances.declared(caps.determinism, self.harness.record)
+
+    def _shape_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
+        """The same positions computed through other batch shapes (decode vs. a longer
+        prefill, chunks, logits of all rows vs. the last, replays after rollback or eviction):
+        bit-exact only when the engine declares batch_invariant; else within its tolerance."""
+        determinism = caps.determinism
+        exact = determinism.batch_invariant and determinism.deterministic
+        return exact, self._tolerances(caps)
+
+    def _repeat_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
+        """The same calls repeated: bit-exact when the engine declares deterministic."""
+        return caps.determinism.deterministic, self._tolerances(caps)
+
+    def _batch_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
+        """Batched vs. single decode: bit-exact when the engine declares batch_invariant."""
+        determinism = caps.determinism
+        exact = determinism.batch_invariant and determinism.deterministic
+        return exact, self._tolerances(caps)
+
+    def _isolation_exactness(self, caps: Capabilities) -> tuple[bool, Tolerances]:
+        """A session run alone vs. interleaved with others (other cache layouts, other
+        batches around it): bit-exact when the engine declares deterministic and
+        batch_invariant; else within its tolerance."""
+        return self._shape_exactness(caps)
+
+    def _split_boundaries(self) -> list[tuple[int, ...]]:
+        """The pipelines split tests run: the fixture's own splits (uneven ones) and, when it
+        has none, even 2- and 3-way splits."""
+        n = self.harness.n_layers
+        splits: list[tuple[int, ...]] = []
+        for split in self.harness.fixture.splits:
+            if (
+                len(split) < 3
+                or split[0] != 0
+                or split[-1] != n
+                or list(split) != sorted(set(split))
+            ):
+                raise AssertionError(
+                    f"model fixture split {split} is not 0 < ... < {n} with >= 2 parts"
+                )
+            splits.append(tuple(split))
+        return splits
+
+    def _slow(self, **overrides: object) -> ShardEngine:
+        """An engine with the fixture's cancellation options (operations slow enough to be
+        cancelled mid-way)."""
+        h = self.harness
+        options = dict(h.target.cancel_load_options)
+        return h.load(0, None, options=options, **overrides)
+
+    def _batch(self, engine: ShardEngine, items: Sequence[DecodeRequest]) -> DecodeBatchResult:
+        return engine.decode_batch(
+            DecodeBatchRequest(request_id=self.harness.request_id(), items=tuple(items))
+        )
+
+    def _item(
+        self, session: SessionRef, pos: int, inputs: ShardInput | Sequence[int], **fields: object
+    ) -> DecodeRequest:
+        request = DecodeRequest(
+            request_id=self.harness.request_id(),
+            session=session,
+            pos=pos,
+            inputs=inputs
+            if isinstance(inputs, TokenInput | BoundaryBundle)
+            else TokenInput(token_ids=tuple(inputs)),
+        )
+        return msgspec.structs.replace(request, **fields) if fields else request
+
+    def _need_batches(self, engine: ShardEngine) -> None:
+        """Skip unless ``engine`` advertises batched decode; one that does not must refuse
+        ``decode_batch`` with UnsupportedFeature and change nothing (a batch it serves
+        anyway would otherwise never be checked)."""
+        caps = engine.capabilities()
+        if caps.features.batched_decode:
+            return
+        h = self.harness
+        session = h.session(f"unbatched-{h.request_id()}")
+        length = 0
+        if caps.shard.takes_tokens:
+            length = 2
+            h.prefill(engine, session, 0, h.tokens(length, seed=3))
+        _raises_exactly(
+            UnsupportedFeature,
+            lambda: self._batch(engine, [self._item(session, length, (1,))]),
+            "decode_batch on an engine that declares features.batched_decode = False",
+        )
+        if length:
+            assert self._committed_length(engine, session) == length, (
+                "a refused decode_batch changed the session"
+            )
+            h.release(engine, session)
+        suite_skip("engine declares features.batched_decode = False (and refuses batches)")
+
+    def _committed_length(self, engine: ShardEngine, session: SessionRef) -> int:
+        """The committed length as the engine reports it: a decode at a position the session
+        cannot be at (max_context - 1) must miss and carry it."""
+        h = self.harness
+        probe = engine.capabilities().limits.max_context - 1
+        try:
+            h.decode(engine, session, probe, self._probe_row(engine, session, probe))
+        except CacheMiss as miss:
+            return miss.committed_length
+        raise AssertionError(f"a decode of {session.session_id} at {probe} did not miss")
+
+    def _probe_row(self, engine: ShardEngine, session: SessionRef, pos: int) -> ShardInput:
+        """A well-formed one-row input for ``engine`` at ``pos`` (a token, or a zero row)."""
+        caps = engine.capabilities()
+        if caps.shard.takes_tokens:
+            return TokenInput(token_ids=(0,))
+        return BoundaryBundle.from_array(
+            np.zeros((1, caps.hidden_size), np.float32),
+            session=session,
+            first_pos=pos,
+            layer=caps.shard.start,
+            model_fingerprint=caps.model_fingerprint,
+            dtype=engine.capabilities().boundary_dtypes[0],
+        )
+
+    def _cancel_mid_flight(
+        self, engine: ShardEngine, cancel: CancelRequest, run: Callable[[], object]
+    ) -> tuple[bool, Canceller]:
+        """Run ``run`` while a canceller cancels ``cancel``; True if it raised Cancelled."""
+        canceller = Canceller(engine, cancel, 0.0)
+        canceller.start()
+        try:
+            run()
+            cancelled = False
+        except Cancelled as error:
+            assert_cancelled(error, "a call cancelled mid-flight")
+            cancelled = True
+        finally:
+            canceller.stop()
+        if canceller.error is not None:
+            raise AssertionError(f"cancel() raised {canceller.error!r}") from canceller.error
+        return cancelled, canceller
+
+    def _row_sources(self, start: int) -> ShardEngine | None:
+        """A fresh upstream shard ``[0, start)`` (None for a token-taking shard)."""
+        return self.harness.load(0, start, max_batch_tokens=64) if start > 0 else None
+
+    def _inputs_for(
+        self,
+        upstream: ShardEngine | None,
+        session: SessionRef,
+        sequence: Sequence[int],
+        first: int,
+    ) -> ShardInput:
+        """The inputs of positions ``first..`` of ``sequence`` for a shard whose upstream is
+        ``upstream``: token ids, or rows of a fresh upstream run over the whole sequence."""
+        h = self.harness
+        if upstream is None:
+            return TokenInput(token_ids=tuple(sequence[first:]))
+        scratch = SessionRef(session_id=f"upstream-{h.request_id()}", epoch=1)
+        bundle = bundle_of(h.prefill(upstream, scratch, 0, tuple(sequence)))
+        h.release(upstream, scratch)
+        width = len(bundle.payload) // bundle.n_tokens
+        payload = memoryview(bytes(bundle.payload[first * width :]))
+        return rebuilt_bundle(
+            bundle,
+            session=session,
+            first_pos=first,
+            n_tokens=len(sequence) - first,
+            payload=payload,
+        )
+
+    def _long_engine(self) -> tuple[ShardEngine, int]:
+        """A full shard with room for a session of :data:`_LONG` positions and prefills of
+        that many rows; the length it allows (skipped when an engine lowers it below 260)."""
+        h = self.harness
+        engine = h.load(
+            max_context=2 * _LONG, max_batch_tokens=_LONG + 8, kv_budget_tokens=8 * _LONG
+        )
+        limits = engine.capabilities().limits
+        length = min(_LONG, limits.max_batch_tokens, limits.max_context - 8)
+        if length < 260:
+            suite_skip(
+                f"the engine lowered max_batch_tokens/max_context to {limits.max_batch_tokens}/"
+                f"{limits.max_context}: no session of 260 positions fits"
+            )
+        return engine, length
+
+    def _fill(
+        self,
+        engine: ShardEngine,
+        session: SessionRef,
+        tokens: Sequence[int],
+        cuts: Sequence[int],
+    ) -> list[npt.NDArray[np.floating]]:
+        """Prefill ``tokens`` in the chunks ``cuts`` make (logits "all"); their rows."""
+        h = self.harness
+        return [
+            _rows(h.prefill(engine, session, start, tuple(tokens[start:end]), logits="all"))
+            for start, end in _chunks(len(tokens), cuts)
+        ]
+
+    def _error_of(self, call: Callable[[], object], what: str) -> ShardEngineError:
+        return _raises(ShardEngineError, call, what)
