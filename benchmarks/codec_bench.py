@@ -10,7 +10,8 @@ For bundles of 1, 128 and 512 rows x 4096 in f16, bf16 and f32 it times, in one 
 - codec-allow: the same with the non-default ``nonfinite="allow"`` (no finiteness test).
 - codec-fallback: the default codec with the pure-Python verification an install without a C
   compiler gets (the xxhash package, then two numpy max reductions over integer views of the
-  bits); only measured when the extension is in use.
+  bits); only measured when the extension is in use, in a child process started with
+  ``SHARD_ENGINE_API_NATIVE=0`` (the choice is made when the API is imported).
 - pickle+sum: ``pickle.dumps((header, payload_bytes, checksum))`` + ``loads`` + the same
   ``payload_checksum`` verification (payload bytes made outside the timing, favouring pickle;
   it checks no finiteness).
@@ -25,58 +26,36 @@ Usage: ``python benchmarks/codec_bench.py [--quick | --smoke] [--results PATH]``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import math
+import os
 import pickle
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 from _results import Results, add_results_option, add_size_options, run_mode
 
-from shard_engine_api import (
-    CONTRACT_VERSION,
-    BoundaryBundle,
-    BoundaryDtype,
-    SessionRef,
-    _bundle_checks,
-)
-from shard_engine_api._checksum import NATIVE_MODULE
-from shard_engine_api._dtypes import python_payload_finite
-from shard_engine_api._types import numpy_dtype
+from shard_engine_api import CONTRACT_VERSION, BoundaryBundle, BoundaryDtype, SessionRef
 from shard_engine_api.wire import (
     CHECKSUM_ALGORITHM,
+    NATIVE_ENV,
+    NATIVE_VECTOR,
     decode_bundle,
     encode_bundle,
+    numpy_dtype,
     payload_checksum,
 )
 
 SHAPES = [(1, 4096), (128, 4096), (512, 4096)]
 VERIFICATION = (
-    f"native (shard_engine_api._native, {NATIVE_MODULE.VECTOR})"
-    if NATIVE_MODULE is not None
+    f"native (the API's C extension, {NATIVE_VECTOR})"
+    if NATIVE_VECTOR is not None
     else "fallback (xxhash package + numpy; the C extension is not built or is disabled)"
 )
-
-
-@contextlib.contextmanager
-def fallback_verification() -> Iterator[None]:
-    """The codec's checks with the pure-Python verification (what an install without a C
-    compiler runs), for the codec-fallback column."""
-    swaps = {
-        "verify_payload": _bundle_checks.python_verify_payload,
-        "payload_finite": python_payload_finite,
-    }
-    bound = {name: getattr(_bundle_checks, name) for name in swaps}
-    for name, fallback in swaps.items():
-        setattr(_bundle_checks, name, fallback)
-    try:
-        yield
-    finally:
-        for name, function in bound.items():
-            setattr(_bundle_checks, name, function)
 
 
 DTYPES: list[BoundaryDtype] = ["f16", "bf16", "f32"]
@@ -95,10 +74,10 @@ def median_us(action: Callable[[], object], budget_s: float, max_reps: int) -> f
     return statistics.median(samples) / 1000.0
 
 
-def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -> dict[str, float]:
+def make_bundle(n_tokens: int, hidden: int, dtype: BoundaryDtype) -> BoundaryBundle:
     rng = np.random.default_rng(0)
     values = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
-    bundle = BoundaryBundle.from_array(
+    return BoundaryBundle.from_array(
         values,
         session=SessionRef(session_id="bench", epoch=1),
         first_pos=0,
@@ -106,6 +85,34 @@ def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -
         model_fingerprint="bench-model",
         dtype=dtype,
     )
+
+
+FALLBACK_FLAG = "--fallback-codec-us"
+
+
+def fallback_codec_us(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -> float:
+    """The codec figure with the pure-Python verification, from a child process that imports
+    the API with the C extension disabled; NaN where the extension is not in use here."""
+    if NATIVE_VECTOR is None:
+        return math.nan
+    child = subprocess.run(
+        [sys.executable, __file__, FALLBACK_FLAG, str(n_tokens), str(hidden), dtype, str(budget_s)],
+        env={**os.environ, NATIVE_ENV: "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(child.stdout)
+
+
+def print_codec_us(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -> None:
+    """The child's side of :func:`fallback_codec_us`."""
+    bundle = make_bundle(n_tokens, hidden, dtype)
+    print(median_us(lambda: decode_bundle(encode_bundle(bundle)), budget_s, 20000))
+
+
+def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -> dict[str, float]:
+    bundle = make_bundle(n_tokens, hidden, dtype)
     # The payload as stored (bf16 as its uint16 bits): memcpy copies exactly the payload bytes.
     source = np.frombuffer(bundle.payload, dtype=numpy_dtype(dtype)).reshape(n_tokens, hidden)
     target = np.empty_like(source)
@@ -128,10 +135,6 @@ def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -
     def codec_allow() -> None:
         decode_bundle(encode_bundle(bundle), nonfinite="allow")
 
-    def codec_fallback() -> None:
-        with fallback_verification():
-            decode_bundle(encode_bundle(bundle))
-
     def pickled() -> None:
         loaded_header, loaded, checksum = pickle.loads(
             pickle.dumps((header, payload_bytes, bundle.checksum), protocol=5)
@@ -150,9 +153,7 @@ def measure(n_tokens: int, hidden: int, dtype: BoundaryDtype, budget_s: float) -
         "memcpy": median_us(lambda: np.copyto(target, source), budget_s, 20000),
         "codec": median_us(codec, budget_s, 20000),
         "codec-allow": median_us(codec_allow, budget_s, 20000),
-        "codec-fallback": (
-            median_us(codec_fallback, budget_s, 20000) if NATIVE_MODULE is not None else math.nan
-        ),
+        "codec-fallback": fallback_codec_us(n_tokens, hidden, dtype, budget_s),
         "pickle+sum": median_us(pickled, budget_s, 20000),
         "gzip-1": median_us(gzipped, budget_s, 200),
     }
@@ -243,4 +244,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [FALLBACK_FLAG]:
+        size, width, kind, budget = sys.argv[2:]
+        if kind not in DTYPES:
+            raise SystemExit(f"unknown dtype {kind!r}")
+        print_codec_us(int(size), int(width), DTYPES[DTYPES.index(kind)], float(budget))
+    else:
+        main()

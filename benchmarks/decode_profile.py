@@ -35,8 +35,14 @@ import numpy.typing as npt
 from _callgrind import callgrind_dump_totals
 
 import shard_engine_api as api
-from shard_engine_api._results import build_result
-from shard_engine_api.engine import CancelToken, EngineCore, ForwardItem, ModelInfo, OutputMode
+from shard_engine_api.engine import (
+    CancelToken,
+    EngineCore,
+    ForwardItem,
+    ModelInfo,
+    OutputMode,
+    build_result,
+)
 from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import FakeEngine
 

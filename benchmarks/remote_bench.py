@@ -404,8 +404,7 @@ def _generated_model(directory: Path, quick: bool) -> PipelineModel:
 
 
 def _gemma3(explicit: str | None) -> PipelineModel | None:
-    from shard_engine_api._plugins import describe_model
-    from shard_engine_api.engine import get_plugin_manager, model_store
+    from shard_engine_api.engine import describe_model, get_plugin_manager, model_store
 
     candidate = explicit or os.environ.get(MODEL_ENV)
     path = Path(candidate) if candidate else model_store() / "models" / GEMMA3_FILE

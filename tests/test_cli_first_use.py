@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shard_engine_api import installed_engines
-from shard_engine_api._pipeline import Pipeline, PipelineStep
+from shard_engine_api import Pipeline, PipelineStep, installed_engines
 from shard_engine_api.cli import build_parser, main
 from shard_engine_api.engine import get_plugin_manager
 

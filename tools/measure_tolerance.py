@@ -46,8 +46,12 @@ from shard_engine_api import (
     ShardResult,
     TokenInput,
 )
-from shard_engine_api._plugins import model_fixture
-from shard_engine_api.engine import ModelFixture, engine_description, get_plugin_manager
+from shard_engine_api.engine import (
+    ModelFixture,
+    engine_description,
+    get_plugin_manager,
+    model_fixture,
+)
 
 LENGTH = 40
 CHUNKS = (1, 3, 7, 16, 17)

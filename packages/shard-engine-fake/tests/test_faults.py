@@ -18,8 +18,7 @@ import pytest
 from conftest import EngineFactory, decode, decode_request, logits_of, prefill, session
 
 import shard_engine_api as api
-from shard_engine_api._validation import health_problem, metrics_problem
-from shard_engine_api.engine import TEST_OPTIONS_ENV
+from shard_engine_api.engine import TEST_OPTIONS_ENV, health_problem, metrics_problem
 from shard_engine_api.wire import payload_checksum
 from shard_engine_fake import (
     FAULTS_ENV_VAR,

@@ -12,8 +12,7 @@ from shard_engine_api import (
     SessionRef,
     SessionSnapshot,
 )
-from shard_engine_api._snapshot import split_chunks
-from shard_engine_api.wire import Codec, payload_checksum
+from shard_engine_api.wire import Codec, payload_checksum, split_chunks
 from shard_engine_llama import LlamaEngine
 
 

@@ -37,8 +37,8 @@ from shard_engine_api import (
     UnsupportedFeature,
     split_layers,
 )
-from shard_engine_api._checksum import payload_checksum
 from shard_engine_api.engine import TEST_OPTIONS_ENV
+from shard_engine_api.wire import payload_checksum
 from shard_engine_llama import LlamaEngine, _abi
 from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
 from shard_engine_llama._gguf import MetadataValue, read_gguf_header, split_model

@@ -19,7 +19,7 @@ from shard_engine_api import (
     ShardSpec,
     TokenInput,
 )
-from shard_engine_api._checksum import payload_checksum
+from shard_engine_api.wire import payload_checksum
 from shard_engine_llama import LlamaEngine
 from shard_engine_llama._tiny_model import write_tiny_model
 

@@ -48,6 +48,7 @@ __all__ = [
     "NATIVE",
     "NATIVE_ENV",
     "NATIVE_MODULE",
+    "NATIVE_VECTOR",
     "SCANNED",
     "SCANNED_FINITE",
     "Buffer",
@@ -110,6 +111,10 @@ NATIVE_MODULE: Final = _load_native()
 """The C extension, or None (then the xxhash package and numpy do its work)."""
 NATIVE: Final = NATIVE_MODULE is not None
 """Whether payload checksums and finiteness tests run in the C extension."""
+NATIVE_VECTOR: Final[str | None] = None if NATIVE_MODULE is None else NATIVE_MODULE.VECTOR
+"""The instruction set the C extension verifies payloads with (its run-time choice, e.g.
+``"avx2"``), or None when the pure-Python fallback is in use (not built, or disabled by
+``SHARD_ENGINE_API_NATIVE=0``)."""
 
 _xxh3_64: Final = xxhash.xxh3_64
 _digest: Final = xxhash.xxh3_64_intdigest

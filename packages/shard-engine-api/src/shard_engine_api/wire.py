@@ -1,9 +1,17 @@
 """Names for code that moves contract objects between processes or machines: the msgpack codec,
 its limits (string lengths, snapshot chunks, boundary dtypes, the field types a wire message
-declares), the payload checksum, a snapshot's integrity check and the error wire form.
+declares), how a payload is stored (its numpy dtype) and checksummed (and whether the C
+extension does it), how a snapshot's state is cut into chunks, a snapshot's integrity check
+and the error wire form.
 ``shard_engine_api`` itself holds the objects; this namespace holds how they travel."""
 
-from shard_engine_api._checksum import CHECKSUM_ALGORITHM, chunks_checksum, payload_checksum
+from shard_engine_api._checksum import (
+    CHECKSUM_ALGORITHM,
+    NATIVE_ENV,
+    NATIVE_VECTOR,
+    chunks_checksum,
+    payload_checksum,
+)
 from shard_engine_api._codec import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Codec,
@@ -23,7 +31,7 @@ from shard_engine_api._codec import (
 )
 from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._errors import ErrorInfo, clamp_text, error_from_info
-from shard_engine_api._snapshot import check_snapshot_integrity
+from shard_engine_api._snapshot import check_snapshot_integrity, split_chunks
 from shard_engine_api._types import (
     MAX_DETAIL_CHARS,
     MAX_ID_CHARS,
@@ -31,6 +39,7 @@ from shard_engine_api._types import (
     SNAPSHOT_CHUNK_BYTES,
     Count,
     Milliseconds,
+    numpy_dtype,
 )
 
 __all__ = [
@@ -40,6 +49,8 @@ __all__ = [
     "MAX_DETAIL_CHARS",
     "MAX_ID_CHARS",
     "MAX_SNAPSHOT_CHUNKS",
+    "NATIVE_ENV",
+    "NATIVE_VECTOR",
     "SNAPSHOT_CHUNK_BYTES",
     "Codec",
     "Count",
@@ -62,5 +73,7 @@ __all__ = [
     "encode_error",
     "encode_into",
     "error_from_info",
+    "numpy_dtype",
     "payload_checksum",
+    "split_chunks",
 ]

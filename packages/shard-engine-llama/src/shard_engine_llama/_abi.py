@@ -36,7 +36,7 @@ from typing import Final, NoReturn, TypedDict, cast
 import numpy as np
 import numpy.typing as npt
 
-from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
+from shard_engine_api.engine import checksum_and_finite, copy_checksum_and_finite
 
 SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
 _SUPPORTED_MINIMUM = (0, 3, 36)
