@@ -1,12 +1,14 @@
 """The gRPC link: a :class:`~shard_engine_remote._link.Link` over one gRPC channel, with generic
 method handlers whose (de)serializers are the project's codec.
 
-Its failures are mapped once, in :func:`map_grpc_failures`, from grpcio's status codes to a
-:class:`~shard_engine_remote._link.LinkFailure`. grpcio tells three of them apart only in its
-own words (no code, no exception type): a connection that was never made (``UNAVAILABLE``:
-nothing was sent) and a reply this side refused for its size (``RESOURCE_EXHAUSTED``, like the
-server's refusal of the request, but the call may have run), and the server's refusal of a
-message's size. Those words are read here and nowhere else.
+Its failures are mapped once, in :func:`map_grpc_failures`, to a
+:class:`~shard_engine_remote._link.LinkFailure`: a refusal of the server's own by the reason in
+its trailing metadata (``_server.REFUSAL_METADATA_KEY``: :data:`_SERVER_REFUSALS`), anything
+else by its status code (:data:`_REASONS`), except what only grpcio itself produces and tells
+apart in nothing but its own words (no code, no trailer, no exception type): a connection that
+was never made, and a message either side's grpcio refused for its size or a grpcio server for
+its call limit. Those words are in one table, :data:`_GRPCIO_OWN_WORDS`, read here and nowhere
+else.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shard_engine_remote._callers import CALLER_METADATA_KEY
 from shard_engine_remote._errors import RemoteUnavailable
 from shard_engine_remote._link import LinkFailure, Reason, Stream
 from shard_engine_remote._security import ClientSecurity, speaks_tls
-from shard_engine_remote._server import channel_options
+from shard_engine_remote._server import REFUSAL_METADATA_KEY, channel_options
 from shard_engine_remote._wire import (
     CALL_METHOD,
     EXPORT_METHOD,
@@ -35,13 +37,39 @@ from shard_engine_remote._wire import (
 
 __all__ = ["GrpcLink", "map_grpc_failures"]
 
-_REPLY_TOO_LARGE: Final = "CLIENT: Received message larger than max"
-"""How grpcio words a reply this side refused for its size."""
-_REPLY_METADATA_TOO_LARGE: Final = "received metadata size exceeds"
-"""How grpcio words a reply whose headers or trailers this side refused for their size (this
-side's own request metadata is a few dozen bytes: never the cause)."""
-_NEVER_CONNECTED: Final = ("failed to connect to all addresses", "Connection refused")
-"""How grpcio words an UNAVAILABLE call that found no connection (nothing was sent)."""
+_SERVER_REFUSALS: Final[dict[str, tuple[Reason, bool]]] = {
+    "busy": ("busy", False),
+    "no_request": ("transport_error", False),
+    "too_slow": ("deadline_exceeded", True),
+}
+"""What the server's own refusal says (its trailing metadata, set where ``_server`` refuses):
+why, and whether the call may have reached its engine. The same as the framed transport's
+ERROR frames for the same refusal (``RESOURCE_EXHAUSTED`` busy, ``DEADLINE_EXCEEDED`` an export
+taken too slowly; ``_framed.client``, pinned by test_grpc_failures.py)."""
+_RESOURCE_EXHAUSTED: Final = grpc.StatusCode.RESOURCE_EXHAUSTED
+_GRPCIO_OWN_WORDS: Final[tuple[tuple[grpc.StatusCode, str, Reason, bool], ...]] = (
+    # grpcio's message size filter on this side: a reply over this channel's
+    # max_receive_message_length ("Stream removed (CLIENT: Received message larger than max
+    # (N vs. M))"). The server answered: the call may have run.
+    (_RESOURCE_EXHAUSTED, "CLIENT: Received message larger than max", "transport_error", True),
+    # grpcio refusing a reply's headers or trailers over grpc.max_metadata_size (this side's own
+    # request metadata is a few dozen bytes: never the cause). The call may have run.
+    (_RESOURCE_EXHAUSTED, "received metadata size exceeds", "transport_error", True),
+    # The same filter, this side's request over its max_send_message_length: it never left.
+    (_RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max", "request_too_large", False),
+    # The server's grpcio filter, the request over its max_receive_message_length (the server
+    # lets twice its limit through to count it; beyond, grpcio refuses it unread). Nothing ran.
+    (_RESOURCE_EXHAUSTED, "SERVER: Received message larger than max", "request_too_large", False),
+    # grpcio's server at its maximum_concurrent_rpcs: the call never reached a handler.
+    (_RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!", "busy", False),
+    # grpcio's UNAVAILABLE for a call that found no connection: nothing was sent.
+    (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", "connection_lost", False),
+    (grpc.StatusCode.UNAVAILABLE, "Connection refused", "connection_lost", False),
+)
+"""Failures grpcio itself makes, with no trailer of ours to say why, told apart only by its
+words (grpcio 1.80 to 1.85): status code, the words, the reason, whether the call may have
+run. Any other RESOURCE_EXHAUSTED without the server's reason (grpcio refusing the server's own
+reply for its size, a proxy) may have run: ``transport_error``."""
 _REASONS: Final[dict[grpc.StatusCode, Reason]] = {
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
     grpc.StatusCode.PERMISSION_DENIED: "unauthenticated",
@@ -50,8 +78,8 @@ _REASONS: Final[dict[grpc.StatusCode, Reason]] = {
     grpc.StatusCode.CANCELLED: "cancelled",
     grpc.StatusCode.UNAVAILABLE: "connection_lost",
 }
-_REFUSED: Final = frozenset(("unauthenticated", "not_served", "request_too_large", "busy"))
-"""Reasons that say the server refused the call before running it."""
+_REFUSED: Final = frozenset(("unauthenticated", "not_served"))
+"""Reasons a status code alone says the server refused the call before running it."""
 
 
 def _failure(error: grpc.RpcError) -> LinkFailure:
@@ -59,22 +87,18 @@ def _failure(error: grpc.RpcError) -> LinkFailure:
     call = cast(grpc.Call, error)
     try:
         code, details = call.code(), call.details() or str(error)
+        trailers = call.trailing_metadata() or ()
     except AttributeError:
-        code, details = grpc.StatusCode.UNKNOWN, str(error)
-    reason: Reason = _REASONS.get(code, "transport_error")
-    sent = True
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        if _REPLY_TOO_LARGE in details or _REPLY_METADATA_TOO_LARGE in details:
-            # This side refused the server's reply, not the server this request: it may have
-            # run, like a reply lost with the connection (the framed link says the same).
-            reason = "transport_error"
-        elif "larger than max" in details or "message" in details.lower():
-            reason = "request_too_large"
-        else:
-            reason = "busy"
-    elif code == grpc.StatusCode.UNAVAILABLE:
-        sent = not any(words in details for words in _NEVER_CONNECTED)
-    return LinkFailure(reason, details, sent=sent and reason not in _REFUSED, status=code.name)
+        code, details, trailers = grpc.StatusCode.UNKNOWN, str(error), ()
+    refusal = next((value for key, value in trailers if key == REFUSAL_METADATA_KEY), None)
+    if isinstance(refusal, str) and refusal in _SERVER_REFUSALS:
+        reason, sent = _SERVER_REFUSALS[refusal]
+        return LinkFailure(reason, details, sent=sent, status=code.name)
+    for own_code, words, reason, sent in _GRPCIO_OWN_WORDS:
+        if code == own_code and words in details:
+            return LinkFailure(reason, details, sent=sent, status=code.name)
+    reason = _REASONS.get(code, "transport_error")
+    return LinkFailure(reason, details, sent=reason not in _REFUSED, status=code.name)
 
 
 @contextmanager

@@ -92,6 +92,7 @@ __all__ = [
     "DEFAULT_MAX_SNAPSHOT_BYTES",
     "DEFAULT_MIN_STREAM_BYTES_PER_S",
     "DEFAULT_STREAM_IDLE_S",
+    "REFUSAL_METADATA_KEY",
     "EngineServer",
     "Serving",
     "StreamBroken",
@@ -117,6 +118,13 @@ DEFAULT_STREAM_IDLE_S: Final = 30.0
 DEFAULT_MIN_STREAM_BYTES_PER_S: Final = 1 << 20
 """The slowest a snapshot stream may move its bytes, on average: a stream of ``n`` bytes
 holds its slot for at most ``stream_idle_s + n / min_stream_bytes_per_s`` seconds."""
+REFUSAL_METADATA_KEY: Final = "shard-engine-refusal"
+"""The trailing metadata key naming why this server refused a gRPC call itself, so a client
+decides on it and never on the status's words: ``busy`` (every place for calls waiting for
+their request is taken; RESOURCE_EXHAUSTED, nothing ran), ``no_request`` (the call carried no
+request message; INVALID_ARGUMENT, nothing ran), ``too_slow`` (the client took an export slower
+than the stream rate; DEADLINE_EXCEEDED, the export ran). The token interceptor's refusal is
+UNAUTHENTICATED, which says it alone; calls cut off by cancelling them carry no trailers."""
 _Result = TypeVar("_Result")
 _Message = TypeVar("_Message")
 _LOG: Final = logging.getLogger("shard_engine.remote")
@@ -426,7 +434,12 @@ class EngineServer:
         without it is INVALID_ARGUMENT; messages after it are not read."""
         request = self._first(requests, context, waiting)
         if request is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
+            _refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "no_request",
+                "the call carries no request message",
+            )
         return request
 
     def _first(
@@ -437,8 +450,10 @@ class EngineServer:
         ticket = waiting.enter(context, client_key(context))
         if ticket is None:
             self.counters.add("busy")
-            context.abort(
+            _refuse(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "busy",
                 "the server holds as many calls waiting for their request as it has threads "
                 "for; nothing ran; retry",
             )
@@ -607,8 +622,10 @@ class EngineServer:
                     due = self.stream_due(size)
                 elif time.monotonic() > due:
                     self.counters.add("stalled")
-                    context.abort(
+                    _refuse(
+                        context,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "too_slow",
                         f"the client takes the export slower than {self.stream_rate_words()}",
                     )
                 timer = threading.Timer(self.stream_idle_s, cut_off)
@@ -976,6 +993,14 @@ class EngineServer:
                 continue
             stopped += engine.cancel(api.CancelRequest(request_id=call.engine_id)).n_requests
         return api.CancelResult(cancelled=stopped > 0, n_requests=stopped)
+
+
+def _refuse(
+    context: grpc.ServicerContext, code: grpc.StatusCode, refusal: str, message: str
+) -> typing.NoReturn:
+    """End the call with ``code``, its reason for clients in :data:`REFUSAL_METADATA_KEY`."""
+    context.set_trailing_metadata(((REFUSAL_METADATA_KEY, refusal),))
+    context.abort(code, message)
 
 
 def _connection_limit(wanted: int) -> int:
