@@ -29,6 +29,8 @@ PINNED_EXPORTS: dict[str, list[str]] = {
         "CancelResult",
         "Cancelled",
         "Capabilities",
+        "ChatMessage",
+        "ChatTokenizer",
         "ChecksumMismatch",
         "ContractVersionMismatch",
         "DecodeBatchRequest",

@@ -27,7 +27,7 @@ from shard_engine_api._errors import (
     UnsupportedFeature,
     WrongRole,
 )
-from shard_engine_api._hookspecs import Tokenizer
+from shard_engine_api._hookspecs import ChatMessage, ChatTokenizer, Tokenizer
 from shard_engine_api._pipeline import (
     FinishReason,
     GeneratedToken,
@@ -118,6 +118,8 @@ __all__ = [
     "CancelResult",
     "Cancelled",
     "Capabilities",
+    "ChatMessage",
+    "ChatTokenizer",
     "ChecksumMismatch",
     "ContractVersionMismatch",
     "DecodeBatchRequest",

@@ -25,6 +25,8 @@ from shard_engine_api._types import EvidenceClass, LoadConfig, OptionValue, Shar
 __all__ = [
     "PROJECT_NAME",
     "TEST_OPTIONS_ENV",
+    "ChatMessage",
+    "ChatTokenizer",
     "CliSubparsers",
     "EngineDescription",
     "EngineHookSpecs",
@@ -68,6 +70,35 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (ids without text render as the engine chooses)."""
+        ...
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """One message of a conversation: who says it (``role``: "system", "user", "assistant")
+    and what (``content``)."""
+
+    role: str
+    content: str
+
+
+@runtime_checkable
+class ChatTokenizer(Tokenizer, Protocol):
+    """A :class:`Tokenizer` that also applies its model's chat template: an optional feature,
+    checked with ``isinstance(tokenizer, ChatTokenizer)``. A tokenizer of this type whose model
+    has no chat template raises UnsupportedFeature, naming why, from each method."""
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str:
+        """``messages`` as the model's chat template writes them, with the assistant's turn
+        opened (the text a generation continues)."""
+        ...
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The token ids of :meth:`apply_chat_template`, its turn markers as the model's
+        special tokens (never spelled out as text)."""
+        ...
+
+    def end_of_turn_tokens(self) -> tuple[int, ...]:
+        """The ids of the tokens that end the assistant's turn: a generation stops at any."""
         ...
 
 
