@@ -2,6 +2,8 @@
 
     shard-engine engines                  list installed engines (and broken plugins)
     shard-engine run [--engine fake]      a sharded generation, verified against one shard
+    shard-engine run --engine llama --model M.gguf --chat --prompt "Hi"
+                                          a chat model's reply (its own chat template)
     shard-engine bench [--engine fake]    prefill/decode throughput, unsplit vs split
     shard-engine conformance --engine N   run the conformance suite on an installed engine
 
@@ -30,15 +32,20 @@ __all__ = ["build_parser", "main"]
 
 def build_parser(manager: pluggy.PluginManager | None = None) -> argparse.ArgumentParser:
     """The argument parser, with every installed engine's subcommands."""
-    description = (__doc__ or "").split("\n\n")[0]
-    return _parser.build(manager or get_plugin_manager(), description)
+    description = "Run, verify, benchmark and check sharded inference engines."
+    examples = (__doc__ or "").split("\n\n")[1]
+    return _parser.build(manager or get_plugin_manager(), description, examples)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shard-engine``; returns the exit code (2 for every bad input)."""
     manager = get_plugin_manager()
     parser = build_parser(manager)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Said by the command they follow (argparse would say it as "shard-engine: error").
+        command = _parser.command_parser(parser, args.command)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.verbose += getattr(args, "verbose_after_command", 0)
     args.log_format = getattr(args, "log_format_after_command", None) or args.log_format
     configure_logging(args.verbose, args.log_format)

@@ -39,12 +39,24 @@ from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._hookspecs import CliSubparsers
 from shard_engine_api._plugins import PROJECT_DISTRIBUTIONS, add_cli_commands
 
-__all__ = ["build"]
+__all__ = ["build", "command_parser"]
 
 
-def build(manager: pluggy.PluginManager, description: str) -> argparse.ArgumentParser:
-    """The argument parser, with every installed engine's subcommands."""
-    parser = Parser(prog="shard-engine", description=description, formatter_class=HelpFormatter)
+class _TopHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """``shard-engine --help``: its example lines kept as written, defaults shown."""
+
+
+def build(
+    manager: pluggy.PluginManager, description: str, examples: str
+) -> argparse.ArgumentParser:
+    """The argument parser, with every installed engine's subcommands; ``examples`` (lines
+    kept as they are) end ``shard-engine --help``."""
+    parser = Parser(
+        prog="shard-engine",
+        description=description,
+        epilog=f"{examples}\n\nEach command's options: shard-engine COMMAND --help",
+        formatter_class=_TopHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"shard-engine {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text", help=LOG_FORMAT_HELP)
@@ -64,6 +76,16 @@ def build(manager: pluggy.PluginManager, description: str) -> argparse.ArgumentP
     add_cli_commands(manager, subparsers)
     _add_missing_engine_commands(subparsers, manager)
     _add_options_after_the_command(subparsers)
+    return parser
+
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (``parser`` itself when there is none): the one whose
+    prefix an error about that command's arguments carries."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices.get(name, parser)
+            return found
     return parser
 
 
@@ -121,6 +143,13 @@ def _add_run(subparsers: CliSubparsers, run_command: Command) -> None:
     run.add_argument(
         "--tokens", type=integer_list(0), help="comma-separated prompt token ids (not --prompt)"
     )
+    run.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user message in the model's own chat template (the "
+        "GGUF's tokenizer.chat_template, applied by llama.cpp) and stop at its end-of-turn "
+        "tokens; for chat models (not the fake engine)",
+    )
     run.add_argument("--temperature", type=finite_at_least_zero, default=0.0, help="0 = greedy")
     run.add_argument("--top-k", type=non_negative, default=0, help="0 = no cut")
     run.add_argument("--top-p", type=probability, default=1.0, help="1 = no cut")
@@ -156,7 +185,7 @@ def _add_bench(subparsers: CliSubparsers, bench_command: Command) -> None:
     bench.add_argument("--prompt-tokens", type=positive, default=32, help="prompt length")
     bench.add_argument("--repeat", type=positive, default=3, help="repeats (medians reported)")
     bench.set_defaults(
-        func=bench_command, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_tokens=()
+        func=bench_command, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_tokens=(), chat=False
     )
 
 

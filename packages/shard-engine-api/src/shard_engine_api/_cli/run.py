@@ -12,6 +12,7 @@ import numpy as np
 import pluggy
 
 from shard_engine_api._cli import sessions
+from shard_engine_api._cli.chat import chat_tokenizer, user_turn
 from shard_engine_api._cli.common import (
     DEFAULT_PROMPT,
     UsageError,
@@ -29,7 +30,7 @@ from shard_engine_api._plugins import engine_description, tokenizer
 from shard_engine_api._types import Determinism, SessionRef
 from shard_engine_api._validation import ValidatingEngine
 
-__all__ = ["command_run", "prompt_ids", "prompt_text"]
+__all__ = ["Encoder", "command_run", "generate", "prompt_encoder", "prompt_ids", "prompt_text"]
 
 
 def generate(
@@ -85,17 +86,31 @@ def prompt_text(args: argparse.Namespace) -> str:
     return DEFAULT_PROMPT if args.prompt is None else str(args.prompt)
 
 
-def prompt_ids(
+Encoder = Callable[[str], list[int]]
+"""Prompt text to token ids."""
+
+
+def prompt_encoder(
     args: argparse.Namespace, engine: str, found_tokenizer: Tokenizer | None
-) -> list[int]:
+) -> Encoder | None:
+    """How prompt text becomes token ids: the tokenizer's ``encode``; with --chat, one user
+    message in the model's chat template (its end-of-turn tokens join --stop-tokens)."""
+    if not args.chat:
+        return None if found_tokenizer is None else found_tokenizer.encode
+    chat = chat_tokenizer(engine, found_tokenizer)
+    args.stop_tokens = [*(args.stop_tokens or ()), *chat.end_of_turn_tokens()]
+    return user_turn(chat)
+
+
+def prompt_ids(args: argparse.Namespace, engine: str, encode: Encoder | None) -> list[int]:
     if args.tokens is not None:
         return list(args.tokens)
-    if found_tokenizer is None:
+    if encode is None:
         raise UsageError(
             f"engine {engine!r} has no tokenizer for this model; pass --tokens 1,2,3 instead "
             "of --prompt"
         )
-    ids = found_tokenizer.encode(prompt_text(args))
+    ids = encode(prompt_text(args))
     if not ids:
         raise UsageError("argument --prompt: the prompt has no tokens")
     return ids
@@ -150,16 +165,21 @@ def verify(
 def command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> int:
     if args.tokens is not None and args.prompt is not None:
         raise UsageError("argument --tokens: give --prompt or --tokens, not both")
+    if args.tokens is not None and args.chat:
+        raise UsageError(
+            "argument --chat: the chat template applies to --prompt text, not --tokens"
+        )
     check_isolation(manager, args)
     fixture = command_fixture(manager, args.engine, args.model, args.workdir)
     ranges = shard_ranges(fixture, args.shards)
     description = engine_description(args.engine, manager=manager)
     found_tokenizer = tokenizer(manager, args.engine, fixture.model)
-    prompt = prompt_ids(args, args.engine, found_tokenizer)
+    encode = prompt_encoder(args, args.engine, found_tokenizer)
+    prompt = prompt_ids(args, args.engine, encode)
     text = prompt_text(args) if args.tokens is None else None
     if args.sessions > 1:
         return sessions.command_run_sessions(
-            manager, args, fixture, ranges, description, found_tokenizer, prompt, text
+            manager, args, fixture, ranges, description, found_tokenizer, encode, prompt, text
         )
     declared: list[Determinism] = []
     printer = None if args.json else _TokenPrinter()
@@ -195,6 +215,7 @@ def command_run(args: argparse.Namespace, *, manager: pluggy.PluginManager) -> i
                 "n_layers": fixture.n_layers,
                 "shards": [list(pair) for pair in ranges],
                 "prompt": text,
+                "chat": args.chat,
                 "prompt_ids": list(prompt),
                 "token_ids": list(result.token_ids),
                 "text": result.text,
@@ -255,7 +276,8 @@ def _print_run_header(
 ) -> None:
     print_shards(args, fixture, ranges)
     if text is not None:
-        print(f"prompt: {text!r}")
+        chat = " (a user message in the model's chat template)" if args.chat else ""
+        print(f"prompt: {text!r}{chat}")
     print(f"prompt ids ({len(prompt)}): {list(prompt)}", flush=True)
 
 

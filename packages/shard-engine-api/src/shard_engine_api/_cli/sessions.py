@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pluggy
@@ -24,7 +24,7 @@ __all__ = ["command_run_sessions"]
 
 def _requests(
     args: argparse.Namespace,
-    found_tokenizer: Tokenizer | None,
+    encode: Callable[[str], list[int]] | None,
     prompt: Sequence[int],
     prompt_text: str | None,
 ) -> tuple[list[GenerationRequest], list[str | None]]:
@@ -32,9 +32,9 @@ def _requests(
     count = int(args.sessions)
     texts: list[str | None] = [None] * count
     prompts: list[tuple[int, ...]] = [tuple(prompt)] * count
-    if prompt_text is not None and found_tokenizer is not None:
+    if prompt_text is not None and encode is not None:
         suffixed = [f"{prompt_text} #{number}" for number in range(1, count + 1)]
-        prompts = [tuple(found_tokenizer.encode(text)) for text in suffixed]
+        prompts = [tuple(encode(text)) for text in suffixed]
         texts = list(suffixed)
     requests = [
         GenerationRequest(
@@ -61,12 +61,13 @@ def command_run_sessions(
     ranges: Sequence[tuple[int, int]],
     description: EngineDescription,
     found_tokenizer: Tokenizer | None,
+    encode: Callable[[str], list[int]] | None,
     prompt: Sequence[int],
     prompt_text: str | None,
 ) -> int:
     """``run --sessions N``: N sessions through one validated pipeline over the wire at once;
     each is verified against its own run alone on the same shards (unless --no-verify)."""
-    requests, texts = _requests(args, found_tokenizer, prompt, prompt_text)
+    requests, texts = _requests(args, encode, prompt, prompt_text)
     count = len(requests)
     engine = description
     if args.isolation == "process":
@@ -115,6 +116,7 @@ def command_run_sessions(
                 "model": fixture.model,
                 "n_layers": fixture.n_layers,
                 "shards": [list(pair) for pair in ranges],
+                "chat": args.chat,
                 "sessions": sessions,
                 "generated_tokens": many.generated_tokens,
                 "wall_ms": many.wall_ms,
