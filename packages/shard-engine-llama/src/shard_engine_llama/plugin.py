@@ -245,7 +245,12 @@ def _tokenizer(model: str) -> Tokenizer | None:
     # Validation refused a SentencePiece vocabulary that cannot spell every byte: only a
     # byte-level one can have bytes to refuse.
     unspellable = unspellable_bytes(header) if vocabulary.byte_level else b""
-    return _VocabularyTokenizer(vocabulary, max_encode_bytes(context_length), unspellable)
+    # With the model's chat template, when it has one (shard_engine_api.ChatTokenizer).
+    from shard_engine_llama._chat import ChatVocabularyTokenizer
+
+    return ChatVocabularyTokenizer(
+        vocabulary, max_encode_bytes(context_length), unspellable, model_name=Path(model).name
+    )
 
 
 @hookimpl
