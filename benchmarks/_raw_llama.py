@@ -12,7 +12,7 @@ from typing import Final
 
 import numpy as np
 
-from shard_engine_llama._abi import decode_on_compute_thread
+from shard_engine_llama._llama_library import decode_on_compute_thread
 
 N_UBATCH: Final = 512
 """The micro-batch (and batch) size of the raw context, and the engine's in the benchmarks."""

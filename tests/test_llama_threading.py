@@ -35,7 +35,7 @@ def test_default_spin_count_is_set_before_libgomp_loads() -> None:
     """Importing the llama engine (LlamaEngine; the package itself loads llama.cpp lazily)
     sets GOMP_SPINCOUNT=10000 when unset, before libgomp was
     mapped (so libgomp read it), and libgomp is mapped afterwards. Fix: keep the
-    apply_threading_defaults() call in _abi.py before `import llama_cpp`."""
+    apply_threading_defaults() call in _llama_library.py before `import llama_cpp`."""
     pytest.importorskip("shard_engine_llama")
     probe = _probe()
     report = probe["report"]

@@ -24,8 +24,9 @@ def rss_kib():
             return int(line.split()[1])
     return -1
 
-from shard_engine_llama._abi import ContextSettings, ShardRuntime, _ensure_backend
-_ensure_backend()
+from shard_engine_llama._abi import ContextSettings, ShardRuntime
+from shard_engine_llama._llama_library import ensure_backend
+ensure_backend()
 floor = rss_kib()
 path = sys.argv[1]
 if path == "-":

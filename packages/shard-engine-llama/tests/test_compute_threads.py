@@ -26,7 +26,7 @@ PROBE = textwrap.dedent(
     """
     import json, os, sys, threading, time
     import shard_engine_api as api
-    from shard_engine_llama import _abi
+    from shard_engine_llama import _llama_library
 
     MODEL = sys.argv[1]
     MODE = sys.argv[2]
@@ -49,7 +49,7 @@ PROBE = textwrap.dedent(
     engine, session = load("a")
     for pos in range(3, 6):
         decode(engine, session, pos)
-    report = {"one_caller": _abi.compute_threads()}
+    report = {"one_caller": _llama_library.compute_threads()}
     # Four long-lived callers taking turns, as a server's threads do: eight decodes.
     turns = [threading.Semaphore(0) for _ in range(4)]
     done = threading.Semaphore(0)
@@ -69,7 +69,7 @@ PROBE = textwrap.dedent(
         done.acquire()
     for turn in turns: turn.release()
     for thread in callers: thread.join()
-    report["sequential"] = _abi.compute_threads()
+    report["sequential"] = _llama_library.compute_threads()
     if MODE == "overlap":
         other, other_session = load("b")
         engine.capabilities()
@@ -83,14 +83,14 @@ PROBE = textwrap.dedent(
                    threading.Thread(target=run, args=(other, other_session, 3))]
         for thread in threads: thread.start()
         for thread in threads: thread.join()
-        report["overlap"] = _abi.compute_threads()
+        report["overlap"] = _llama_library.compute_threads()
         deadline = time.monotonic() + 30
-        while _abi.compute_threads()[1] > 1 and time.monotonic() < deadline:
+        while _llama_library.compute_threads()[1] > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        report["after_idle"] = _abi.compute_threads()
+        report["after_idle"] = _llama_library.compute_threads()
         # Compute thread 0 still serves; another one starts on the next overlap only.
         decode(engine, session, 34)
-        report["after_idle_decode"] = _abi.compute_threads()
+        report["after_idle_decode"] = _llama_library.compute_threads()
     if MODE == "fork":
         pid = os.fork()
         if pid == 0:
@@ -98,13 +98,13 @@ PROBE = textwrap.dedent(
             try:
                 child_engine, child_session = load("c")
                 decode(child_engine, child_session, 3)
-                code = 0 if _abi.compute_threads()[1:3] == (1, 1) else 2
+                code = 0 if _llama_library.compute_threads()[1:3] == (1, 1) else 2
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         report["fork_child_status"] = status
         decode(engine, session, 14)
-        report["after_fork"] = _abi.compute_threads()
+        report["after_fork"] = _llama_library.compute_threads()
     print(json.dumps(report))
     """
 )

@@ -20,9 +20,9 @@ from shard_engine_llama._abi import (
     KVFullError,
     LlamaRuntimeError,
     ShardRuntime,
-    native_callbacks_available,
 )
 from shard_engine_llama._gguf import Manifest, split_model
+from shard_engine_llama._llama_library import native_callbacks_available
 from shard_engine_llama._self_test import self_test
 from shard_engine_llama._tiny_model import write_tiny_model
 

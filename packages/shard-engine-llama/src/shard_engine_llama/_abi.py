@@ -1,9 +1,12 @@
-"""The only module that touches llama.cpp (through llama-cpp-python's ctypes bindings) and ggml.
+"""The llama.cpp runtime of one shard: :class:`ShardRuntime`, the only caller of llama.cpp's
+model, context and decode functions (through llama-cpp-python's ctypes bindings) and of ggml.
 
 Everything here is pinned to one llama-cpp-python release: struct layouts, callback signatures and
-graph tensor names (``l_out-<layer>``) are not a stable API, so the version is checked at import and
- ``_self_test`` proves on a generated model that a split pipeline reproduces the unsplit logits
-bit for bit before anything relies on it.
+graph tensor names (``l_out-<layer>``) are not a stable API, so the version is checked at import
+(``_llama_library``, which loads the bindings, ggml and the native callbacks, and holds the error
+tree) and ``_self_test`` proves on a generated model that a split pipeline reproduces the
+unsplit logits bit for bit before anything relies on it. A model's vocabulary alone is
+:class:`Vocabulary` (``_vocabulary``); a runtime's inputs are ``_runtime_inputs``.
 
 How a shard runs (see ``_gguf.writer`` for how its file is built):
 
@@ -23,102 +26,53 @@ How a shard runs (see ``_gguf.writer`` for how its file is built):
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from importlib import metadata
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Final, NoReturn, TypedDict, cast
+from typing import Final, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from shard_engine_api.engine import checksum_and_finite, copy_checksum_and_finite
-
-SUPPORTED_LLAMA_CPP_PYTHON = ">=0.3.36,<0.3.37"
-_SUPPORTED_MINIMUM = (0, 3, 36)
-_SUPPORTED_BELOW = (0, 3, 37)
-LOG_ENV = "SHARD_ENGINE_LLAMA_LOG"
-NATIVE_ENV = "SHARD_ENGINE_LLAMA_NATIVE"
-
-
-class LlamaRuntimeError(RuntimeError):
-    """Root of the errors raised by this module."""
-
-
-class UnsupportedLlamaVersionError(LlamaRuntimeError, ImportError):
-    """The installed llama-cpp-python is outside SUPPORTED_LLAMA_CPP_PYTHON."""
-
-
-class ModelLoadError(LlamaRuntimeError):
-    """llama.cpp refused to load the model file or create a context for it."""
-
-
-class RuntimeFailure(LlamaRuntimeError):
-    """``llama_decode`` failed (any status other than success, abort or a full KV cache)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class KVFullError(RuntimeFailure):
-    """``llama_decode`` returned 1: no KV-cache slot for the batch (context or sequence full)."""
-
-
-class AbortedError(LlamaRuntimeError):
-    """``llama_decode`` returned 2 because :meth:`ShardRuntime.request_abort` was called."""
-
-
-class InvalidInputError(LlamaRuntimeError, ValueError):
-    """The inputs do not fit the shard (wrong kind for its role, wrong shape, bad positions)."""
-
-
-def _parse_version(text: str) -> tuple[int, ...]:
-    parts: list[int] = []
-    for piece in text.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def _check_version() -> str:
-    try:
-        installed = metadata.version("llama-cpp-python")
-    except metadata.PackageNotFoundError as error:
-        raise UnsupportedLlamaVersionError(
-            "llama-cpp-python is not installed; shard_engine_llama needs "
-            f"llama-cpp-python{SUPPORTED_LLAMA_CPP_PYTHON}"
-        ) from error
-    if not _SUPPORTED_MINIMUM <= _parse_version(installed) < _SUPPORTED_BELOW:
-        raise UnsupportedLlamaVersionError(
-            f"llama-cpp-python {installed} is installed but shard_engine_llama is pinned to "
-            f"llama-cpp-python{SUPPORTED_LLAMA_CPP_PYTHON}: the layer-capture recipe depends on "
-            "internal graph tensor names and struct layouts of that release"
-        )
-    return installed
-
-
-LLAMA_CPP_PYTHON_VERSION = _check_version()
-
-# libgomp reads its spin count when llama_cpp loads it: the default must be in place first.
-from shard_engine_llama._threading import (  # noqa: E402
-    ComputeThreads,
-    apply_threading_defaults,
-    compute_threads_enabled,
-    record_compute_threads,
+from shard_engine_llama import _state
+from shard_engine_llama._llama_library import (
+    CAPTURE_ERRORS,
+    CAPTURE_NAME_BYTES,
+    LOG_ENV,
+    AbortedError,
+    CaptureState,
+    InvalidInputError,
+    KVFullError,
+    LlamaRuntimeError,
+    ModelLoadError,
+    NativeCallbacks,
+    RuntimeFailure,
+    address,
+    decode_on_compute_thread,
+    ensure_backend,
+    ggml,
+    llama_cpp,
+    native,
 )
+from shard_engine_llama._runtime_inputs import BatchItem, ContextSettings, checked_tokens
+from shard_engine_llama._vocabulary import Vocabulary, token_piece, tokenize
 
-apply_threading_defaults()
+__all__ = [
+    "AbortedError",
+    "BatchItem",
+    "ContextSettings",
+    "InvalidInputError",
+    "KVFullError",
+    "LlamaRuntimeError",
+    "ModelLoadError",
+    "RuntimeFailure",
+    "ShardRuntime",
+    "Vocabulary",
+]
 
-import llama_cpp  # noqa: E402  (imported only once the pinned version is confirmed)
-
-from shard_engine_llama import _state  # noqa: E402
 
 _GGML_TYPE_F32 = 0
 _GGML_TYPE_F16 = 1
@@ -128,193 +82,6 @@ _MAX_ABORT_POLL_DELAY_S = 0.1
 # struct ggml_tensor { enum ggml_type type; struct ggml_backend_buffer * buffer; int64_t ne[4]; ...}
 # (ggml.h of the pinned release): ne starts after a 4-byte enum padded to 8 and one pointer.
 _GGML_TENSOR_NE_OFFSET = 16
-
-
-def _load_ggml_base() -> ctypes.CDLL:
-    library_dir = Path(llama_cpp.__file__).parent / "lib"
-    candidates = sorted(library_dir.glob("libggml-base.*"))
-    if not candidates:
-        raise ModelLoadError(f"libggml-base not found next to libllama in {library_dir}")
-    # RTLD_GLOBAL is what libllama already loaded it with; asking again returns the same handle.
-    library = ctypes.CDLL(str(candidates[0]), mode=ctypes.RTLD_GLOBAL)
-    library.ggml_backend_tensor_get.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_size_t,
-    ]
-    library.ggml_backend_tensor_get.restype = None
-    library.ggml_get_name.argtypes = [ctypes.c_void_p]
-    library.ggml_get_name.restype = ctypes.c_char_p
-    library.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    library.ggml_nbytes.restype = ctypes.c_size_t
-    library.ggml_nelements.argtypes = [ctypes.c_void_p]
-    library.ggml_nelements.restype = ctypes.c_int64
-    return library
-
-
-_ggml = _load_ggml_base()
-
-
-def ggml_abort(reason: str) -> NoReturn:
-    """Abort the process the way a failed ``GGML_ASSERT`` inside llama.cpp does: ggml's own
-    ``ggml_abort`` prints ``GGML_ASSERT(<reason>) failed`` and a backtrace, then calls
-    ``abort()`` (SIGABRT). Only the llama engine's ``inject_abort`` test option calls it."""
-    function = _ggml.ggml_abort
-    function.restype = None
-    function(
-        b"shard_engine_llama/_abi.py",
-        ctypes.c_int(0),
-        b"GGML_ASSERT(%s) failed",
-        reason.encode("utf-8", "replace"),
-    )
-    raise AssertionError("ggml_abort returned")  # unreachable: it never returns
-
-
-_CAPTURE_NAME_BYTES = 64  # GGML_MAX_NAME of the pinned release
-_CAPTURE_ERRORS = {
-    1: "the captured tensor is not F32",
-    2: "the captured tensor does not have n_embd columns and 2 dimensions",
-    3: "the captured tensor has more rows than the batch",
-    4: "the captured tensor is not contiguous",
-}
-
-
-class _CaptureState(ctypes.Structure):
-    """``struct capture_state`` of ``_native.c`` (same field order and types)."""
-
-    _fields_ = [
-        ("get_name", ctypes.c_void_p),
-        ("tensor_get", ctypes.c_void_p),
-        ("nbytes", ctypes.c_void_p),
-        ("ne_offset", ctypes.c_int64),
-        ("row_values", ctypes.c_int64),
-        ("capacity_rows", ctypes.c_int64),
-        ("destination", ctypes.c_void_p),
-        ("rows", ctypes.c_int64),
-        ("error", ctypes.c_int32),
-        ("calls", ctypes.c_int32),
-        ("name", ctypes.c_char * _CAPTURE_NAME_BYTES),
-    ]
-
-
-@dataclass(frozen=True)
-class _NativeCallbacks:
-    """Addresses of the native callbacks and of the ggml functions they call."""
-
-    capture_eval: int
-    abort_flag: int
-    get_name: int
-    tensor_get: int
-    nbytes: int
-
-
-def _address(function: object) -> int:
-    value = ctypes.cast(function, ctypes.c_void_p).value  # type: ignore[arg-type]
-    if not value:
-        raise OSError("null function address")
-    return int(value)
-
-
-def _load_native_library() -> ctypes.CDLL | None:
-    """The built ``_native`` extension as a library, or None (not built, or disabled)."""
-    if os.environ.get(NATIVE_ENV, "1") == "0":
-        return None
-    spec = importlib.util.find_spec("shard_engine_llama._native")
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        return ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
-
-
-_native_library = _load_native_library()
-
-
-def _load_native() -> _NativeCallbacks | None:
-    """The built ``_native`` extension's callbacks, or None (not built, or disabled)."""
-    library = _native_library
-    if library is None:
-        return None
-    try:
-        return _NativeCallbacks(
-            capture_eval=_address(library.shard_engine_capture_eval),
-            abort_flag=_address(library.shard_engine_abort_flag),
-            get_name=_address(_ggml.ggml_get_name),
-            tensor_get=_address(_ggml.ggml_backend_tensor_get),
-            nbytes=_address(_ggml.ggml_nbytes),
-        )
-    except (OSError, AttributeError):
-        return None
-
-
-_native = _load_native()
-
-
-@dataclass(frozen=True)
-class _Compute:
-    """How ``llama_decode`` reaches a compute thread (see ``_threading``)."""
-
-    mode: str  # "native", "python" or "caller"
-    decode: Callable[[object, llama_cpp.llama_batch], int]
-    counts: Callable[[], tuple[int, int]]
-
-
-def _decode_here(context: object, batch: llama_cpp.llama_batch) -> int:
-    return int(llama_cpp.llama_decode(context, batch))
-
-
-def _load_compute() -> _Compute:
-    """The native ``shard_engine_decode`` when the extension is built (and its callbacks
-    load), else ``ComputeThreads``; the caller's thread when
-    ``SHARD_ENGINE_LLAMA_COMPUTE_THREADS=0``."""
-    if not compute_threads_enabled():
-        return _Compute("caller", _decode_here, lambda: (0, 0))
-    if _native is not None and _native_library is not None:
-        try:
-            function = _native_library.shard_engine_decode
-            counter = _native_library.shard_engine_compute_threads
-        except AttributeError:
-            pass
-        else:
-            decode_address = _address(llama_cpp.llama_cpp._lib.llama_decode)
-            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            function.restype = ctypes.c_int32
-            counter.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 2
-            counter.restype = None
-
-            def native(context: object, batch: llama_cpp.llama_batch) -> int:
-                return int(function(decode_address, context, ctypes.byref(batch)))
-
-            def native_counts() -> tuple[int, int]:
-                alive, started = ctypes.c_int32(0), ctypes.c_int32(0)
-                counter(ctypes.byref(alive), ctypes.byref(started))
-                return int(alive.value), int(started.value)
-
-            return _Compute("native", native, native_counts)
-    threads = ComputeThreads()
-
-    def python(context: object, batch: llama_cpp.llama_batch) -> int:
-        return threads.run(lambda: _decode_here(context, batch))
-
-    return _Compute("python", python, lambda: (threads.alive(), threads.started))
-
-
-_compute = _load_compute()
-record_compute_threads(_compute.mode)
-
-decode_on_compute_thread: Final = _compute.decode
-"""``llama_decode(context, batch)`` where the engine runs its own (``ShardRuntime`` and a
-baseline that calls llama.cpp directly in the same process: a second libgomp team would
-throttle both)."""
-
-
-def compute_threads() -> tuple[str, int, int]:
-    """Where ``llama_decode`` runs ("native" or "python" compute threads, or the "caller"'s
-    thread), how many compute threads run now and how many this process started."""
-    alive, started = _compute.counts()
-    return _compute.mode, alive, started
 
 
 # llama_get_logits_ith(ctx, i) returning the row's address as an int (None for NULL): a
@@ -330,88 +97,12 @@ _memory_at.restype = ctypes.py_object
 _PYBUF_READ: Final = 0x100
 
 
-def native_callbacks_available() -> bool:
-    """Whether runtimes created from now on use the native callbacks of ``_native.c``."""
-    return _native is not None
-
-
-@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
-def _silent_log(level: int, text: bytes, user_data: int | None) -> None:
-    del level, text, user_data
-
-
-_backend_lock = threading.Lock()
-_backend_state: dict[str, bool] = {"ready": False}
-
-
-def _ensure_backend() -> None:
-    with _backend_lock:
-        if _backend_state["ready"]:
-            return
-        if not os.environ.get(LOG_ENV):
-            # Loading a model prints hundreds of lines to stderr otherwise.
-            llama_cpp.llama_log_set(_silent_log, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        _backend_state["ready"] = True
-
-
-@dataclass(frozen=True, kw_only=True)
-class ContextSettings:
-    """Context settings; shards of one pipeline must use identical values for bitwise results."""
-
-    n_ctx: int = 512
-    n_seq_max: int = 4
-    n_threads: int = 2
-    n_batch: int = 512
-    n_ubatch: int = 512
-    flash_attn: bool = False
-    kv_type: str = "f32"
-
-
-@dataclass(slots=True)
-class BatchItem:
-    """One row of a batched decode: a sequence, its position and its token or hidden-state row.
-    (A value, never changed once built; not frozen only because one is built per row of every
-    batched step, and a frozen dataclass costs several times more to build.)"""
-
-    seq_id: int
-    pos: int
-    token: int | None = None
-    embedding: npt.NDArray[np.float32] | None = None
-
-
 def _set_field(structure: ctypes.Structure, name: str, value: object) -> None:
     """Set a pointer field of a llama-cpp-python struct (its annotations call them arrays)."""
     setattr(structure, name, value)
 
 
-_INT32: Final = np.dtype(np.int32)
 _FLOAT32: Final = np.dtype(np.float32)
-
-
-def _token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int32]:
-    """Token ids as int32, refusing values that do not fit (they are checked against the
-    vocabulary afterwards)."""
-    if type(tokens) is np.ndarray and tokens.dtype is _INT32 and tokens.ndim == 1:
-        # The decode step's case: numpy calls cost more than the row, cold.
-        return cast("npt.NDArray[np.int32]", tokens)
-    if type(tokens) is list and tokens:
-        if all(type(token) is int for token in tokens):
-            # A batch step's ids: the range test on the ints, not on an int64 array.
-            if min(tokens) < -(2**31) or max(tokens) >= 2**31:
-                raise InvalidInputError("token id outside the int32 range")
-            return np.array(tokens, dtype=_INT32)
-        if any(isinstance(token, bool | np.bool_) for token in tokens):
-            # (numpy would read True and False among ints as the ids 1 and 0)
-            raise InvalidInputError("token ids must be a 1-D sequence of integers")
-    array = np.asarray(tokens)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidInputError("token ids must be a 1-D sequence of integers")
-    if array.dtype == np.int32:
-        return array  # every value fits (the decode step's case: no reductions)
-    if array.size and (int(array.min()) < -(2**31) or int(array.max()) >= 2**31):
-        raise InvalidInputError("token id outside the int32 range")
-    return array.astype(np.int32, copy=False)
 
 
 class _StateLimits(TypedDict):
@@ -468,11 +159,7 @@ class ShardRuntime:
         from it when not given), which bounds the sequence states :meth:`restore_sequence`
         accepts.
         """
-        from shard_engine_llama._gguf.hyperparameters import kv_row_bound
-        from shard_engine_llama._gguf.reader import read_gguf_header
-        from shard_engine_llama._gguf.writer import shard_layout
-
-        _ensure_backend()
+        ensure_backend()
         self.path = Path(path)
         if settings is None:
             settings = ContextSettings(
@@ -490,14 +177,9 @@ class ShardRuntime:
         if None in (is_head, is_tail, last_layer_index, kv_row_elements):
             # Callers that already parsed the file (the engine) pass all four: a tail shard
             # carries the whole vocabulary, which takes seconds to parse on large ones.
-            header = read_gguf_header(self.path if load_from is None else load_from)
-            layout = shard_layout(header)
-            is_head = layout.is_head if is_head is None else is_head
-            is_tail = layout.is_tail if is_tail is None else is_tail
-            if last_layer_index is None:
-                last_layer_index = layout.last_layer_index
-            if kv_row_elements is None:
-                kv_row_elements = kv_row_bound(header)
+            is_head, is_tail, last_layer_index, kv_row_elements = self._role_from_file(
+                load_from, is_head, is_tail, last_layer_index, kv_row_elements
+            )
         assert is_head is not None
         assert is_tail is not None
         assert last_layer_index is not None
@@ -505,8 +187,42 @@ class ShardRuntime:
         self.is_head = is_head
         self.is_tail = is_tail
         self.last_layer_index = last_layer_index
+        callbacks = self._prepare_calls(last_layer_index, native_callbacks, abort_poll_delay_s)
+        self._load_model(self.path if load_from is None else Path(load_from), kv_row_elements)
+        self._create_context(self._context_params(callbacks))
+        self._allocate_batch(settings.n_batch)
+
+    def _role_from_file(
+        self,
+        load_from: str | os.PathLike[str] | None,
+        is_head: bool | None,
+        is_tail: bool | None,
+        last_layer_index: int | None,
+        kv_row_elements: int | None,
+    ) -> tuple[bool, bool, int, int]:
+        """The role, capture layer and KV row bound the caller left out, from the file's
+        header and its ``shard.*`` keys."""
+        from shard_engine_llama._gguf.hyperparameters import kv_row_bound
+        from shard_engine_llama._gguf.reader import read_gguf_header
+        from shard_engine_llama._gguf.writer import shard_layout
+
+        header = read_gguf_header(self.path if load_from is None else load_from)
+        layout = shard_layout(header)
+        return (
+            layout.is_head if is_head is None else is_head,
+            layout.is_tail if is_tail is None else is_tail,
+            layout.last_layer_index if last_layer_index is None else last_layer_index,
+            kv_row_bound(header) if kv_row_elements is None else kv_row_elements,
+        )
+
+    def _prepare_calls(
+        self, last_layer_index: int, native_callbacks: bool, abort_poll_delay_s: float
+    ) -> NativeCallbacks | None:
+        """The state every call and callback shares: the capture tensor's name, the call lock,
+        the abort event and flag, and what the capture writes to. Returns the native callbacks
+        to install, or None for the Python ones."""
         self._capture_name = f"l_out-{last_layer_index}".encode()
-        if len(self._capture_name) >= _CAPTURE_NAME_BYTES:
+        if len(self._capture_name) >= CAPTURE_NAME_BYTES:
             raise InvalidInputError(f"layer index {last_layer_index} gives too long a name")
         self._lock = threading.Lock()
         self._own_abort = threading.Event()
@@ -518,9 +234,9 @@ class ShardRuntime:
                 f"got {abort_poll_delay_s}"
             )
         self._abort_poll_delay_s = abort_poll_delay_s
-        native = _native if native_callbacks and not abort_poll_delay_s else None
-        self.native_callbacks = native is not None
-        self._capture_state = _CaptureState()
+        callbacks = native if native_callbacks and not abort_poll_delay_s else None
+        self.native_callbacks = callbacks is not None
+        self._capture_state = CaptureState()
         self._model: int | None = None
         self._context: int | None = None
         self._closed = False
@@ -528,10 +244,13 @@ class ShardRuntime:
         self.row_digests: list[tuple[int, bool]] = []
         """A tail's last logits rows' (checksum, finite), in row order (see _read_logits)."""
         self._capture_error: str | None = None
+        return callbacks
 
+    def _load_model(self, source: Path, kv_row_elements: int) -> None:
+        """Load the model's weights (CPU only) from ``source``, and what the runtime reads of
+        it: widths, vocabulary, the sequence-state geometry and the logits row reader."""
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0
-        source = self.path if load_from is None else Path(load_from)
         model = llama_cpp.llama_model_load_from_file(os.fsencode(source), model_params)
         if not model:
             raise ModelLoadError(
@@ -543,7 +262,7 @@ class ShardRuntime:
         # The most layers and the widest K or V row a sequence state may declare here.
         self._state_geometry = _state.Geometry(
             max_layers=int(llama_cpp.llama_model_n_layer(model)),
-            max_row_bytes=kv_row_elements * (4 if settings.kv_type == "f32" else 2),
+            max_row_bytes=kv_row_elements * (4 if self.settings.kv_type == "f32" else 2),
         )
         self.n_embd_input = int(llama_cpp.llama_model_n_embd_inp(model))
         self._vocab = llama_cpp.llama_model_get_vocab(model)
@@ -553,9 +272,12 @@ class ShardRuntime:
         # ctypes pointer object and a cast cost more than the row's copy after llama_decode
         # has pushed every cache line out).
         self._logits_row = ctypes.c_char * (self.n_vocab * 4)
-        self._logits_address = _LOGITS_ITH_PROTOTYPE(_address(llama_cpp.llama_get_logits_ith))
+        self._logits_address = _LOGITS_ITH_PROTOTYPE(address(llama_cpp.llama_get_logits_ith))
 
-        params = llama_cpp.llama_context_default_params()
+    def _context_params(self, callbacks: NativeCallbacks | None) -> llama_cpp.llama_context_params:
+        """The context parameters of this runtime's settings and role, with its callbacks."""
+        settings = self.settings
+        params: llama_cpp.llama_context_params = llama_cpp.llama_context_default_params()
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_ubatch
@@ -586,10 +308,18 @@ class ShardRuntime:
             # The default bound is n_batch, which aborts the process (same assert) when there
             # are more sequences than batch rows: allow every row and one per sequence.
             params.n_outputs_max = max(settings.n_batch, settings.n_seq_max)
+        self._install_callbacks(params, callbacks)
+        return params
+
+    def _install_callbacks(
+        self, params: llama_cpp.llama_context_params, callbacks: NativeCallbacks | None
+    ) -> None:
+        """Put the abort callback (and a non-tail's eval callback, which captures the last
+        layer's output) into ``params``: the native ones when given, else the Python ones."""
         # The ctypes callback objects (and the memory the native ones read) must outlive the
         # context: keep them on self.
-        if native is not None:
-            self._abort_callback = llama_cpp.ggml_abort_callback(native.abort_flag)
+        if callbacks is not None:
+            self._abort_callback = llama_cpp.ggml_abort_callback(callbacks.abort_flag)
             params.abort_callback = self._abort_callback
             params.abort_callback_data = ctypes.cast(
                 ctypes.pointer(self._abort_flag), ctypes.c_void_p
@@ -597,24 +327,29 @@ class ShardRuntime:
         else:
             self._abort_callback = llama_cpp.ggml_abort_callback(self._on_abort_poll)
             params.abort_callback = self._abort_callback
-            params.abort_callback_data = None
+            _set_field(params, "abort_callback_data", None)
         if not self.is_tail:
-            if native is not None:
+            if callbacks is not None:
                 state = self._capture_state
-                state.get_name = native.get_name
-                state.tensor_get = native.tensor_get
-                state.nbytes = native.nbytes
+                state.get_name = callbacks.get_name
+                state.tensor_get = callbacks.tensor_get
+                state.nbytes = callbacks.nbytes
                 state.ne_offset = _GGML_TENSOR_NE_OFFSET
                 state.name = self._capture_name
                 self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(
-                    native.capture_eval
+                    callbacks.capture_eval
                 )
                 params.cb_eval = self._eval_callback
                 params.cb_eval_user_data = ctypes.cast(ctypes.pointer(state), ctypes.c_void_p)
             else:
                 self._eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
                 params.cb_eval = self._eval_callback
-                params.cb_eval_user_data = None
+                _set_field(params, "cb_eval_user_data", None)
+
+    def _create_context(self, params: llama_cpp.llama_context_params) -> None:
+        """The model's ``llama_context`` and its memory module, and what the runtime reads of
+        them: context sizes, the sliding window and the layout of a sequence's state."""
+        model = self._model
         context = llama_cpp.llama_init_from_model(model, params)
         if not context:
             self.close()
@@ -633,14 +368,13 @@ class ShardRuntime:
         # state has (one, or full-attention + windowed): an empty sequence's state says.
         self.n_swa = int(llama_cpp.llama_model_n_swa(model))
         empty = self._raw_state(self._context, 0)
-        per_section = 4 + 4 * settings.n_seq_max
+        per_section = 4 + 4 * self.settings.n_seq_max
         if ctypes.sizeof(empty) < 8 + per_section or (ctypes.sizeof(empty) - 8) % per_section:
             self.close()
             raise ModelLoadError(
                 f"{self.path}: llama.cpp writes a sequence state of an unknown layout"
             )
         self.n_state_sections = (ctypes.sizeof(empty) - 8) // per_section
-        self._allocate_batch(settings.n_batch)
 
     def _allocate_batch(self, capacity: int) -> None:
         """One ``llama_batch`` for the runtime's life whose arrays numpy owns: a call fills them
@@ -700,7 +434,7 @@ class ShardRuntime:
         try:
             if not tensor:
                 return True
-            if _ggml.ggml_get_name(tensor) != self._capture_name:
+            if ggml.ggml_get_name(tensor) != self._capture_name:
                 # In the ask phase False means "not interested"; in the data phase True continues.
                 return not ask
             if ask:
@@ -712,11 +446,11 @@ class ShardRuntime:
                 self._capture_error = f"captured tensor has type {tensor_type} and {n_embd} columns"
                 return False
             rows = np.empty((n_rows, n_embd), dtype=np.float32)
-            n_bytes = int(_ggml.ggml_nbytes(tensor))
+            n_bytes = int(ggml.ggml_nbytes(tensor))
             if n_bytes != rows.nbytes:
                 self._capture_error = f"captured tensor is {n_bytes} bytes, expected {rows.nbytes}"
                 return False
-            _ggml.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, n_bytes)
+            ggml.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, n_bytes)
             self._captured.append(rows)
             # Stop this graph: the identity block, final norm and lm-head are not needed.
             return False
@@ -768,7 +502,7 @@ class ShardRuntime:
             raise InvalidInputError("pass tokens or embeddings, not both")
         token_array: npt.NDArray[np.int32] | None = None
         if tokens is not None:
-            token_array = _token_array(tokens)
+            token_array = checked_tokens(tokens)
             n = int(token_array.shape[0])
         elif embeddings is not None:
             if embeddings.ndim != 2:
@@ -818,7 +552,7 @@ class ShardRuntime:
             token_list = [item.token for item in sorted_items]
             if any(token is None for token in token_list):
                 raise InvalidInputError("this shard takes token ids")
-            token_array = _token_array(token_list)  # type: ignore[arg-type]
+            token_array = checked_tokens(token_list)  # type: ignore[arg-type]
         else:
             rows = [item.embedding for item in sorted_items]
             if any(row is None for row in rows):
@@ -963,7 +697,7 @@ class ShardRuntime:
                 state = self._capture_state
                 state.destination = None
                 captured_rows = int(state.rows)
-                capture_error = _CAPTURE_ERRORS.get(int(state.error)) if state.error else None
+                capture_error = CAPTURE_ERRORS.get(int(state.error)) if state.error else None
             else:
                 capture_error = self._take_capture_error()
                 hidden = (
@@ -1187,10 +921,10 @@ class ShardRuntime:
 
     def token_to_piece(self, token: int) -> bytes:
         """The bytes a token stands for (special tokens rendered too)."""
-        return _token_piece(self._vocab, token, special=True)
+        return token_piece(self._vocab, token, special=True)
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        return _tokenize(self._vocab, text, add_special)
+        return tokenize(self._vocab, text, add_special)
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -1220,95 +954,3 @@ class ShardRuntime:
             self.close()
         except Exception:  # noqa: BLE001
             pass
-
-
-class Vocabulary:
-    """A model's tokenizer alone (llama.cpp ``vocab_only``: no weights are loaded)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        _ensure_backend()
-        self.path = Path(path)
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        params.n_gpu_layers = 0
-        model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
-        if not model:
-            raise ModelLoadError(f"llama.cpp could not load the vocabulary of {self.path}")
-        self._model: int | None = int(model)
-        self._vocab = llama_cpp.llama_model_get_vocab(model)
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        kind = int(llama_cpp.llama_vocab_type(self._vocab))
-        # Shard files carry tokenizer "none": nameless tokens that nothing can encode into.
-        self.has_tokenizer = kind != llama_cpp.LLAMA_VOCAB_TYPE_NONE
-        # Byte-level BPE: every byte of encoded text comes back, in order, from the pieces of
-        # its tokens, unless llama.cpp dropped a piece it had no token for.
-        self.byte_level = kind == llama_cpp.LLAMA_VOCAB_TYPE_BPE
-        self._piece_lengths: npt.NDArray[np.int64] | None = None
-
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """Token ids of ``text`` (with the model's BOS when ``add_special``)."""
-        return _tokenize(self._vocab, text, add_special)
-
-    def piece_lengths(self) -> npt.NDArray[np.int64]:
-        """How many bytes of text each token stands for (0 for control tokens); computed on
-        first use, a llama_token_to_piece per token."""
-        if self._piece_lengths is None:
-            self._piece_lengths = np.fromiter(
-                (
-                    len(_token_piece(self._vocab, token, special=False))
-                    for token in range(self.n_vocab)
-                ),
-                dtype=np.int64,
-                count=self.n_vocab,
-            )
-        return self._piece_lengths
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of ``token_ids`` (invalid UTF-8 replaced)."""
-        pieces: list[bytes] = []
-        for token in token_ids:
-            if not 0 <= token < self.n_vocab:
-                raise InvalidInputError(f"token {token} outside the vocabulary of {self.n_vocab}")
-            pieces.append(_token_piece(self._vocab, token, special=False))
-        return b"".join(pieces).decode("utf-8", errors="replace")
-
-    def close(self) -> None:
-        """Free the vocabulary; safe to call more than once."""
-        if self._model is not None:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:
-        try:  # noqa: SIM105 - contextlib may be gone at interpreter shutdown
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _tokenize(vocab: object, text: str, add_special: bool) -> list[int]:
-    """llama_tokenize, retried once with the capacity it asks for."""
-    encoded = text.encode("utf-8")
-    capacity = len(encoded) + 8
-    for _ in range(2):
-        tokens = (llama_cpp.llama_token * capacity)()
-        count = int(
-            llama_cpp.llama_tokenize(
-                vocab, encoded, len(encoded), tokens, capacity, add_special, False
-            )
-        )
-        if count >= 0:
-            return [int(tokens[i]) for i in range(count)]
-        capacity = -count
-    raise InvalidInputError(f"llama_tokenize could not tokenize {len(encoded)} bytes")
-
-
-def _token_piece(vocab: object, token: int, *, special: bool) -> bytes:
-    """llama_token_to_piece, retried once with the size it asks for."""
-    size = 64
-    for _ in range(2):
-        buffer = ctypes.create_string_buffer(size)
-        length = int(llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, special))
-        if length >= 0:
-            return buffer.raw[:length]
-        size = -length
-    raise InvalidInputError(f"llama_token_to_piece failed for token {token}")

@@ -46,6 +46,7 @@ from shard_engine_llama._gguf import GGUFValidationError, ShardingRefusedError
 from shard_engine_llama._gguf.hyperparameters import kv_row_bound
 from shard_engine_llama._gguf.integrity import ShardIntegrityError
 from shard_engine_llama._gguf.store import file_identity
+from shard_engine_llama._llama_library import LLAMA_CPP_PYTHON_VERSION, ggml_abort
 from shard_engine_llama._memory import available_cores, check_memory
 from shard_engine_llama._options import LlamaOptions, checked_options
 from shard_engine_llama._shard_files import PinnedFiles, ShardChoice, choose_shard_file
@@ -433,7 +434,7 @@ class LlamaEngine(EngineCore):
 
     def _injected_crash(self) -> None:
         if self._inject_abort:
-            _abi.ggml_abort("inject_abort option")
+            ggml_abort("inject_abort option")
         if self._inject_crash:
             raise EngineCrashed("injected crash (inject_crash option)")
 
@@ -508,7 +509,7 @@ def _result_settings(settings: _abi.ContextSettings, n_ctx_seq: int) -> tuple[tu
         ("flash_attn", "true" if settings.flash_attn else "false"),
         ("kv_type", settings.kv_type),
         ("kv_unified", "false"),
-        ("llama_cpp_python", _abi.LLAMA_CPP_PYTHON_VERSION),
+        ("llama_cpp_python", LLAMA_CPP_PYTHON_VERSION),
         ("n_ctx_seq", str(n_ctx_seq)),
         ("n_ubatch", str(settings.n_ubatch)),
         ("swa_full", "true"),

@@ -15,14 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from shard_engine_llama._abi import (
+from shard_engine_llama._abi import ContextSettings, LlamaRuntimeError, ShardRuntime
+from shard_engine_llama._gguf.writer import split_model
+from shard_engine_llama._llama_library import (
     LLAMA_CPP_PYTHON_VERSION,
     SUPPORTED_LLAMA_CPP_PYTHON,
-    ContextSettings,
-    LlamaRuntimeError,
-    ShardRuntime,
 )
-from shard_engine_llama._gguf.writer import split_model
 from shard_engine_llama._tiny_model import write_tiny_model
 
 __all__ = ["SelfTestReport", "self_test"]

@@ -12,8 +12,8 @@ of the same split in one process; with ``GOMP_SPINCOUNT=10000`` in every worker,
 ``OMP_WAIT_POLICY=PASSIVE`` (never spin) was slower still: each of the many barriers inside
 one graph then sleeps and is woken.
 
-The defaults (``apply_threading_defaults``, called by ``_abi`` before it imports
-``llama_cpp``):
+The defaults (``apply_threading_defaults``, called by ``_llama_library`` before it
+imports ``llama_cpp``):
 
 * ``GOMP_SPINCOUNT=10000`` (:data:`DEFAULT_SPIN_COUNT`) unless the environment already sets
   ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` (yours wins; ``GOMP_SPINCOUNT=300000`` restores
@@ -21,7 +21,7 @@ The defaults (``apply_threading_defaults``, called by ``_abi`` before it imports
   sub-millisecond gap between two shards of one process, and end well before the next
   process's shard needs the core. libgomp reads the variable once, when it is loaded, so it
   must be in the environment before the process first loads libgomp: the engine's first use
-  (``LlamaEngine``, which imports ``llama_cpp`` through ``_abi``) applies it just before.
+  (``LlamaEngine``, which imports ``llama_cpp`` through ``_llama_library``) applies it just before.
   If something else loaded libgomp earlier (another OpenMP library), the setting cannot take
   effect; :func:`threading_report` says so.
 * threads: ``LoadConfig.n_threads``, by default every core this process may run on
@@ -108,7 +108,7 @@ def compute_threads_enabled() -> bool:
 
 
 def record_compute_threads(mode: str) -> None:
-    """``_abi`` says where llama_decode runs: "native" or "python" compute threads, or the
+    """``_llama_library`` says where llama_decode runs: "native" or "python" compute threads, or the
     "caller"'s thread."""
     _applied["compute_threads"] = mode
 
