@@ -78,6 +78,17 @@ def test_every_command_prefixes_its_errors_alike(
     assert "Traceback" not in captured.err
 
 
+def test_an_unknown_option_before_the_command_is_the_top_levels(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--bogus", "engines"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "shard-engine: error: unrecognized arguments: --bogus"
+    )
+
+
 def test_the_top_level_help_keeps_its_example_lines(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -41,10 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shard-engine``; returns the exit code (2 for every bad input)."""
     manager = get_plugin_manager()
     parser = build_parser(manager)
-    args, unknown = parser.parse_known_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(arguments)
     if unknown:
-        # Said by the command they follow (argparse would say it as "shard-engine: error").
-        command = _parser.command_parser(parser, args.command)
+        # Said by the command they follow (argparse would say "shard-engine: error" for all).
+        before_command = unknown[0] in arguments and (
+            arguments.index(unknown[0]) < arguments.index(args.command)
+        )
+        command = parser if before_command else _parser.command_parser(parser, args.command)
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.verbose += getattr(args, "verbose_after_command", 0)
     args.log_format = getattr(args, "log_format_after_command", None) or args.log_format
