@@ -190,40 +190,41 @@ def write_tiny_model(
         attention_scale=0.0078125 if arch in _GRANITE_ARCHITECTURES else 0.0,
         logit_scale=8.0 if arch in _GRANITE_ARCHITECTURES else 0.0,
     )
-    rng = np.random.default_rng(seed)
-
-    def matrix(rows: int, cols: int) -> npt.NDArray[np.float32]:
-        # 1/sqrt(fan_in) keeps each projection roughly variance-preserving.
-        values: npt.NDArray[np.float64] = rng.standard_normal((rows, cols)) / np.sqrt(cols)
-        return values.astype(np.float32)
-
-    def norm(n: int) -> npt.NDArray[np.float32]:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    def bias(n: int) -> npt.NDArray[np.float32]:
-        return (0.1 * rng.standard_normal(n)).astype(np.float32)
-
     writer = gguf.GGUFWriter(os.fspath(path), arch)
-    writer.add_name(f"tiny-{arch}-{dtype}-seed{seed}")
-    writer.add_file_type(_file_type(dtype))
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
+    _add_hyperparameters(writer, config)
+    _add_tokenizer(writer, config)
+    _add_tensors(_RandomTensors(writer, dtype, np.random.default_rng(seed)), config, tie_embeddings)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return config
+
+
+def _add_hyperparameters(writer: gguf.GGUFWriter, config: TinyModelConfig) -> None:
+    """The model's name, file type and every ``<arch>.*`` key its family's loader reads."""
+    arch = config.arch
+    head_dim = config.head_dim
+    writer.add_name(f"tiny-{arch}-{config.dtype}-seed{config.seed}")
+    writer.add_file_type(_file_type(config.dtype))
+    writer.add_context_length(config.context_length)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_block_count(config.n_layers)
+    writer.add_feed_forward_length(config.n_ff)
+    writer.add_head_count(config.n_head)
+    writer.add_head_count_kv(config.n_head_kv)
     writer.add_layer_norm_rms_eps(config.rms_eps)
     writer.add_rope_freq_base(config.rope_freq_base)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-        writer.add_vocab_size(vocab)
-    if n_expert:
-        writer.add_expert_count(n_expert)
-        writer.add_expert_used_count(n_expert_used)
+        writer.add_vocab_size(config.vocab)
+    if config.n_expert:
+        writer.add_expert_count(config.n_expert)
+        writer.add_expert_used_count(config.n_expert_used)
         if arch not in _FF_WIDE_EXPERT_ARCHITECTURES:
-            writer.add_expert_feed_forward_length(n_ff_exp)
+            writer.add_expert_feed_forward_length(config.n_ff_exp)
     if config.n_ff_shexp:
         writer.add_expert_shared_feed_forward_length(config.n_ff_shexp)
     if arch in _GRANITE_ARCHITECTURES:
@@ -232,19 +233,22 @@ def write_tiny_model(
         writer.add_float32(f"{arch}.attention.scale", config.attention_scale)
         writer.add_float32(f"{arch}.logit_scale", config.logit_scale)
     if arch == "gemma3":
-        writer.add_sliding_window(sliding_window)
+        writer.add_sliding_window(config.sliding_window)
         writer.add_array(
             f"{arch}.attention.sliding_window_pattern",
-            [il % GEMMA3_SWA_PERIOD < GEMMA3_SWA_PERIOD - 1 for il in range(n_layers)],
+            [il % GEMMA3_SWA_PERIOD < GEMMA3_SWA_PERIOD - 1 for il in range(config.n_layers)],
         )
         writer.add_float32(f"{arch}.rope.freq_base_swa", config.rope_freq_base)
     if arch == "gemma2":
-        writer.add_sliding_window(sliding_window)
+        writer.add_sliding_window(config.sliding_window)
         writer.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
         writer.add_float32(f"{arch}.final_logit_softcapping", 30.0)
 
-    tokens, scores, token_types = _token_list(vocab)
-    if arch == "phi3":
+
+def _add_tokenizer(writer: gguf.GGUFWriter, config: TinyModelConfig) -> None:
+    """A SentencePiece-style vocabulary of ``config.vocab`` tokens and its special ids."""
+    tokens, scores, token_types = _token_list(config.vocab)
+    if config.arch == "phi3":
         # llama.cpp looks this token up by name in any model whose name says phi3.
         tokens[-1] = "<|endoftext|>"
         token_types[-1] = int(gguf.TokenType.CONTROL)
@@ -259,72 +263,110 @@ def write_tiny_model(
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
 
-    def add(name: str, array: npt.NDArray[np.float32]) -> None:
-        data, raw_dtype = _encode_tensor(array, dtype)
-        writer.add_tensor(name, data, raw_dtype=raw_dtype)
 
-    add("token_embd.weight", rng.standard_normal((vocab, n_embd)).astype(np.float32))
-    q_dim = n_head * head_dim
-    kv_dim = n_head_kv * head_dim
+class _RandomTensors:
+    """Random weights drawn from one generator, in the order they are added (the order is what
+    makes a model reproducible byte for byte), encoded in the model's dtype."""
 
-    def experts(rows: int, cols: int) -> npt.NDArray[np.float32]:
+    def __init__(self, writer: gguf.GGUFWriter, dtype: str, rng: np.random.Generator) -> None:
+        self.writer = writer
+        self.dtype = dtype
+        self.rng = rng
+
+    def add(self, name: str, array: npt.NDArray[np.float32]) -> None:
+        data, raw_dtype = _encode_tensor(array, self.dtype)
+        self.writer.add_tensor(name, data, raw_dtype=raw_dtype)
+
+    def matrix(self, rows: int, cols: int) -> npt.NDArray[np.float32]:
+        # 1/sqrt(fan_in) keeps each projection roughly variance-preserving.
+        values: npt.NDArray[np.float64] = self.rng.standard_normal((rows, cols)) / np.sqrt(cols)
+        return values.astype(np.float32)
+
+    def norm(self, n: int) -> npt.NDArray[np.float32]:
+        return (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32)
+
+    def bias(self, n: int) -> npt.NDArray[np.float32]:
+        return (0.1 * self.rng.standard_normal(n)).astype(np.float32)
+
+    def experts(self, n_expert: int, rows: int, cols: int) -> npt.NDArray[np.float32]:
         # numpy (n_expert, rows, cols) is ggml {cols, rows, n_expert}.
-        return np.stack([matrix(rows, cols) for _ in range(n_expert)])
+        return np.stack([self.matrix(rows, cols) for _ in range(n_expert)])
 
-    for il in range(n_layers):
-        prefix = f"blk.{il}"
-        if arch != "olmo2":
-            add(f"{prefix}.attn_norm.weight", norm(n_embd))
-        if arch == "phi3":
-            add(f"{prefix}.attn_qkv.weight", matrix(q_dim + 2 * kv_dim, n_embd))
-        else:
-            add(f"{prefix}.attn_q.weight", matrix(q_dim, n_embd))
-            add(f"{prefix}.attn_k.weight", matrix(kv_dim, n_embd))
-            add(f"{prefix}.attn_v.weight", matrix(kv_dim, n_embd))
-        if arch in _QKV_BIAS_ARCHITECTURES:
-            add(f"{prefix}.attn_q.bias", bias(q_dim))
-            add(f"{prefix}.attn_k.bias", bias(kv_dim))
-            add(f"{prefix}.attn_v.bias", bias(kv_dim))
-        if arch in _QK_NORM_ARCHITECTURES:
-            add(f"{prefix}.attn_q_norm.weight", norm(head_dim))
-            add(f"{prefix}.attn_k_norm.weight", norm(head_dim))
-        if arch == "olmo2":
-            # olmo2 normalises q and k over all heads at once.
-            add(f"{prefix}.attn_q_norm.weight", norm(q_dim))
-            add(f"{prefix}.attn_k_norm.weight", norm(kv_dim))
-        add(f"{prefix}.attn_output.weight", matrix(n_embd, q_dim))
-        if arch in _GEMMA_ARCHITECTURES or arch == "olmo2":
-            add(f"{prefix}.post_attention_norm.weight", norm(n_embd))
-        if arch != "olmo2":
-            add(f"{prefix}.ffn_norm.weight", norm(n_embd))
-        if n_expert:
-            add(f"{prefix}.ffn_gate_inp.weight", matrix(n_expert, n_embd))
-            add(f"{prefix}.ffn_gate_exps.weight", experts(n_ff_exp, n_embd))
-            add(f"{prefix}.ffn_down_exps.weight", experts(n_embd, n_ff_exp))
-            add(f"{prefix}.ffn_up_exps.weight", experts(n_ff_exp, n_embd))
-            if config.n_ff_shexp:
-                add(f"{prefix}.ffn_gate_inp_shexp.weight", bias(n_embd))
-                add(f"{prefix}.ffn_gate_shexp.weight", matrix(config.n_ff_shexp, n_embd))
-                add(f"{prefix}.ffn_up_shexp.weight", matrix(config.n_ff_shexp, n_embd))
-                add(f"{prefix}.ffn_down_shexp.weight", matrix(n_embd, config.n_ff_shexp))
-        elif arch == "phi3":
-            # phi3 fuses gate and up into one 2 * n_ff wide projection.
-            add(f"{prefix}.ffn_up.weight", matrix(2 * n_ff, n_embd))
-            add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
-        else:
-            add(f"{prefix}.ffn_gate.weight", matrix(n_ff, n_embd))
-            add(f"{prefix}.ffn_up.weight", matrix(n_ff, n_embd))
-            add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
-        if arch in _GEMMA_ARCHITECTURES or arch == "olmo2":
-            add(f"{prefix}.post_ffw_norm.weight", norm(n_embd))
-    add("output_norm.weight", norm(n_embd))
+
+def _add_tensors(tensors: _RandomTensors, config: TinyModelConfig, tie_embeddings: bool) -> None:
+    """Every tensor of the model: the token embedding, each block's, the output norm and, unless
+    the lm-head is tied to the embedding, the output projection."""
+    arch = config.arch
+    tensors.add(
+        "token_embd.weight",
+        tensors.rng.standard_normal((config.vocab, config.n_embd)).astype(np.float32),
+    )
+    for il in range(config.n_layers):
+        _add_attention(tensors, config, f"blk.{il}")
+        _add_feed_forward(tensors, config, f"blk.{il}")
+    tensors.add("output_norm.weight", tensors.norm(config.n_embd))
     # gemma2's loader always ties the lm-head to the token embedding; olmo2's and qwen2moe's
     # always want their own.
     if (not tie_embeddings and arch != "gemma2") or arch in ("olmo2", "qwen2moe"):
-        add("output.weight", matrix(vocab, n_embd))
+        tensors.add("output.weight", tensors.matrix(config.vocab, config.n_embd))
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return config
+
+def _add_attention(tensors: _RandomTensors, config: TinyModelConfig, prefix: str) -> None:
+    """One block's attention: its norm, projections, biases and q/k norms as the family has
+    them."""
+    arch, n_embd, head_dim = config.arch, config.n_embd, config.head_dim
+    add, matrix, norm, bias = tensors.add, tensors.matrix, tensors.norm, tensors.bias
+    q_dim = config.n_head * head_dim
+    kv_dim = config.n_head_kv * head_dim
+    if arch != "olmo2":
+        add(f"{prefix}.attn_norm.weight", norm(n_embd))
+    if arch == "phi3":
+        add(f"{prefix}.attn_qkv.weight", matrix(q_dim + 2 * kv_dim, n_embd))
+    else:
+        add(f"{prefix}.attn_q.weight", matrix(q_dim, n_embd))
+        add(f"{prefix}.attn_k.weight", matrix(kv_dim, n_embd))
+        add(f"{prefix}.attn_v.weight", matrix(kv_dim, n_embd))
+    if arch in _QKV_BIAS_ARCHITECTURES:
+        add(f"{prefix}.attn_q.bias", bias(q_dim))
+        add(f"{prefix}.attn_k.bias", bias(kv_dim))
+        add(f"{prefix}.attn_v.bias", bias(kv_dim))
+    if arch in _QK_NORM_ARCHITECTURES:
+        add(f"{prefix}.attn_q_norm.weight", norm(head_dim))
+        add(f"{prefix}.attn_k_norm.weight", norm(head_dim))
+    if arch == "olmo2":
+        # olmo2 normalises q and k over all heads at once.
+        add(f"{prefix}.attn_q_norm.weight", norm(q_dim))
+        add(f"{prefix}.attn_k_norm.weight", norm(kv_dim))
+    add(f"{prefix}.attn_output.weight", matrix(n_embd, q_dim))
+    if arch in _GEMMA_ARCHITECTURES or arch == "olmo2":
+        add(f"{prefix}.post_attention_norm.weight", norm(n_embd))
+
+
+def _add_feed_forward(tensors: _RandomTensors, config: TinyModelConfig, prefix: str) -> None:
+    """One block's feed-forward: its norm and the dense, fused or mixture-of-experts
+    projections of the family."""
+    arch, n_embd, n_ff = config.arch, config.n_embd, config.n_ff
+    add, matrix, norm, bias = tensors.add, tensors.matrix, tensors.norm, tensors.bias
+    n_expert, n_ff_exp, n_ff_shexp = config.n_expert, config.n_ff_exp, config.n_ff_shexp
+    if arch != "olmo2":
+        add(f"{prefix}.ffn_norm.weight", norm(n_embd))
+    if n_expert:
+        add(f"{prefix}.ffn_gate_inp.weight", matrix(n_expert, n_embd))
+        add(f"{prefix}.ffn_gate_exps.weight", tensors.experts(n_expert, n_ff_exp, n_embd))
+        add(f"{prefix}.ffn_down_exps.weight", tensors.experts(n_expert, n_embd, n_ff_exp))
+        add(f"{prefix}.ffn_up_exps.weight", tensors.experts(n_expert, n_ff_exp, n_embd))
+        if n_ff_shexp:
+            add(f"{prefix}.ffn_gate_inp_shexp.weight", bias(n_embd))
+            add(f"{prefix}.ffn_gate_shexp.weight", matrix(n_ff_shexp, n_embd))
+            add(f"{prefix}.ffn_up_shexp.weight", matrix(n_ff_shexp, n_embd))
+            add(f"{prefix}.ffn_down_shexp.weight", matrix(n_embd, n_ff_shexp))
+    elif arch == "phi3":
+        # phi3 fuses gate and up into one 2 * n_ff wide projection.
+        add(f"{prefix}.ffn_up.weight", matrix(2 * n_ff, n_embd))
+        add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
+    else:
+        add(f"{prefix}.ffn_gate.weight", matrix(n_ff, n_embd))
+        add(f"{prefix}.ffn_up.weight", matrix(n_ff, n_embd))
+        add(f"{prefix}.ffn_down.weight", matrix(n_embd, n_ff))
+    if arch in _GEMMA_ARCHITECTURES or arch == "olmo2":
+        add(f"{prefix}.post_ffw_norm.weight", norm(n_embd))
