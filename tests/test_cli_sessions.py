@@ -17,7 +17,8 @@ def test_run_sessions_prints_each_session_and_the_aggregate(
     out = capsys.readouterr().out
     for number in (1, 2, 3):
         assert f"session {number}: 'The quick brown fox #{number}' -> " in out
-    assert "aggregate: 3 sessions, 12 tokens in " in out
+    assert "aggregate: 3 sessions in " in out
+    assert " group(s), 12 tokens in " in out
     assert "tokens/s" in out
     assert "verify each session against its run alone: PASS (3/3 equal, 3 bitwise" in out
 
@@ -65,3 +66,25 @@ def test_run_sessions_must_be_a_positive_count(capsys: pytest.CaptureFixture[str
         main(["run", "--sessions", "0"])
     assert exit_info.value.code == 2
     assert "--sessions" in capsys.readouterr().err
+
+
+def test_run_sessions_takes_the_groups_it_is_given(capsys: pytest.CaptureFixture[str]) -> None:
+    arguments = ["run", "--sessions", "4", "--max-new-tokens", "3", "--shards", "2", "--json"]
+    assert main([*arguments, "--groups", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["groups"] == 2
+    assert main(arguments) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["groups"] >= 1
+    # Groups change which sessions share a batch, never a session's tokens.
+    assert [s["token_ids"] for s in two["sessions"]] == [
+        s["token_ids"] for s in default["sessions"]
+    ]
+    assert two["verify"]["passed"] is True
+
+
+def test_run_groups_must_be_a_positive_count(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--sessions", "2", "--groups", "0"])
+    assert exit_info.value.code == 2
+    assert "--groups" in capsys.readouterr().err

@@ -541,7 +541,10 @@ class Pipeline:
 
         At most ``max_in_flight`` sessions (default: as many as every shard admits) hold
         engine state at once; the next prompt starts when one ends. They travel in
-        ``groups`` groups (default one per shard, so each shard has one to work on).
+        ``groups`` groups (default one per shard, so each shard has one to work on: right
+        when each shard has cores of its own; shards that share one machine's cores should
+        take fewer, e.g. ``cores // threads per shard``, or llama.cpp's spinning threads
+        oversubscribe them, see the README's "Many sessions at once").
         ``on_token(index, token)`` is called on the tail shard's thread for each token of
         ``prompts[index]`` as it is drawn; it should not block (the tail waits for it).
 

@@ -164,6 +164,13 @@ def _add_run(subparsers: CliSubparsers, run_command: Command) -> None:
         "samples with seed --seed + i - 1; prints each session's text and the aggregate tokens/s",
     )
     run.add_argument(
+        "--groups",
+        type=at_least(1, 4096),
+        help="with --sessions: groups of sessions circulating through the shards at once "
+        "(default: as many as the cores run without oversubscription, cores // threads per "
+        "shard, at most one per shard; every shard here shares this machine's cores)",
+    )
+    run.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -4,6 +4,7 @@ once (``Pipeline.generate_many``), each verified against its own run alone on th
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -54,6 +55,19 @@ def _requests(
     return requests, texts
 
 
+def local_groups(shards: int, threads: int, cores: int | None = None) -> int:
+    """How many groups of sessions ``run --sessions`` keeps in flight when every shard runs on
+    this machine: as many shards compute at once as the cores hold without oversubscription
+    (``cores // threads`` per shard, ``threads`` 0 meaning every core, as the llama engine
+    does), at least one and at most one per shard. One group on 2 cores: 3 shards of
+    gemma3-270m computing at once with 2 threads each ran 8 sessions at 0.21 of llama.cpp's
+    batch(8), one group at 0.85 (``benchmarks/concurrency_bench.py``); llama.cpp's threads
+    spin at barriers, so a shared core costs far more than its share."""
+    available = cores if cores is not None else len(os.sched_getaffinity(0))
+    per_shard = threads if threads > 0 else available
+    return max(1, min(shards, available // max(1, per_shard)))
+
+
 def command_run_sessions(
     manager: pluggy.PluginManager,
     args: argparse.Namespace,
@@ -87,8 +101,11 @@ def command_run_sessions(
         max_context=context,
         kv_budget_tokens=context * count,
     )
+    groups = args.groups or local_groups(len(ranges), args.threads)
     with pipeline:
-        many = pipeline.generate_many(requests, args.max_new_tokens, tokenizer=found_tokenizer)
+        many = pipeline.generate_many(
+            requests, args.max_new_tokens, tokenizer=found_tokenizer, groups=groups
+        )
         verification = (
             _verify_sessions(pipeline, requests, many, found_tokenizer, args.tolerance)
             if args.verify
@@ -117,6 +134,7 @@ def command_run_sessions(
                 "n_layers": fixture.n_layers,
                 "shards": [list(pair) for pair in ranges],
                 "chat": args.chat,
+                "groups": groups,
                 "sessions": sessions,
                 "generated_tokens": many.generated_tokens,
                 "wall_ms": many.wall_ms,
@@ -127,7 +145,7 @@ def command_run_sessions(
             }
         )
     else:
-        _print_sessions(args, fixture, ranges, many, sessions, verification)
+        _print_sessions(args, fixture, ranges, many, sessions, verification, groups)
     failed = bool(many.failed()) or (verification is not None and not verification["passed"])
     return 1 if failed else 0
 
@@ -139,6 +157,7 @@ def _print_sessions(
     many: ManyGenerationResult,
     sessions: Sequence[dict[str, object]],
     verification: dict[str, object] | None,
+    groups: int,
 ) -> None:
     print_shards(args, fixture, ranges)
     for entry, session in zip(many.sessions, sessions, strict=True):
@@ -154,8 +173,9 @@ def _print_sessions(
         )
         print(f"session {entry.index + 1}: {said}-> {generated} {ended}")
     print(
-        f"aggregate: {len(many.sessions)} sessions, {many.generated_tokens} tokens in "
-        f"{many.wall_ms:.1f} ms: {many.tokens_per_s:.1f} tokens/s"
+        f"aggregate: {len(many.sessions)} sessions in {groups} group(s), "
+        f"{many.generated_tokens} tokens in {many.wall_ms:.1f} ms: "
+        f"{many.tokens_per_s:.1f} tokens/s"
     )
     for stage in many.stages:
         mean = stage.items / stage.calls if stage.calls else 0.0
