@@ -6,6 +6,7 @@ nox -s conformance       the conformance suite against every engine plugin found
 nox -s conformance_deep  the suite on the fake engine with its deep profile (longer sessions,
                          larger shuffled batches, more sessions and examples; about a minute)
 nox -s typecheck lint    mypy --strict and ruff
+nox -s docs              opt-in: the API reference (pdoc) in .nox/docs/html, its links checked
 nox -s bench             benchmarks (numbers and ratios, medians, one run side by side);
                          figures also land in .nox/bench/results.json
 nox -s bench -- --readme the final measurement: every benchmark, full size, then the README's
@@ -21,6 +22,7 @@ nox -s conformance_pins_full  opt-in: every standard test on every broken test e
 from __future__ import annotations
 
 import os
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -186,6 +188,21 @@ def lint(session: nox.Session) -> None:
     session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+DOCS_HTML = ROOT / ".nox" / "docs" / "html"
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """The API reference: HTML from the docstrings of the four packages and their public
+    submodules (pdoc, docs/build_api.py) in .nox/docs/html, then every page's internal links
+    checked (docs/check_links.py)."""
+    session.install("pdoc>=15,<17", *TEST_TOOLS, *TEST_EXTRAS["remote"])
+    session.install("-e", API, "-e", FAKE, "-e", LLAMA, "-e", REMOTE)
+    shutil.rmtree(DOCS_HTML, ignore_errors=True)
+    session.run("python", "docs/build_api.py", str(DOCS_HTML))
+    session.run("python", "docs/check_links.py", str(DOCS_HTML))
 
 
 @nox.session

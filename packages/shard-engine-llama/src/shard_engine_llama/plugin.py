@@ -120,7 +120,7 @@ def _describe_model(model: str) -> ModelFixture:
 
 
 ENCODE_BYTES_PER_TOKEN: Final = 4
-"""How many UTF-8 bytes of text :meth:`_VocabularyTokenizer.encode` takes per position of the
+"""How many UTF-8 bytes of text the model tokenizer's ``encode`` takes per position of the
 model's context (English averages about four bytes a token): see :func:`max_encode_bytes`."""
 MIN_ENCODE_CONTEXT: Final = 8192
 """The context assumed for a model that declares a shorter one (or none)."""
