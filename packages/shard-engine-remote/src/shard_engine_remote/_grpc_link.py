@@ -67,9 +67,9 @@ _GRPCIO_OWN_WORDS: Final[tuple[tuple[grpc.StatusCode, str, Reason, bool], ...]] 
     (grpc.StatusCode.UNAVAILABLE, "Connection refused", "connection_lost", False),
 )
 """Failures grpcio itself makes, with no trailer of ours to say why, told apart only by its
-words (grpcio 1.80 to 1.85): status code, the words, the reason, whether the call may have
-run. Any other RESOURCE_EXHAUSTED without the server's reason (grpcio refusing the server's own
-reply for its size, a proxy) may have run: ``transport_error``."""
+words (as grpcio 1.85 writes them): status code, the words, the reason, whether the call may
+have run. Any other RESOURCE_EXHAUSTED without the server's reason (grpcio refusing the
+server's own reply for its size, a proxy) may have run: ``transport_error``."""
 _REASONS: Final[dict[grpc.StatusCode, Reason]] = {
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
     grpc.StatusCode.PERMISSION_DENIED: "unauthenticated",
