@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final, TypedDict, cast
+from typing import Final, NoReturn, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -681,44 +681,60 @@ class ShardRuntime:
             if staged is not None:
                 _set_field(batch, "embd", None)  # no pointer to a freed array stays behind
             if status != 0:
-                self._rollback(firsts)
-                if status == 2:
-                    raise AbortedError(f"{self.path.name}: decode aborted")
-                if status == 1:
-                    raise KVFullError(
-                        f"{self.path.name}: no KV slot for {n} tokens (each sequence holds "
-                        f"{self.n_ctx_seq} positions)",
-                        status,
-                    )
-                raise RuntimeFailure(f"{self.path.name}: llama_decode returned {status}", status)
+                self._decode_failed(status, n, firsts)
             if self.is_tail:
                 return self._read_logits(context, outputs, destination)
-            if hidden is not None:
-                state = self._capture_state
-                state.destination = None
-                captured_rows = int(state.rows)
-                capture_error = CAPTURE_ERRORS.get(int(state.error)) if state.error else None
-            else:
-                capture_error = self._take_capture_error()
-                hidden = (
-                    np.concatenate(self._captured)
-                    if self._captured
-                    else np.empty((0, self.n_embd), np.float32)
-                )
-                self._captured = []
-                captured_rows = int(hidden.shape[0])
-            if capture_error is not None:
-                self._rollback(firsts)
-                raise RuntimeFailure(f"{self.path.name}: {capture_error}", -100)
-            if captured_rows != n:
-                self._rollback(firsts)
-                raise RuntimeFailure(
-                    f"{self.path.name}: captured {captured_rows} rows of "
-                    f"{self._capture_name.decode()} "
-                    f"for {n} inputs",
-                    -101,
-                )
-            return hidden
+            return self._captured_hidden(hidden, n, firsts)
+
+    def _decode_failed(self, status: int, n: int, firsts: Sequence[tuple[int, int]]) -> NoReturn:
+        """Roll back what a failed llama_decode of ``n`` rows added and raise what its
+        ``status`` means: AbortedError (2), KVFullError (1), else RuntimeFailure."""
+        self._rollback(firsts)
+        if status == 2:
+            raise AbortedError(f"{self.path.name}: decode aborted")
+        if status == 1:
+            raise KVFullError(
+                f"{self.path.name}: no KV slot for {n} tokens (each sequence holds "
+                f"{self.n_ctx_seq} positions)",
+                status,
+            )
+        raise RuntimeFailure(f"{self.path.name}: llama_decode returned {status}", status)
+
+    def _captured_hidden(
+        self,
+        hidden: npt.NDArray[np.float32] | None,
+        n: int,
+        firsts: Sequence[tuple[int, int]],
+    ) -> npt.NDArray[np.float32]:
+        """A non-tail's ``n`` captured rows after a llama_decode: written into ``hidden`` by
+        the native capture, or collected by the Python one (``hidden`` None). A capture that
+        failed or has another row count rolls the call back and is RuntimeFailure."""
+        if hidden is not None:
+            state = self._capture_state
+            state.destination = None
+            captured_rows = int(state.rows)
+            capture_error = CAPTURE_ERRORS.get(int(state.error)) if state.error else None
+        else:
+            capture_error = self._take_capture_error()
+            hidden = (
+                np.concatenate(self._captured)
+                if self._captured
+                else np.empty((0, self.n_embd), np.float32)
+            )
+            self._captured = []
+            captured_rows = int(hidden.shape[0])
+        if capture_error is not None:
+            self._rollback(firsts)
+            raise RuntimeFailure(f"{self.path.name}: {capture_error}", -100)
+        if captured_rows != n:
+            self._rollback(firsts)
+            raise RuntimeFailure(
+                f"{self.path.name}: captured {captured_rows} rows of "
+                f"{self._capture_name.decode()} "
+                f"for {n} inputs",
+                -101,
+            )
+        return hidden
 
     def _take_capture_error(self) -> str | None:
         # Set from the eval callback during llama_decode, hence read through a call.

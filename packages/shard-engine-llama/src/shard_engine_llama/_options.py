@@ -126,6 +126,13 @@ def checked_options(config: LoadConfig) -> LlamaOptions:
             f"slow_forward_us must lie in [0, {_MAX_SLOW_FORWARD_US}], "
             f"got {options.slow_forward_us}"
         )
+    _check_limits(config, options)
+    return options
+
+
+def _check_limits(config: LoadConfig, options: LlamaOptions) -> None:
+    """The load's thread and session counts within what ggml and llama.cpp allow, and a
+    private copy only where this system can seal one."""
     if config.n_threads > _MAX_THREADS:
         # ggml sizes its thread pools for at most this many; OpenMP starts as many as
         # asked (4,096 threads: 6.8 s per token of a 1 MB model on 2 cores).
@@ -145,4 +152,3 @@ def checked_options(config: LoadConfig) -> LlamaOptions:
             "to map the shard file itself, which must then not change while it is loaded",
             details={"field": "options.private_copy"},
         )
-    return options

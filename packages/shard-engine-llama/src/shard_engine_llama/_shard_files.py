@@ -22,6 +22,7 @@ from shard_engine_api import (
     LoadConfig,
     ResourceExhausted,
     ShardMismatch,
+    ShardSpec,
     UnsupportedFeature,
 )
 from shard_engine_api.engine import (
@@ -331,40 +332,9 @@ def _store_shard(
         store / "shards" / f"{named.stem}-{digest[:16]}" / f"{spec.start:03d}-{spec.end:03d}"
     )
     with _store_lock(store, directory) as writable:
-        if writable:
-            try:
-                manifest = split_model(
-                    named,
-                    [(spec.start, spec.end)],
-                    directory,
-                    partial=True,
-                    header=header,
-                    hash_store=store,
-                )
-            except OSError as error:
-                raise _store_write_error(store, directory, error) from error
-            if manifest.source_sha256 != digest:
-                # The name was pointed at another file while the shard was being written.
-                raise ShardIntegrityError(f"{named} changed while its shard was being written")
-            shard_name = manifest.shard_path(0)
-            action = "reused" if manifest.reused and manifest.reused[0] else "wrote"
-        else:
-            # A read-only store: only a shard already in it can serve, and it is checked
-            # below exactly as a reused one (its own digest, source and range).
-            shard_name = directory / shard_file_name(
-                named.resolve(), spec.start, spec.end, spec.n_layers
-            )
-            if not shard_name.is_file():
-                raise InvalidRequest(
-                    f"the model store {store} is not writable and holds no shard "
-                    f"[{spec.start}, {spec.end}) of {named.name} to reuse "
-                    f"({shard_name.relative_to(store)}): make the store writable, or "
-                    "choose a writable one (the model_store option or "
-                    f"{MODEL_STORE_ENV}), or give the engine a shard written by "
-                    "shard-engine split",
-                    details={"path": str(store), "rule": "model-store-read-only"},
-                )
-            action = "reused (read-only store)"
+        shard_name, action = _write_or_find_shard(
+            named, header, spec, store, digest, directory, writable=writable
+        )
         shard = pins.pin(shard_name)
     layout = planned_layout(header, spec.start, spec.end)
     _log.info(
@@ -392,6 +362,56 @@ def _store_shard(
             f"{shard_name} is not the shard [{spec.start}, {spec.end}) of {named}"
         )
     return ShardChoice(shard, digest, info.vocab_size, header, layout).verified(pins)
+
+
+def _write_or_find_shard(
+    named: Path,
+    header: GGUFHeader,
+    spec: ShardSpec,
+    store: Path,
+    digest: str,
+    directory: Path,
+    *,
+    writable: bool,
+) -> tuple[Path, str]:
+    """The shard's file in ``directory`` of the store (under its lock) and what was done:
+    written or reused by ``split_model`` where the store is writable, else an existing one
+    (InvalidRequest when there is none)."""
+    if writable:
+        try:
+            manifest = split_model(
+                named,
+                [(spec.start, spec.end)],
+                directory,
+                partial=True,
+                header=header,
+                hash_store=store,
+            )
+        except OSError as error:
+            raise _store_write_error(store, directory, error) from error
+        if manifest.source_sha256 != digest:
+            # The name was pointed at another file while the shard was being written.
+            raise ShardIntegrityError(f"{named} changed while its shard was being written")
+        shard_name = manifest.shard_path(0)
+        action = "reused" if manifest.reused and manifest.reused[0] else "wrote"
+    else:
+        # A read-only store: only a shard already in it can serve, and _store_shard checks
+        # it exactly as a reused one (its own digest, source and range).
+        shard_name = directory / shard_file_name(
+            named.resolve(), spec.start, spec.end, spec.n_layers
+        )
+        if not shard_name.is_file():
+            raise InvalidRequest(
+                f"the model store {store} is not writable and holds no shard "
+                f"[{spec.start}, {spec.end}) of {named.name} to reuse "
+                f"({shard_name.relative_to(store)}): make the store writable, or "
+                "choose a writable one (the model_store option or "
+                f"{MODEL_STORE_ENV}), or give the engine a shard written by "
+                "shard-engine split",
+                details={"path": str(store), "rule": "model-store-read-only"},
+            )
+        action = "reused (read-only store)"
+    return shard_name, action
 
 
 def _file_digest(source: Path, store: Path | None, copy: SealedCopy | None = None) -> str:

@@ -88,7 +88,8 @@ class StateFormatError(ValueError):
 class Geometry:
     """What a state for this context may declare: at most ``max_layers`` layers per cache
     (the blocks of the shard file) and at most ``max_row_bytes`` bytes in one cell's K or V
-    of one layer (an upper bound of the shard's widest: see ``_abi.kv_row_elements``)."""
+    of one layer (an upper bound of the shard's widest: see
+    ``_gguf.hyperparameters.kv_row_bound``)."""
 
     max_layers: int
     max_row_bytes: int

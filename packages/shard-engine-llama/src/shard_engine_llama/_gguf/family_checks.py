@@ -419,8 +419,8 @@ def _check_overflowing_numbers(header: GGUFHeader, arch: str) -> None:
 
 
 def _check_shapes(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
-    """The family's required keys, the rope scaling type, and head counts, head sizes, rope
-    dimensions and feed-forward width that the loader and the graph assert on."""
+    """The family's required keys, the rope scaling type, the heads (``_check_heads``), and the
+    rope dimensions and feed-forward width that the loader and the graph assert on."""
     arch = family.name
     key = f"{arch}."
     for name in family.extra_required_keys:
@@ -434,6 +434,34 @@ def _check_shapes(header: GGUFHeader, family: Family, h: Hyperparameters) -> Non
             key + "rope.scaling.type",
             f"{scaling.value!r} is not one of {list(_ROPE_SCALING_TYPES)} (GGML_ASSERT)",
         )
+    _check_heads(header, family, h)
+    if not 0 < h.n_rot <= h.n_embd_head_k or h.n_rot % 2:
+        raise fail(
+            header,
+            "hparam-rope-dimension",
+            key + "rope.dimension_count",
+            f"{h.n_rot} must be even and within the head size {h.n_embd_head_k} "
+            "(ggml's rope asserts both)",
+        )
+    if (family.rope_is_head or arch == "llama") and h.n_rot != h.n_embd_head_k:
+        raise fail(
+            header,
+            "hparam-rope-dimension",
+            key + "rope.dimension_count",
+            f"{h.n_rot} must equal the head size {h.n_embd_head_k} for {arch} "
+            "(GGML_ASSERT(n_embd_head == n_rot) in its graph)",
+        )
+    if h.n_ff <= 0 and not (family.moe and h.n_ff_exp > 0):
+        raise fail(
+            header, "hparam-feed-forward-length", key + "feed_forward_length", "must be positive"
+        )
+
+
+def _check_heads(header: GGUFHeader, family: Family, h: Hyperparameters) -> None:
+    """Head counts that divide, positive and equal key and value head sizes, and heads that
+    span the embedding where the family's projections need it."""
+    arch = family.name
+    key = f"{arch}."
     if h.n_head <= 0:
         raise fail(header, "hparam-head-count", key + "attention.head_count", "must be positive")
     if h.n_head_kv <= 0 or h.n_head % h.n_head_kv:
@@ -462,26 +490,6 @@ def _check_shapes(header: GGUFHeader, family: Family, h: Hyperparameters) -> Non
             key + "attention.value_length",
             f"value head size {h.n_embd_head_v} differs from key head size {h.n_embd_head_k} "
             "(the graph asserts they are equal)",
-        )
-    if not 0 < h.n_rot <= h.n_embd_head_k or h.n_rot % 2:
-        raise fail(
-            header,
-            "hparam-rope-dimension",
-            key + "rope.dimension_count",
-            f"{h.n_rot} must be even and within the head size {h.n_embd_head_k} "
-            "(ggml's rope asserts both)",
-        )
-    if (family.rope_is_head or arch == "llama") and h.n_rot != h.n_embd_head_k:
-        raise fail(
-            header,
-            "hparam-rope-dimension",
-            key + "rope.dimension_count",
-            f"{h.n_rot} must equal the head size {h.n_embd_head_k} for {arch} "
-            "(GGML_ASSERT(n_embd_head == n_rot) in its graph)",
-        )
-    if h.n_ff <= 0 and not (family.moe and h.n_ff_exp > 0):
-        raise fail(
-            header, "hparam-feed-forward-length", key + "feed_forward_length", "must be positive"
         )
 
 

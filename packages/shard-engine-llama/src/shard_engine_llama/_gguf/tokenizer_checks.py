@@ -183,6 +183,8 @@ _TOKENIZER_MODELS = ("llama", "gpt2", "none")
 
 
 def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
+    """The tokenizer model, a BPE vocabulary's merges and pre-tokenizer, the vocabulary's size
+    and the special token ids inside it."""
     model = header.metadata.get("tokenizer.ggml.model")
     if model is None:
         raise fail(header, "metadata-missing", "tokenizer.ggml.model", "required key is missing")
@@ -194,28 +196,7 @@ def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
             f"{model.value!r} is not one of {list(_TOKENIZER_MODELS)}",
         )
     if model.value == "gpt2":
-        merges = header.metadata.get("tokenizer.ggml.merges")
-        if merges is None or merges.element_type != _STR:
-            raise fail(
-                header,
-                "tokenizer-merges",
-                "tokenizer.ggml.merges",
-                "a BPE (gpt2) vocabulary needs an array of merge strings",
-            )
-        pre = header.metadata.get("tokenizer.ggml.pre")
-        if pre is not None and isinstance(pre.value, str):
-            refused = _REFUSED_BPE_PRE_TOKENIZERS.get(pre.value)
-            if refused is not None:
-                raise fail(
-                    header, "tokenizer-pre", "tokenizer.ggml.pre", f"{pre.value!r} {refused}"
-                )
-        if pre is not None and pre.value not in _BPE_PRE_TOKENIZERS and pre.value != "":
-            raise fail(
-                header,
-                "tokenizer-pre",
-                "tokenizer.ggml.pre",
-                f"{pre.value!r} is not a pre-tokenizer llama.cpp knows (it refuses the file)",
-            )
+        _check_bpe(header)
     if h.n_vocab < 1:
         # llama.cpp loads it: a head then refuses every token, and a tail returns logits with
         # no column to sample from.
@@ -247,6 +228,31 @@ def _check_tokenizer(header: GGUFHeader, h: Hyperparameters) -> None:
                 key,
                 f"{entry.value} outside the vocabulary of {h.n_vocab}",
             )
+
+
+def _check_bpe(header: GGUFHeader) -> None:
+    """A BPE (gpt2) vocabulary has merge strings and a pre-tokenizer llama.cpp knows and does
+    not abort on."""
+    merges = header.metadata.get("tokenizer.ggml.merges")
+    if merges is None or merges.element_type != _STR:
+        raise fail(
+            header,
+            "tokenizer-merges",
+            "tokenizer.ggml.merges",
+            "a BPE (gpt2) vocabulary needs an array of merge strings",
+        )
+    pre = header.metadata.get("tokenizer.ggml.pre")
+    if pre is not None and isinstance(pre.value, str):
+        refused = _REFUSED_BPE_PRE_TOKENIZERS.get(pre.value)
+        if refused is not None:
+            raise fail(header, "tokenizer-pre", "tokenizer.ggml.pre", f"{pre.value!r} {refused}")
+    if pre is not None and pre.value not in _BPE_PRE_TOKENIZERS and pre.value != "":
+        raise fail(
+            header,
+            "tokenizer-pre",
+            "tokenizer.ggml.pre",
+            f"{pre.value!r} is not a pre-tokenizer llama.cpp knows (it refuses the file)",
+        )
 
 
 # llama-vocab.cpp sets token attributes by general.name and looks these tokens up with .at(),
