@@ -33,37 +33,33 @@ Rules, identical to what the msgpack decoders accept:
   most :data:`MAX_OPTION_ITEMS` values in all; in process it may also be a msgspec Struct (an
   engine's own typed option, which travels as a map and is the engine's to check).
 
-Cost: a checker is compiled once per Struct class from ``msgspec.inspect.type_info`` into
-closures (under a lock, published only when complete: a worker's threads may all make their
-first request at once); checking a single-token decode request is about a microsecond, with
-no allocation on success (the field path is only assembled when a check fails).
+Each rule is written once. A scalar's rule (int, float, str, bool, None, literal) is the source
+of a test (:class:`_Rule`); a struct's checker is one function generated from
+``msgspec.inspect.type_info`` that writes those tests, and the checks of its nested structs
+and sequences, inline (:class:`_Source`), so the per-token path (a decode request, a result)
+needs no hand-written shortcut that could drift from the rules.
+
+Cost: a checker is compiled once per Struct class (under a lock, published only when
+complete: a worker's threads may all make their first request at once); checking a
+single-token decode request is about a microsecond, with no allocation on success (the field
+path is only assembled when a check fails).
 """
 
 from __future__ import annotations
 
-import operator
 import reprlib
 import sys
 import threading
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Final, cast
 
 import msgspec
 
 from shard_engine_api._dtypes import BOUNDARY_DTYPES
 from shard_engine_api._errors import InvalidRequest
 from shard_engine_api._types import (
-    INT32_MAX,
-    MAX_BATCH_ITEMS,
-    MAX_ID_CHARS,
-    BoundaryBundle,
     BoundaryResult,
-    DecodeBatchRequest,
-    DecodeRequest,
     LogitsResult,
-    SessionRef,
-    Timings,
-    TokenInput,
 )
 
 __all__ = [
@@ -136,6 +132,32 @@ def _bounds_text(low: int | None, high: int | None) -> str:
 
 
 # ----------------------------------------------------------------------------- scalars
+#
+# A scalar rule is written once, as the source of a test that is true for a sound value. The
+# checker of a scalar field compiles that test into a function of its own; the checker of a
+# struct writes the same test into its own generated function (see _StructSource), so the
+# hot path calls no function per field and still runs nothing but these rules.
+
+
+class _Rule:
+    """A scalar rule: ``test`` is the source of an expression over ``{v}`` that is true when the
+    value is sound; names it uses are in ``names`` (referenced as ``{name}``); ``expected``
+    says what a sound value is; ``explain``, if given, returns a more precise reason for a
+    refused value (or None)."""
+
+    __slots__ = ("expected", "explain", "names", "test")
+
+    def __init__(
+        self,
+        test: str,
+        expected: str,
+        names: dict[str, object] | None = None,
+        explain: Callable[[object], str | None] | None = None,
+    ) -> None:
+        self.test = test
+        self.expected = expected
+        self.names = names or {}
+        self.explain = explain
 
 
 def _int_bounds(info: msgspec.inspect.IntType, limit: int = _INT64_MAX) -> tuple[int, int]:
@@ -152,49 +174,31 @@ def _int_bounds(info: msgspec.inspect.IntType, limit: int = _INT64_MAX) -> tuple
     return low, high
 
 
-def _int_checker(info: msgspec.inspect.IntType, limit: int = _INT64_MAX) -> _Check:
+def _int_rule(info: msgspec.inspect.IntType, limit: int = _INT64_MAX) -> _Rule:
+    # Exactly int: not bool, not 1.5 or 5.0, not a numpy integer.
     low, high = _int_bounds(info, limit)
-    expected = "int" + _bounds_text(low, high)
-
-    def check(value: object) -> None:
-        if type(value) is not int or not low <= value <= high:
-            raise _Bad(expected, value)
-
-    return check
+    return _Rule(
+        f"type({{v}}) is int and {low} <= {{v}} <= {high}", "int" + _bounds_text(low, high)
+    )
 
 
-def _float_checker(info: msgspec.inspect.FloatType) -> _Check:
+def _float_rule(info: msgspec.inspect.FloatType) -> _Rule:
     # An int stands for a float (msgpack carries it as an int: within 64 bits). Bounds are
     # inclusive comparisons that NaN fails, as in msgspec's decoders.
+    number = (
+        f"(type({{v}}) is float or (type({{v}}) is int and {_INT64_MIN} <= {{v}} <= {_UINT64_MAX}))"
+    )
     low = info.ge if info.ge is not None else info.gt
     high = info.le if info.le is not None else info.lt
     if low is None and high is None:
-
-        def check(value: object) -> None:
-            kind = type(value)
-            if kind is float:
-                return
-            if kind is not int or not _INT64_MIN <= value <= _UINT64_MAX:  # type: ignore[operator]
-                raise _Bad("float", value)
-
-        return check
+        return _Rule(number, "float")
     strict_low, strict_high = info.gt is not None, info.lt is not None
-    expected = "float" + _float_bounds_text(low, high, strict_low, strict_high)
-
-    def check_bounded(value: object) -> None:
-        kind = type(value)
-        if kind is int:
-            if not _INT64_MIN <= value <= _UINT64_MAX:  # type: ignore[operator]
-                raise _Bad(expected, value)
-        elif kind is not float:
-            raise _Bad(expected, value)
-        number: float = value  # type: ignore[assignment]
-        if low is not None and not (number > low if strict_low else number >= low):
-            raise _Bad(expected, value)
-        if high is not None and not (number < high if strict_high else number <= high):
-            raise _Bad(expected, value)
-
-    return check_bounded
+    test = number
+    if low is not None:
+        test += f" and {{v}} {'>' if strict_low else '>='} {float(low)!r}"
+    if high is not None:
+        test += f" and {{v}} {'<' if strict_high else '<='} {float(high)!r}"
+    return _Rule(test, "float" + _float_bounds_text(low, high, strict_low, strict_high))
 
 
 def _float_bounds_text(
@@ -208,26 +212,29 @@ def _float_bounds_text(
     return " " + ", ".join(parts)
 
 
-def _str_checker(info: msgspec.inspect.StrType) -> _Check:
+def _str_rule(info: msgspec.inspect.StrType) -> _Rule:
+    # Exactly str, as for int: a subclass may redefine __eq__ and __hash__, and ids are
+    # dictionary keys of the session ledger (two different ids must never be one session).
     low = info.min_length or 0
     high = info.max_length
     if high is None:
         expected = "str" if low == 0 else "non-empty str"
+        length = "" if low == 0 else f" and {low} <= len({{v}})"
     else:
         expected = f"str of {low} to {high} characters"
+        length = f" and {low} <= len({{v}}) <= {high}"
+    return _Rule(
+        f"type({{v}}) is str{length} and ({{v}}.isascii() or {{utf8}}({{v}}))",
+        expected,
+        {"utf8": _utf8},
+        _explain_str,
+    )
 
-    def check(value: object) -> None:
-        # Exactly str, as for int: a subclass may redefine __eq__ and __hash__, and ids are
-        # dictionary keys of the session ledger (two different ids must never be one session).
-        if type(value) is not str:
-            raise _Bad(expected, value)
-        size = len(value)
-        if size < low or (high is not None and size > high):
-            raise _Bad(expected, value)
-        if not value.isascii() and not _utf8(value):
-            raise _Bad(expected, value, "a lone surrogate: not encodable as UTF-8")
 
-    return check
+def _explain_str(value: object) -> str | None:
+    if type(value) is str and not _utf8(value):
+        return "a lone surrogate: not encodable as UTF-8"
+    return None
 
 
 def _utf8(value: str) -> bool:
@@ -241,29 +248,47 @@ def _utf8(value: str) -> bool:
     return True
 
 
-def _bool_check(value: object) -> None:
-    if type(value) is not bool:
-        raise _Bad("bool", value)
-
-
-def _none_check(value: object) -> None:
-    if value is not None:
-        raise _Bad("None", value)
-
-
-def _literal_checker(info: msgspec.inspect.LiteralType) -> _Check:
+def _literal_rule(info: msgspec.inspect.LiteralType) -> _Rule:
+    # The value's type first: only then is it certainly hashable.
+    kinds = frozenset(type(item) for item in info.values)
     allowed = frozenset((type(item), item) for item in info.values)
     expected = "one of " + ", ".join(repr(item) for item in info.values)
+    return _Rule(
+        "type({v}) in {kinds} and (type({v}), {v}) in {allowed}",
+        expected,
+        {"kinds": kinds, "allowed": allowed},
+    )
 
-    def check(value: object) -> None:
-        try:
-            if (type(value), value) in allowed:
-                return
-        except TypeError:  # unhashable
-            pass
-        raise _Bad(expected, value)
 
-    return check
+_BOOL_RULE: Final = _Rule("type({v}) is bool", "bool")
+_NONE_RULE: Final = _Rule("{v} is None", "None")
+
+
+def _rule(info: msgspec.inspect.Type) -> _Rule | None:
+    """The scalar rule of ``info``, or None for a type that is not a scalar."""
+    match info:
+        case msgspec.inspect.IntType():
+            return _int_rule(info)
+        case msgspec.inspect.Metadata(type=msgspec.inspect.IntType() as inner, extra=extra) if (
+            extra is not None and extra.get("uint64") is True
+        ):
+            # An unsigned 64-bit field (checksums): msgspec bounds only int64, so the marker
+            # in the type's metadata carries the upper bound the wire allows (2**64 - 1).
+            return _int_rule(inner, _UINT64_MAX)
+        case msgspec.inspect.Metadata(type=inner):
+            return _rule(inner)
+        case msgspec.inspect.FloatType():
+            return _float_rule(info)
+        case msgspec.inspect.StrType():
+            return _str_rule(info)
+        case msgspec.inspect.BoolType():
+            return _BOOL_RULE
+        case msgspec.inspect.NoneType():
+            return _NONE_RULE
+        case msgspec.inspect.LiteralType():
+            return _literal_rule(info)
+        case _:
+            return None
 
 
 def _buffer_check(value: object) -> None:
@@ -298,58 +323,6 @@ def _any_check(value: object) -> None:
 
 
 # ----------------------------------------------------------------------------- containers
-
-
-def _sequence_checker(
-    kind: type[tuple[object, ...]] | type[list[object]],
-    item_info: msgspec.inspect.Type,
-    min_length: int | None,
-    max_length: int | None,
-) -> _Check:
-    low = min_length or 0
-    expected = kind.__name__ + ("" if max_length is None else f" of {low} to {max_length} items")
-    item_check = _checker(item_info)
-    if isinstance(item_info, msgspec.inspect.IntType) and item_info.multiple_of is None:
-        # Token ids: one C-level pass for the types, then min and max for the range.
-        item_low, item_high = _int_bounds(item_info)
-
-        def check_ints(value: object) -> None:
-            if type(value) is not kind:
-                raise _Bad(expected, value)
-            assert isinstance(value, tuple | list)
-            size = len(value)
-            if size < low or (max_length is not None and size > max_length):
-                raise _Bad(expected, value)
-            if not size:
-                return
-            if set(map(type, value)) == {int} and (
-                item_low <= min(value) and max(value) <= item_high
-            ):
-                return
-            for index, item in enumerate(value):
-                try:
-                    item_check(item)
-                except _Bad as bad:
-                    bad.path.append(f"[{index}]")
-                    raise
-
-        return check_ints
-
-    def check(value: object) -> None:
-        if type(value) is not kind:
-            raise _Bad(expected, value)
-        assert isinstance(value, tuple | list)
-        size = len(value)
-        if size < low or (max_length is not None and size > max_length):
-            raise _Bad(expected, value)
-        for index, item in enumerate(value):
-            try:
-                item_check(item)
-            except _Bad as bad:
-                bad.path.append(f"[{index}]")
-                raise
-
-    return check
 
 
 def _fixed_tuple_checker(info: msgspec.inspect.TupleType) -> _Check:
@@ -494,7 +467,19 @@ def _compiled(cls: type, *, fields_only: bool) -> _Check:
 def _fields_checker(cls: type) -> _Check:
     """A checker of the fields of an instance of ``cls`` (its type is not checked). Only while
     compiling (see :func:`_compiled`)."""
-    found = _FIELD_CHECKERS.get(cls) or _STAGED_FIELDS.get(cls)
+    return _staged(cls, _STAGED_FIELDS, _FIELD_CHECKERS, check_type=False)
+
+
+def _struct_checker(cls: type) -> _Check:
+    """A checker of a value that must be exactly a ``cls`` with sound fields. Only while
+    compiling (see :func:`_compiled`)."""
+    return _staged(cls, _STAGED_STRUCTS, _STRUCT_CHECKERS, check_type=True)
+
+
+def _staged(
+    cls: type, staged: dict[type, _Check], published: dict[type, _Check], *, check_type: bool
+) -> _Check:
+    found = published.get(cls) or staged.get(cls)
     if found is not None:
         return found
     # Placeholder first: a struct type may (indirectly) contain itself.
@@ -503,75 +488,199 @@ def _fields_checker(cls: type) -> _Check:
     def forward(value: object) -> None:
         pending[0](value)
 
-    _STAGED_FIELDS[cls] = forward
-    info = msgspec.inspect.type_info(cls)
-    assert isinstance(info, msgspec.inspect.StructType)
-    names = tuple(field.name for field in info.fields)
-    checks = tuple(_checker(field.type) for field in info.fields)
-    getter = operator.attrgetter(*names) if len(names) > 1 else None
-    labels = tuple(f".{name}" for name in names)
-
-    def check(value: object) -> None:
-        values = getter(value) if getter is not None else (getattr(value, names[0]),)
-        index = 0
-        try:
-            for index, item in enumerate(values):
-                checks[index](item)
-        except _Bad as bad:
-            bad.path.append(labels[index])
-            raise
-
+    staged[cls] = forward
+    check = _Source().struct_checker(cls, check_type=check_type)
     pending.append(check)
-    _STAGED_FIELDS[cls] = check
+    staged[cls] = check
     return check
 
 
-def _struct_checker(cls: type) -> _Check:
-    found = _STRUCT_CHECKERS.get(cls) or _STAGED_STRUCTS.get(cls)
-    if found is not None:
-        return found
-    fields = _fields_checker(cls)
-    expected = cls.__name__
+_MAX_INLINE_STRUCTS: Final = 4
+"""How many levels of nested structs one generated checker writes out inline."""
+_MAX_INLINE_INDENT: Final = 12
+"""How deeply generated code may indent (Python allows 20 nested blocks); deeper values are
+checked by a call to their own checker."""
 
-    def check(value: object) -> None:
-        if type(value) is not cls:
-            raise _Bad(expected, value)
-        fields(value)
 
-    _STAGED_STRUCTS[cls] = check
-    return check
+def _position(sequence: Sequence[object], item: object) -> int:
+    """The index of ``item`` in ``sequence`` (for the path of a failure only)."""
+    return next(index for index, other in enumerate(sequence) if other is item)
+
+
+class _Source:
+    """A checker function generated from type information, as Python source.
+
+    Scalars are checked by their rule (:class:`_Rule`) written inline; a nested struct (a
+    field typed as a struct, or a union of structs, or either or None) and a sequence (a
+    ``tuple[X, ...]`` or ``list[X]``) are written inline too: a struct's exact class (a union
+    takes one of its classes), then its fields; a sequence's type and length, then a loop
+    over its items. Anything else (fixed tuples, dicts, buffers, options, other unions) calls
+    the checker :func:`_checker` compiles for its type. So checking a single-token decode
+    request is one call that runs only these rules: there is no hand-written fast path to
+    keep in step with them. Each field's and item's check sits in a ``try`` (free unless it
+    raises) that adds the field name or the index to the path of a failure.
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, object] = {"_Bad": _Bad, "_position": _position}
+        self.count = 0
+
+    def struct_checker(self, cls: type, *, check_type: bool) -> _Check:
+        self.emit(0, "def check(value):")
+        if check_type:
+            self._class_test(1, "value", cls)
+        self._fields(1, "value", cls, (cls,))
+        self.emit(1, "return None")
+        return self._function(f"<check {cls.__qualname__}>")
+
+    def checker(self, info: msgspec.inspect.Type) -> _Check:
+        self.emit(0, "def check(value):")
+        self._value(1, "value", info, ())
+        self.emit(1, "return None")
+        return self._function(f"<check {type(info).__name__}>")
+
+    def _name(self, value: object) -> str:
+        """A fresh global name of the generated function, bound to ``value``."""
+        self.count += 1
+        name = f"_n{self.count}"
+        self.names[name] = value
+        return name
+
+    def _local(self) -> str:
+        self.count += 1
+        return f"_v{self.count}"
+
+    def emit(self, depth: int, line: str) -> None:
+        self.lines.append("    " * depth + line)
+
+    def _function(self, title: str) -> _Check:
+        namespace: dict[str, object] = {}
+        # The source is generated here, from type information only.
+        exec(compile("\n".join(self.lines), title, "exec"), self.names, namespace)
+        check = namespace["check"]
+        assert callable(check)
+        return cast(_Check, check)
+
+    def _refuse(self, depth: int, rule: _Rule, var: str) -> None:
+        """Raise _Bad for the value in ``var`` unless ``rule`` holds."""
+        names = {key: self._name(value) for key, value in rule.names.items()}
+        self.emit(depth, f"if not ({rule.test.format(v=var, **names)}):")
+        reason = f"{self._name(rule.explain)}({var})" if rule.explain is not None else "None"
+        self.emit(depth + 1, f"raise _Bad({rule.expected!r}, {var}, {reason})")
+
+    def _class_test(self, depth: int, var: str, cls: type) -> None:
+        self.emit(depth, f"if type({var}) is not {self._name(cls)}:")
+        self.emit(depth + 1, f"raise _Bad({cls.__name__!r}, {var})")
+
+    def _fields(self, depth: int, var: str, cls: type, inlined: tuple[type, ...]) -> None:
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)
+        for field in info.fields:
+            value = self._local()
+            self.emit(depth, f"{value} = {var}.{field.name}")
+            self.emit(depth, "try:")
+            self._value(depth + 1, value, field.type, inlined)
+            self.emit(depth, "except _Bad as bad:")
+            self.emit(depth + 1, f"bad.path.append({'.' + field.name!r})")
+            self.emit(depth + 1, "raise")
+
+    def _inline(self, info: msgspec.inspect.Type, inlined: tuple[type, ...]) -> bool:
+        return (
+            isinstance(info, msgspec.inspect.StructType)
+            and info.cls not in inlined
+            and len(inlined) < _MAX_INLINE_STRUCTS
+        )
+
+    def _value(
+        self, depth: int, var: str, info: msgspec.inspect.Type, inlined: tuple[type, ...]
+    ) -> None:
+        rule = _rule(info)
+        if rule is not None:
+            self._refuse(depth, rule, var)
+            return
+        if depth <= _MAX_INLINE_INDENT:
+            if isinstance(info, msgspec.inspect.StructType) and self._inline(info, inlined):
+                self._class_test(depth, var, info.cls)
+                self._fields(depth, var, info.cls, (*inlined, info.cls))
+                return
+            if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
+                self._sequence(depth, var, info, inlined)
+                return
+            if isinstance(info, msgspec.inspect.UnionType) and self._union(
+                depth, var, info, inlined
+            ):
+                return
+        self.emit(depth, f"{self._name(_checker(info))}({var})")
+
+    def _sequence(
+        self,
+        depth: int,
+        var: str,
+        info: msgspec.inspect.VarTupleType | msgspec.inspect.ListType,
+        inlined: tuple[type, ...],
+    ) -> None:
+        kind = tuple if isinstance(info, msgspec.inspect.VarTupleType) else list
+        low = info.min_length or 0
+        high = info.max_length
+        expected = kind.__name__ + ("" if high is None else f" of {low} to {high} items")
+        size = f"{low} <= len({var})" + ("" if high is None else f" <= {high}")
+        self.emit(depth, f"if type({var}) is not {self._name(kind)} or not {size}:")
+        self.emit(depth + 1, f"raise _Bad({expected!r}, {var})")
+        item = self._local()
+        self.emit(depth, f"for {item} in {var}:")
+        self.emit(depth + 1, "try:")
+        self._value(depth + 2, item, info.item_type, inlined)
+        self.emit(depth + 1, "except _Bad as bad:")
+        self.emit(depth + 2, f'bad.path.append("[" + str(_position({var}, {item})) + "]")')
+        self.emit(depth + 2, "raise")
+
+    def _union(
+        self, depth: int, var: str, info: msgspec.inspect.UnionType, inlined: tuple[type, ...]
+    ) -> bool:
+        """Write the check of a union of structs (or None), or of ``X | None``; False (nothing
+        written) for any other union."""
+        optional = [m for m in info.types if not isinstance(m, msgspec.inspect.NoneType)]
+        allows_none = len(optional) < len(info.types)
+        if not all(self._inline(member, inlined) for member in optional):
+            if not (allows_none and len(optional) == 1):
+                return False
+            # "X | None", the common optional field: X's own check when not None.
+            self.emit(depth, f"if {var} is not None:")
+            self._value(depth + 1, var, optional[0], inlined)
+            return True
+        kind = self._local()
+        self.emit(depth, f"{kind} = type({var})")
+        keyword = "if"
+        if allows_none:
+            self.emit(depth, f"if {var} is None:")
+            self.emit(depth + 1, "pass")
+            keyword = "elif"
+        names = []
+        for member in optional:
+            assert isinstance(member, msgspec.inspect.StructType)
+            names.append(member.cls.__name__)
+            self.emit(depth, f"{keyword} {kind} is {self._name(member.cls)}:")
+            self.emit(depth + 1, "pass")
+            self._fields(depth + 1, var, member.cls, (*inlined, member.cls))
+            keyword = "elif"
+        expected = " | ".join([*names, "None"] if allows_none else names)
+        self.emit(depth, "else:")
+        self.emit(depth + 1, f"raise _Bad({expected!r}, {var})")
+        return True
 
 
 def _checker(info: msgspec.inspect.Type) -> _Check:
+    """The checker of a value of type ``info``. Only while compiling (see :func:`_compiled`)."""
+    if _rule(info) is not None or isinstance(
+        info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType
+    ):
+        return _Source().checker(info)
     match info:
         case msgspec.inspect.StructType(cls=cls):
             return _struct_checker(cls)
-        case msgspec.inspect.IntType():
-            return _int_checker(info)
-        case msgspec.inspect.Metadata(type=msgspec.inspect.IntType() as inner, extra=extra) if (
-            extra is not None and extra.get("uint64") is True
-        ):
-            # An unsigned 64-bit field (checksums): msgspec bounds only int64, so the marker
-            # in the type's metadata carries the upper bound the wire allows (2**64 - 1).
-            return _int_checker(inner, _UINT64_MAX)
-        case msgspec.inspect.Metadata(type=inner):
-            return _checker(inner)
-        case msgspec.inspect.FloatType():
-            return _float_checker(info)
-        case msgspec.inspect.StrType():
-            return _str_checker(info)
-        case msgspec.inspect.BoolType():
-            return _bool_check
-        case msgspec.inspect.NoneType():
-            return _none_check
-        case msgspec.inspect.LiteralType():
-            return _literal_checker(info)
         case msgspec.inspect.UnionType():
             return _union_checker(info)
-        case msgspec.inspect.VarTupleType(item_type=item, min_length=low, max_length=high):
-            return _sequence_checker(tuple, item, low, high)
-        case msgspec.inspect.ListType(item_type=item, min_length=low, max_length=high):
-            return _sequence_checker(list, item, low, high)
         case msgspec.inspect.TupleType():
             return _fixed_tuple_checker(info)
         case msgspec.inspect.DictType():
@@ -592,181 +701,6 @@ def _checker(info: msgspec.inspect.Type) -> _Check:
             return _any_check
 
 
-# ----------------------------------------------------------------------------- the hot path
-#
-# A decode step is checked on every token, so its common shapes (one token id, or one bundle
-# without reserved state) have a hand-written test that accepts only values the general
-# checker would accept; anything it does not recognise goes through the general checker,
-# which either accepts it too or names the bad field.
-
-
-def _session_ok(session: object) -> bool:
-    if type(session) is not SessionRef:
-        return False
-    session_id = session.session_id
-    epoch = session.epoch
-    return (
-        type(session_id) is str
-        and 0 < len(session_id) <= MAX_ID_CHARS
-        and session_id.isascii()
-        and type(epoch) is int
-        and 0 <= epoch <= _INT64_MAX
-    )
-
-
-def _bundle_ok(bundle: BoundaryBundle) -> bool:
-    first_pos, n_tokens, hidden_size = bundle.first_pos, bundle.n_tokens, bundle.hidden_size
-    layer, checksum, version = bundle.layer, bundle.checksum, bundle.contract_version
-    fingerprint, payload = bundle.model_fingerprint, bundle.payload
-    dtype: object = bundle.dtype
-    return (
-        _session_ok(bundle.session)
-        and type(first_pos) is int
-        and 0 <= first_pos <= _INT64_MAX
-        and type(n_tokens) is int
-        and 0 <= n_tokens <= _INT64_MAX
-        and type(hidden_size) is int
-        and 0 <= hidden_size <= _INT64_MAX
-        and type(layer) is int
-        and 0 <= layer <= _INT64_MAX
-        and type(checksum) is int
-        and 0 <= checksum <= _UINT64_MAX
-        and type(version) is int
-        and _INT64_MIN <= version <= _INT64_MAX
-        and type(dtype) is str
-        and dtype in _DTYPES
-        and type(fingerprint) is str
-        and len(fingerprint) <= MAX_ID_CHARS
-        and fingerprint.isascii()
-        and type(payload) is memoryview
-        and payload.c_contiguous
-        and bundle.mtp == ()
-        and bundle.aux == ()
-    )
-
-
-def _decode_ok(request: object) -> bool:
-    if type(request) is not DecodeRequest:
-        return False
-    request_id, pos, inputs = request.request_id, request.pos, request.inputs
-    if not (
-        type(request_id) is str
-        and 0 < len(request_id) <= MAX_ID_CHARS
-        and request_id.isascii()
-        and type(pos) is int
-        and 0 <= pos <= _INT64_MAX
-        and _session_ok(request.session)
-        and request.mtp == ()
-        and request.aux == ()
-    ):
-        return False
-    if type(inputs) is TokenInput:
-        token_ids = inputs.token_ids
-        if type(token_ids) is not tuple or len(token_ids) != 1:
-            return False
-        token = token_ids[0]
-        return type(token) is int and 0 <= token <= INT32_MAX
-    return type(inputs) is BoundaryBundle and _bundle_ok(inputs)
-
-
-def _batch_ok(request: object) -> bool:
-    if type(request) is not DecodeBatchRequest:
-        return False
-    request_id, items = request.request_id, request.items
-    return (
-        type(request_id) is str
-        and 0 < len(request_id) <= MAX_ID_CHARS
-        and request_id.isascii()
-        and type(items) is tuple
-        and len(items) <= MAX_BATCH_ITEMS
-        and all(map(_decode_ok, items))
-    )
-
-
-def _result_head_ok(result: BoundaryResult | LogitsResult) -> bool:
-    # Inlined (no helper calls): this runs on every result a ValidatingEngine checks.
-    request_id, first_pos, session, timings = (
-        result.request_id,
-        result.first_pos,
-        result.session,
-        result.timings,
-    )
-    evidence: object = result.evidence
-    if type(session) is not SessionRef or type(timings) is not Timings:
-        return False
-    session_id, epoch = session.session_id, session.epoch
-    return (
-        type(request_id) is str
-        and 0 < len(request_id) <= MAX_ID_CHARS
-        and request_id.isascii()
-        and type(session_id) is str
-        and 0 < len(session_id) <= MAX_ID_CHARS
-        and session_id.isascii()
-        and type(epoch) is int
-        and 0 <= epoch <= _INT64_MAX
-        and type(first_pos) is int
-        and 0 <= first_pos <= _INT64_MAX
-        and type(evidence) is str
-        and evidence in _EVIDENCE
-        and type(timings.queue_ms) is float
-        and type(timings.compute_ms) is float
-        and type(timings.total_ms) is float
-        # Comparisons false for NaN: durations are finite and >= 0.
-        and 0.0 <= timings.queue_ms <= _FLOAT_MAX
-        and 0.0 <= timings.compute_ms <= _FLOAT_MAX
-        and 0.0 <= timings.total_ms <= _FLOAT_MAX
-    )
-
-
-def result_ok(result: object) -> bool:
-    """Whether ``result`` is certainly a well-typed BoundaryResult or LogitsResult (the
-    common shapes, tested fast). False means "not certain": run :func:`check_request`."""
-    try:
-        return _result_fields_ok(result)
-    except ValueError:  # a released memoryview payload: check_request names it
-        return False
-
-
-def _result_fields_ok(result: object) -> bool:
-    kind = type(result)
-    if kind is LogitsResult:
-        assert isinstance(result, LogitsResult)
-        n_rows, vocab_size, checksum, payload = (
-            result.n_rows,
-            result.vocab_size,
-            result.checksum,
-            result.payload,
-        )
-        return (
-            type(n_rows) is int
-            and 0 <= n_rows <= _INT64_MAX
-            and type(vocab_size) is int
-            and 0 <= vocab_size <= _INT64_MAX
-            and type(checksum) is int
-            and 0 <= checksum <= _UINT64_MAX
-            and type(payload) is memoryview
-            and payload.c_contiguous
-            and _result_head_ok(result)
-        )
-    if kind is BoundaryResult:
-        assert isinstance(result, BoundaryResult)
-        bundle, n_tokens = result.bundle, result.n_tokens
-        return (
-            type(n_tokens) is int
-            and 0 <= n_tokens <= _INT64_MAX
-            and type(bundle) is BoundaryBundle
-            and _result_head_ok(result)
-            and _bundle_ok(bundle)
-        )
-    return False
-
-
-_FAST: Final[dict[type, Callable[[object], bool]]] = {
-    DecodeRequest: _decode_ok,
-    DecodeBatchRequest: _batch_ok,
-}
-
-
 # ----------------------------------------------------------------------------- public
 
 
@@ -776,18 +710,26 @@ def check_request(request: object, expected: type) -> None:
 
     Raises InvalidRequest naming the field path (also in ``details["field"]``).
     """
-    fast = _FAST.get(expected)
-    if fast is not None:
-        try:
-            if fast(request):
-                return
-        except ValueError:  # a released memoryview payload: the general checker names it
-            pass
     check = _STRUCT_CHECKERS.get(expected) or _compiled(expected, fields_only=False)
     try:
         check(request)
     except _Bad as bad:
         raise _invalid(expected.__name__, bad) from None
+
+
+def result_ok(result: object) -> bool:
+    """Whether ``result`` is a well-typed BoundaryResult or LogitsResult: the check of
+    :func:`check_request`, answered as a bool. False means "not certain": run
+    :func:`check_request` for the error that names the field."""
+    kind = type(result)
+    if kind is not BoundaryResult and kind is not LogitsResult:
+        return False
+    check = _STRUCT_CHECKERS.get(kind) or _compiled(kind, fields_only=False)
+    try:
+        check(result)
+    except _Bad:
+        return False
+    return True
 
 
 def check_fields(struct: msgspec.Struct) -> None:
