@@ -1,5 +1,17 @@
 """shard-engine-fake: a deterministic ShardEngine with fault injection, for testing worker code
-with no model, no GPU and no downloads."""
+with no model, no GPU and no downloads.
+
+The modules, one line each:
+
+- ``plugin``: the ``fake`` entry point: its registration hook, model fixtures and tokenizer;
+- ``pipeline``: short names over the API's pipeline driver (one step, greedy generation);
+- ``_engine``: ``FakeEngine``, the fake model behind ``EngineCore``, with its fault plan;
+- ``_model``: the deterministic model: exact integer arithmetic on lane-packed integers;
+- ``_faults``: the declarative fault plan and the injector that decides which faults fire;
+- ``_corrupt``: malformed-output faults, each turning a sound result into one that breaks the
+  contract in one way;
+- ``_tokenizer``: the fake model's byte-level tokenizer.
+"""
 
 from shard_engine_fake._corrupt import corrupt_result
 from shard_engine_fake._engine import ENGINE_VERSION, FakeEngine

@@ -4,9 +4,12 @@ cached file digests. One module per concern:
 - ``reader``: header parsing, every bound checked against the file;
 - ``validation``: the checks that keep a file llama.cpp would abort on away from it;
 - ``hyperparameters``: what llama.cpp's loader derives from a family's metadata;
-- ``family_checks`` and ``tokenizer_checks``: the family-aware checks ``validation`` runs;
+- ``family_checks``: the family-aware checks ``validation`` runs (metadata, tensors);
+- ``tokenizer_checks``: the vocabulary checks ``validation`` runs;
 - ``planning``: shardability (the allow-list and its rules) and layer-range plans;
+- ``families``: what each supported family needs, written once;
 - ``writer``: shard metadata and tensors, streamed into new files, plus the manifest;
+- ``integrity``: the sha256 every shard file carries of its own bytes, checked before use;
 - ``store``: file digests cached per file identity.
 """
 
