@@ -14,9 +14,7 @@ import numpy.typing as npt
 import pytest
 
 import shard_engine_api as api
-from shard_engine_api import _inputs
 from shard_engine_api.engine import CancelToken, ForwardItem, OutputMode
-from shard_engine_api.wire import decode_bundle, encode_bundle
 from shard_engine_fake import DEFAULT_MODEL, FakeEngine, resolve_model
 
 SESSION = api.SessionRef(session_id="s", epoch=1)
@@ -132,51 +130,3 @@ def test_resolving_an_out_of_range_model_is_invalid_request(options: dict[str, i
     shard = api.ShardSpec(model="fake", n_layers=6, start=0, end=6)
     with pytest.raises(api.InvalidRequest, match="must lie in"):
         resolve_model(shard, options)
-
-
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
-def test_bundles_the_library_made_are_not_copied(
-    dtype: api.BoundaryDtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Only payloads a caller can still write are copied: a head's decode bundles handed to
-    the tail in process, and the same bundles through the codec, are read where they are."""
-    copies: list[api.BoundaryBundle] = []
-    copy = _inputs._private_copy
-
-    def counting(bundle: api.BoundaryBundle) -> api.BoundaryBundle:
-        copies.append(bundle)
-        return copy(bundle)
-
-    monkeypatch.setattr(_inputs, "_private_copy", counting)
-    shards = [
-        api.load_engine(
-            "fake",
-            api.LoadConfig(
-                shard=api.ShardSpec(model=DEFAULT_MODEL, n_layers=6, start=start, end=end),
-                boundary_dtype=dtype,
-            ),
-        )
-        for start, end in ((0, 3), (3, 6))
-    ]
-    head, tail = shards
-    bundle = head.prefill(
-        api.PrefillRequest(
-            request_id="h", session=SESSION, start_pos=0, inputs=api.TokenInput(token_ids=(1,))
-        )
-    )
-    assert isinstance(bundle, api.BoundaryResult)
-    tail.prefill(_prefill(bundle.bundle))
-    step = head.decode(
-        api.DecodeRequest(
-            request_id="d", session=SESSION, pos=1, inputs=api.TokenInput(token_ids=(2,))
-        )
-    )
-    assert isinstance(step, api.BoundaryResult)
-    for sent in (step.bundle, decode_bundle(encode_bundle(step.bundle))):
-        tail.decode(api.DecodeRequest(request_id="t", session=SESSION, pos=1, inputs=sent))
-        tail.prefill(
-            api.PrefillRequest(request_id="r", session=SESSION, start_pos=0, inputs=bundle.bundle)
-        )
-    assert copies == []
-    for engine in shards:
-        engine.close()
