@@ -1,8 +1,9 @@
-"""Layering: the engine packages, the cross-package tests, the benchmarks and the tools use the
-API only through its public namespaces (``shard_engine_api``, ``.engine``, ``.wire``,
-``.conformance`` and other plainly named modules), never a private module (``_codec``,
-``_core``, ...), so the API can move its implementation without breaking them. The API's own
-tests may test its private modules; they are not scanned. Imports are read with ``ast``."""
+"""Layering: the engine packages and their tests, the cross-package tests, the benchmarks and
+the tools use the API only through its public namespaces (``shard_engine_api``, ``.engine``,
+``.wire``, ``.conformance`` and other plainly named modules), never a private module
+(``_codec``, ``_core``, ...), so the API can move its implementation without breaking them. The
+API's own tests may test its private modules; they are not scanned. Imports are read with
+``ast``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = (
     "packages/shard-engine-fake/src",
+    "packages/shard-engine-fake/tests",
     "packages/shard-engine-llama/src",
+    "packages/shard-engine-llama/tests",
     "packages/shard-engine-remote/src",
+    "packages/shard-engine-remote/tests",
     "tests",
     "benchmarks",
     "tools",
