@@ -1,7 +1,8 @@
 """The standard tests of what outputs must equal: repeated runs (determinism), pipelines of 2,
 3 and the fixture's uneven splits against one full shard, decodes against a longer prefill,
-chunked against one prefill (also for sessions of about 300 positions), every boundary dtype
-(narrow ones against the f32 rows), and finite outputs everywhere. Comparisons are exact or
+chunked against one prefill (also for sessions of about 300 positions), such a session moved
+to another engine against its source, every boundary dtype (narrow ones against the f32 rows),
+and finite outputs everywhere. Comparisons are exact or
 within the declared tolerance as the engine's determinism says. :class:`ShardEngineConformance`
 inherits them; their names are pinned in :data:`NUMERICS_TESTS`, part of the standard tests.
 """
@@ -13,7 +14,15 @@ from typing import Final
 
 import numpy as np
 
-from shard_engine_api._types import Capabilities
+from shard_engine_api import _codec
+from shard_engine_api._protocol import ShardEngine
+from shard_engine_api._types import (
+    Capabilities,
+    ExportSessionRequest,
+    ImportSessionRequest,
+    SessionRef,
+    SessionSnapshot,
+)
 from shard_engine_api.conformance._harness import (
     _PROMPT,
     SuiteHelpers,
@@ -36,6 +45,7 @@ NUMERICS_TESTS: Final[tuple[str, ...]] = (
     "test_every_boundary_dtype",
     "test_long_prefill_vs_chunked_and_decode",
     "test_long_session_decode_and_chunks_match_one_prefill",
+    "test_long_session_migrates_exactly",
     "test_narrow_boundary_dtypes_match_f32_rows",
     "test_outputs_finite",
     "test_split_invariance_fixture_splits",
@@ -382,3 +392,42 @@ class NumericsTests(SuiteHelpers):
                     f"{dtype} {what} rows differ from the f32 rows by {gap.flat[worst]:.3g} at "
                     f"{want.flat[worst]:.6g} (one {dtype} unit there is {ulp.flat[worst]:.3g})"
                 )
+
+    def _migration_or_skip(self, engine: ShardEngine) -> None:
+        if not engine.capabilities().features.session_migration:
+            suite_skip("engine does not advertise session migration")
+
+    def test_long_session_migrates_exactly(self) -> None:
+        """A session of about 300 positions exported, sent through the wire codec and
+        imported under a newer epoch continues exactly as the source does: equal snapshot
+        length, equal decodes (bit for bit when the engine is deterministic).
+
+        Fix: export and import every position's state (not a fixed-size window or the first
+        256 cells); cut the state with split_chunks."""
+        h = self.harness
+        source, length = self._long_engine()
+        self._migration_or_skip(source)
+        exact, tolerance = self._repeat_exactness(source.capabilities())
+        target, _ = self._long_engine()
+        tokens = h.tokens(length + 3, seed=61)
+        session = h.session("moving")
+        self._fill(source, session, tokens[:length], (128, 256))
+        snapshot = source.export_session(
+            ExportSessionRequest(request_id=h.request_id(), session=session)
+        )
+        decoded = _codec.decode_message(_codec.encode(snapshot))
+        assert isinstance(decoded, SessionSnapshot), f"decoded {type(decoded).__name__}"
+        assert decoded.length == length, f"snapshot length {decoded.length}, expected {length}"
+        moved = SessionRef(session_id=session.session_id, epoch=2)
+        result = target.import_session(
+            ImportSessionRequest(request_id=h.request_id(), snapshot=decoded, epoch=2)
+        )
+        assert (result.session, result.length) == (moved, length), f"import answered {result}"
+        for pos in range(length, length + 3):
+            assert_matches(
+                _rows(h.decode(target, moved, pos, (tokens[pos],))),
+                _rows(h.decode(source, session, pos, (tokens[pos],))),
+                exact=exact,
+                tolerance=tolerance,
+                what=f"decode at {pos} after moving a session of {length} positions",
+            )
