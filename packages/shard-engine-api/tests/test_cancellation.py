@@ -732,7 +732,9 @@ def test_outcomes_are_bounded() -> None:
     asyncio.run(adapter.close())
 
 
-@pytest.mark.parametrize("bad", [None, 5, "prefill", object()], ids=repr)
+@pytest.mark.parametrize(
+    "bad", [None, 5, "prefill", object()], ids=["None", "5", "'prefill'", "object()"]
+)
 @pytest.mark.parametrize(
     "method", ["prefill", "decode", "decode_batch", "export_session", "import_session"]
 )
