@@ -72,6 +72,11 @@ PACKAGE_TESTS = {
     "remote": [API, FAKE, LLAMA, REMOTE],
     "cross": [API, FAKE, LLAMA],
 }
+TEST_WORKERS = {"api": ["-n", "2"], "remote": ["-n", "2"]}
+"""pytest-xdist workers of the two longest package test runs (each test stays whole on one
+worker): the API's in-process runs of the conformance suite keep a core busy, the remote
+engine's tests mostly wait for spawned children and servers. The others are short enough that
+starting workers would cost about what it saves."""
 TEST_EXTRAS = {"remote": ["cryptography>=42", "prometheus-client>=0.20,<1"]}
 """Test-only requirements of a package's tests (certificates generated in the test; the
 metrics endpoint's extra, scraped and parsed in the test)."""
@@ -84,7 +89,8 @@ CONFORMANCE_EXTRAS = {"remote": [FAKE]}
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in a venv holding only that package and what it needs
     ("cross" runs tests/ across every package: pipelines, CLI, discovery, nox wiring)."""
-    session.install(*TEST_TOOLS, *TEST_EXTRAS.get(package, []))
+    workers = ["pytest-xdist>=3.6,<4"] if package in TEST_WORKERS else []
+    session.install(*TEST_TOOLS, *workers, *TEST_EXTRAS.get(package, []))
     if package == "cross":
         # nox for the wiring tests; mypy for the test that type-checks the READMEs' examples.
         session.install("nox", "mypy==2.4.1")
@@ -92,7 +98,11 @@ def tests(session: nox.Session, package: str) -> None:
         session.install("-e", folder)
     target = "tests" if package == "cross" else f"{PACKAGE_TESTS[package][-1]}/tests"
     session.run(
-        "pytest", target, *session.posargs, env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)}
+        "pytest",
+        target,
+        *TEST_WORKERS.get(package, []),
+        *session.posargs,
+        env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
     )
 
 
@@ -151,6 +161,7 @@ def conformance_pins_full(session: nox.Session) -> None:
         f"{API}/tests/test_conformance_suite.py",
         f"{API}/tests/test_conformance_mutants.py",
         f"{API}/tests/test_conformance_reach_mutants.py",
+        f"{API}/tests/test_conformance_scale_mutants.py",
         f"{API}/tests/test_migration_suite.py",
         *session.posargs,
         env={"SHARD_ENGINE_FULL_PINS": "1", "SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
