@@ -1901,7 +1901,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_release_while_a_request_runs",
             "test_stale_epoch",
             "test_thousands_of_releases_keep_every_fence",
-            *_MACHINE,
+            "test_state_machine_full_shard",
         ),
     ),
     "decode_ignores_history": Broken(
@@ -2310,7 +2310,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
         (
             "test_health_metrics_consistent",
             "test_thousands_of_releases_keep_every_fence",
-            *_MACHINE,
+            "test_state_machine_full_shard",
         ),
     ),
     "batch_items_count_as_decodes": Broken(
@@ -2398,10 +2398,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "case_folds_session_ids": Broken(
         CaseFoldsSessionIds,
-        (
-            "test_long_and_shared_prefix_session_ids",
-            *_MACHINE,
-        ),
+        ("test_long_and_shared_prefix_session_ids",),
     ),
     "epochs_as_floats": Broken(
         EpochsAsFloats,
