@@ -31,6 +31,8 @@ The modules of this package:
 - ``_model_based``: the two model-based tests (on a full shard, on every role).
 - ``_concurrency``: many threads and sessions, starvation, queued cancels.
 - ``_migration``: session export and import.
+- ``_scale``: the paths small cases miss: evicted sessions moved, bf16 rounding, ids past the
+  limit, reused ids, timings of batches and imports, refused loads and newer epochs.
 - ``_stateful``: runs the model-based state machine on one shard configuration.
 - ``_machine``: the hypothesis state machine that drives engine and model side by side.
 - ``_machine_context``: the machine's configuration, profile, shared context and history.

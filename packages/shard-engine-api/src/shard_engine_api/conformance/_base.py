@@ -62,6 +62,7 @@ from shard_engine_api.conformance._numerics import NUMERICS_TESTS, NumericsTests
 from shard_engine_api.conformance._recorder import RECORDER_KEY, Recorder
 from shard_engine_api.conformance._report import model_report
 from shard_engine_api.conformance._results import RESULT_TESTS, ResultTests
+from shard_engine_api.conformance._scale import SCALE_TESTS, ScaleTests
 from shard_engine_api.conformance._sessions import SESSION_TESTS, SessionTests
 
 __all__ = ["STANDARD_TESTS", "ShardEngineConformance", "conformance_override"]
@@ -79,6 +80,7 @@ STANDARD_TESTS: Final[tuple[str, ...]] = tuple(
         + MODEL_BASED_TESTS
         + CONCURRENCY_TESTS
         + MIGRATION_TESTS
+        + SCALE_TESTS
     )
 )
 """Every standard test, sorted. Pinned: the suite refuses to import if its methods differ."""
@@ -153,6 +155,7 @@ class ShardEngineConformance(
     ModelBasedTests,
     ConcurrencyTests,
     MigrationTests,
+    ScaleTests,
 ):
     """The standard conformance suite. Subclass it with ``engine_name`` set (or leave it None
     to take the engine from ``--shard-engine``)."""
