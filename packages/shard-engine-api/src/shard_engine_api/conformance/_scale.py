@@ -314,7 +314,6 @@ class ScaleTests(SuiteHelpers):
         dtypes = [dtype for dtype in ("bf16", "f16") if dtype in advertised]
         if not dtypes:
             suite_skip("the engine advertises no narrow (bf16, f16) boundary dtype")
-        wide_tail = h.load(*tail_range)
         for dtype in dtypes:
             narrow_head = h.load(*head_range, boundary_dtype=dtype)
             exact, tolerance = self._repeat_exactness(narrow_head.capabilities())
@@ -341,6 +340,7 @@ class ScaleTests(SuiteHelpers):
                 model_fingerprint=narrow.model_fingerprint,
                 dtype="f32",
             )
+            wide_tail = h.load(*tail_range)
             narrow_tail = h.load(*tail_range, boundary_dtype=dtype)
             assert_matches(
                 _rows(h.prefill(narrow_tail, sessions[0], 0, narrow, logits="all")),
@@ -349,7 +349,6 @@ class ScaleTests(SuiteHelpers):
                 tolerance=tolerance,
                 what=f"a tail fed {dtype} rows vs the same values in f32",
             )
-            h.release(wide_tail, sessions[0])
 
     def _rows_of_every_path(
         self, head: ShardEngine, sessions: Sequence[SessionRef]
