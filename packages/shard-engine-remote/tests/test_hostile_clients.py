@@ -449,7 +449,11 @@ def test_calls_whose_message_never_comes_hold_no_thread_without_credentials(
     )
     prefill(worker)
     release = threading.Event()
-    channel = grpc.insecure_channel(server.address)
+    # Two connections of 12 calls each: the server lets a connection open 16 streams at once
+    # (2 * max_workers), and a refused call whose client never ends its message may keep its
+    # stream open on the client's side, so calls queued behind 16 on one connection may never
+    # be sent at all.
+    channels = [grpc.insecure_channel(server.address) for _ in range(2)]
 
     def silent() -> Iterator[bytes]:
         release.wait(60)
@@ -457,9 +461,10 @@ def test_calls_whose_message_never_comes_hold_no_thread_without_credentials(
 
     try:
         stalled = []
-        for method in (CALL_METHOD, "/grpc.health.v1.Health/Check") * 12:
-            stream: grpc.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(method)
-            stalled.append(stream.future(silent(), timeout=60))
+        for channel in channels:
+            for method in (CALL_METHOD, "/grpc.health.v1.Health/Check") * 6:
+                stream: grpc.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(method)
+                stalled.append(stream.future(silent(), timeout=60))
         wait_until(lambda: server.stats().unauthenticated == 12)
         assert decode(worker, 3).first_pos == 3
         assert worker.health().state == "ready"
@@ -468,4 +473,5 @@ def test_calls_whose_message_never_comes_hold_no_thread_without_credentials(
         assert grpc.StatusCode.OK not in codes
     finally:
         release.set()
-        channel.close()
+        for channel in channels:
+            channel.close()
