@@ -277,3 +277,20 @@ MUTANTS: Final[dict[str, Broken]] = {
     ),
 }
 """Each mutant and the standard tests that must fail on it (exactly those)."""
+
+_ALSO_FAILS_SCALE_TESTS: Final[dict[str, tuple[str, ...]]] = {
+    "export_chunks_uneven": (
+        "test_import_over_an_eviction_fence_and_a_tombstone",
+        "test_retryable_at_every_contract_version_and_path",
+        "test_timings_of_batches_and_imports_against_the_wall_clock",
+    ),
+    "export_released_is_cache_miss": ("test_export_of_an_evicted_session",),
+    "health_in_flight_zero": ("test_request_id_reused_in_flight_on_every_path",),
+    "in_flight_zero_cancel_is_noop": ("test_request_id_reused_in_flight_on_every_path",),
+}
+"""Standard tests of conformance/_scale.py that also fail on these engines, found by running
+them on every broken engine: allowed in the full pins run, not pinned (each _scale test has
+broken engines of its own in scale_mutants)."""
+for _name, _tests in _ALSO_FAILS_SCALE_TESTS.items():
+    _entry = MUTANTS[_name]
+    MUTANTS[_name] = _entry._replace(may_fail=_entry.may_fail + _tests)
