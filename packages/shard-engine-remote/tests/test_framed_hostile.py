@@ -32,6 +32,7 @@ from conftest import (
 import shard_engine_api as api
 from shard_engine_remote import EngineServer, ServerSecurity
 from shard_engine_remote._framed import FramedServer
+from shard_engine_remote._framed import connection as framed_connection
 from shard_engine_remote._framed.frames import (
     CALL,
     END,
@@ -330,11 +331,16 @@ def _check_control_replies(replies: dict[int, object]) -> None:
     assert isinstance(replies[4], api.Capabilities)
 
 
-def test_connections_that_never_read_hold_no_pool_place(framed: Serve) -> None:
+def test_connections_that_never_read_hold_no_pool_place(
+    framed: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four connections send bursts of overlapping calls with ~1 MB replies and never read:
     their frames wait to leave without a thread, so the pool's places all come back while
     they are still connected, their reading stops (no new call of theirs is taken) and
     another client's overlapping calls, a cancel among them, are all answered."""
+    # The attack takes ~25 s on a quiet machine and longer under load: the server must not
+    # drop a non-reading attacker for its send timeout (30 s, tested on its own) meanwhile.
+    monkeypatch.setattr(framed_connection, "_SERVER_SEND_TIMEOUT_S", 3600.0)
     load = api.LoadConfig(shard=config().shard, max_sessions=256, kv_budget_tokens=1 << 17)
     serving, server = framed(load, max_workers=8, rate_limit=None)
     attackers = [_peer(server) for _ in range(4)]
@@ -343,6 +349,52 @@ def test_connections_that_never_read_hold_no_pool_place(framed: Serve) -> None:
     finally:
         for attacker in attackers:
             attacker.close()
+
+
+def test_a_connection_that_stops_reading_is_dropped_after_the_send_timeout(
+    framed: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client whose replies cannot leave (it never reads: a 4 KiB receive buffer, calls with
+    ~1 MB replies until the server stops reading it) loses its connection once a frame has
+    waited the send timeout (here 0.5 s instead of 30 s): the server shuts the socket and
+    forgets the connection, and a reading client on the same server is answered."""
+    monkeypatch.setattr(framed_connection, "_SERVER_SEND_TIMEOUT_S", 0.5)
+    load = api.LoadConfig(shard=config().shard, max_sessions=256, kv_budget_tokens=1 << 17)
+    serving, server = framed(load, rate_limit=None)
+    stalled = _peer(server)
+    good = _peer(server)
+    try:
+        stalled.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.sock.setblocking(False)
+        dropped = False
+        for index in range(256):  # until the server stops reading it, or drops it
+            try:
+                stalled.sock.sendall(encode_frame(CALL, index + 1, _attack_call(0, index)))
+            except BlockingIOError:
+                break
+            except (BrokenPipeError, ConnectionResetError):
+                dropped = True
+                break
+        # Backstop only: the drop comes 0.5 s after a frame stops leaving.
+        wait_until(lambda: len(serving._connections) == 1, timeout=300)
+        if not dropped:
+            stalled.sock.setblocking(True)
+            stalled.sock.settimeout(60)
+            while _recv_or_empty(stalled.sock):  # what had left, then the end the server made
+                pass
+        replies = _overlapping(good, *_control_calls())
+        assert isinstance(replies[1], api.CancelResult)
+        assert isinstance(replies[2], api.Health)
+    finally:
+        stalled.close()
+        good.close()
+
+
+def _recv_or_empty(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16)
+    except ConnectionResetError:
+        return b""
 
 
 def _attack(serving: FramedServer, server: EngineServer, attackers: list[FramedPeer]) -> None:
@@ -366,8 +418,9 @@ def _attack(serving: FramedServer, server: EngineServer, attackers: list[FramedP
     assert len(waiting) == 4
     assert sum(waiting) > 8 << 20, waiting  # replies wait to leave, unread
     # Every place of the pool comes back (no thread waits on a client that does not read).
-    wait_until(lambda: all(c._pooled == 0 for c in list(serving._connections)))
-    wait_until(lambda: serving._calls._value == server.max_workers * 8)
+    # Backstops only (the places come back as soon as the frames are queued).
+    wait_until(lambda: all(c._pooled == 0 for c in list(serving._connections)), timeout=300)
+    wait_until(lambda: serving._calls._value == server.max_workers * 8, timeout=300)
     good = _peer(server)
     try:
         for round_ in range(3):
