@@ -36,7 +36,7 @@ from shard_engine_api import (
     TokenInput,
     UnsupportedFeature,
     WrongRole,
-    _core,
+    _steps,
 )
 from shard_engine_api._checksum import payload_checksum
 from shard_engine_api._dtypes import checksum_and_finite, copy_checksum_and_finite
@@ -523,9 +523,9 @@ def test_a_recorded_digest_is_the_results_checksum_without_a_second_pass(
     alive = [np.ones((1, 4), dtype=np.float32) for _ in range(5)]
     for row in alive:
         engine._record_digest(row, 7, True)
-    for _ in range(3 * _core._DIGEST_ENTRIES):
+    for _ in range(3 * _steps._DIGEST_ENTRIES):
         engine._record_digest(np.ones((1, 4), dtype=np.float32), 5, True)
-        assert len(engine._digests) <= _core._DIGEST_ENTRIES
+        assert len(engine._digests) <= _steps._DIGEST_ENTRIES
     for row in alive:
         entry = engine._digests[id(row)]
         assert entry[0]() is row
@@ -533,7 +533,7 @@ def test_a_recorded_digest_is_the_results_checksum_without_a_second_pass(
     # Many live rows at once (a large batch): every entry is kept, and the table is swept once
     # per doubling, not once per row.
     engine._digests.clear()
-    engine._digest_limit = _core._DIGEST_ENTRIES
+    engine._digest_limit = _steps._DIGEST_ENTRIES
     sweeps: list[int] = []
     sweep = engine._sweep_digests
 
@@ -542,7 +542,7 @@ def test_a_recorded_digest_is_the_results_checksum_without_a_second_pass(
         sweep()
 
     monkeypatch.setattr(engine, "_sweep_digests", counted_sweep)
-    batch = [np.ones((1, 4), dtype=np.float32) for _ in range(8 * _core._DIGEST_ENTRIES)]
+    batch = [np.ones((1, 4), dtype=np.float32) for _ in range(8 * _steps._DIGEST_ENTRIES)]
     for row in batch:
         engine._record_digest(row, 3, True)
     assert len(engine._digests) == len(batch)
