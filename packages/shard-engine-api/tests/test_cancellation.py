@@ -869,49 +869,55 @@ def test_a_reused_request_id_does_not_inherit_an_earlier_outcome() -> None:
 
 
 class SlowQueries(SlowHistory):
-    """An engine whose cancel, health and metrics take a round trip (a remote one)."""
+    """An engine whose cancel, health and metrics take a round trip (a remote one): each waits
+    until ``answer`` is set (by the event loop the test runs: it can only be set while that
+    loop runs other tasks) and records whether it was, within a backstop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = threading.Event()
+        self.answered: list[bool] = []
+
+    def _round_trip(self) -> None:
+        self.answered.append(self.answer.wait(60))
 
     def health(self) -> Health:
-        threading.Event().wait(0.05)
+        self._round_trip()
         return super().health()
 
     def metrics(self) -> Metrics:
-        threading.Event().wait(0.05)
+        self._round_trip()
         return super().metrics()
 
     def cancel(self, request: CancelRequest) -> CancelResult:
-        threading.Event().wait(0.05)
+        self._round_trip()
         return super().cancel(request)
 
 
 def test_queries_and_cancels_never_block_the_event_loop() -> None:
-    """They ran on the event loop's thread: a peer that answers slowly stalled every task."""
+    """They ran on the event loop's thread: a peer that answers slowly stalled every task.
+    Here each call answers only once another task of the loop has run meanwhile: called on the
+    loop's thread, none could (each would wait out its backstop and record False)."""
     engine = _loaded(SlowQueries())
 
-    async def scenario() -> int:
+    async def scenario() -> None:
         adapter = AsyncShardEngine(engine)
-        ticks = 0
-        stop = asyncio.Event()
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while not stop.is_set():
-                ticks += 1
-                await asyncio.sleep(0.001)
+        async def other_task() -> None:
+            for _ in range(3):  # a few turns of the loop while the three calls wait
+                await asyncio.sleep(0)
+            engine.answer.set()
 
-        running = asyncio.ensure_future(ticker())
-        await asyncio.sleep(0)
-        before = ticks
         await asyncio.gather(
-            adapter.health(), adapter.metrics(), adapter.cancel(CancelRequest(request_id="x"))
+            adapter.health(),
+            adapter.metrics(),
+            adapter.cancel(CancelRequest(request_id="x")),
+            other_task(),
         )
-        during = ticks - before
-        stop.set()
-        await running
         await adapter.close()
-        return during
 
-    assert asyncio.run(scenario()) >= 10
+    asyncio.run(scenario())
+    assert engine.answered == [True, True, True]
 
 
 # ----------------------------------------------------------------- waiting for the compute lock
