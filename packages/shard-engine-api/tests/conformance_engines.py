@@ -1901,7 +1901,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_release_while_a_request_runs",
             "test_stale_epoch",
             "test_thousands_of_releases_keep_every_fence",
-            "test_state_machine_full_shard",
+            *_MACHINE,
         ),
     ),
     "decode_ignores_history": Broken(
@@ -2102,10 +2102,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
     ),
     "evicts_by_creation": Broken(
         EvictsByCreation,
-        (
-            "test_lru_by_last_use_unequal_sizes",
-            "test_state_machine_full_shard",
-        ),
+        ("test_lru_by_last_use_unequal_sizes",),
     ),
     "evicts_largest_first": Broken(
         EvictsLargestFirst,
@@ -2241,16 +2238,14 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
             "test_refused_first_prefill_of_a_newer_epoch",
             "test_resource_exhausted_kv_budget",
             "test_retryable_on_every_path",
-            "test_state_machine_full_shard",
         ),
-        may_fail=("test_state_machine_every_role",),
+        may_fail=_MACHINE,
     ),
     "truncation_still_counted": Broken(
         TruncationStillCounted,
         (
             "test_limit_kv_budget",
             "test_refused_first_prefill_of_a_newer_epoch",
-            "test_state_machine_full_shard",
         ),
     ),
     "exceeds_declared_tolerance": Broken(
@@ -2310,7 +2305,7 @@ BROKEN_ENGINES: Final[dict[str, Broken]] = {
         (
             "test_health_metrics_consistent",
             "test_thousands_of_releases_keep_every_fence",
-            "test_state_machine_full_shard",
+            *_MACHINE,
         ),
     ),
     "batch_items_count_as_decodes": Broken(

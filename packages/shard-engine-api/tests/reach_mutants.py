@@ -455,10 +455,7 @@ REACH_MUTANTS: Final[dict[str, Broken]] = {
     ),
     "batch_misses_lose_reason": Broken(
         BatchMissesLoseReason,
-        (
-            "test_batch_error_items_carry_their_fields",
-            *_MACHINE,
-        ),
+        ("test_batch_error_items_carry_their_fields",),
     ),
     "batch_keeps_lru_order": Broken(BatchKeepsLruOrder, ("test_batch_use_refreshes_lru_order",)),
     "decode_checksum_not_retryable": Broken(
