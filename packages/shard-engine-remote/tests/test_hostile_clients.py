@@ -452,8 +452,12 @@ def test_calls_whose_message_never_comes_hold_no_thread_without_credentials(
     # Two connections of 12 calls each: the server lets a connection open 16 streams at once
     # (2 * max_workers), and a refused call whose client never ends its message may keep its
     # stream open on the client's side, so calls queued behind 16 on one connection may never
-    # be sent at all.
-    channels = [grpc.insecure_channel(server.address) for _ in range(2)]
+    # be sent at all. (A local subchannel pool each: channels to one address otherwise share
+    # one connection.)
+    channels = [
+        grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(2)
+    ]
 
     def silent() -> Iterator[bytes]:
         release.wait(60)
