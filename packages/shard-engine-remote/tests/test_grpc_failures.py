@@ -29,8 +29,8 @@ import shard_engine_api as api
 from shard_engine_remote import ClientSecurity, OutcomeUnknown, ServerSecurity
 from shard_engine_remote._framed.client import _ERROR_REASONS
 from shard_engine_remote._grpc_link import _SERVER_REFUSALS, GrpcLink, map_grpc_failures
+from shard_engine_remote._grpc_options import REFUSAL_METADATA_KEY
 from shard_engine_remote._link import LinkFailure
-from shard_engine_remote._server import REFUSAL_METADATA_KEY
 from shard_engine_remote._wire import (
     CALL_METHOD,
     EXPORT_METHOD,

@@ -8,6 +8,7 @@ The modules, one line each:
 - ``_client``: ``RemoteEngine``, a ShardEngine whose work runs over a link;
 - ``_link``: the link seam: what the remote engine needs of a transport, how one fails;
 - ``_grpc_link``: the gRPC link, one channel with the codec as its (de)serializer;
+- ``_grpc_options``: what both gRPC ends agree on: channel options, refusal reasons;
 - ``_framed/``: the framed transport to a worker's own children (its docstring maps it);
 - ``_wire``: what travels over gRPC: one unary method whose messages are the codec's;
 - ``_errors``: the link's own errors and where each sits in the contract's tree;

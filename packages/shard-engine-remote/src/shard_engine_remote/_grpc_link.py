@@ -3,7 +3,7 @@ method handlers whose (de)serializers are the project's codec.
 
 Its failures are mapped once, in :func:`map_grpc_failures`, to a
 :class:`~shard_engine_remote._link.LinkFailure`: a refusal of the server's own by the reason in
-its trailing metadata (``_server.REFUSAL_METADATA_KEY``: :data:`_SERVER_REFUSALS`), anything
+its trailing metadata (``_grpc_options.REFUSAL_METADATA_KEY``: :data:`_SERVER_REFUSALS`), anything
 else by its status code (:data:`_REASONS`), except what only grpcio itself produces and tells
 apart in nothing but its own words (no code, no trailer, no exception type): a connection that
 was never made, and a message either side's grpcio refused for its size or a grpcio server for
@@ -23,9 +23,9 @@ import grpc
 
 from shard_engine_remote._callers import CALLER_METADATA_KEY
 from shard_engine_remote._errors import RemoteUnavailable
+from shard_engine_remote._grpc_options import REFUSAL_METADATA_KEY, channel_options
 from shard_engine_remote._link import LinkFailure, Reason, Stream
 from shard_engine_remote._security import ClientSecurity, speaks_tls
-from shard_engine_remote._server import REFUSAL_METADATA_KEY, channel_options
 from shard_engine_remote._wire import (
     CALL_METHOD,
     EXPORT_METHOD,

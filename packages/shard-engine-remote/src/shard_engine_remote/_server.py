@@ -59,6 +59,13 @@ from shard_engine_remote._callers import (
 )
 from shard_engine_remote._counters import ServerCounters
 from shard_engine_remote._grpc_health import SERVING_STATES, GrpcHealth
+from shard_engine_remote._grpc_options import (
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    channel_options,
+    connection_limit,
+    refuse,
+)
 from shard_engine_remote._idle import IdleSessions, served_max_sessions
 from shard_engine_remote._import_limits import (
     DEFAULT_MAX_IMPORT_BYTES,
@@ -88,29 +95,23 @@ from shard_engine_remote._wire import (
 )
 
 __all__ = [
+    "DEFAULT_CONNECTION_IDLE_S",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
     "DEFAULT_MIN_STREAM_BYTES_PER_S",
     "DEFAULT_STREAM_IDLE_S",
-    "REFUSAL_METADATA_KEY",
     "EngineServer",
     "Serving",
     "StreamBroken",
-    "channel_options",
     "drain_margin_s",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
-DEFAULT_MAX_CONNECTIONS: Final = 1000
-"""Connections a gRPC server holds at once (never more than half the process's descriptors):
-gRPC closes any beyond it as soon as it is accepted."""
-DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 10.0
-"""How long a new gRPC connection may take to complete its (TLS and HTTP/2) handshake."""
 DEFAULT_CONNECTION_IDLE_S: Final = 300.0
-"""How long a gRPC connection without calls stays open (its client reconnects when it next
-calls)."""
+"""How long a connection (gRPC or framed) without calls stays open (its client reconnects when
+it next calls)."""
 DEFAULT_MAX_SNAPSHOT_BYTES: Final = 1 << 32
 """The largest session state an import stream may announce (the engine core's own default)."""
 DEFAULT_STREAM_IDLE_S: Final = 30.0
@@ -118,13 +119,6 @@ DEFAULT_STREAM_IDLE_S: Final = 30.0
 DEFAULT_MIN_STREAM_BYTES_PER_S: Final = 1 << 20
 """The slowest a snapshot stream may move its bytes, on average: a stream of ``n`` bytes
 holds its slot for at most ``stream_idle_s + n / min_stream_bytes_per_s`` seconds."""
-REFUSAL_METADATA_KEY: Final = "shard-engine-refusal"
-"""The trailing metadata key naming why this server refused a gRPC call itself, so a client
-decides on it and never on the status's words: ``busy`` (every place for calls waiting for
-their request is taken; RESOURCE_EXHAUSTED, nothing ran), ``no_request`` (the call carried no
-request message; INVALID_ARGUMENT, nothing ran), ``too_slow`` (the client took an export slower
-than the stream rate; DEADLINE_EXCEEDED, the export ran). The token interceptor's refusal is
-UNAUTHENTICATED, which says it alone; calls cut off by cancelling them carry no trailers."""
 _Result = TypeVar("_Result")
 _Message = TypeVar("_Message")
 _LOG: Final = logging.getLogger("shard_engine.remote")
@@ -141,19 +135,6 @@ class Serving(typing.Protocol):
     def engine(self) -> api.ShardEngine: ...
 
     def stop(self, grace: float | None = 10.0) -> None: ...
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
-    """gRPC options both ends share: message size limits, and keepalive pings that find a
-    peer that vanished without closing the connection."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
 
 
 _Request = TypeVar(
@@ -297,7 +278,7 @@ class EngineServer:
                     if option[0] != "grpc.max_receive_message_length"
                 ),
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_allowed_incoming_connections", _connection_limit(max_connections)),
+                ("grpc.max_allowed_incoming_connections", connection_limit(max_connections)),
                 ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
                 ("grpc.max_connection_idle_ms", round(connection_idle_s * 1000)),
                 # One connection's calls beyond this wait in its client, not on the server.
@@ -434,7 +415,7 @@ class EngineServer:
         without it is INVALID_ARGUMENT; messages after it are not read."""
         request = self._first(requests, context, waiting)
         if request is None:
-            _refuse(
+            refuse(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "no_request",
@@ -450,7 +431,7 @@ class EngineServer:
         ticket = waiting.enter(context, client_key(context))
         if ticket is None:
             self.counters.add("busy")
-            _refuse(
+            refuse(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "busy",
@@ -622,7 +603,7 @@ class EngineServer:
                     due = self.stream_due(size)
                 elif time.monotonic() > due:
                     self.counters.add("stalled")
-                    _refuse(
+                    refuse(
                         context,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         "too_slow",
@@ -993,28 +974,6 @@ class EngineServer:
                 continue
             stopped += engine.cancel(api.CancelRequest(request_id=call.engine_id)).n_requests
         return api.CancelResult(cancelled=stopped > 0, n_requests=stopped)
-
-
-def _refuse(
-    context: grpc.ServicerContext, code: grpc.StatusCode, refusal: str, message: str
-) -> typing.NoReturn:
-    """End the call with ``code``, its reason for clients in :data:`REFUSAL_METADATA_KEY`."""
-    context.set_trailing_metadata(((REFUSAL_METADATA_KEY, refusal),))
-    context.abort(code, message)
-
-
-def _connection_limit(wanted: int) -> int:
-    """``wanted``, capped at half the descriptors this process may open (the rest stay for
-    the engine, its files and the calls' own needs)."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
-        return wanted
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    return max(1, min(wanted, soft // 2))
 
 
 def drain_margin_s(grace: float) -> float:
