@@ -361,6 +361,53 @@ def test_ctrl_c_stops_the_run_and_releases_every_session(pipeline: Pipeline) -> 
     assert _sessions(pipeline.engines) == [0, 0, 0]
 
 
+@pytest.mark.parametrize("started", [0, 1, 2, 3])
+def test_an_interrupt_while_the_stages_start_leaves_nothing_behind(
+    pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, started: int
+) -> None:
+    """A KeyboardInterrupt that reaches the caller while the stage threads are being started
+    (once ``started`` of the 3 are running): no engine was touched before every stage had
+    started, so the run raises at once, holds no session on any shard, and every stage it
+    started ends."""
+    real_start = threading.Thread.start
+    stages: list[threading.Thread] = []
+
+    def start(thread: threading.Thread) -> None:
+        if not thread.name.startswith("shard-engine-stage-"):
+            real_start(thread)
+            return
+        if len(stages) == started:
+            raise KeyboardInterrupt
+        stages.append(thread)
+        real_start(thread)
+        if len(stages) == started == 3:
+            raise KeyboardInterrupt  # as the last start returns
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    run = SessionsRun(
+        pipeline,
+        REQUESTS,
+        0,
+        sampling=Sampling(),
+        stop_tokens=(),
+        tokenizer=None,
+        max_in_flight=None,
+        groups=None,
+        keep_logits=True,
+        on_token=None,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run.run()
+    monkeypatch.undo()
+    for stage in stages:
+        stage.join(timeout=60)
+        assert not stage.is_alive()
+    assert _sessions(pipeline.engines) == [0, 0, 0]
+    assert [engine.metrics().requests for engine in pipeline.engines] == [0, 0, 0]
+    # The pipeline serves the next run as before.
+    assert not pipeline.generate_many(REQUESTS[:2], 0).failed()
+
+
 def test_async_counterpart_gives_the_same_sessions(pipeline: Pipeline) -> None:
     many = asyncio.run(pipeline.agenerate_many(REQUESTS, 0))
     _assert_each_equals_alone(pipeline, many)

@@ -299,6 +299,9 @@ class SessionsRun:
         self._members: list[_Member] = []
         self._released: dict[str, set[int]] = {}
         self._done = threading.Event()
+        self._go = threading.Event()
+        """Set once every stage thread was started: no stage touches an engine before, so a
+        run stopped before it has nothing to release (see :meth:`run`)."""
         self._on_done: Callable[[], object] | None = None
         self._started_s = 0.0
         self._ended_s = 0.0
@@ -344,14 +347,20 @@ class SessionsRun:
 
     def run(self) -> ManyGenerationResult:
         """Drive every session to its end; see :meth:`Pipeline.generate_many`."""
-        self._start()
         try:
+            self._start()
+            self._go.set()
             self._done.wait()
         except BaseException:
-            # KeyboardInterrupt (or another exception delivered to this thread): stop the
-            # stages, and return only once every session is released.
+            # KeyboardInterrupt (or another exception delivered to this thread), wherever it
+            # lands: stop the stages, and return only once every session is released. Before
+            # ``_go`` no stage has touched an engine (and some may never have started): the
+            # started ones see the stop and end, with nothing to release.
             self.stop()
-            self._done.wait()
+            began = self._go.is_set()
+            self._go.set()
+            if began:
+                self._done.wait()
             raise
         return self._result()
 
@@ -367,6 +376,7 @@ class SessionsRun:
 
         self._on_done = lambda: loop.call_soon_threadsafe(finished)
         self._start()
+        self._go.set()
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -426,6 +436,7 @@ class SessionsRun:
         inbox = self._queues[index]
         following = self._queues[(index + 1) % len(self._queues)]
         try:
+            self._go.wait()
             while True:
                 group = inbox.get()
                 if group is None or self._stopping:
