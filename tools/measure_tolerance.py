@@ -81,7 +81,7 @@ class Kind:
         if not self.gaps:
             return 0.0
         gaps, magnitudes = np.asarray(self.gaps), np.asarray(self.magnitudes)
-        return max(0.0, float((gaps - relative * magnitudes).max()))
+        return max(0.0, float(np.max(gaps - relative * magnitudes)))
 
     def summary(self) -> dict[str, object]:
         return {

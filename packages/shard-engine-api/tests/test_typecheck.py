@@ -177,7 +177,7 @@ case("release session None", partial(ReleaseRequest, session=None),  # type: ign
      ReleaseRequest, "ReleaseRequest.session")
 BUNDLE_BAD: list[tuple[str, object]] = [
     ("payload", "text"), ("payload", None), ("payload", [1, 2]),
-    ("payload", memoryview(np.ones((4, 4), np.float32)[:, :1])),  # type: ignore[arg-type]
+    ("payload", memoryview(np.ones((4, 4), np.float32)[:, :1])),  # type: ignore[arg-type,unused-ignore]
     ("payload", released_view()), ("model_fingerprint", _Id("fp")),
     ("dtype", "f8"), ("dtype", None), ("checksum", -1), ("checksum", 2**64), ("checksum", 1.0),
     ("layer", "2"), ("model_fingerprint", None), ("model_fingerprint", "f" * 300),

@@ -27,7 +27,8 @@ fallback, and the tests pin that both agree on every 16-bit pattern and on f32 e
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, TypeAlias
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -87,7 +88,12 @@ _OVERFLOW: Final[dict[str, float]] = {
 }
 
 
-_max: Final = np.maximum.reduce
+# Typed by hand: numpy's own stubs for ufunc.reduce differ between releases (2.5 matches no
+# overload for an integer array).
+_max: Final = cast(
+    "Callable[[npt.NDArray[np.signedinteger[Any] | np.unsignedinteger[Any]]], np.integer[Any]]",
+    np.maximum.reduce,
+)
 _SMALL_F32_ITEMS: Final = 16 * 1024
 
 
@@ -218,7 +224,9 @@ def f32_to_bf16_bits(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
     result = rounded.astype(np.uint16)
     # Any NaN? (positive NaNs read as int32 exceed 0x7F800000, negative ones as uint32 exceed
     # 0xFF800000: two read-only passes, where np.isnan would write a full-size temporary.)
-    if bits.size and (int(bits.view(np.int32).max()) > 0x7F800000 or int(bits.max()) > 0xFF800000):
+    if bits.size and (
+        int(np.max(bits.view(np.int32))) > 0x7F800000 or int(np.max(bits)) > 0xFF800000
+    ):
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
         result[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
     return result.reshape(np.shape(values))

@@ -75,7 +75,7 @@ def check_range(rows: npt.NDArray[np.float32], boundary_dtype: BoundaryDtype) ->
     limit = overflow_threshold(boundary_dtype)
     # Two read-only reductions (no |rows| temporary); NaN fails both comparisons and takes
     # the exact path.
-    if float(rows.max()) < limit and float(rows.min()) > -limit:
+    if float(np.max(rows)) < limit and float(np.min(rows)) > -limit:
         return
     magnitudes = np.abs(rows)
     overflowing = np.isfinite(magnitudes) & (magnitudes >= limit)

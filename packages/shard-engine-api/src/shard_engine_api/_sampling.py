@@ -112,6 +112,6 @@ def _greedy(row: npt.NDArray[np.floating]) -> int:
     if row.ndim != 1 or row.size == 0:
         raise MalformedOutput(f"cannot sample from logits of shape {row.shape}")
     token = int(np.argmax(row))
-    if not (math.isfinite(row[token]) and math.isfinite(row.min())):
+    if not (math.isfinite(row[token]) and math.isfinite(np.min(row))):
         raise MalformedOutput("cannot sample from logits that are not all finite")
     return token

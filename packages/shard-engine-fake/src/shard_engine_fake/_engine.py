@@ -257,7 +257,7 @@ class FakeEngine(EngineCore):
                 f"fake session state holds {len(state)} bytes; {length} positions of "
                 f"{n_layers} layers take {expected}"
             )
-        if int(np.frombuffer(state, dtype=_LANE_DTYPE).max()) >= 2048:
+        if int(np.max(np.frombuffer(state, dtype=_LANE_DTYPE))) >= 2048:
             raise InvalidRequest("fake session state holds a lane value outside [0, 2048)")
         view = memoryview(state)
         entries = [

@@ -460,5 +460,5 @@ class FakeModel:
         lanes = self._lane_values.take(self._raw_lanes(states))
         rows = lanes.reshape(len(states), self.hidden_size)[:, self._logit_index]
         rows *= self._logit_weight
-        many: npt.NDArray[np.float32] = np.add.reduce(rows, axis=1, initial=0.0)
+        many: npt.NDArray[np.float32] = np.sum(rows, axis=1, initial=0.0)
         return many

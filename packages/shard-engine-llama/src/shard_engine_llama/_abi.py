@@ -606,7 +606,7 @@ class ShardRuntime:
             if n == 1:
                 low = high = int(tokens[0])
             else:
-                low, high = int(tokens.min()), int(tokens.max())
+                low, high = int(np.min(tokens)), int(np.max(tokens))
             if low < 0 or high >= self.n_vocab:
                 bad = low if low < 0 else high
                 raise InvalidInputError(f"token {bad} outside the vocabulary of {self.n_vocab}")
