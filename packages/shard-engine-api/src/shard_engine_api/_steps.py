@@ -314,10 +314,7 @@ class CoreSteps(abc.ABC):
             self._rollback_all([admitted[index] for index in sorted(refused)])
         for admission in committing:
             self._commit(admission.slot)
-        for slot in dropped:
-            self._drop(slot)
-        if dropped:
-            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
+        self._drop_evicted(dropped)
         return [refused.get(index, rows) for index, rows in enumerate(outputs)]
 
     def _hand_over(self, admission: Admission, token: CancelToken) -> None:
@@ -533,10 +530,7 @@ class CoreSteps(abc.ABC):
             self._rollback_all([admitted[index] for index in sorted(refused)])
         for index in committing:
             self._commit(admitted[index].slot)
-        for slot in dropped:
-            self._drop(slot)
-        if dropped:
-            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
+        self._drop_evicted(dropped)
         finished = time.perf_counter()
         for index, job in enumerate(jobs):
             failed = refused.get(index)
@@ -619,10 +613,7 @@ class CoreSteps(abc.ABC):
             self._rollback_all(admitted)
             raise
         self._commit(admission.slot)
-        for slot in dropped:
-            self._drop(slot)
-        if dropped:
-            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
+        self._drop_evicted(dropped)
         finished = time.perf_counter()
         timings = Timings(
             queue_ms=(compute_started - started) * 1000.0,
@@ -681,6 +672,13 @@ class CoreSteps(abc.ABC):
             )
         finally:
             scheduler.finish_members(members)
+
+    def _drop_evicted(self, dropped: Sequence[int]) -> None:
+        """Free the slots of the sessions a commit evicted (after the commit point)."""
+        for slot in dropped:
+            self._drop(slot)
+        if dropped:
+            _log.info("%s evicted %d idle session(s) (LRU)", self.engine_name, len(dropped))
 
     def _rollback_all(self, admitted: Sequence[Admission]) -> None:
         for admission in admitted:
