@@ -32,6 +32,7 @@ from shard_engine_remote._framed.frames import (
     ERROR,
     ERROR_DECODER,
     EXPORT,
+    GO_AHEAD,
     HEADER,
     HELLO,
     HELLO_ENCODER,
@@ -39,6 +40,7 @@ from shard_engine_remote._framed.frames import (
     IMPORT,
     LARGE_READ,
     MAX_GREETING_BYTES,
+    PROTOCOL_VERSION,
     READ_SIZE,
     REPLY,
     SLOT_ANSWER,
@@ -231,9 +233,16 @@ class _Connection:
     its own reply, with no thread handing it over (on a 2-core machine, a wake-up per hop)."""
 
     def __init__(
-        self, sock: socket.socket, max_reply_bytes: int, arena: Arena | None = None
+        self,
+        sock: socket.socket,
+        max_reply_bytes: int,
+        arena: Arena | None = None,
+        version: int = PROTOCOL_VERSION,
     ) -> None:
         self.sock = sock
+        self.go_ahead = version >= 1
+        """Whether the server sends GO_AHEAD once it admitted an import's header (an older
+        server takes the chunks right after the header)."""
         self.send_lock = threading.Lock()
         self._frames = _ReplyFrames(sock, max_reply_bytes)
         self._max_reply_bytes = max_reply_bytes
@@ -322,6 +331,11 @@ class _Connection:
             self._reading = True
         self._read_until(None, time.monotonic())
         return self.broken is None
+
+    def call_open(self, call_id: int) -> bool:
+        """Whether the call is open (neither closed nor abandoned)."""
+        with self._condition:
+            return call_id in self._arrived
 
     def answered(self, call_id: int) -> bool:
         """Whether a frame of the call has arrived, reading what the socket holds now (without
@@ -430,6 +444,12 @@ def _error_frame(body: bytes) -> LinkFailure:
             "transport_error", "the server sent an undecodable error", sent=True, status="UNKNOWN"
         )
     return LinkFailure(reason, message, sent=sent, status=status)
+
+
+def _answer(kind: int, body: bytes) -> bytes | None:
+    """The body of an import's answer; None for GO_AHEAD (a repeated one, from a broken server,
+    says nothing more). Any other frame than a reply decodes as the malformed reply it is."""
+    return None if kind == GO_AHEAD else body
 
 
 def _deadline(timeout: float | None) -> float:
@@ -561,13 +581,15 @@ class FramedLink:
         except msgspec.MsgspecError:
             welcome = Welcome()
         widen_buffers(sock)
-        return _Connection(sock, self._max_reply_bytes, arena if welcome.arena else None)
+        return _Connection(
+            sock, self._max_reply_bytes, arena if welcome.arena else None, welcome.version
+        )
 
     def _lend(self, sock: socket.socket) -> Arena | None:
         """Send HELLO, with the connection's shared memory when there is to be one."""
         arena: Arena | None = None
         fds: list[int] = []
-        hello = Hello(token=self._token)
+        hello = Hello(token=self._token, version=PROTOCOL_VERSION)
         if self._shared_memory:
             try:
                 arena, fd = Arena.create(ARENA_SLOTS, ARENA_SLOT_BYTES)
@@ -576,7 +598,10 @@ class FramedLink:
             else:
                 fds.append(fd)
                 hello = Hello(
-                    token=self._token, arena_slots=ARENA_SLOTS, arena_slot_bytes=ARENA_SLOT_BYTES
+                    token=self._token,
+                    arena_slots=ARENA_SLOTS,
+                    arena_slot_bytes=ARENA_SLOT_BYTES,
+                    version=PROTOCOL_VERSION,
                 )
         frame = encode_frame(HELLO, 0, HELLO_ENCODER.encode(hello))
         try:
@@ -639,25 +664,49 @@ class FramedLink:
         return _FramedStream(connection, call_id, deadline)
 
     def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
+        """The header (the first of ``messages``), then, once the server admitted it
+        (GO_AHEAD), the chunks: a header the server refuses costs no chunk. The wait for
+        GO_AHEAD is a wait for the call's answer: by the deadline (then abandoned), failing
+        as any call's when the connection does."""
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
         call_id, _ = connection.open_call()
         try:
             connection.send(IMPORT, call_id, b"", deadline)
+            body: bytes | None = None
             try:
-                for message in messages:
-                    if connection.answered(call_id):
-                        break  # the server answered early (a refusal): the rest is not needed
-                    connection.send(CHUNK, call_id, message, deadline)
-                else:
-                    connection.send(END, call_id, b"", deadline)
+                body = self._stream(connection, call_id, iter(messages), deadline)
             except BaseException:
-                connection.abandon(call_id)  # the server must not wait for the rest
+                if connection.call_open(call_id):  # else the wait for an answer abandoned it
+                    connection.abandon(call_id)  # the server must not wait for the rest
                 raise
-            _, body = connection.receive(call_id, deadline)
+            while body is None:
+                body = _answer(*connection.receive(call_id, deadline))
         finally:
             connection.close_call(call_id)
         return decode_reply(body)
+
+    @staticmethod
+    def _stream(
+        connection: _Connection, call_id: int, messages: Iterator[bytes], deadline: float
+    ) -> bytes | None:
+        """Send an import's messages; the server's answer when it came before they all left
+        (a refusal: the rest is not needed), else None (END sent)."""
+        header = next(messages, None)
+        if header is not None:
+            connection.send(CHUNK, call_id, header, deadline)
+            if connection.go_ahead:
+                answer = _answer(*connection.receive(call_id, deadline))
+                if answer is not None:
+                    return answer
+            for message in messages:
+                if connection.answered(call_id):
+                    answer = _answer(*connection.receive(call_id, deadline))
+                    if answer is not None:
+                        return answer
+                connection.send(CHUNK, call_id, message, deadline)
+        connection.send(END, call_id, b"", deadline)
+        return None
 
     def close(self) -> None:
         with self._lock:

@@ -32,6 +32,7 @@ from shard_engine_remote._framed.frames import (
     END,
     ERROR,
     EXPORT,
+    GO_AHEAD,
     HEADER,
     HELLO,
     HELLO_DECODER,
@@ -40,6 +41,7 @@ from shard_engine_remote._framed.frames import (
     IMPORT,
     ITEM,
     MAX_GREETING_BYTES,
+    PROTOCOL_VERSION,
     REPLY,
     SLOT_ANSWER,
     SLOT_CALL,
@@ -190,6 +192,9 @@ class ServerConnection:
         self._closing = False
         self.arena: Arena | None = None
         """The shared memory the client lent (see the module docstring)."""
+        self._version = 0
+        """The protocol version the connection speaks: the lower of the client's and this
+        server's (1: the client waits for GO_AHEAD after an import's header)."""
         self._outgoing = threading.Condition(threading.Lock())
         self._out: collections.deque[_Outgoing] = collections.deque()
         """Frames waiting to leave, in order (the first may be leaving)."""
@@ -365,6 +370,7 @@ class ServerConnection:
                 counters.add("rejected_frames")
                 return False
             reader.fds = None
+            self._version = max(0, min(hello.version, PROTOCOL_VERSION))
             expected = self._server.security.token
             if expected and not hmac.compare_digest(
                 (hello.token or "").encode(), expected.encode()
@@ -388,7 +394,8 @@ class ServerConnection:
         self.sock.settimeout(None)
         reader.deadline = None
         widen_buffers(self.sock)
-        self.send(HELLO, 0, HELLO_ENCODER.encode(Welcome(arena=self.arena is not None)))
+        welcome = Welcome(arena=self.arena is not None, version=self._version)
+        self.send(HELLO, 0, HELLO_ENCODER.encode(welcome))
         self._reader = reader
         return True
 
@@ -767,6 +774,23 @@ class ServerConnection:
                 self._taken(item)
                 yield item
 
-        reply = self._server.serve_import(messages(), context)
+        stream_messages = messages()
+        if self._version >= 1:
+            stream_messages = self._admitted(call_id, context, stream_messages)
+        reply = self._server.serve_import(stream_messages, context)
         if not context.ended:
             self.send(REPLY, call_id, encode_reply(reply))
+
+    def _admitted(
+        self, call_id: int, context: _CallContext, messages: Iterator[bytes]
+    ) -> Iterator[bytes]:
+        """An import's ``messages``, telling the client to send the chunks (GO_AHEAD) when the
+        server asks for the message after the header: it checked the header and reserved its
+        bytes. Until then the client sends nothing more, so a refused header costs no chunk."""
+        header = next(messages, None)
+        if header is None:
+            return
+        yield header
+        if not context.ended:
+            self.send(GO_AHEAD, call_id, b"")
+        yield from messages

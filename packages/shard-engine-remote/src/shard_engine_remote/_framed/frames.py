@@ -5,13 +5,22 @@ One connection multiplexes calls by id. The first frame of a connection is HELLO
 token; the server answers HELLO, or ERROR and closes. Client to server: CALL (a request),
 EXPORT (an ExportSessionRequest: answered by ITEMs and END), IMPORT (empty) followed by the
 stream's messages (an ImportHeader, then the snapshot's chunks) as CHUNKs and an END, ABANDON
-(the caller gave up: cancel the engine work). Server to client: REPLY, ITEM, END, ERROR (a
+(the caller gave up: cancel the engine work). Server to client: REPLY, ITEM, END, GO_AHEAD
+(empty: an import's header was admitted, its chunks may follow), ERROR (a
 transport-level refusal: ``[status name, message]``, the status in gRPC's vocabulary:
 ``UNAUTHENTICATED`` and ``RESOURCE_EXHAUSTED`` answer a greeting, ``UNAVAILABLE`` a call the
 server refused before its engine saw it, ``DEADLINE_EXCEEDED`` an export the client read too
 slowly). A body over the message limit is skipped
 unread and answered ResourceExhausted, a malformed body InvalidRequest, a frame of an unknown
 kind InvalidRequest; each is counted, and the connection keeps serving.
+
+An import sends its header, then waits: for GO_AHEAD (the server checked the header against
+its engine and reserved its bytes, and asks for the body), or for the answer (a refusal), and
+only then streams the chunks. A header the server refuses thus costs no chunk in flight, however
+busy the server. The client's HELLO says which :data:`PROTOCOL_VERSION` it speaks, the
+server's welcome the one the connection speaks, the lower of the two (absent: 0, an end from
+before GO_AHEAD, whose chunks follow the header at once): a spawned child runs its parent's
+installation, but a target served with ``--transport framed`` may run another.
 
 Large bodies skip the socket. A client connection lends its server shared memory: a sealed
 ``memfd`` (it can neither shrink nor grow, so neither side can be made to fault on it) of
@@ -55,6 +64,7 @@ __all__ = [
     "ERROR",
     "ERROR_DECODER",
     "EXPORT",
+    "GO_AHEAD",
     "HEADER",
     "HELLO",
     "HELLO_DECODER",
@@ -64,6 +74,7 @@ __all__ = [
     "ITEM",
     "LARGE_READ",
     "MAX_GREETING_BYTES",
+    "PROTOCOL_VERSION",
     "READ_SIZE",
     "REPLY",
     "SLOT_ANSWER",
@@ -94,6 +105,11 @@ ITEM: Final = 9
 ERROR: Final = 10
 CALL_SLOT: Final = 11
 SLOT_REPLY: Final = 12
+GO_AHEAD: Final = 13
+
+PROTOCOL_VERSION: Final = 1
+"""The framed protocol's version this end speaks: 1 added GO_AHEAD (0: none, the chunks follow
+the header at once)."""
 
 HEADER: Final = struct.Struct("<IBQ")
 
@@ -132,6 +148,8 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     arena_slots: int = 0
     """Slots of the shared memory sent with this frame (0: none sent)."""
     arena_slot_bytes: int = 0
+    version: int = 0
+    """The :data:`PROTOCOL_VERSION` the client speaks."""
 
 
 class Welcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +157,9 @@ class Welcome(msgspec.Struct, frozen=True, kw_only=True):
 
     arena: bool = False
     """Whether the server took the shared memory the client sent."""
+    version: int = 0
+    """The protocol version the connection speaks: the lower of the client's and the
+    server's :data:`PROTOCOL_VERSION`."""
 
 
 HELLO_DECODER: Final = msgspec.msgpack.Decoder(Hello)
