@@ -451,3 +451,49 @@ def test_a_cancelled_waiter_leaving_hands_the_free_backend_on(
     assert entered.is_set()
     scheduler.leave()
     assert scheduler.try_enter_alone()
+
+
+def test_a_decode_that_missed_a_group_is_counted_in_the_next_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three decodes run as a group while a fourth session's decode waits. The next group
+    gathers four: the three callers coming back and the one that waited (which leads it). It
+    used to gather only as many as the last group had (three), so it formed without the last
+    caller to come back, who then missed that group too, and so on: one session a whole
+    forward behind at every step."""
+    monkeypatch.setattr(_scheduler, "GATHER_CAP_S", 60.0)  # only arrivals end a gather here
+    scheduler: Scheduler[None] = Scheduler()
+    scheduler.enter(None, ("x",))  # the backend is busy: what follows queues
+    forward = threading.Event()
+    groups: list[list[str]] = []
+
+    def decode(session_id: str, hold: bool = False) -> None:
+        ticket = scheduler.enter_decode(CancelToken(session_id, (session_id,)), session_id, None)
+        if not scheduler.leads(ticket):
+            return  # run by its group's leader
+        group = scheduler.gather(ticket, 8)
+        groups.append([session for member in group for session in member.session_ids or ()])
+        if hold:
+            assert forward.wait(20), "the test never ended the forward"
+        scheduler.finish_group(group, 100.0)
+        scheduler.leave()
+
+    first = [_Thread(lambda s=s: decode(s, hold=True)) for s in ("a", "b", "c")]  # type: ignore[misc]
+    _wait_for(lambda: scheduler.queued == 3)
+    scheduler.leave()  # "a" leads "a", "b", "c"; its forward waits
+    _wait_for(lambda: len(groups) == 1)
+    late = _Thread(lambda: decode("d"))
+    _wait_for(lambda: scheduler.queued == 1)
+    forward.set()  # the group ends with "d" waiting: "d" leads the next group and gathers
+    for thread in first:
+        assert thread.ended() is None
+    again = []
+    for n, session_id in enumerate(("a", "b", "c"), start=1):
+        again.append(_Thread(lambda s=session_id: decode(s)))  # type: ignore[misc]
+        if n < 3:
+            _wait_for(lambda n=n: scheduler.queued == n)  # type: ignore[misc]
+    assert late.ended() is None
+    for thread in again:
+        assert thread.ended() is None
+    assert groups == [["a", "b", "c"], ["d", "a", "b", "c"]]
+    assert scheduler.stats.groups == 2

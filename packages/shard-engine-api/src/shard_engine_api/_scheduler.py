@@ -15,9 +15,10 @@ operation that touches it to one :class:`Scheduler`, which replaces a bare lock:
   with one uncontended lock round trip: a single caller pays nothing for the scheduler. The one
   exception is a *gather*: right after a forward of several decodes, their callers are about to
   send their next steps, so a decode that starts then waits until as many decodes are ready
-  again, or at most ``gather_window`` (a quarter of that forward's duration, capped at
-  :data:`GATHER_CAP_S`), before the group is formed. A single caller never gathers (its last
-  group had one member).
+  again (the group's members, plus the decodes of other sessions that were waiting when it
+  ended: one that missed it leads the next), or at most ``gather_window`` (a quarter of that
+  forward's duration, capped at :data:`GATHER_CAP_S`), before the group is formed. A single
+  caller never gathers (its last group had one member).
 
 Bounds (documented in the API README, "Many callers"): a request waits at most for the
 requests queued before it, each of which runs (or is batched into a forward) once; every group
@@ -54,6 +55,10 @@ groups of 4 (0.42 of llama.cpp's batch(8)); at 10 ms they stay together (0.81)."
 
 GATHER_FRACTION: Final = 0.25
 """The gather window as a fraction of the last grouped forward's duration (under the cap)."""
+
+_EXPECTED_CAP: Final = 1 << 16
+"""Waiting decodes counted toward the next group's size at most (the gather caps the target
+at the backend's batch limit anyway); keeps the count bounded under a deep queue."""
 
 Payload = TypeVar("Payload")
 
@@ -321,7 +326,7 @@ class Scheduler(Generic[Payload]):
         """The leader ran ``group`` (``forward_s`` of backend time): record it for the next
         gather and wake every other member, whose ``outcome`` is set."""
         with self._mutex:
-            self._last_group = len(group)
+            self._last_group = self._expected_group(group)
             self._last_group_s = forward_s
             if len(group) > 1:
                 stats = self.stats
@@ -332,6 +337,26 @@ class Scheduler(Generic[Payload]):
                 member.state = _DONE
         for member in group[1:]:
             member.event.set()
+
+    def _expected_group(self, group: list[Ticket[Payload]]) -> int:
+        """How many decodes the next group should gather (under the lock): the members of
+        ``group``, whose callers are about to send their next steps, and the single decodes
+        of other sessions already waiting (one that missed this group will lead the next).
+        Counting only the members let one late caller split the callers for good: a group
+        of 7 set the next target to 7, which formed without the 7th caller to come back, and
+        so on, each step leaving one session a whole forward behind."""
+        expected = len(group)
+        if expected < 2:
+            return expected
+        seen = {session for member in group for session in member.session_ids or ()}
+        for ticket in self._queue:
+            sessions = ticket.session_ids
+            if ticket.kind == "decode" and sessions is not None and not seen.issuperset(sessions):
+                seen.update(sessions)
+                expected += 1
+                if expected >= _EXPECTED_CAP:
+                    break
+        return expected
 
     # ----------------------------------------------------------------- leaving
 
