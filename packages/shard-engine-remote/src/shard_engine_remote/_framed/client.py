@@ -33,6 +33,7 @@ from shard_engine_remote._framed.frames import (
     ERROR_DECODER,
     EXPORT,
     GO_AHEAD,
+    GRANT,
     HEADER,
     HELLO,
     HELLO_ENCODER,
@@ -241,8 +242,8 @@ class _Connection:
     ) -> None:
         self.sock = sock
         self.go_ahead = version >= 1
-        """Whether the server sends GO_AHEAD once it admitted an import's header (an older
-        server takes the chunks right after the header)."""
+        """Whether the server grants an import's chunks (GO_AHEAD) once it admitted its header
+        (an older server takes them right after the header, ungranted)."""
         self.send_lock = threading.Lock()
         self._frames = _ReplyFrames(sock, max_reply_bytes)
         self._max_reply_bytes = max_reply_bytes
@@ -446,10 +447,14 @@ def _error_frame(body: bytes) -> LinkFailure:
     return LinkFailure(reason, message, sent=sent, status=status)
 
 
-def _answer(kind: int, body: bytes) -> bytes | None:
-    """The body of an import's answer; None for GO_AHEAD (a repeated one, from a broken server,
-    says nothing more). Any other frame than a reply decodes as the malformed reply it is."""
-    return None if kind == GO_AHEAD else body
+def _answer(kind: int, body: bytes) -> bytes | int:
+    """The chunks a GO_AHEAD frame grants, else the body of the import's answer (any other
+    frame than a reply, or a GO_AHEAD of the wrong size, decodes as the malformed reply it is).
+    A server granting what it did not ask for gets those chunks, nothing worse."""
+    if kind == GO_AHEAD and len(body) == GRANT.size:
+        (granted,) = GRANT.unpack(body)
+        return int(granted)
+    return body
 
 
 def _deadline(timeout: float | None) -> float:
@@ -664,10 +669,10 @@ class FramedLink:
         return _FramedStream(connection, call_id, deadline)
 
     def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
-        """The header (the first of ``messages``), then, once the server admitted it
-        (GO_AHEAD), the chunks: a header the server refuses costs no chunk. The wait for
-        GO_AHEAD is a wait for the call's answer: by the deadline (then abandoned), failing
-        as any call's when the connection does."""
+        """The header (the first of ``messages``), then, once the server admitted it, the
+        chunks it grants (GO_AHEAD; see the frames module): a refused header costs no chunk.
+        A wait for a grant is a wait for the call's answer: by the deadline (then abandoned),
+        failing as any call's when the connection does."""
         deadline = _deadline(timeout)
         connection = self._connected(deadline)
         call_id, _ = connection.open_call()
@@ -681,7 +686,8 @@ class FramedLink:
                     connection.abandon(call_id)  # the server must not wait for the rest
                 raise
             while body is None:
-                body = _answer(*connection.receive(call_id, deadline))
+                answer = _answer(*connection.receive(call_id, deadline))
+                body = answer if isinstance(answer, bytes) else None
         finally:
             connection.close_call(call_id)
         return decode_reply(body)
@@ -690,21 +696,27 @@ class FramedLink:
     def _stream(
         connection: _Connection, call_id: int, messages: Iterator[bytes], deadline: float
     ) -> bytes | None:
-        """Send an import's messages; the server's answer when it came before they all left
-        (a refusal: the rest is not needed), else None (END sent)."""
+        """Send an import's messages, each chunk once granted (a server that grants none takes
+        them all at once); the server's answer when it came before they all left (a refusal:
+        the rest is not needed), else None (END sent). No message is taken from ``messages``
+        before it may leave."""
         header = next(messages, None)
         if header is not None:
             connection.send(CHUNK, call_id, header, deadline)
-            if connection.go_ahead:
-                answer = _answer(*connection.receive(call_id, deadline))
-                if answer is not None:
-                    return answer
-            for message in messages:
-                if connection.answered(call_id):
+            granted = 0 if connection.go_ahead else -1
+            while True:
+                while granted == 0 or connection.answered(call_id):
                     answer = _answer(*connection.receive(call_id, deadline))
-                    if answer is not None:
+                    if isinstance(answer, bytes):
                         return answer
+                    if granted >= 0:
+                        granted += answer
+                message = next(messages, None)
+                if message is None:
+                    break
                 connection.send(CHUNK, call_id, message, deadline)
+                if granted > 0:
+                    granted -= 1
         connection.send(END, call_id, b"", deadline)
         return None
 

@@ -33,12 +33,14 @@ from shard_engine_remote._framed.frames import (
     ERROR,
     EXPORT,
     GO_AHEAD,
+    GRANT,
     HEADER,
     HELLO,
     HELLO_DECODER,
     HELLO_ENCODER,
     HELLO_TIMEOUT_S,
     IMPORT,
+    IMPORT_WINDOW_CHUNKS,
     ITEM,
     MAX_GREETING_BYTES,
     PROTOCOL_VERSION,
@@ -784,13 +786,14 @@ class ServerConnection:
     def _admitted(
         self, call_id: int, context: _CallContext, messages: Iterator[bytes]
     ) -> Iterator[bytes]:
-        """An import's ``messages``, telling the client to send the chunks (GO_AHEAD) when the
-        server asks for the message after the header: it checked the header and reserved its
-        bytes. Until then the client sends nothing more, so a refused header costs no chunk."""
-        header = next(messages, None)
-        if header is None:
-            return
-        yield header
-        if not context.ended:
-            self.send(GO_AHEAD, call_id, b"")
-        yield from messages
+        """An import's ``messages``, granting the client chunks (GO_AHEAD) as the server asks for
+        them: :data:`IMPORT_WINDOW_CHUNKS` when it asks for the message after the header (it
+        checked the header and reserved its bytes), one more each time it asks for another
+        (it checked the one before). Until then the client sends nothing more, so a refused
+        header costs no chunk and a refused chunk at most the window."""
+        granted = IMPORT_WINDOW_CHUNKS
+        for message in messages:
+            yield message
+            if not context.ended:
+                self.send(GO_AHEAD, call_id, GRANT.pack(granted))
+            granted = 1

@@ -6,7 +6,7 @@ token; the server answers HELLO, or ERROR and closes. Client to server: CALL (a 
 EXPORT (an ExportSessionRequest: answered by ITEMs and END), IMPORT (empty) followed by the
 stream's messages (an ImportHeader, then the snapshot's chunks) as CHUNKs and an END, ABANDON
 (the caller gave up: cancel the engine work). Server to client: REPLY, ITEM, END, GO_AHEAD
-(empty: an import's header was admitted, its chunks may follow), ERROR (a
+(``[chunks u32]``: an import may send that many more chunks), ERROR (a
 transport-level refusal: ``[status name, message]``, the status in gRPC's vocabulary:
 ``UNAUTHENTICATED`` and ``RESOURCE_EXHAUSTED`` answer a greeting, ``UNAVAILABLE`` a call the
 server refused before its engine saw it, ``DEADLINE_EXCEEDED`` an export the client read too
@@ -15,8 +15,11 @@ unread and answered ResourceExhausted, a malformed body InvalidRequest, a frame 
 kind InvalidRequest; each is counted, and the connection keeps serving.
 
 An import sends its header, then waits: for GO_AHEAD (the server checked the header against
-its engine and reserved its bytes, and asks for the body), or for the answer (a refusal), and
-only then streams the chunks. A header the server refuses thus costs no chunk in flight, however
+its engine, reserved its bytes and asks for the body) or for the answer (a refusal). GO_AHEAD
+grants chunks: :data:`IMPORT_WINDOW_CHUNKS` when the header is admitted, one more each time the
+server has checked a chunk and asks for the next; the client sends no chunk it was not granted
+(END needs no grant).
+A refused header thus costs no chunk and a refused chunk at most the window, however
 busy the server. The client's HELLO says which :data:`PROTOCOL_VERSION` it speaks, the
 server's welcome the one the connection speaks, the lower of the two (absent: 0, an end from
 before GO_AHEAD, whose chunks follow the header at once): a spawned child runs its parent's
@@ -65,12 +68,14 @@ __all__ = [
     "ERROR_DECODER",
     "EXPORT",
     "GO_AHEAD",
+    "GRANT",
     "HEADER",
     "HELLO",
     "HELLO_DECODER",
     "HELLO_ENCODER",
     "HELLO_TIMEOUT_S",
     "IMPORT",
+    "IMPORT_WINDOW_CHUNKS",
     "ITEM",
     "LARGE_READ",
     "MAX_GREETING_BYTES",
@@ -106,6 +111,13 @@ ERROR: Final = 10
 CALL_SLOT: Final = 11
 SLOT_REPLY: Final = 12
 GO_AHEAD: Final = 13
+
+GRANT: Final = struct.Struct("<I")
+"""GO_AHEAD's body: how many more chunks the import may send."""
+
+IMPORT_WINDOW_CHUNKS: Final = 8
+"""Chunks an import may have sent beyond those the server checked: 8 MiB of 1 MiB chunks, what
+the connection's two socket buffers hold, so the window rarely waits on a reply in flight."""
 
 PROTOCOL_VERSION: Final = 1
 """The framed protocol's version this end speaks: 1 added GO_AHEAD (0: none, the chunks follow
