@@ -132,6 +132,20 @@ class Background:
         return self._outcome[0]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A conformance suite class naming ``standard_tests_run`` runs only those standard tests
+    (test_conformance.py says why); the others are deselected."""
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        only = getattr(getattr(item, "cls", None), "standard_tests_run", None)
+        name = getattr(item, "originalname", None) or item.name
+        (dropped if only is not None and name not in only else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
     """Each transport in turn: the framed one (spawn's default) and gRPC."""

@@ -1,7 +1,8 @@
 """The standard conformance suite against remote engines: the fake served from this process
-(gRPC) and from a spawned child speaking gRPC, and the llama engine (generated tiny model) from
-a spawned child (framed) when llama-cpp-python is installed. The fake in a spawned child over
-the framed transport is the conformance session of the remote plugin (see below)."""
+(gRPC) and from a spawned child speaking gRPC (the tests of the process boundary), and the
+llama engine (generated tiny model) from a spawned child (framed) when llama-cpp-python is
+installed. The fake in a spawned child over the framed transport is the conformance session of
+the remote plugin (see below)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import msgspec
 import pytest
 
 from shard_engine_api import ShardEngine
-from shard_engine_api.conformance import ShardEngineConformance
+from shard_engine_api.conformance import STANDARD_TESTS, ShardEngineConformance
 from shard_engine_api.engine import ModelFixture, get_plugin_manager, model_fixture
 from shard_engine_remote import RemoteEngine
 
@@ -46,11 +47,31 @@ class TestFakeInProcessServer(_RemoteSuite):
 
 
 class TestFakeSpawnedChildGrpc(_RemoteSuite):
-    """Every engine of the suite runs in its own supervised child process speaking gRPC
-    (``"transport": "grpc"``)."""
+    """Every engine of these tests runs in its own supervised child process speaking gRPC
+    (``"transport": "grpc"``).
+
+    Only the standard tests below run here (the conftest deselects the others): every call of
+    the suite crosses the same gRPC client and server code, with the same served fake, in
+    ``TestFakeInProcessServer``; the spawned child and its supervision run the whole suite in
+    the remote plugin's conformance session (framed), and every failure of a child (killed,
+    aborted, stopped, exiting, failing to start, restarted, drained) is tested on both
+    transports in test_faults.py and test_supervisor.py. What only a gRPC child reaches is
+    its start (the child serving gRPC, the token on every call) and the process boundary
+    under the gRPC link: a load, a crash, a cancel, an error, a snapshot's stream, a close."""
 
     isolation = "spawn"
     transport = "grpc"
+    standard_tests_run: ClassVar[frozenset[str]] = frozenset(
+        {
+            "test_batched_decode_matches_single",
+            "test_cancel_running_decode",
+            "test_crash_is_permanent",
+            "test_error_codes_match_taxonomy",
+            "test_health_metrics_consistent",
+            "test_migration_source_unchanged",
+            "test_not_ready_after_close",
+        }
+    )
 
 
 @pytest.mark.skipif(
@@ -72,3 +93,8 @@ class TestLlamaSpawnedChild(_RemoteSuite):
     @classmethod
     def make_engine(cls, name: str) -> ShardEngine:
         return RemoteEngine()
+
+
+def test_the_grpc_child_runs_standard_tests() -> None:
+    """The tests the gRPC child runs are standard tests (a renamed one would run nowhere)."""
+    assert TestFakeSpawnedChildGrpc.standard_tests_run <= set(STANDARD_TESTS)
