@@ -1,10 +1,21 @@
-"""Import streams are admitted from their header before their body is read (issue 28): a
-stranger holding the token cannot make a server buffer what the shard could never hold, and
-all streams together hold at most the server's ``max_import_bytes``. Over both transports."""
+"""Import streams are admitted from their header before their body is read: a stranger holding
+the token cannot make a server buffer what the shard could never hold, and all streams together
+hold at most the server's ``max_import_bytes``. Over both transports.
+
+What a refusal costs a framed client in chunks is bounded by construction, whatever the load:
+a refused header none (the chunks wait for the server's GO_AHEAD), a chunk refused as it
+arrives at most :data:`IMPORT_WINDOW_CHUNKS` (the chunks the server grants ahead of those it
+checked). Over gRPC it is what HTTP/2 flow control lets through before the server's handler
+reads past the refused message: gRPC core sizes that window from its bandwidth-delay estimate
+(up to 1 GiB), so no number holds by construction: on loopback at most 4 chunks of 1 MiB
+left before a refused header here (180 refusals), but 4 to 8, once 20, when the handler was
+held 0.5 s before reading the header. The 16 asserted below for gRPC is what a handler that
+reads at once allows, not a bound gRPC keeps for a late one."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +29,19 @@ from shard_engine_api import wire
 from shard_engine_api.wire import SNAPSHOT_CHUNK_BYTES
 from shard_engine_remote import DEFAULT_MAX_MESSAGE_BYTES, EngineServer
 from shard_engine_remote._framed import FramedLink
-from shard_engine_remote._import_limits import ImportBudget
+from shard_engine_remote._framed.frames import IMPORT_WINDOW_CHUNKS
+from shard_engine_remote._import_limits import ImportBudget, check_import_header
 from shard_engine_remote._wire import IMPORT_METHOD, ImportHeader, encode_header
 
 LONG_PROMPT = tuple(index % 500 + 1 for index in range(1500))
 """Long enough for the fake's state to span two snapshot chunks."""
 _GIB = 1 << 30
 _CHUNK = b"\x01" * SNAPSHOT_CHUNK_BYTES
+_GRPC_AHEAD = 15
+"""Chunks a gRPC client is expected to have pulled beyond those the server read (see the
+module docstring: not a bound gRPC guarantees)."""
+_AHEAD_OF_A_REFUSED_HEADER = {"framed": 0, "grpc": _GRPC_AHEAD}
+_AHEAD_OF_A_REFUSED_CHUNK = {"framed": IMPORT_WINDOW_CHUNKS, "grpc": _GRPC_AHEAD}
 
 
 def _config(**fields: object) -> api.LoadConfig:
@@ -105,8 +122,8 @@ def test_headers_that_show_a_refusal_are_refused_before_the_body(
     serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
     """Each header below announces a GiB (1024 chunks); each is refused with the error the
-    engine would give for the whole snapshot, after at most a few chunks left the client, and
-    the server holds no import bytes afterwards."""
+    engine would give for the whole snapshot, before any chunk left a framed client (a few
+    chunks of a gRPC one), and the server holds no import bytes afterwards."""
     snapshot = _snapshot(remote)
     server = serve(_config(kv_budget_tokens=1600, max_context=2048), transport=transport)
     bound = server.engine.max_state_bytes(1600)  # type: ignore[attr-defined]
@@ -163,7 +180,7 @@ def test_headers_that_show_a_refusal_are_refused_before_the_body(
         error = _send(server, body, transport)
         assert type(error) is error_type, (name, error)
         assert match in error.message, (name, error.message)
-        assert body.pulled < 16, (name, body.pulled)
+        assert body.pulled <= _AHEAD_OF_A_REFUSED_HEADER[transport], (name, body.pulled)
         if isinstance(error, api.ResourceExhausted):
             assert not error.retryable, name
     assert server._import_budget.held == 0
@@ -182,15 +199,44 @@ def test_a_body_larger_than_announced_is_refused_as_it_arrives(
     serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
     """A header honest about a small state, followed by a flood of chunks: refused at the first
-    byte past what was announced, not after the flood."""
+    byte past what was announced, not after the flood (a framed client sent at most the chunks
+    the server granted ahead of the first)."""
     snapshot = _snapshot(remote, (1, 2, 3))
     server = serve(_config(), transport=transport)
     body = _Body(_header(snapshot, n_chunks=1), 1024)
     error = _send(server, body, transport)
     assert isinstance(error, api.ChecksumMismatch)
     assert "extended" in error.message
-    assert body.pulled < 16
+    assert body.pulled <= _AHEAD_OF_A_REFUSED_CHUNK[transport]
     assert server._import_budget.held == 0
+
+
+def test_a_header_refused_late_still_costs_a_framed_client_no_chunk(
+    serve: ServeFactory, remote: RemoteFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The import thread stalls before it looks at the header, as under load (for 0.5 s, or
+    until a chunk left the client): the client sends no chunk meanwhile, and the header's
+    refusal finds none sent. (Before GO_AHEAD the client streamed from the start.)"""
+    snapshot = _snapshot(remote)
+    server = serve(_config(), transport="framed")
+    body = _Body(_header(_forged(snapshot, length=2049, state_bytes=_GIB)), 1024)
+    stalled = threading.Event()
+
+    def late_check(*args: object, **kwargs: object) -> None:
+        stalled.set()
+        until = time.monotonic() + 0.5
+        while not body.pulled and time.monotonic() < until:
+            time.sleep(0.01)
+        check_import_header(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("shard_engine_remote._server.check_import_header", late_check)
+    error = _send(server, body, "framed")
+    assert stalled.is_set()
+    assert isinstance(error, api.ResourceExhausted)
+    assert "exceeds max_context" in error.message
+    assert body.pulled == 0
+    assert server._import_budget.held == 0
+    assert server.engine.metrics().imports == 0
 
 
 def test_streams_together_hold_at_most_the_import_budget(
