@@ -82,6 +82,9 @@ TEST_EXTRAS = {"remote": ["cryptography>=42", "prometheus-client>=0.20,<1"]}
 metrics endpoint's extra, scraped and parsed in the test)."""
 CONFORMANCE_EXTRAS = {"remote": [FAKE]}
 """Engines a plugin's conformance run needs besides itself (the remote plugin serves the fake)."""
+CONFORMANCE_WORKERS = {"remote": ["-n", "2"]}
+"""pytest-xdist workers of a plugin's conformance run: the remote plugin's tests mostly wait
+for the children they spawn (the report is one, written from every worker's part)."""
 
 
 @nox.session
@@ -114,7 +117,8 @@ def conformance(session: nox.Session, engine: str) -> None:
     extras = [
         argument for folder in CONFORMANCE_EXTRAS.get(engine, []) for argument in ("-e", folder)
     ]
-    session.install(*TEST_TOOLS, "-e", API, *extras, "-e", engine_plugins()[engine])
+    workers = ["pytest-xdist>=3.6,<4"] if engine in CONFORMANCE_WORKERS else []
+    session.install(*TEST_TOOLS, *workers, "-e", API, *extras, "-e", engine_plugins()[engine])
     report = ROOT / ".nox" / "reports" / f"conformance-{engine}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     session.run(
@@ -124,6 +128,9 @@ def conformance(session: nox.Session, engine: str) -> None:
         engine,
         "--report",
         str(report),
+        "--",
+        *CONFORMANCE_WORKERS.get(engine, []),
+        *session.posargs,
         env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
     )
 

@@ -17,7 +17,14 @@ import msgspec
 import pluggy
 import pytest
 from conformance_engines import BROKEN_ENGINES, CORRECT_ENGINES, ReferencePlugin
-from suite_runner import INNER_OPTIONS, check_pins, outcomes_of, run_suite, write_suite
+from suite_runner import (
+    INNER_OPTIONS,
+    TESTS_DIR,
+    check_pins,
+    outcomes_of,
+    run_suite,
+    write_suite,
+)
 
 from shard_engine_api import CONTRACT_VERSION, EvidenceClass
 from shard_engine_api.conformance import (
@@ -488,6 +495,53 @@ def pytest_collection_modifyitems(items):
     assert "test_truncate" in report.missing_standard_tests
     assert "test_evidence_class" not in report.missing_standard_tests
     assert report.certification == "fixture-only"
+
+
+def _comparable(report: ConformanceReport) -> ConformanceReport:
+    """``report`` without what differs from run to run (times, the model's temporary path)."""
+    assert report.model is not None
+    return msgspec.structs.replace(
+        report,
+        created_at="",
+        environment=msgspec.structs.replace(report.environment, python=""),
+        model=msgspec.structs.replace(report.model, reference=""),
+        shards=tuple(
+            msgspec.structs.replace(shard, model="model")
+            for shard in report.shards
+            if shard.model == report.model.reference
+        ),
+        tests=tuple(msgspec.structs.replace(test, duration_s=0.0) for test in report.tests),
+    )
+
+
+def test_a_run_on_xdist_workers_reports_what_one_process_does(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``-n 2`` each pytest-xdist worker records what its tests saw and the controller
+    writes one report from both: the same report as one process writes. (The engine declares
+    a tolerance: its comparisons are recorded as observed differences.)"""
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed in this environment")
+    write_suite(pytester, CORRECT_ENGINES["honest_tolerance"].__name__)
+    # The workers import the engines' module by name, as this process does.
+    monkeypatch.setenv("PYTHONPATH", str(TESTS_DIR))
+    selected = ("-k", "test_evidence_class or test_lru_eviction or split_invariance_two_way")
+    reports: dict[str, ConformanceReport] = {}
+    for workers in ("0", "2"):
+        path = pytester.path / f"report-{workers}.json"
+        result = pytester.runpytest_subprocess(
+            *INNER_OPTIONS, *selected, "-n", workers, f"--shard-engine-report={path}"
+        )
+        result.assert_outcomes(passed=3)
+        reports[workers] = _read_report(path)
+    serial, parallel = reports["0"], reports["2"]
+    assert serial.totals == Totals(total=3, passed=3)
+    assert serial.shards
+    assert parallel.model is not None
+    assert {shard.model for shard in parallel.shards} == {parallel.model.reference}
+    assert serial.evidence_sources["results"]
+    assert serial.verified is not None
+    assert serial.verified.observed_differences
+    assert _comparable(parallel) == _comparable(serial)
 
 
 @pytest.mark.parametrize(("skip", "verified"), [("suite_skip", True), ("pytest.skip", False)])

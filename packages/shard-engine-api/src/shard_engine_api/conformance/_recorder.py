@@ -7,10 +7,13 @@ suite records into a throwaway recorder, so it runs the same either way.
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import threading
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, cast
 
+import msgspec
 import pytest
 
 from shard_engine_api._types import EvidenceClass, ShardSpec
@@ -80,6 +83,61 @@ class SuiteRecord:
                 max_magnitude=max(seen.max_magnitude, max_magnitude),
             )
 
+    def merge(self, other: SuiteRecord) -> None:
+        """Fold in what another process recorded of the same suite class (a pytest-xdist
+        worker: it collected the same tests and ran others of them)."""
+        with self.lock:
+            self.label = self.label or other.label
+            if self.engine == "unknown":
+                self.engine = other.engine
+            if self.engine_version == "unknown":
+                self.engine_version = other.engine_version
+            if self.contract_version is None:
+                self.contract_version = other.contract_version
+            self.distributions = {**other.distributions, **self.distributions}
+            self.spec_evidence += [e for e in other.spec_evidence if e not in self.spec_evidence]
+            self.capability_evidence |= other.capability_evidence
+            self.result_evidence |= other.result_evidence
+            shards = other.shards
+            if self.model is None:
+                self.model = other.model
+            elif other.model is not None and other.model.sha256 == self.model.sha256:
+                # The same model, written to each worker's own directory: its shards are ours.
+                mine, other_path = self.model.reference, other.model.reference
+                shards = [
+                    msgspec.structs.replace(shard, model=mine)
+                    if shard.model == other_path
+                    else shard
+                    for shard in shards
+                ]
+            self.shards += [shard for shard in shards if shard not in self.shards]
+            self.overrides = {**other.overrides, **self.overrides}
+            if not self.declared_determinism:
+                self.declared_determinism = other.declared_determinism
+                self.declared_features = other.declared_features
+                self.boundary_dtypes = other.boundary_dtypes
+            for kind, theirs in other.observed.items():
+                seen = self.observed.get(kind, ObservedDifferences())
+                self.observed[kind] = ObservedDifferences(
+                    rows_compared=seen.rows_compared + theirs.rows_compared,
+                    max_abs_difference=max(seen.max_abs_difference, theirs.max_abs_difference),
+                    max_relative_difference=max(
+                        seen.max_relative_difference, theirs.max_relative_difference
+                    ),
+                    max_fraction_of_bound=max(
+                        seen.max_fraction_of_bound, theirs.max_fraction_of_bound
+                    ),
+                    max_magnitude=max(seen.max_magnitude, theirs.max_magnitude),
+                )
+            known = set(self.nodeids)
+            self.nodeids += [nodeid for nodeid in other.nodeids if nodeid not in known]
+            self.test_names = {**other.test_names, **self.test_names}
+
+
+_SUITE_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(SuiteRecord) if f.name != "lock"
+)
+
 
 class SuiteSkip(pytest.skip.Exception):  # type: ignore[name-defined,misc]
     """A skip the suite itself decided (the engine does not advertise a feature, the fixture
@@ -131,6 +189,31 @@ class Recorder:
         if record is None:
             record = self.suites[suite] = SuiteRecord(suite=suite)
         return record
+
+    def to_bytes(self) -> bytes:
+        """Everything recorded, for another process of the same run (a pytest-xdist worker
+        sends it to the controller, which writes the report: :meth:`merge_bytes`)."""
+        suites = {
+            name: {name_: getattr(record, name_) for name_ in _SUITE_FIELDS}
+            for name, record in self.suites.items()
+        }
+        return pickle.dumps((suites, self.tests, self.suite_of))
+
+    def merge_bytes(self, data: bytes) -> None:
+        """Fold in a recorder of :meth:`to_bytes` (from a worker process of this run)."""
+        suites, tests, suite_of = cast(
+            "tuple[dict[str, dict[str, object]], dict[str, TestRecord], dict[str, str]]",
+            pickle.loads(data),  # written by a worker process of this same run
+        )
+        self.tests.update(tests)
+        self.suite_of.update(suite_of)
+        for name, fields in suites.items():
+            theirs = SuiteRecord(**fields)  # type: ignore[arg-type]
+            mine = self.suites.get(name)
+            if mine is None:
+                self.suites[name] = theirs
+            else:
+                mine.merge(theirs)
 
 
 RECORDER_KEY = pytest.StashKey[Recorder]()

@@ -31,7 +31,9 @@ Options:
     Write a JSON :class:`~shard_engine_api.conformance.ConformanceReport` at session end
     (default: none). It covers every conformance suite class that ran, with or without
     ``--shard-engine``; when several classes (engines) ran, one file per class is written,
-    named ``<stem>-<class><suffix>``.
+    named ``<stem>-<class><suffix>``. On pytest-xdist workers (``-n 2``; ``shard-engine
+    conformance --engine NAME -- -n 2``) each worker records what its tests saw and the
+    controller writes one report from every worker's part.
 
 A report says ``"certification": "real-model"`` only when the engine registered ``real``
 evidence, every capabilities object and every result said ``real``, every standard test ran and
@@ -80,6 +82,8 @@ __all__ = ["SUITE_MODULE", "build_reports"]
 SUITE_MODULE: Final = "shard_engine_api.conformance.suite"
 _ENTRY_POINT_NAME: Final = "shard_engine"
 _REPORTS_KEY = pytest.StashKey[list[tuple[Path | None, ConformanceReport]]]()
+_WORKER_PARTS_KEY = pytest.StashKey[dict[str, bytes]]()
+"""What each pytest-xdist worker recorded, by worker id (the controller's stash)."""
 
 
 def _examples_option(text: str) -> int:
@@ -382,8 +386,39 @@ def _report_paths(path: Path, reports: list[ConformanceReport]) -> list[Path]:
     ]
 
 
+_WORKER_OUTPUT_KEY: Final = "shard_engine_recorder"
+"""Where a pytest-xdist worker leaves what it recorded (``-n``: the controller writes the
+report from every worker's part)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist: a worker finished; fold what it recorded into this (the controller's)
+    recorder, in the order of the workers' ids."""
+    config = getattr(node, "config", None)
+    output = getattr(node, "workeroutput", None)
+    worker = getattr(node, "workerinput", None)
+    if not isinstance(config, pytest.Config) or not isinstance(output, dict):
+        return
+    data = output.get(_WORKER_OUTPUT_KEY)
+    if isinstance(data, bytes):
+        parts = config.stash.setdefault(_WORKER_PARTS_KEY, {})
+        name = worker.get("workerid") if isinstance(worker, dict) else None
+        parts[str(name or len(parts))] = data
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
+    recorder = config.stash.get(RECORDER_KEY, None)
+    worker_output = getattr(config, "workeroutput", None)
+    if isinstance(worker_output, dict):
+        # A pytest-xdist worker: the controller merges every worker's part and reports.
+        if recorder is not None:
+            worker_output[_WORKER_OUTPUT_KEY] = recorder.to_bytes()
+        return
+    if recorder is not None:
+        for _, data in sorted(config.stash.get(_WORKER_PARTS_KEY, {}).items()):
+            recorder.merge_bytes(data)
     reports = build_reports(config)
     option = config.getoption("shard_engine_report")
     written: list[tuple[Path | None, ConformanceReport]] = []
