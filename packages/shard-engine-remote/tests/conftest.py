@@ -133,14 +133,18 @@ class Background:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A conformance suite class naming ``standard_tests_run`` runs only those standard tests
-    (test_conformance.py says why); the others are deselected."""
+    """A conformance suite class naming ``standard_tests_run`` runs only those standard tests,
+    one naming ``standard_tests_left_out`` all but those (test_conformance.py says why); the
+    others are deselected."""
     kept: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
-        only = getattr(getattr(item, "cls", None), "standard_tests_run", None)
+        cls = getattr(item, "cls", None)
+        only = getattr(cls, "standard_tests_run", None)
+        left_out: frozenset[str] = getattr(cls, "standard_tests_left_out", frozenset())
         name = getattr(item, "originalname", None) or item.name
-        (dropped if only is not None and name not in only else kept).append(item)
+        run = (only is None or name in only) and name not in left_out
+        (kept if run else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
