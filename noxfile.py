@@ -2,9 +2,10 @@
 
 nox                      the default: tests, conformance, typecheck, lint
 nox -s tests             each package's tests, plus the cross-package tests
-nox -s conformance       the conformance suite against every engine plugin found
-nox -s conformance_deep  the suite on the fake engine with its deep profile (longer sessions,
-                         larger shuffled batches, more sessions and examples; about a minute)
+nox -s conformance       the conformance suite against every engine plugin found (the fake's
+                         session also runs its deep profile)
+nox -s conformance_deep  only the suite on the fake engine with its deep profile (longer
+                         sessions, larger shuffled batches, more sessions and examples)
 nox -s typecheck lint    mypy --strict and ruff
 nox -s docs              opt-in: the API reference (pdoc) in .nox/docs/html, its links checked
 nox -s bench             benchmarks (numbers and ratios, medians, one run side by side);
@@ -46,7 +47,7 @@ BENCH_RESULTS = ROOT / ".nox" / "bench" / "results.json"
 # Sessions name no Python version: each builds its venvs from the interpreter that runs nox,
 # so the README's `python3 -m nox` works with any Python the packages support (3.11 or newer).
 # CI (.ci/run) runs it on 3.11, the oldest.
-nox.options.sessions = ["tests", "conformance", "conformance_deep", "typecheck", "lint"]
+nox.options.sessions = ["tests", "conformance", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
@@ -113,7 +114,8 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.parametrize("engine", list(engine_plugins()))
 def conformance(session: nox.Session, engine: str) -> None:
     """Run the shared conformance suite against one engine plugin, in a venv that holds only
-    the API and that plugin; writes the JSON report to .nox/reports/."""
+    the API and that plugin; writes the JSON report to .nox/reports/. The fake's session then
+    runs the suite's deep profile too (see ``conformance_deep``)."""
     extras = [
         argument for folder in CONFORMANCE_EXTRAS.get(engine, []) for argument in ("-e", folder)
     ]
@@ -133,6 +135,10 @@ def conformance(session: nox.Session, engine: str) -> None:
         *session.posargs,
         env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
     )
+    if engine == "fake":
+        # The deep profile needs this very venv (the API and the fake): it runs here rather
+        # than in a venv of its own (one venv fewer to build).
+        _run_deep(session)
 
 
 @nox.session
@@ -140,8 +146,13 @@ def conformance_deep(session: nox.Session) -> None:
     """The conformance suite on the fake engine only, with ``--shard-engine-profile deep``: the
     model-based tests run sessions of hundreds of positions, six sessions, batches of up to 12
     items in any order and more examples (about a minute on 2 cores; other engines' steps cost
-    milliseconds, so they run the default profile)."""
+    milliseconds, so they run the default profile). The default run does this in the fake's
+    conformance session."""
     session.install(*TEST_TOOLS, "-e", API, "-e", FAKE)
+    _run_deep(session, *session.posargs)
+
+
+def _run_deep(session: nox.Session, *arguments: str) -> None:
     session.run(
         "pytest",
         "-p",
@@ -152,7 +163,7 @@ def conformance_deep(session: nox.Session) -> None:
         "deep",
         "-p",
         "no:cacheprovider",
-        *session.posargs,
+        *arguments,
         env={"SHARD_ENGINE_MODEL_STORE": str(TEST_MODEL_STORE)},
     )
 
