@@ -5,6 +5,7 @@ released on every exit, and decodes that meet at a shard are one decode_batch.""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import signal
 import threading
 import time
@@ -325,11 +326,35 @@ def test_a_callback_that_raises_ends_the_run_and_releases_every_session(
     _assert_each_equals_alone(pipeline, pipeline.generate_many(REQUESTS, 0))
 
 
+def _signal_state(tmp_path: Path) -> str:
+    """What decides whether a SIGINT sent to the main thread becomes a KeyboardInterrupt
+    there: the Python handler, the main thread's blocked, pending and ignored signals (Linux),
+    and where every thread is."""
+    lines = [f"SIGINT handler: {signal.getsignal(signal.SIGINT)!r}"]
+    status = Path(f"/proc/self/task/{threading.main_thread().native_id}/status")
+    if status.exists():
+        lines += [
+            f"main thread {line}"
+            for line in status.read_text().splitlines()
+            if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+        ]
+    dump = tmp_path / "threads.txt"
+    with dump.open("w") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+    return "\n".join([*lines, dump.read_text()])
+
+
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
-def test_ctrl_c_stops_the_run_and_releases_every_session(pipeline: Pipeline) -> None:
+def test_ctrl_c_stops_the_run_and_releases_every_session(
+    pipeline: Pipeline, tmp_path: Path
+) -> None:
     """A real SIGINT while the caller waits: the calls in flight are cancelled, every session
-    is released on every shard, then KeyboardInterrupt reaches the caller."""
+    is released on every shard, then KeyboardInterrupt reaches the caller. The test sets
+    Python's own SIGINT handler and unblocks the signal in the main thread for its duration
+    (what a terminal's Ctrl-C meets in a program), whatever the test runner left there; if
+    the interrupt has not reached the run within 20 s it fails with the signal state."""
     run: SessionsRun | None = None
+    unseen: list[str] = []
 
     def interrupt(index: int, token: GeneratedToken) -> None:
         if index == 0 and token.position == 1:
@@ -338,8 +363,11 @@ def test_ctrl_c_stops_the_run_and_releases_every_session(pipeline: Pipeline) -> 
             assert main is not None
             signal.pthread_kill(main, signal.SIGINT)
             # Hold the tail until the caller has seen it, so the run cannot end first.
-            deadline = time.monotonic() + 60
-            while run is not None and not run._stopping and time.monotonic() < deadline:
+            deadline = time.monotonic() + 20
+            while run is not None and not run._stopping:
+                if time.monotonic() > deadline:
+                    unseen.append(_signal_state(tmp_path))
+                    return
                 time.sleep(0.001)
 
     requests = [GenerationRequest(prompt_ids=(1,), max_new_tokens=200), *REQUESTS]
@@ -356,8 +384,18 @@ def test_ctrl_c_stops_the_run_and_releases_every_session(pipeline: Pipeline) -> 
         on_token=interrupt,
     )
     assert threading.current_thread() is threading.main_thread()
-    with pytest.raises(KeyboardInterrupt):
-        run.run()
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run.run()
+    except BaseException:
+        if unseen:
+            pytest.fail(f"the SIGINT never reached the run:\n{unseen[0]}")
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler)
     assert _sessions(pipeline.engines) == [0, 0, 0]
 
 
