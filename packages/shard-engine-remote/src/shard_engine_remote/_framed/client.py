@@ -229,9 +229,11 @@ class _ReplyFrames:
 class _Connection:
     """One client connection: its socket and the calls waiting on it. It has no thread of its
     own: a waiting caller reads the socket itself (one caller at a time, the *reader*), files
-    each frame under its call's id and wakes the other waiters; when its own frame has come, or
-    its deadline, it stops reading and one of the others takes over. A lone caller thus reads
-    its own reply, with no thread handing it over (on a 2-core machine, a wake-up per hop)."""
+    each frame under its call's id and wakes that call's waiter only; when its own frame has
+    come, or its deadline, it stops reading and wakes one waiter still without a frame to take
+    over. A lone caller thus reads its own reply, with no thread handing it over (on a 2-core
+    machine, a wake-up per hop), and N callers cost one wake-up per frame, not N (waking every
+    waiter for every frame cost 8 callers of one child 64 wake-ups per step)."""
 
     def __init__(
         self,
@@ -247,7 +249,10 @@ class _Connection:
         self.send_lock = threading.Lock()
         self._frames = _ReplyFrames(sock, max_reply_bytes)
         self._max_reply_bytes = max_reply_bytes
-        self._condition = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._condition = threading.Condition(self._lock)
+        self._waiting: dict[int, threading.Condition] = {}
+        """The calls whose callers wait in :meth:`receive`, each woken alone (on ``_lock``)."""
         self._arrived: dict[int, collections.deque[tuple[int, bytes]]] = {}
         self._reading = False
         self._ids = itertools.count(1)
@@ -278,6 +283,9 @@ class _Connection:
         its request never left; else when the answer comes."""
         with self._condition:
             self._arrived.pop(call_id, None)
+            waiter = self._waiting.get(call_id)
+            if waiter is not None:
+                waiter.notify()
             if call_id in self._slot_of and (call_id in self._answered or not sent):
                 self._answered.discard(call_id)
                 self._free_slots.append(self._slot_of.pop(call_id))
@@ -354,32 +362,53 @@ class _Connection:
     def receive(self, call_id: int, deadline: float) -> tuple[int, bytes]:
         """The next frame of a call; at its deadline the call is abandoned (the server cancels
         its engine work) and DEADLINE_EXCEEDED raised."""
+        waiter: threading.Condition | None = None
         while True:
             with self._condition:
-                while True:
-                    arrived = self._arrived.get(call_id)
-                    if arrived:
-                        kind, body = arrived.popleft()
-                        if kind == ERROR:
-                            raise _error_frame(body)
-                        return kind, body
-                    if self.broken is not None:
-                        raise self.broken
-                    if arrived is None:
-                        raise LinkFailure(
-                            "cancelled", "the call was closed", sent=True, status="CANCELLED"
-                        )
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
+                try:
+                    while True:
+                        arrived = self._arrived.get(call_id)
+                        if arrived:
+                            kind, body = arrived.popleft()
+                            if kind == ERROR:
+                                raise _error_frame(body)
+                            return kind, body
+                        if self.broken is not None:
+                            raise self.broken
+                        if arrived is None:
+                            raise LinkFailure(
+                                "cancelled", "the call was closed", sent=True, status="CANCELLED"
+                            )
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        if not self._reading:
+                            self._reading = True
+                            break
+                        if waiter is None:
+                            waiter = threading.Condition(self._lock)
+                        self._waiting[call_id] = waiter
+                        try:
+                            waiter.wait(remaining)
+                        finally:
+                            del self._waiting[call_id]
+                finally:
+                    # Leaving without reading (answered, failed, late) while the reader's
+                    # turn is free: a caller still waiting for a frame must take it.
                     if not self._reading:
-                        self._reading = True
-                        break
-                    self._condition.wait(remaining)
+                        self._hand_over()
             if remaining <= 0:
                 self.abandon(call_id)
                 raise _late("deadline exceeded")
             self._read_until(call_id, deadline)
+
+    def _hand_over(self) -> None:
+        """With no reader (under the lock): wake one caller still waiting for a frame, to
+        read in its turn (the others stay asleep)."""
+        for waiting, waiter in self._waiting.items():
+            if not self._arrived.get(waiting):
+                waiter.notify()
+                return
 
     def _read_until(self, call_id: int | None, deadline: float) -> None:
         """As the reader (``_reading`` set by the caller): file frames until one of
@@ -401,7 +430,9 @@ class _Connection:
                         arrived.append((kind, body))
                         if frame_id == call_id:
                             return
-                        self._condition.notify_all()
+                        waiter = self._waiting.get(frame_id)
+                        if waiter is not None:
+                            waiter.notify()
         except (OSError, Closed) as error:
             reason = str(error) or "the server closed it"
             self.fail(_lost(f"connection lost: {reason}"))
@@ -410,7 +441,7 @@ class _Connection:
         finally:
             with self._condition:
                 self._reading = False
-                self._condition.notify_all()
+                self._hand_over()
 
     def abandon(self, call_id: int) -> None:
         self.close_call(call_id)
@@ -421,7 +452,8 @@ class _Connection:
         with self._condition:
             if self.broken is None:
                 self.broken = error
-            self._condition.notify_all()
+            for waiter in self._waiting.values():
+                waiter.notify()
         # Shut down, not closed: a sender or the reader may still hold the socket (closed
         # when dropped).
         shut_down(self.sock)
