@@ -17,6 +17,7 @@ __all__ = [
     "channel_options",
     "connection_limit",
     "refuse",
+    "server_options",
 ]
 
 DEFAULT_MAX_CONNECTIONS: Final = 1000
@@ -66,3 +67,36 @@ def connection_limit(wanted: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return wanted
     return max(1, min(wanted, soft // 2))
+
+
+def server_options(
+    max_message_bytes: int,
+    *,
+    max_workers: int,
+    max_connections: int,
+    handshake_timeout_s: float,
+    connection_idle_s: float,
+) -> list[tuple[str, object]]:
+    """A serving gRPC server's options: message sizes, connection bounds, handshake and idle
+    limits, streams per connection, the pings it accepts."""
+    return [
+        # Up to twice the limit reaches the deserializer, which refuses (and counts)
+        # what is over it; beyond that gRPC refuses the message unread.
+        ("grpc.max_receive_message_length", 2 * max_message_bytes),
+        *(
+            option
+            for option in channel_options(max_message_bytes)
+            if option[0] != "grpc.max_receive_message_length"
+        ),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", connection_limit(max_connections)),
+        ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", round(connection_idle_s * 1000)),
+        # One connection's calls beyond this wait in its client, not on the server.
+        ("grpc.max_concurrent_streams", 2 * max_workers),
+        # Clients ping every 20 s (channel_options) to find a vanished server; gRPC's
+        # default policy takes pings more often than every 5 minutes while no data
+        # flows as abuse and ends the connection after two, which killed every call
+        # computing longer than about a minute. Faster than once a second still is.
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ]

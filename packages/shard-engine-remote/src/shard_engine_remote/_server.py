@@ -62,9 +62,8 @@ from shard_engine_remote._grpc_health import SERVING_STATES, GrpcHealth
 from shard_engine_remote._grpc_options import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
-    channel_options,
-    connection_limit,
     refuse,
+    server_options,
 )
 from shard_engine_remote._idle import IdleSessions, served_max_sessions
 from shard_engine_remote._import_limits import (
@@ -154,6 +153,21 @@ _Answer = TypeVar(
 )
 
 
+def _check_settings(
+    *, max_workers: int, max_queued: int, max_connections: int, positive: dict[str, float]
+) -> None:
+    """InvalidRequest for a server setting out of its range (nothing is started)."""
+    if max_workers < 5:
+        raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
+    if max_queued < 0:
+        raise api.InvalidRequest(f"max_queued must be >= 0, got {max_queued}")
+    if max_connections < 1:
+        raise api.InvalidRequest(f"max_connections must be >= 1, got {max_connections}")
+    for name, value in positive.items():
+        if not value > 0:
+            raise api.InvalidRequest(f"{name} must be > 0, got {value}")
+
+
 class EngineServer:
     """Serves ``engine`` on one address. ``allow_load`` lets the first client load it (the
     private socket of a spawned child); a server started on a loaded engine refuses loads.
@@ -209,21 +223,17 @@ class EngineServer:
         session_idle_s: float | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
-        if max_workers < 5:
-            raise api.InvalidRequest(f"max_workers must be >= 5, got {max_workers}")
-        if max_queued < 0:
-            raise api.InvalidRequest(f"max_queued must be >= 0, got {max_queued}")
-        if not stream_idle_s > 0:
-            raise api.InvalidRequest(f"stream_idle_s must be > 0, got {stream_idle_s}")
-        if max_connections < 1:
-            raise api.InvalidRequest(f"max_connections must be >= 1, got {max_connections}")
-        for name, seconds in (
-            ("handshake_timeout_s", handshake_timeout_s),
-            ("connection_idle_s", connection_idle_s),
-            ("min_stream_bytes_per_s", min_stream_bytes_per_s),
-        ):
-            if not seconds > 0:
-                raise api.InvalidRequest(f"{name} must be > 0, got {seconds}")
+        _check_settings(
+            max_workers=max_workers,
+            max_queued=max_queued,
+            max_connections=max_connections,
+            positive={
+                "stream_idle_s": stream_idle_s,
+                "handshake_timeout_s": handshake_timeout_s,
+                "connection_idle_s": connection_idle_s,
+                "min_stream_bytes_per_s": min_stream_bytes_per_s,
+            },
+        )
         self.stream_idle_s = stream_idle_s
         self.min_stream_bytes_per_s = min_stream_bytes_per_s
         self.engine = engine
@@ -254,6 +264,18 @@ class EngineServer:
         self._grpc_health = GrpcHealth(
             self._request, functools.partial(self.counters.add, "stalled"), self.counters.add
         )
+        self._server = self._grpc_server(
+            max_connections=max_connections,
+            handshake_timeout_s=handshake_timeout_s,
+            connection_idle_s=connection_idle_s,
+        )
+
+    def _grpc_server(
+        self, *, max_connections: int, handshake_timeout_s: float, connection_idle_s: float
+    ) -> grpc.Server:
+        """The gRPC server: its thread pool, limits and options, and the service's methods
+        (``start`` binds and starts it)."""
+        limit, workers, queued = self.max_message_bytes, self.max_workers, self.max_queued
         interceptors: list[grpc.ServerInterceptor] = []
         if self.security.token:
             interceptors.append(
@@ -262,47 +284,31 @@ class EngineServer:
                 )
             )
         # Calls waiting in the compute queue hold a thread each, beyond max_workers.
-        threads = (
-            max_workers + max_queued + self._waiting.capacity + self._grpc_health.waiting.capacity
-        )
-        self._server = grpc.server(
+        threads = workers + queued + self._waiting.capacity + self._grpc_health.waiting.capacity
+        server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engine-rpc"),
             interceptors=interceptors,
-            options=[
-                # Up to twice the limit reaches the deserializer, which refuses (and counts)
-                # what is over it; beyond that gRPC refuses the message unread.
-                ("grpc.max_receive_message_length", 2 * max_message_bytes),
-                *(
-                    option
-                    for option in channel_options(max_message_bytes)
-                    if option[0] != "grpc.max_receive_message_length"
-                ),
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_allowed_incoming_connections", connection_limit(max_connections)),
-                ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
-                ("grpc.max_connection_idle_ms", round(connection_idle_s * 1000)),
-                # One connection's calls beyond this wait in its client, not on the server.
-                ("grpc.max_concurrent_streams", 2 * max_workers),
-                # Clients ping every 20 s (channel_options) to find a vanished server; gRPC's
-                # default policy takes pings more often than every 5 minutes while no data
-                # flows as abuse and ends the connection after two, which killed every call
-                # computing longer than about a minute. Faster than once a second still is.
-                ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-            ],
-            maximum_concurrent_rpcs=max_workers * 8 + max_queued,
+            options=server_options(
+                limit,
+                max_workers=workers,
+                max_connections=max_connections,
+                handshake_timeout_s=handshake_timeout_s,
+                connection_idle_s=connection_idle_s,
+            ),
+            maximum_concurrent_rpcs=workers * 8 + queued,
         )
         # Request-streaming handlers for unary calls (the same on the wire): the wait for
         # the request message is ours, bounded (see Waiting).
         handler: grpc.RpcMethodHandler[RemoteRequest | Rejected, RemoteReply]
         handler = grpc.stream_unary_rpc_method_handler(
             self._grpc_call,
-            request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
+            request_deserializer=functools.partial(decode_request, max_bytes=limit),
             response_serializer=encode_reply,
         )
         export: grpc.RpcMethodHandler[RemoteRequest | Rejected, bytes]
         export = grpc.stream_stream_rpc_method_handler(
             self._grpc_export,
-            request_deserializer=functools.partial(decode_request, max_bytes=max_message_bytes),
+            request_deserializer=functools.partial(decode_request, max_bytes=limit),
         )
         import_: grpc.RpcMethodHandler[bytes, RemoteReply]
         import_ = grpc.stream_unary_rpc_method_handler(
@@ -313,10 +319,11 @@ class EngineServer:
             "ExportSession": export,
             "ImportSession": import_,
         }
-        self._server.add_generic_rpc_handlers(
+        server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, methods),)
         )
-        self._server.add_generic_rpc_handlers((self._grpc_health.handler(),))
+        server.add_generic_rpc_handlers((self._grpc_health.handler(),))
+        return server
 
     # ----------------------------------------------------------------- lifecycle
 
