@@ -9,7 +9,7 @@ import faulthandler
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -326,6 +326,26 @@ def test_a_callback_that_raises_ends_the_run_and_releases_every_session(
     _assert_each_equals_alone(pipeline, pipeline.generate_many(REQUESTS, 0))
 
 
+def _one_group_run(
+    pipeline: Pipeline,
+    requests: Sequence[GenerationRequest],
+    on_token: Callable[[int, GeneratedToken], None] | None,
+) -> SessionsRun:
+    """A greedy run of ``requests`` with default groups, keeping logits, not yet started."""
+    return SessionsRun(
+        pipeline,
+        requests,
+        0,
+        sampling=Sampling(),
+        stop_tokens=(),
+        tokenizer=None,
+        max_in_flight=None,
+        groups=None,
+        keep_logits=True,
+        on_token=on_token,
+    )
+
+
 def _signal_state(tmp_path: Path) -> str:
     """What decides whether a SIGINT sent to the main thread becomes a KeyboardInterrupt
     there: the Python handler, the main thread's blocked, pending and ignored signals (Linux),
@@ -371,18 +391,7 @@ def test_ctrl_c_stops_the_run_and_releases_every_session(
                 time.sleep(0.001)
 
     requests = [GenerationRequest(prompt_ids=(1,), max_new_tokens=200), *REQUESTS]
-    run = SessionsRun(
-        pipeline,
-        requests,
-        0,
-        sampling=Sampling(),
-        stop_tokens=(),
-        tokenizer=None,
-        max_in_flight=None,
-        groups=None,
-        keep_logits=True,
-        on_token=interrupt,
-    )
+    run = _one_group_run(pipeline, requests, interrupt)
     assert threading.current_thread() is threading.main_thread()
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -422,18 +431,7 @@ def test_an_interrupt_while_the_stages_start_leaves_nothing_behind(
             raise KeyboardInterrupt  # as the last start returns
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    run = SessionsRun(
-        pipeline,
-        REQUESTS,
-        0,
-        sampling=Sampling(),
-        stop_tokens=(),
-        tokenizer=None,
-        max_in_flight=None,
-        groups=None,
-        keep_logits=True,
-        on_token=None,
-    )
+    run = _one_group_run(pipeline, REQUESTS, None)
     with pytest.raises(KeyboardInterrupt):
         run.run()
     monkeypatch.undo()

@@ -250,7 +250,7 @@ class _Connection:
         self._frames = _ReplyFrames(sock, max_reply_bytes)
         self._max_reply_bytes = max_reply_bytes
         self._lock = threading.Lock()
-        self._condition = threading.Condition(self._lock)
+        """Guards the calls' state below; each waiting call's condition is on it."""
         self._waiting: dict[int, threading.Condition] = {}
         """The calls whose callers wait in :meth:`receive`, each woken alone (on ``_lock``)."""
         self._arrived: dict[int, collections.deque[tuple[int, bytes]]] = {}
@@ -269,7 +269,7 @@ class _Connection:
         """A new call's id, and its slot of the shared memory when ``slot`` is asked and one
         is free (never without shared memory: no slot is ever free then)."""
         call_id = next(self._ids)
-        with self._condition:
+        with self._lock:
             if self.broken is not None:
                 raise self.broken.unsent()
             self._arrived[call_id] = collections.deque()
@@ -281,7 +281,7 @@ class _Connection:
     def close_call(self, call_id: int, sent: bool = True) -> None:
         """The caller is done with the call. Its slot is free again when its answer came or
         its request never left; else when the answer comes."""
-        with self._condition:
+        with self._lock:
             self._arrived.pop(call_id, None)
             waiter = self._waiting.get(call_id)
             if waiter is not None:
@@ -332,7 +332,7 @@ class _Connection:
         """False once the connection is known to be broken. When no one reads it, what the
         socket holds now is read first (without waiting): a server that closed the connection
         while no call waited is seen here, before a call is sent on it."""
-        with self._condition:
+        with self._lock:
             if self.broken is not None:
                 return False
             if self._reading:
@@ -343,20 +343,20 @@ class _Connection:
 
     def call_open(self, call_id: int) -> bool:
         """Whether the call is open (neither closed nor abandoned)."""
-        with self._condition:
+        with self._lock:
             return call_id in self._arrived
 
     def answered(self, call_id: int) -> bool:
         """Whether a frame of the call has arrived, reading what the socket holds now (without
         waiting) when no one else reads it."""
-        with self._condition:
+        with self._lock:
             if self._arrived.get(call_id) or self.broken is not None:
                 return True
             if self._reading:
                 return False
             self._reading = True
         self._read_until(None, time.monotonic())
-        with self._condition:
+        with self._lock:
             return bool(self._arrived.get(call_id)) or self.broken is not None
 
     def receive(self, call_id: int, deadline: float) -> tuple[int, bytes]:
@@ -364,7 +364,7 @@ class _Connection:
         its engine work) and DEADLINE_EXCEEDED raised."""
         waiter: threading.Condition | None = None
         while True:
-            with self._condition:
+            with self._lock:
                 try:
                     while True:
                         arrived = self._arrived.get(call_id)
@@ -419,7 +419,7 @@ class _Connection:
                     kind, frame_id, body = self._frames.next(deadline)
                 except TimeoutError:
                     return
-                with self._condition:
+                with self._lock:
                     arrived = self._arrived.get(frame_id)
                     if kind in _ANSWERS and frame_id in self._slot_of:
                         if arrived is not None:
@@ -439,7 +439,7 @@ class _Connection:
         except LinkFailure as error:
             self.fail(error)
         finally:
-            with self._condition:
+            with self._lock:
                 self._reading = False
                 self._hand_over()
 
@@ -449,7 +449,7 @@ class _Connection:
             self.send(ABANDON, call_id, b"", time.monotonic() + _ABANDON_TIMEOUT_S)
 
     def fail(self, error: LinkFailure) -> None:
-        with self._condition:
+        with self._lock:
             if self.broken is None:
                 self.broken = error
             for waiter in self._waiting.values():
