@@ -14,6 +14,7 @@ else.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -114,43 +115,113 @@ def map_grpc_failures() -> Iterator[None]:
         raise LinkFailure("cancelled", str(error), sent=False, status="CANCELLED") from None
 
 
-class _GrpcStream:
-    """An export's messages, failures mapped."""
+class _Channel:
+    """One gRPC channel, its three methods and how many calls are still using it."""
 
-    def __init__(self, stream: Stream) -> None:
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
+            channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
+        )
+        self.export: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            EXPORT_METHOD
+        )
+        self.import_: grpc.StreamUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
+            channel.stream_unary(IMPORT_METHOD, response_deserializer=decode_reply)
+        )
+        self.calls = 0
+
+
+class _GrpcStream:
+    """An export's messages, failures mapped; the link hears once when the stream ends."""
+
+    def __init__(self, stream: Stream, link: GrpcLink, used: _Channel) -> None:
         self._stream = stream
+        self._link = link
+        self._used: _Channel | None = used
 
     def __iter__(self) -> Iterator[bytes]:
         return self
 
     def __next__(self) -> bytes:
-        with map_grpc_failures():
-            return next(self._stream)
+        try:
+            with map_grpc_failures():
+                return next(self._stream)
+        except LinkFailure as failure:
+            self._end(failure)
+            raise
+        except StopIteration:
+            self._end(None)
+            raise
 
     def cancel(self) -> bool:
-        return self._stream.cancel()
+        cancelled = self._stream.cancel()
+        self._end(None)
+        return cancelled
+
+    def _end(self, failure: LinkFailure | None) -> None:
+        used, self._used = self._used, None
+        if used is not None:
+            self._link._done(used, failure)
 
 
 class GrpcLink:
-    """One channel to one server and the method every call goes through."""
+    """One channel to one server and the method every call goes through.
+
+    A call that loses its connection (``connection_lost``, maybe sent) retires the channel:
+    later calls go on a new one, which must connect before it sends anything. On the old
+    channel gRPC may not yet have noticed the connection is gone (its failure reaches the
+    caller before the channel's state changes), and a call sent there fails with "Stream
+    removed (sendmsg: Broken pipe)", which cannot say that nothing ran: a worker would see
+    OutcomeUnknown for a call made after the server was known dead. On the new channel that
+    call finds no server and is RemoteUnavailable (nothing ran). A retired channel is closed
+    once the last call using it ends, so no call in flight is cut short by the change.
+    """
 
     def __init__(self, target: str, security: ClientSecurity, max_message_bytes: int) -> None:
         self.target = target
         # A connection of its own (gRPC would share one between channels to the same target):
         # the server's per-client limits and a crash's blast radius are per remote engine.
-        options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
-        self.channel = security.channel(target, options)
+        self._options = [
+            *channel_options(max_message_bytes),
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        self._security = security
         self._plaintext = security.tls_ca is None
         self._metadata = (*security.metadata(), (CALLER_METADATA_KEY, secrets.token_hex(16)))
-        self._call: grpc.UnaryUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
-            self.channel.unary_unary(CALL_METHOD, response_deserializer=decode_reply)
-        )
-        self._export: grpc.UnaryStreamMultiCallable[bytes, bytes] = self.channel.unary_stream(
-            EXPORT_METHOD
-        )
-        self._import: grpc.StreamUnaryMultiCallable[bytes, RemoteReply | Rejected] = (
-            self.channel.stream_unary(IMPORT_METHOD, response_deserializer=decode_reply)
-        )
+        self._lock = threading.Lock()
+        self._current = _Channel(security.channel(target, self._options))
+        self._retired: list[_Channel] = []
+        self._closed = False
+        self.renewals = 0
+        """How many times a lost connection retired the channel."""
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel new calls go on."""
+        return self._current.channel
+
+    def _take(self) -> _Channel:
+        with self._lock:
+            current = self._current
+            current.calls += 1
+            return current
+
+    def _done(self, used: _Channel, failure: LinkFailure | None) -> None:
+        """A call on ``used`` ended (with ``failure``, if it failed)."""
+        to_close: list[_Channel] = []
+        with self._lock:
+            used.calls -= 1
+            lost = failure is not None and failure.reason == "connection_lost" and failure.sent
+            if lost and used is self._current and not self._closed:
+                self._current = _Channel(self._security.channel(self.target, self._options))
+                self._retired.append(used)
+                self.renewals += 1
+            idle = [retired for retired in self._retired if retired.calls == 0]
+            self._retired = [retired for retired in self._retired if retired.calls > 0]
+            to_close.extend(idle)
+        for retired in to_close:
+            retired.channel.close()
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the channel connects within ``timeout``. A plaintext channel whose first
@@ -161,10 +232,11 @@ class GrpcLink:
         # flag that its polling thread acts on up to 0.2 s later, and a channel closed
         # meanwhile raises "Channel closed!" in that thread (the first subscriber's request
         # is the thread's argument instead, never left behind).
-        ready = grpc.channel_ready_future(self.channel)
+        channel = self.channel
+        ready = grpc.channel_ready_future(channel)
         states: list[grpc.ChannelConnectivity] = []
         watch = states.append
-        self.channel.subscribe(watch, try_to_connect=False)
+        channel.subscribe(watch, try_to_connect=False)
         try:
             deadline = time.monotonic() + timeout
             probed = not self._plaintext
@@ -185,24 +257,50 @@ class GrpcLink:
                             details={"target": self.target},
                         )
         finally:
-            self.channel.unsubscribe(watch)
+            channel.unsubscribe(watch)
 
     def call(
         self, message: bytes, timeout: float | None, reply_bytes: int | None = None
     ) -> RemoteReply | Rejected:
         """``reply_bytes`` (what the reply is expected to carry) is the framed link's hint;
         gRPC has no use for it."""
-        with map_grpc_failures():
-            return self._call(message, timeout=timeout, metadata=self._metadata)
+        used = self._take()
+        failure: LinkFailure | None = None
+        try:
+            with map_grpc_failures():
+                return used.call(message, timeout=timeout, metadata=self._metadata)
+        except LinkFailure as error:
+            failure = error
+            raise
+        finally:
+            self._done(used, failure)
 
     def export(self, message: bytes, timeout: float | None) -> Stream:
-        with map_grpc_failures():
-            stream = self._export(message, timeout=timeout, metadata=self._metadata)
-        return _GrpcStream(cast(Stream, stream))
+        used = self._take()
+        try:
+            with map_grpc_failures():
+                stream = used.export(message, timeout=timeout, metadata=self._metadata)
+        except LinkFailure as failure:
+            self._done(used, failure)
+            raise
+        return _GrpcStream(cast(Stream, stream), self, used)
 
     def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
-        with map_grpc_failures():
-            return self._import(messages, timeout=timeout, metadata=self._metadata)
+        used = self._take()
+        failure: LinkFailure | None = None
+        try:
+            with map_grpc_failures():
+                return used.import_(messages, timeout=timeout, metadata=self._metadata)
+        except LinkFailure as error:
+            failure = error
+            raise
+        finally:
+            self._done(used, failure)
 
     def close(self) -> None:
-        self.channel.close()
+        with self._lock:
+            self._closed = True
+            channels = [self._current, *self._retired]
+            self._retired = []
+        for each in channels:
+            each.channel.close()
