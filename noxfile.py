@@ -94,12 +94,11 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in a venv holding only that package and what it needs
     ("cross" runs tests/ across every package: pipelines, CLI, discovery, nox wiring)."""
     workers = ["pytest-xdist>=3.6,<4"] if package in TEST_WORKERS else []
-    session.install(*TEST_TOOLS, *workers, *TEST_EXTRAS.get(package, []))
-    if package == "cross":
-        # nox for the wiring tests; mypy for the test that type-checks the READMEs' examples.
-        session.install("nox", "mypy==2.4.1")
-    for folder in PACKAGE_TESTS[package]:
-        session.install("-e", folder)
+    # nox for the wiring tests; mypy for the test that type-checks the READMEs' examples.
+    cross_tools = ["nox", "mypy==2.4.1"] if package == "cross" else []
+    editable = [argument for folder in PACKAGE_TESTS[package] for argument in ("-e", folder)]
+    # One pip run for all of it: each run costs its own start and resolution.
+    session.install(*TEST_TOOLS, *workers, *TEST_EXTRAS.get(package, []), *cross_tools, *editable)
     target = "tests" if package == "cross" else f"{PACKAGE_TESTS[package][-1]}/tests"
     session.run(
         "pytest",
