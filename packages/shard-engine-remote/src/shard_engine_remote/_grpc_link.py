@@ -1,5 +1,6 @@
-"""The gRPC link: a :class:`~shard_engine_remote._link.Link` over one gRPC channel, with generic
-method handlers whose (de)serializers are the project's codec.
+"""The gRPC link: a :class:`~shard_engine_remote._link.Link` over one gRPC channel at a time (a
+call that lost its connection retires it: :class:`GrpcLink`), with generic method handlers
+whose (de)serializers are the project's codec.
 
 Its failures are mapped once, in :func:`map_grpc_failures`, to a
 :class:`~shard_engine_remote._link.LinkFailure`: a refusal of the server's own by the reason in
