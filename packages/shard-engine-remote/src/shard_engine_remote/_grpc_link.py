@@ -208,9 +208,23 @@ class GrpcLink:
             current.calls += 1
             return current
 
+    @contextmanager
+    def _using(self) -> Iterator[_Channel]:
+        """The channel one blocking call (a call, an import) runs on, its failures mapped;
+        the link hears how the call ended."""
+        used = self._take()
+        failure: LinkFailure | None = None
+        try:
+            with map_grpc_failures():
+                yield used
+        except LinkFailure as error:
+            failure = error
+            raise
+        finally:
+            self._done(used, failure)
+
     def _done(self, used: _Channel, failure: LinkFailure | None) -> None:
         """A call on ``used`` ended (with ``failure``, if it failed)."""
-        to_close: list[_Channel] = []
         with self._lock:
             used.calls -= 1
             lost = failure is not None and failure.reason == "connection_lost" and failure.sent
@@ -220,8 +234,7 @@ class GrpcLink:
                 self.renewals += 1
             idle = [retired for retired in self._retired if retired.calls == 0]
             self._retired = [retired for retired in self._retired if retired.calls > 0]
-            to_close.extend(idle)
-        for retired in to_close:
+        for retired in idle:
             retired.channel.close()
 
     def wait_ready(self, timeout: float) -> bool:
@@ -265,16 +278,8 @@ class GrpcLink:
     ) -> RemoteReply | Rejected:
         """``reply_bytes`` (what the reply is expected to carry) is the framed link's hint;
         gRPC has no use for it."""
-        used = self._take()
-        failure: LinkFailure | None = None
-        try:
-            with map_grpc_failures():
-                return used.call(message, timeout=timeout, metadata=self._metadata)
-        except LinkFailure as error:
-            failure = error
-            raise
-        finally:
-            self._done(used, failure)
+        with self._using() as used:
+            return used.call(message, timeout=timeout, metadata=self._metadata)
 
     def export(self, message: bytes, timeout: float | None) -> Stream:
         used = self._take()
@@ -287,16 +292,8 @@ class GrpcLink:
         return _GrpcStream(cast(Stream, stream), self, used)
 
     def import_(self, messages: Iterator[bytes], timeout: float | None) -> RemoteReply | Rejected:
-        used = self._take()
-        failure: LinkFailure | None = None
-        try:
-            with map_grpc_failures():
-                return used.import_(messages, timeout=timeout, metadata=self._metadata)
-        except LinkFailure as error:
-            failure = error
-            raise
-        finally:
-            self._done(used, failure)
+        with self._using() as used:
+            return used.import_(messages, timeout=timeout, metadata=self._metadata)
 
     def close(self) -> None:
         with self._lock:
