@@ -108,6 +108,13 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (bound, read and released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 class Background:
     """Run a call in a thread; ``result()`` re-raises what it raised."""
 

@@ -6,7 +6,6 @@ refusal."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from conftest import (
     ServeFactory,
     config,
     fill,
+    free_port,
     prefill,
     slow_reader_channel,
     wait_until,
@@ -218,10 +218,7 @@ def test_a_reply_over_this_sides_limit_may_have_run(
 
 def test_a_server_never_reached_is_not_sent() -> None:
     """No server listens: grpcio's "failed to connect to all addresses", nothing sent."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    failure = _fails(address, encode_request(CapabilitiesQuery()))
+    failure = _fails(f"127.0.0.1:{free_port()}", encode_request(CapabilitiesQuery()))
     assert (failure.reason, failure.sent, failure.status) == (
         "connection_lost",
         False,

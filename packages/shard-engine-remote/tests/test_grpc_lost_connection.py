@@ -20,6 +20,7 @@ from conftest import (
     config,
     decode,
     delay,
+    free_port,
     prefill,
     wait_until,
 )
@@ -85,14 +86,8 @@ def _raise(error: grpc.RpcError) -> Callable[[], Any]:
     return answer
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _link() -> GrpcLink:
-    return GrpcLink(f"127.0.0.1:{_free_port()}", ClientSecurity(), 1 << 20)
+    return GrpcLink(f"127.0.0.1:{free_port()}", ClientSecurity(), 1 << 20)
 
 
 @pytest.mark.parametrize("method", ["call", "import_"])
@@ -212,7 +207,7 @@ class _Proxy:
         self._upstream = upstream
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
-        self.port = _free_port()
+        self.port = free_port()
         self._listener: socket.socket | None = None
         self.listen()
 

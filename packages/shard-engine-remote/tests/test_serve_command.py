@@ -11,6 +11,7 @@ import sys
 import urllib.request
 
 import pytest
+from conftest import free_port
 
 from shard_engine_api import InvalidRequest
 from shard_engine_api.cli import build_parser
@@ -50,10 +51,7 @@ def test_a_port_in_use_is_one_line_without_grpc_log_noise() -> None:
 
 
 def test_a_free_port_and_port_zero_pass_the_check() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    check_port_free(f"127.0.0.1:{port}")
+    check_port_free(f"127.0.0.1:{free_port()}")
     check_port_free("127.0.0.1:0")
     check_port_free("unix:/nonexistent/engine.sock")
     with socket.socket() as taken:
