@@ -5,6 +5,7 @@ every test waits for states (queue depths, counters), never for time to pass."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import cast
@@ -64,9 +65,10 @@ def test_64_clients_are_queued_never_refused(
     serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
     """Sixty-four clients (a connection each), each making one call at a time (a prefill and
-    ten decodes of its own session), all at once against a server with twelve compute slots:
-    every call is answered, none is refused (the remote engines do not retry, so a refusal
-    would surface), and every call the engine saw is one a client made."""
+    ten decodes of its own session), all at once against a server of an engine of 64 sessions
+    (64 compute slots, 204 places in the queue): every call is answered, none is refused (the
+    remote engines do not retry, so a refusal would surface), and every call the engine saw
+    is one a client made."""
     load = msgspec.structs.replace(config(faults=delay("decode", 1)), max_sessions=64)
     server = serve(load, transport=transport)
     assert server.address is not None
@@ -97,9 +99,90 @@ def test_64_clients_are_queued_never_refused(
     assert failures == []
     stats = server.stats()
     assert (stats.busy, stats.queue_evicted, stats.queued, stats.computing) == (0, 0, 0, 0)
-    assert stats.max_queued == 256
+    assert (server.compute_slots, stats.max_queued) == (64, 256 - (64 - 12))
     metrics = server.engine.metrics()
     assert (metrics.prefill_requests, metrics.decode_requests) == (64, 640)
+
+
+# ----------------------------------------------------------------- as many slots as sessions
+
+
+@pytest.mark.parametrize("sessions", [16, 40])
+def test_every_session_decoding_at_once_reaches_the_engine_as_one_forward(
+    serve: ServeFactory, remote: RemoteFactory, transport: str, sessions: int
+) -> None:
+    """A server started without ``max_workers`` gives its engine as many compute calls at once
+    as the engine has sessions: a decode of every other session, sent while a prefill holds
+    the engine, all reach its scheduler and run as one forward when the prefill ends. With
+    the 12 slots of 16 threads alone they split (11 in the engine, the rest in the server's
+    queue), and callers in lockstep stayed split: forwards of 12 and of 4 in turn."""
+    load = msgspec.structs.replace(_blocking(), max_sessions=sessions)
+    server = serve(load, transport=transport)
+    assert server.address is not None
+    assert server.compute_slots == sessions
+    assert server.stats().max_queued == 256 - (sessions - 12)
+    engine = remote(config(target=server.address, transport=transport, retry_busy=False))
+    others = [f"s{n}" for n in range(sessions - 1)]
+    for session in others:
+        prefill(engine, session=session)
+    blocker = _block(engine, server)
+    decoders = [
+        Background(functools.partial(decode, engine, 3, session=session, request_id=session))
+        for session in others
+    ]
+    wait_until(lambda: server.engine.health().queued == len(others))
+    stats = server.stats()
+    assert (stats.queued, stats.computing) == (0, sessions)
+    _unblock(engine, blocker)
+    for decoder in decoders:
+        assert isinstance(decoder.result(), api.LogitsResult)
+    metrics = server.engine.metrics()
+    assert (metrics.coalesced_forwards, metrics.coalesced_max) == (1, len(others))
+
+
+def test_given_max_workers_the_slots_stay_as_given(serve: ServeFactory) -> None:
+    """``max_workers`` given: ``max_workers - 4`` compute slots whatever the engine's sessions,
+    and the queue keeps all its places."""
+    load = msgspec.structs.replace(config(), max_sessions=64)
+    server = serve(load, max_workers=8)
+    assert (server.compute_slots, server.stats().max_queued) == (4, 256)
+    assert serve(load, max_workers=8, max_queued=3).stats().max_queued == 3
+
+
+def test_a_spawned_childs_server_widens_its_slots_when_its_engine_loads(
+    remote: RemoteFactory,
+) -> None:
+    """A spawned child's engine loads through the child's first call; its server then gives
+    it as many compute calls at once as it has sessions (20: 8 more than 12, taken from the
+    queue's 256 places)."""
+    load = msgspec.structs.replace(config(spawn="fake"), max_sessions=20)
+    engine = remote(load)
+    assert isinstance(engine, RemoteEngine)
+    assert engine.server_stats().max_queued == 256 - 8
+
+
+def test_admission_widens_its_slots_from_its_queue_places() -> None:
+    """``widen``: more slots, each one place fewer in the queue (never below none), never
+    fewer slots than before; calls waiting take the new slots at once, in turn."""
+    admission = Admission(1, 5)
+    held = admission.enter("a")
+    waiting = [admission.enter(client) for client in ("a", "b", "b")]
+    assert held is not None
+    assert all(ticket is not None and ticket.state == "queued" for ticket in waiting)
+    tickets = cast(list[Ticket], waiting)
+    assert admission.widen(3) == 3
+    assert (admission.slots, admission.max_queued) == (3, 3)
+    assert [ticket.state for ticket in tickets] == ["granted", "granted", "queued"]
+    assert admission.wait(tickets[0]) == admission.wait(tickets[1]) == "granted"
+    assert admission.widen(2) == 3  # never fewer
+    assert admission.widen(100) == 6  # at most every queue place
+    assert (admission.slots, admission.max_queued) == (6, 0)
+    assert tickets[2].state == "granted"
+    stats = admission.stats()
+    assert (stats["queued"], stats["computing"], stats["max_queued"]) == (0, 4, 0)
+    assert admission.enter("c") is not None  # a free slot
+    assert admission.enter("c") is not None
+    assert admission.enter("c") is None  # six computing, no queue
 
 
 # ----------------------------------------------------------------- the bound
@@ -510,3 +593,4 @@ def test_serve_takes_max_queued() -> None:
     assert args.max_queued == 8
     defaults = build_parser().parse_args(["serve", "--engine", "fake", "--layers", "0:6"])
     assert defaults.max_queued == 256
+    assert defaults.workers is None  # 16 threads, compute slots following --max-sessions

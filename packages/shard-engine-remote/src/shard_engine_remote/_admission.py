@@ -7,6 +7,9 @@ see ``client_key``): each client's calls wait in their arrival order, and a free
 the clients with calls waiting in turn (round robin), so one client's flood delays another
 client's call by at most one call per client waiting, never by the flood's length.
 
+A server may widen the slots once its engine is loaded (:meth:`Admission.widen`): each new
+slot is one place of the queue, so the calls that may hold a thread stay as many.
+
 At most ``max_queued`` calls wait, all clients together. A call arriving at a full queue takes
 the place of the newest call of the client with the most waiting, when that client holds at
 least two more than the newcomer's own (that call is refused instead: nothing of it ran);
@@ -88,6 +91,25 @@ class Admission:
         self._evicted = 0
         self._wait_s = 0.0
         self._wait_max_s = 0.0
+
+    def widen(self, slots: int) -> int:
+        """Raise the compute slots to ``slots`` (never lower them), taking each new slot from
+        the queue's places: ``slots + max_queued``, the calls that may hold a thread, stays
+        the same, so calls that are neither computing nor queued keep the threads they had.
+        Calls waiting get the new slots at once. Returns the slots now."""
+        with self._lock:
+            extra = min(max(0, slots - self.slots), self.max_queued)
+            self.slots += extra
+            self.max_queued -= extra
+            granted = []
+            for _ in range(extra):
+                event = self._hand_over()
+                if event is not None:
+                    granted.append(event)
+            now = self.slots
+        for event in granted:
+            event.set()
+        return now
 
     # ----------------------------------------------------------------- slots without a queue
 

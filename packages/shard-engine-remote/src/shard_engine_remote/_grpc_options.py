@@ -72,7 +72,7 @@ def connection_limit(wanted: int) -> int:
 def server_options(
     max_message_bytes: int,
     *,
-    max_workers: int,
+    streams_per_connection: int,
     max_connections: int,
     handshake_timeout_s: float,
     connection_idle_s: float,
@@ -93,7 +93,7 @@ def server_options(
         ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
         ("grpc.max_connection_idle_ms", round(connection_idle_s * 1000)),
         # One connection's calls beyond this wait in its client, not on the server.
-        ("grpc.max_concurrent_streams", 2 * max_workers),
+        ("grpc.max_concurrent_streams", streams_per_connection),
         # Clients ping every 20 s (channel_options) to find a vanished server; gRPC's
         # default policy takes pings more often than every 5 minutes while no data
         # flows as abuse and ends the connection after two, which killed every call

@@ -97,6 +97,7 @@ __all__ = [
     "DEFAULT_CONNECTION_IDLE_S",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_SNAPSHOT_BYTES",
+    "DEFAULT_MAX_WORKERS",
     "DEFAULT_MIN_STREAM_BYTES_PER_S",
     "DEFAULT_STREAM_IDLE_S",
     "EngineServer",
@@ -105,6 +106,9 @@ __all__ = [
     "drain_margin_s",
 ]
 
+DEFAULT_MAX_WORKERS: Final = 16
+"""Threads serving calls when ``max_workers`` is not given (then the compute slots also follow
+the engine's session limit, see :class:`EngineServer`)."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
@@ -173,7 +177,13 @@ class EngineServer:
     private socket of a spawned child); a server started on a loaded engine refuses loads.
 
     ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
-    cancel, release, health and metrics are never starved. Compute calls beyond those slots
+    cancel, release, health and metrics are never starved. Without ``max_workers`` (16
+    threads), the compute slots also follow the engine once it is loaded: as many as its
+    ``max_sessions``, the most single decodes its scheduler runs as one forward, each slot
+    beyond 12 taken from the queue's places (see ``Admission.widen``; the threads calls may
+    hold stay as many). Fewer slots than callers decoding at once would split them: 16
+    callers of a spawned child given 12 calls at once ran as forwards of 12 and of 4 in turn,
+    at 0.45 of llama.cpp's own batch(16) (gemma3-270m). Compute calls beyond those slots
     wait, ``max_queued`` of them at most (all clients together), in a queue fair per client
     (see :mod:`~shard_engine_remote._admission`; each holds a thread of its own while it
     waits); beyond, and for every new call while the server drains, they are refused (a
@@ -209,7 +219,7 @@ class EngineServer:
         *,
         security: ServerSecurity | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_workers: int = 16,
+        max_workers: int | None = None,
         allow_load: bool = False,
         rate_limit: RateLimit | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -223,6 +233,9 @@ class EngineServer:
         session_idle_s: float | None = None,
         max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> None:
+        self._slots_follow_engine = max_workers is None
+        if max_workers is None:
+            max_workers = DEFAULT_MAX_WORKERS
         _check_settings(
             max_workers=max_workers,
             max_queued=max_queued,
@@ -256,6 +269,7 @@ class EngineServer:
         self.max_queued = max_queued
         self._compute_slots = Admission(max_workers - 4, max_queued)
         self.counters.queue = self._compute_slots.stats
+        self._follow_engine()
         self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
         self._in_flight = InFlight()
         self._waiting = Waiting(
@@ -290,7 +304,10 @@ class EngineServer:
             interceptors=interceptors,
             options=server_options(
                 limit,
-                max_workers=workers,
+                # Twice the threads, and at least as many as the engine is given compute
+                # calls at once and 4 control calls: one worker's sessions decoding at once
+                # must all reach it, and its cancel too.
+                streams_per_connection=max(2 * workers, self.compute_slots + 4),
                 max_connections=max_connections,
                 handshake_timeout_s=handshake_timeout_s,
                 connection_idle_s=connection_idle_s,
@@ -396,6 +413,27 @@ class EngineServer:
         slot, as :meth:`refuse_new_calls` refuses new ones, before calls still running are
         cancelled. Returns how many were waiting."""
         return self._compute_slots.drain()
+
+    @property
+    def compute_slots(self) -> int:
+        """How many compute calls the engine is given at once now."""
+        return self._compute_slots.slots
+
+    def _follow_engine(self, capabilities: api.Capabilities | None = None) -> None:
+        """Without ``max_workers`` given: as many compute slots as the loaded engine's
+        ``max_sessions`` (nothing while it is not loaded: a child's engine loads through its
+        first call, which calls this again with what the load returned). An engine not
+        loaded is never asked for its capabilities: its refusal would count in its metrics."""
+        if not self._slots_follow_engine:
+            return
+        if capabilities is None:
+            if self.engine.health().state not in ("ready", "degraded"):
+                return
+            try:
+                capabilities = self.engine.capabilities()
+            except api.ShardEngineError:
+                return
+        self._compute_slots.widen(capabilities.limits.max_sessions)
 
     def retry_after_s(self) -> float:
         """When a call refused now may find room in the compute queue (an estimate from
@@ -540,6 +578,7 @@ class EngineServer:
                     )
                 self._allow_load = False
                 capabilities = engine.load(request)
+                self._follow_engine(capabilities)
                 self.refresh_health()
                 return capabilities
             case api.PrefillRequest():

@@ -77,7 +77,7 @@ class FramedServer:
         self.engine = server.engine
         self.address: str | None = None
         self.draining = False
-        admitted = server.max_workers * 8
+        admitted = self._admitted = server.max_workers * 8
         # A thread for every call admitted (started as needed): a call never waits in the
         # pool's own first-come queue, only in the server's queue, which is fair per client.
         self.pool = futures.ThreadPoolExecutor(
@@ -93,8 +93,6 @@ class FramedServer:
         """Calls queued for or running on the pool, all connections together (gRPC's
         maximum_concurrent_rpcs on the other transport): beyond, a retryable
         ResourceExhausted."""
-        self.calls_per_connection = max(1, server.max_workers * 2)
-        """How many of those one connection may hold."""
         self._greeting = 0
         """Connections accepted that have not greeted yet: bounded apart from the greeted
         ones, so connections that never greet cannot crowd out clients that did."""
@@ -102,6 +100,14 @@ class FramedServer:
         self._watching: dict[int, ServerConnection] = {}
         self._stop_watching: int | None = None
         """The write end of the pipe that ends the watcher thread."""
+
+    @property
+    def calls_per_connection(self) -> int:
+        """How many of the pool's calls one connection may hold: twice the server's threads,
+        and at least as many as the engine is given compute calls at once (the decodes one
+        worker's callers send at once must all reach the engine to run as one forward)."""
+        server = self.server
+        return min(self._admitted, max(1, server.max_workers * 2, server.compute_slots))
 
     def watch(self, connection: ServerConnection) -> bool:
         """Arm the watcher for ``connection``'s socket (one event, then disarmed); False when
