@@ -16,9 +16,9 @@ dense model (``_models``, n_embd 512, 8 layers, F16); the output says which:
   continuous batching); N = 1 is one session alone;
 * ``spawned child``: one ``load_engine("remote", ...)`` with ``options={"spawn": "llama"}``
   (framed transport), N caller threads on it;
-* ``serve``: one ``shard-engine serve`` process (gRPC on loopback, its default 16 workers: at
-  most 12 compute calls reach the engine at once, the rest wait in the server's queue), N
-  clients (a remote engine and a connection each), one thread each;
+* ``serve``: one ``shard-engine serve`` process (gRPC on loopback, its defaults: 16 threads,
+  and as many compute calls reach the engine at once as it has sessions), N clients (a remote
+  engine and a connection each), one thread each;
 * ``3 spawned shards``: the model in 3 shards, each in its own spawned child, N sessions
   through ``Pipeline.generate_many`` (one stage thread per shard, groups of sessions meeting at
   each shard as one ``decode_batch``). Its prefills run amid its decodes, so its rate is taken
@@ -33,6 +33,12 @@ tokens, pooled over sessions and repetitions (for raw batch(N), the step time). 
 configurations alternate within every repetition (rotating order), so machine noise hits them
 alike. Under the table, the engine's coalescing: the share of decodes that ran in a shared
 forward and the mean size of those forwards.
+
+The p99 target is judged as the rates are: within each repetition, a configuration's p99 per
+token over that repetition's raw median step, then the median over the repetitions (the
+pooled ratio is printed beside it). This host's speed drifts by 10-20% between repetitions, so
+a p99 pooled over them is mostly the slowest repetition's, set against a median step of all
+of them; and one repetition's p99 of N x 32 intervals is about its slowest forward.
 
 Then the held-out checks of the scheduler issue:
 
@@ -537,6 +543,9 @@ class Served:
 class Cell:
     samples: list[Sample] = field(default_factory=list)
     paired_of_raw: list[float] = field(default_factory=list)
+    paired_p99_over_step: list[float] = field(default_factory=list)
+    """Each repetition's p99 per-token latency over that repetition's raw batch(N) median
+    step (the same side-by-side pairing as ``paired_of_raw``)."""
 
     @property
     def tok_s(self) -> float:
@@ -549,6 +558,12 @@ class Cell:
     @property
     def of_raw(self) -> float:
         return statistics.median(self.paired_of_raw) if self.paired_of_raw else float("nan")
+
+    @property
+    def p99_over_step(self) -> float:
+        """Median over the repetitions of :attr:`paired_p99_over_step`."""
+        pairs = self.paired_p99_over_step
+        return statistics.median(pairs) if pairs else float("nan")
 
     def coalescing(self) -> tuple[float, float] | None:
         """Share of decodes that ran in a shared forward, and the mean size of those forwards
@@ -630,9 +645,13 @@ def bench_table(model: BenchModel, settings: Settings, results: Results, directo
                         prompts[:n], settings.steps, f"{configuration.key}-{rep}-{n}"
                     )
                 raw = samples["raw"].tok_s
+                step = statistics.median(samples["raw"].token_s)
                 for key, sample in samples.items():
                     table[key][n].samples.append(sample)
                     table[key][n].paired_of_raw.append(sample.tok_s / raw)
+                    table[key][n].paired_p99_over_step.append(
+                        float(np.percentile(sample.token_s, 99)) / step
+                    )
     finally:
         for configuration in configurations:
             configuration.close()
@@ -694,6 +713,13 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
+def _spread(values: Sequence[float]) -> str:
+    """``median x (min-max)`` of per-repetition ratios."""
+    if not values:
+        return "nan"
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
 def _print_targets(settings: Settings, table: Table, results: Results) -> None:
     ns = settings.sessions
     if 1 in ns:
@@ -706,29 +732,35 @@ def _print_targets(settings: Settings, table: Table, results: Results) -> None:
         print(f"targets at N={TARGET_N}: not measured (N={TARGET_N} not in this run)")
         return
     n = TARGET_N
+    raw = table["raw"][n]
     step_ms = statistics.median(
-        value * 1000.0 for sample in table["raw"][n].samples for value in sample.token_s
+        value * 1000.0 for sample in raw.samples for value in sample.token_s
     )
     results.record(f"raw_n{n}_step_ms", round(step_ms, 2), "ms")
-    raw_p99 = table["raw"][n].percentile_ms(99)
-    results.record(f"raw_n{n}_p99_over_raw_step", round(raw_p99 / step_ms, 2), "x")
+    raw_p99 = raw.percentile_ms(99)
+    results.record(f"raw_n{n}_p99_over_raw_step", round(raw.p99_over_step, 2), "x")
+    results.record(f"raw_n{n}_p99_over_raw_step_pooled", round(raw_p99 / step_ms, 2), "x")
     print(
-        f"targets at N={n} (one raw batch({n}) step: {step_ms:.1f} ms; raw's own p99 step "
-        f"{raw_p99:.1f} ms, {raw_p99 / step_ms:.2f}x: the machine's noise, which no caller of "
-        "llama.cpp escapes):"
+        f"targets at N={n} (one raw batch({n}) step: {step_ms:.1f} ms. Latency ratios are taken "
+        f"within each repetition, p99 over that repetition's raw median step, then the median "
+        f"of the repetitions, as for the rates. Raw's own p99 step is "
+        f"{_spread(raw.paired_p99_over_step)} its median: the machine's noise, which no caller "
+        f"of llama.cpp escapes; pooled over the repetitions {raw_p99 / step_ms:.2f}x):"
     )
     for key, target in TARGET_OF_RAW.items():
         cell = table[key][n]
-        p99_over = cell.percentile_ms(99) / step_ms
+        p99_over = cell.p99_over_step
+        pooled_over = cell.percentile_ms(99) / step_ms
         results.record(f"{key}_n{n}_p99_over_raw_step", round(p99_over, 2), "x")
+        results.record(f"{key}_n{n}_p99_over_raw_step_pooled", round(pooled_over, 2), "x")
         results.record(
             f"{key}_n{n}_p99_over_raw_p99", round(cell.percentile_ms(99) / raw_p99, 2), "x"
         )
         print(
             f"  {key:<11} {cell.of_raw:.3f} of raw batch({n}) (target >= {target}) "
-            f"{_mark(cell.of_raw >= target)}; p99 {p99_over:.2f}x a raw step (target <= "
-            f"{TARGET_P99_OVER_STEP}) {_mark(p99_over <= TARGET_P99_OVER_STEP)}, "
-            f"{cell.percentile_ms(99) / raw_p99:.2f}x raw's own p99"
+            f"{_mark(cell.of_raw >= target)}; p99 {_spread(cell.paired_p99_over_step)} a raw "
+            f"step (target <= {TARGET_P99_OVER_STEP}) {_mark(p99_over <= TARGET_P99_OVER_STEP)}, "
+            f"pooled {pooled_over:.2f}x, {cell.percentile_ms(99) / raw_p99:.2f}x raw's own p99"
         )
     if 1 in ns:
         for key in ("pipeline", "pipeline_one_group"):
