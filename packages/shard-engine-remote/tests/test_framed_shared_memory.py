@@ -1,7 +1,7 @@
 """The framed transport's shared memory, seen from a worker: large requests and replies cross in
 the connection's memfd slots instead of the socket, give the same results as the socket alone
-and as the engine in this process, survive their slot's reuse, share four slots among any
-number of concurrent callers, fall back to the socket when a body is larger than a slot, and
+and as the engine in this process, survive their slot's reuse, a slot for each session of an
+engine the worker started (4 to 16), share their slots among any number of concurrent callers, fall back to the socket when a body is larger than a slot, and
 a slot whose caller gave up is reused only after the server answered."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 from conftest import RemoteFactory, ServeFactory, delay, ref, wait_until
@@ -16,8 +17,9 @@ from conftest import RemoteFactory, ServeFactory, delay, ref, wait_until
 import shard_engine_api as api
 from shard_engine_remote import RemoteEngine
 from shard_engine_remote._framed import SHARED_MEMORY, FramedLink
+from shard_engine_remote._framed import arena as arena_module
 from shard_engine_remote._framed import client as framed_client
-from shard_engine_remote._framed.arena import ARENA_SLOTS
+from shard_engine_remote._framed.arena import ARENA_SLOTS, arena_slots_for
 from shard_engine_remote._framed.client import _Connection
 
 pytestmark = pytest.mark.skipif(not SHARED_MEMORY, reason="no sealed memfds here")
@@ -160,10 +162,35 @@ def test_a_result_outlives_the_reuse_of_its_slot(remote: RemoteFactory, wide: _P
         tails["local"].close()
 
 
-def test_concurrent_callers_share_the_slots(remote: RemoteFactory, wide: _Pipeline) -> None:
+@pytest.mark.parametrize(
+    ("where", "sessions", "slots"), [("child", 16, 16), ("server", 2, 4), ("server", 64, 16)]
+)
+def test_a_link_lends_a_slot_per_session_of_the_engine_it_started(
+    remote: RemoteFactory, where: str, sessions: int, slots: int
+) -> None:
+    """A worker's link to an engine it started (a spawned child, a server in this process)
+    lends a slot for each of the engine's sessions, at least 4 and at most 16: every
+    session's decode may then cross in shared memory at once."""
+    assert arena_slots_for(sessions) == slots
+    served: dict[str, object] = (
+        {"spawn": "fake"} if where == "child" else {"in_process": "fake", "transport": "framed"}
+    )
+    config = msgspec.structs.replace(_config(WIDE, 3, 6, **served), max_sessions=sessions)
+    engine = remote(config)
+    assert engine.health().state == "ready"
+    arena = _connection(engine).arena
+    assert arena is not None
+    assert arena.slots == slots
+    assert sorted(_connection(engine)._free_slots) == list(range(slots))
+
+
+def test_concurrent_callers_share_the_slots(
+    remote: RemoteFactory, wide: _Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Twice as many concurrent callers as slots, each with its own session: a caller that
     finds no free slot goes over the socket, every result is right, and all slots are free
-    once the calls have ended."""
+    once the calls have ended (the link lends 4 slots here, not one per session)."""
+    monkeypatch.setattr(arena_module, "ARENA_MAX_SLOTS", ARENA_SLOTS)
     sessions = [f"c{index}" for index in range(2 * ARENA_SLOTS)]
     requests = {s: (wide.prefill(s), [wide.decode(s, step) for step in range(4)]) for s in sessions}
     tails = _tails(remote, "server")

@@ -54,6 +54,7 @@ from shard_engine_api import wire
 from shard_engine_api.wire import MAX_ID_CHARS, SNAPSHOT_CHUNK_BYTES, check_snapshot_integrity
 from shard_engine_remote._errors import OutcomeUnknown, RemoteUnavailable, Unauthenticated
 from shard_engine_remote._framed import FramedLink, FramedServer, check_private_socket
+from shard_engine_remote._framed.arena import arena_slots_for
 from shard_engine_remote._grpc_link import GrpcLink
 from shard_engine_remote._link import Link, LinkFailure
 from shard_engine_remote._security import ClientSecurity, read_pem, read_token
@@ -390,6 +391,7 @@ class RemoteEngine:
                 token=None,
                 max_message_bytes=options.max_message_bytes,
                 shared_memory=options.shared_memory,
+                arena_slots=arena_slots_for(config.max_sessions),
             )
         else:
             self._local = (server, directory)
@@ -420,6 +422,7 @@ class RemoteEngine:
                 token=child.token,
                 max_message_bytes=options.max_message_bytes,
                 shared_memory=options.shared_memory,
+                arena_slots=arena_slots_for(config.max_sessions),
             )
         else:
             link = GrpcLink(address, ClientSecurity(token=child.token), options.max_message_bytes)

@@ -547,8 +547,10 @@ class FramedLink:
         token: str | None,
         max_message_bytes: int,
         shared_memory: bool = True,
+        arena_slots: int = ARENA_SLOTS,
     ) -> None:
         self.target = f"unix:{path}"
+        self._arena_slots = arena_slots
         self._shared_memory = shared_memory and SHARED_MEMORY
         self._path = str(path)
         self._token = token
@@ -629,14 +631,14 @@ class FramedLink:
         hello = Hello(token=self._token, version=PROTOCOL_VERSION)
         if self._shared_memory:
             try:
-                arena, fd = Arena.create(ARENA_SLOTS, ARENA_SLOT_BYTES)
+                arena, fd = Arena.create(self._arena_slots, ARENA_SLOT_BYTES)
             except OSError as error:  # no memfd here, or no memory: the socket alone
                 _LOG.debug("no shared memory for %s: %s", self.target, error)
             else:
                 fds.append(fd)
                 hello = Hello(
                     token=self._token,
-                    arena_slots=ARENA_SLOTS,
+                    arena_slots=self._arena_slots,
                     arena_slot_bytes=ARENA_SLOT_BYTES,
                     version=PROTOCOL_VERSION,
                 )
