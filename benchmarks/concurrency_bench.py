@@ -83,7 +83,6 @@ from _raw_llama import N_UBATCH, RawLlama
 from _results import Results, add_results_option, add_size_options, run_mode
 
 import shard_engine_api as api
-from shard_engine_api._cli.sessions import local_groups
 from shard_engine_remote import EngineServer
 from shard_engine_remote._framed import FramedServer
 
@@ -765,8 +764,9 @@ def _print_targets(settings: Settings, table: Table, results: Results) -> None:
         )
     if 1 in ns:
         # The target is the pipeline as `shard-engine run --sessions` runs it on this host:
-        # one group per shard when the cores hold every shard's threads, else fewer.
-        groups = local_groups(3, N_THREADS)
+        # one group per shard when the cores hold every shard's threads, else fewer (cores //
+        # threads per shard, at least one).
+        groups = max(1, min(3, len(os.sched_getaffinity(0)) // N_THREADS))
         chosen = "pipeline_one_group" if groups == 1 else "pipeline"
         for key in ("pipeline", "pipeline_one_group"):
             speedup = table[key][n].tok_s / table[key][1].tok_s

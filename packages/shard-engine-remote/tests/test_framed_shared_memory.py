@@ -1,8 +1,9 @@
 """The framed transport's shared memory, seen from a worker: large requests and replies cross in
 the connection's memfd slots instead of the socket, give the same results as the socket alone
 and as the engine in this process, survive their slot's reuse, a slot for each session of an
-engine the worker started (4 to 16), share their slots among any number of concurrent callers, fall back to the socket when a body is larger than a slot, and
-a slot whose caller gave up is reused only after the server answered."""
+engine the worker started (4 to 16), share their slots among any number of concurrent
+callers, fall back to the socket when a body is larger than a slot, and a slot whose caller
+gave up is reused only after the server answered."""
 
 from __future__ import annotations
 

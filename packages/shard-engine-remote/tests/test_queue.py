@@ -130,7 +130,7 @@ def test_every_session_decoding_at_once_reaches_the_engine_as_one_forward(
         Background(functools.partial(decode, engine, 3, session=session, request_id=session))
         for session in others
     ]
-    wait_until(lambda: server.engine.health().queued == len(others))
+    wait_until(lambda: server.engine.health().queued == len(others), timeout=120)
     stats = server.stats()
     assert (stats.queued, stats.computing) == (0, sessions)
     _unblock(engine, blocker)
