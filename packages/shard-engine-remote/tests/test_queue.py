@@ -140,6 +140,33 @@ def test_every_session_decoding_at_once_reaches_the_engine_as_one_forward(
     assert (metrics.coalesced_forwards, metrics.coalesced_max) == (1, len(others))
 
 
+def test_prefills_still_get_twelve_slots_and_wait_fairly_beyond(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """The slots an engine of 40 sessions gains are for single decodes only: a client's 20
+    prefills, sent while a prefill holds the engine, reach the engine 11 at a time (12 slots)
+    and the rest wait in the server's queue, where another client's prefill is next in turn,
+    not behind the flood in the engine's own queue."""
+    load = msgspec.structs.replace(_blocking(), max_sessions=40)
+    server = serve(load, transport=transport)
+    assert server.address is not None
+    assert server.compute_slots == 40
+    flooding = remote(config(target=server.address, transport=transport, retry_busy=False))
+    other = remote(config(target=server.address, transport=transport, retry_busy=False))
+    blocker = _block(flooding, server)
+    flood = [_prefilling(flooding, f"f{n}") for n in range(20)]
+    wait_until(lambda: server.engine.health().queued == 11, timeout=120)
+    _wait_queued(server, 9)
+    assert server.stats().computing == 12
+    late = _prefilling(other, "other")
+    _wait_queued(server, 10)
+    assert server.engine.health().queued == 11  # the queue holds it, fairly
+    _unblock(flooding, blocker)
+    for call in [*flood, late]:
+        assert isinstance(call.result(), api.LogitsResult)
+    assert server.engine.metrics().prefill_requests == 1 + 20 + 1
+
+
 def test_given_max_workers_the_slots_stay_as_given(serve: ServeFactory) -> None:
     """``max_workers`` given: ``max_workers - 4`` compute slots whatever the engine's sessions,
     and the queue keeps all its places."""
@@ -161,28 +188,49 @@ def test_a_spawned_childs_server_widens_its_slots_when_its_engine_loads(
     assert engine.server_stats().max_queued == 256 - 8
 
 
-def test_admission_widens_its_slots_from_its_queue_places() -> None:
-    """``widen``: more slots, each one place fewer in the queue (never below none), never
-    fewer slots than before; calls waiting take the new slots at once, in turn."""
-    admission = Admission(1, 5)
+def test_admission_widens_with_decode_slots_taken_from_its_queue_places() -> None:
+    """``widen``: decode slots, each one place fewer in the queue (never below none), never
+    fewer than before. A decode takes one when the slots are full and calls queue; a prefill
+    never does; a freed decode slot goes to the next client in turn whose oldest waiting call
+    is a decode, never past a client's own earlier call."""
+    admission = Admission(1, 6)
     held = admission.enter("a")
-    waiting = [admission.enter(client) for client in ("a", "b", "b")]
     assert held is not None
-    assert all(ticket is not None and ticket.state == "queued" for ticket in waiting)
-    tickets = cast(list[Ticket], waiting)
-    assert admission.widen(3) == 3
-    assert (admission.slots, admission.max_queued) == (3, 3)
-    assert [ticket.state for ticket in tickets] == ["granted", "granted", "queued"]
-    assert admission.wait(tickets[0]) == admission.wait(tickets[1]) == "granted"
+    early = [admission.enter("a"), admission.enter("b", decode=True)]
+    tickets = cast(list[Ticket], early)
+    assert [ticket.state for ticket in tickets] == ["queued", "queued"]
+    assert admission.widen(3) == 3  # two decode slots: "b"'s decode takes one at once
+    assert (admission.slots, admission.decode_slots, admission.max_queued) == (1, 2, 4)
+    assert [ticket.state for ticket in tickets] == ["queued", "granted"]
+    assert admission.wait(tickets[1]) == "granted"
+    decode = admission.enter("c", decode=True)  # a decode slot is free: in, past the queue
+    prefill = admission.enter("c")  # no slot for it: it queues
+    assert decode is not None
+    assert prefill is not None
+    assert (decode.state, prefill.state) == ("granted", "queued")
     assert admission.widen(2) == 3  # never fewer
-    assert admission.widen(100) == 6  # at most every queue place
-    assert (admission.slots, admission.max_queued) == (6, 0)
-    assert tickets[2].state == "granted"
+    waiting = [admission.enter("a", decode=True), admission.enter("d", decode=True)]
+    assert all(ticket is not None and ticket.state == "queued" for ticket in waiting)
+    late = cast(list[Ticket], waiting)
+    # "a"'s decode waits behind "a"'s own earlier call: the freed decode slot goes to "d".
+    admission.done(decode)
+    assert [ticket.state for ticket in late] == ["queued", "granted"]
     stats = admission.stats()
-    assert (stats["queued"], stats["computing"], stats["max_queued"]) == (0, 4, 0)
-    assert admission.enter("c") is not None  # a free slot
-    assert admission.enter("c") is not None
-    assert admission.enter("c") is None  # six computing, no queue
+    assert (stats["queued"], stats["computing"]) == (3, 3)
+    assert admission.widen(100) == 3 + 4  # at most every queue place
+    assert (admission.decode_slots, admission.max_queued) == (6, 0)
+    # New decode slots go to decodes at their client's turn only: "a" still heads with a
+    # prefill, so its decode keeps waiting; "c"'s prefill never takes one.
+    assert [t.state for t in (tickets[0], prefill, late[0])] == ["queued", "queued", "queued"]
+    admission.done(held)  # the slot: "a"'s prefill (first in turn)
+    assert tickets[0].state == "granted"
+    admission.done(late[1])  # a decode slot: now "a"'s decode heads its queue
+    assert late[0].state == "granted"
+    for ticket in (tickets[0], tickets[1], late[0]):
+        admission.done(ticket)
+    assert prefill.state == "granted"
+    admission.done(prefill)
+    assert admission.wait_idle(0.0)
 
 
 # ----------------------------------------------------------------- the bound

@@ -7,8 +7,13 @@ see ``client_key``): each client's calls wait in their arrival order, and a free
 the clients with calls waiting in turn (round robin), so one client's flood delays another
 client's call by at most one call per client waiting, never by the flood's length.
 
-A server may widen the slots once its engine is loaded (:meth:`Admission.widen`): each new
-slot is one place of the queue, so the calls that may hold a thread stay as many.
+A server may add *decode slots* once its engine is loaded (:meth:`Admission.widen`): slots
+only single decodes take, so that every session's decode can reach the engine's scheduler and
+join one forward. Each is one place fewer in the queue, so the calls that may hold a thread
+stay as many. Other calls (prefills, batches) still get only ``slots`` at once: a client's
+flood of them waits here, fair per client, not in the engine's own first-come queue. A decode
+takes a decode slot first, and a slot when none is free; a freed decode slot goes to the next
+client in turn whose oldest waiting call is a decode.
 
 At most ``max_queued`` calls wait, all clients together. A call arriving at a full queue takes
 the place of the newest call of the client with the most waiting, when that client holds at
@@ -52,10 +57,22 @@ _QUEUED: Final = "queued"
 class Ticket:
     """One compute call's place: granted (it holds a slot) or waiting in its client's queue."""
 
-    __slots__ = ("_event", "abandoned", "client", "granted_at", "queued_at", "state")
+    __slots__ = (
+        "_event",
+        "abandoned",
+        "client",
+        "decode",
+        "granted_at",
+        "in_decode_slot",
+        "queued_at",
+        "state",
+    )
 
-    def __init__(self, client: str, now: float) -> None:
+    def __init__(self, client: str, now: float, decode: bool = False) -> None:
         self.client = client
+        self.decode = decode
+        """A single decode: it may take a decode slot."""
+        self.in_decode_slot = False
         self.queued_at = now
         self.granted_at = now
         self.state: Outcome | Literal["queued"] = "granted"
@@ -77,10 +94,13 @@ class Admission:
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
         self.slots = slots
+        self.decode_slots = 0
+        """Slots beyond ``slots`` that only single decodes take (see :meth:`widen`)."""
         self.max_queued = max_queued
         self._clock = clock
         self._lock = threading.Lock()
         self._free = slots
+        self._free_decode = 0
         self._queues: dict[str, collections.deque[Ticket]] = {}
         self._turns: collections.deque[str] = collections.deque()
         """Clients with calls waiting, in the order their next call is granted (each once)."""
@@ -92,21 +112,22 @@ class Admission:
         self._wait_s = 0.0
         self._wait_max_s = 0.0
 
-    def widen(self, slots: int) -> int:
-        """Raise the compute slots to ``slots`` (never lower them), taking each new slot from
-        the queue's places: ``slots + max_queued``, the calls that may hold a thread, stays
-        the same, so calls that are neither computing nor queued keep the threads they had.
-        Calls waiting get the new slots at once. Returns the slots now."""
+    def widen(self, decodes: int) -> int:
+        """Let up to ``decodes`` single decodes in at once (never fewer than before): decode
+        slots make up what ``slots`` lacks, each taken from the queue's places (``slots +
+        decode_slots + max_queued``, the calls that may hold a thread, stays the same).
+        Decodes waiting at their client's turn get the new slots at once. Returns how many
+        decodes may be in at once now."""
         with self._lock:
-            extra = min(max(0, slots - self.slots), self.max_queued)
-            self.slots += extra
+            extra = min(max(0, decodes - self.slots - self.decode_slots), self.max_queued)
+            self.decode_slots += extra
             self.max_queued -= extra
             granted = []
-            for _ in range(extra):
-                event = self._hand_over()
+            for _ in range(extra):  # each new decode slot: granted, or free
+                event = self._hand_over_decode()
                 if event is not None:
                     granted.append(event)
-            now = self.slots
+            now = self.slots + self.decode_slots
         for event in granted:
             event.set()
         return now
@@ -130,17 +151,22 @@ class Admission:
 
     # ----------------------------------------------------------------- queued calls
 
-    def enter(self, client: str) -> Ticket | None:
-        """A place for one of ``client``'s compute calls: granted at once when a slot is free
-        and nobody waits, else queued (:meth:`wait` for it). None: refused (the queue is full
-        and holds no client's call this one may take the place of, or the server drains:
-        :attr:`draining`)."""
+    def enter(self, client: str, decode: bool = False) -> Ticket | None:
+        """A place for one of ``client``'s compute calls (``decode``: a single decode, which
+        may take a decode slot): granted at once when a slot is free and nobody waits, or a
+        decode slot is free, else queued (:meth:`wait` for it). None: refused (the queue is
+        full and holds no client's call this one may take the place of, or the server
+        drains: :attr:`draining`)."""
         now = self._clock()
-        ticket = Ticket(client, now)
+        ticket = Ticket(client, now, decode)
         evicted: Ticket | None = None
         with self._lock:
             if self._closed:
                 return None
+            if decode and self._free_decode:
+                self._free_decode -= 1
+                ticket.in_decode_slot = True
+                return ticket
             if self._free and not self._queued:
                 self._free -= 1
                 return ticket
@@ -185,7 +211,7 @@ class Admission:
             state = ticket.state
             if state == "granted" and ticket.abandoned:
                 state = "ended"
-                granted = self._hand_over()
+                granted = self._hand_back(ticket)
             else:
                 granted = None
         if granted is not None:
@@ -214,7 +240,7 @@ class Admission:
         held = max(0.0, self._clock() - ticket.granted_at)
         with self._lock:
             self._estimate_s += _SMOOTHING * (held - self._estimate_s)
-            granted = self._hand_over()
+            granted = self._hand_back(ticket)
         if granted is not None:
             granted.set()
 
@@ -248,7 +274,11 @@ class Admission:
         passed; False then."""
         while True:
             with self._lock:
-                if self._free == self.slots and not self._queued:
+                if (
+                    self._free == self.slots
+                    and self._free_decode == self.decode_slots
+                    and not self._queued
+                ):
                     return True
             now = self._clock()
             if now >= deadline:
@@ -272,7 +302,7 @@ class Admission:
             return {
                 "queued": self._queued,
                 "max_queued": self.max_queued,
-                "computing": self.slots - self._free,
+                "computing": self.slots - self._free + self.decode_slots - self._free_decode,
                 "queued_calls": self._waited,
                 "queue_evicted": self._evicted,
                 "queue_wait_ms": self._wait_s * 1000.0,
@@ -293,17 +323,47 @@ class Admission:
                 self._turns.append(client)
             else:
                 del self._queues[client]
-            self._queued -= 1
-            now = self._clock()
-            ticket.state = "granted"
-            ticket.granted_at = now
-            waited = max(0.0, now - ticket.queued_at)
-            self._waited += 1
-            self._wait_s += waited
-            self._wait_max_s = max(self._wait_max_s, waited)
-            return ticket._event
+            return self._grant(ticket)
         self._free += 1
         return None
+
+    def _hand_back(self, ticket: Ticket) -> threading.Event | None:
+        """``ticket``'s slot came free: :meth:`_hand_over` a slot, or a decode slot to the
+        next client in turn whose oldest waiting call is a decode (kept free when none is)."""
+        if not ticket.in_decode_slot:
+            return self._hand_over()
+        return self._hand_over_decode()
+
+    def _hand_over_decode(self) -> threading.Event | None:
+        """A decode slot came free (under the lock): grant it as :meth:`_hand_over` grants a
+        slot, to the first client in turn whose oldest waiting call is a decode (each client's
+        calls keep their order), or keep it free."""
+        for client in self._turns:
+            queue = self._queues[client]
+            if not queue[0].decode:
+                continue
+            ticket = queue.popleft()
+            self._turns.remove(client)
+            if queue:
+                self._turns.append(client)
+            else:
+                del self._queues[client]
+            ticket.in_decode_slot = True
+            return self._grant(ticket)
+        self._free_decode += 1
+        return None
+
+    def _grant(self, ticket: Ticket) -> threading.Event | None:
+        """``ticket`` (out of its queue) holds a slot now; its event, to set outside the lock."""
+        self._queued -= 1
+        now = self._clock()
+        ticket.state = "granted"
+        ticket.granted_at = now
+        waited = max(0.0, now - ticket.queued_at)
+        self._waited += 1
+        self._wait_s += waited
+        self._wait_max_s = max(self._wait_max_s, waited)
+        return ticket._event
 
     def _unqueue(self, ticket: Ticket) -> None:
         queue = self._queues[ticket.client]

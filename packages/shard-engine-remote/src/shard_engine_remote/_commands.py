@@ -12,14 +12,15 @@ Loopback and unix sockets need nothing more; any other address is refused withou
 bearer token. Each client (mTLS identity, else connection) may make ``--rate-limit`` calls/s
 (bursts of ``--rate-burst``); beyond, calls get a retryable ResourceExhausted with
 ``retry_after_s`` while other clients are served. Compute calls beyond what the engine is
-given at once (``--workers`` - 4; without ``--workers``, 12 or ``--max-sessions`` when that is
-more, so that every session's decode can join one forward) wait in a queue fair per client,
-``--max-queued`` of them at most; beyond, they are refused (retryable ResourceExhausted with
-``retry_after_s``, which a remote engine waits out and retries). SIGTERM (or Ctrl-C) drains
-in-flight calls (new compute calls are refused naming the drain, queued ones are served within
-``--drain-seconds``), closes the engine and exits 0. ``--transport framed`` serves
-length-prefixed codec frames instead of gRPC (a fraction of gRPC's per-call cost) on a unix
-socket whose directory only this user may enter; clients then set ``"transport": "framed"``.
+given at once (``--workers`` - 4; without ``--workers``, 12, and as many single decodes as
+``--max-sessions`` when that is more, so that every session's decode can join one forward)
+wait in a queue fair per client, ``--max-queued`` of them at most; beyond, they are refused
+(retryable ResourceExhausted with ``retry_after_s``, which a remote engine waits out and
+retries). SIGTERM (or Ctrl-C) drains in-flight calls (new compute calls are refused naming the
+drain, queued ones are served within ``--drain-seconds``), closes the engine and exits 0.
+``--transport framed`` serves length-prefixed codec frames instead of gRPC (a fraction of
+gRPC's per-call cost) on a unix socket whose directory only this user may enter; clients then
+set ``"transport": "framed"``.
 
 Sessions: ``--max-sessions``, ``--max-context``, ``--kv-budget-tokens`` and ``--eviction`` are
 the engine's session policy; a session no call was served on for ``--session-idle-s`` (600 s;
@@ -262,7 +263,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         type=int,
         default=None,
         help="threads serving calls; the engine is given --workers - 4 compute calls at once "
-        "(default 16 threads, and as many compute calls as --max-sessions when that is more)",
+        "(default 16 threads, and as many single decodes as --max-sessions when that is more)",
     )
     from shard_engine_remote._admission import DEFAULT_MAX_QUEUED
 

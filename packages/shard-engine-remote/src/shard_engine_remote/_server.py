@@ -178,12 +178,13 @@ class EngineServer:
 
     ``max_workers`` threads serve calls; at most ``max_workers - 4`` of them compute at once so
     cancel, release, health and metrics are never starved. Without ``max_workers`` (16
-    threads), the compute slots also follow the engine once it is loaded: as many as its
-    ``max_sessions``, the most single decodes its scheduler runs as one forward, each slot
-    beyond 12 taken from the queue's places (see ``Admission.widen``; the threads calls may
-    hold stay as many). Fewer slots than callers decoding at once would split them: 16
-    callers of a spawned child given 12 calls at once ran as forwards of 12 and of 4 in turn,
-    at 0.45 of llama.cpp's own batch(16) (gemma3-270m). Compute calls beyond those slots
+    threads), single decodes may also reach the engine as many at once as it has sessions
+    (``max_sessions``, the most its scheduler runs as one forward) once it is loaded: the
+    slots beyond 12 are decode slots, each taken from the queue's places (see
+    ``Admission.widen``; the threads calls may hold stay as many), while prefills and batches
+    still get 12 and wait fairly beyond. Fewer slots than callers decoding at once would split
+    them: 16 callers of a spawned child given 12 calls at once ran as forwards of 12 and of 4
+    in turn, at 0.45 of llama.cpp's own batch(16) (gemma3-270m). Compute calls beyond those
     wait, ``max_queued`` of them at most (all clients together), in a queue fair per client
     (see :mod:`~shard_engine_remote._admission`; each holds a thread of its own while it
     waits); beyond, and for every new call while the server drains, they are refused (a
@@ -416,14 +417,17 @@ class EngineServer:
 
     @property
     def compute_slots(self) -> int:
-        """How many compute calls the engine is given at once now."""
-        return self._compute_slots.slots
+        """How many compute calls the engine may be given at once now (single decodes: other
+        calls get ``max_workers - 4``)."""
+        admission = self._compute_slots
+        return admission.slots + admission.decode_slots
 
     def _follow_engine(self, capabilities: api.Capabilities | None = None) -> None:
-        """Without ``max_workers`` given: as many compute slots as the loaded engine's
-        ``max_sessions`` (nothing while it is not loaded: a child's engine loads through its
-        first call, which calls this again with what the load returned). An engine not
-        loaded is never asked for its capabilities: its refusal would count in its metrics."""
+        """Without ``max_workers`` given: as many single decodes at once as the loaded
+        engine's ``max_sessions`` (nothing while it is not loaded: a child's engine loads
+        through its first call, which calls this again with what the load returned). An
+        engine not loaded is never asked for its capabilities: its refusal would count in its
+        metrics."""
         if not self._slots_follow_engine:
             return
         if capabilities is None:
@@ -944,7 +948,9 @@ class EngineServer:
         ticket: Ticket | None = None
         asked = time.perf_counter()
         if not slot_held:
-            ticket = self._compute_slots.enter(client_key(context))
+            ticket = self._compute_slots.enter(
+                client_key(context), decode=isinstance(request, api.DecodeRequest)
+            )
             if ticket is None:
                 raise self._refused()
         client = caller_key(context)
