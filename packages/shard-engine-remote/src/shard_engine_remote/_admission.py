@@ -316,14 +316,7 @@ class Admission:
         then goes last in turn), or keep it free. Returns the event to set, outside the
         lock."""
         if self._turns:
-            client = self._turns.popleft()
-            queue = self._queues[client]
-            ticket = queue.popleft()
-            if queue:
-                self._turns.append(client)
-            else:
-                del self._queues[client]
-            return self._grant(ticket)
+            return self._grant(self._take_turn(self._turns[0]))
         self._free += 1
         return None
 
@@ -339,19 +332,24 @@ class Admission:
         slot, to the first client in turn whose oldest waiting call is a decode (each client's
         calls keep their order), or keep it free."""
         for client in self._turns:
-            queue = self._queues[client]
-            if not queue[0].decode:
-                continue
-            ticket = queue.popleft()
-            self._turns.remove(client)
-            if queue:
-                self._turns.append(client)
-            else:
-                del self._queues[client]
-            ticket.in_decode_slot = True
-            return self._grant(ticket)
+            if self._queues[client][0].decode:
+                ticket = self._take_turn(client)
+                ticket.in_decode_slot = True
+                return self._grant(ticket)
         self._free_decode += 1
         return None
+
+    def _take_turn(self, client: str) -> Ticket:
+        """Take ``client``'s oldest waiting call out of its queue (under the lock); the client
+        goes last in turn when it has more waiting, else leaves the turns."""
+        queue = self._queues[client]
+        ticket = queue.popleft()
+        self._turns.remove(client)
+        if queue:
+            self._turns.append(client)
+        else:
+            del self._queues[client]
+        return ticket
 
     def _grant(self, ticket: Ticket) -> threading.Event | None:
         """``ticket`` (out of its queue) holds a slot now; its event, to set outside the lock."""
