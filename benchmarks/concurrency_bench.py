@@ -17,7 +17,7 @@ dense model (``_models``, n_embd 512, 8 layers, F16); the output says which:
 * ``spawned child``: one ``load_engine("remote", ...)`` with ``options={"spawn": "llama"}``
   (framed transport), N caller threads on it;
 * ``serve``: one ``shard-engine serve`` process (gRPC on loopback, its defaults: 16 threads,
-  and as many compute calls reach the engine at once as it has sessions), N clients (a remote
+  and as many single decodes reach the engine at once as it has sessions), N clients (a remote
   engine and a connection each), one thread each;
 * ``3 spawned shards``: the model in 3 shards, each in its own spawned child, N sessions
   through ``Pipeline.generate_many`` (one stage thread per shard, groups of sessions meeting at
@@ -738,29 +738,29 @@ def _print_targets(settings: Settings, table: Table, results: Results) -> None:
     )
     results.record(f"raw_n{n}_step_ms", round(step_ms, 2), "ms")
     raw_p99 = raw.percentile_ms(99)
+    raw_pooled = raw_p99 / step_ms
     results.record(f"raw_n{n}_p99_over_raw_step", round(raw.p99_over_step, 2), "x")
-    results.record(f"raw_n{n}_p99_over_raw_step_pooled", round(raw_p99 / step_ms, 2), "x")
+    results.record(f"raw_n{n}_p99_over_raw_step_pooled", round(raw_pooled, 2), "x")
     print(
         f"targets at N={n} (one raw batch({n}) step: {step_ms:.1f} ms. Latency ratios are taken "
         f"within each repetition, p99 over that repetition's raw median step, then the median "
         f"of the repetitions, as for the rates. Raw's own p99 step is "
         f"{_spread(raw.paired_p99_over_step)} its median: the machine's noise, which no caller "
-        f"of llama.cpp escapes; pooled over the repetitions {raw_p99 / step_ms:.2f}x):"
+        f"of llama.cpp escapes; pooled over the repetitions {raw_pooled:.2f}x):"
     )
     for key, target in TARGET_OF_RAW.items():
         cell = table[key][n]
         p99_over = cell.p99_over_step
-        pooled_over = cell.percentile_ms(99) / step_ms
+        p99_ms = cell.percentile_ms(99)
+        pooled_over = p99_ms / step_ms
         results.record(f"{key}_n{n}_p99_over_raw_step", round(p99_over, 2), "x")
         results.record(f"{key}_n{n}_p99_over_raw_step_pooled", round(pooled_over, 2), "x")
-        results.record(
-            f"{key}_n{n}_p99_over_raw_p99", round(cell.percentile_ms(99) / raw_p99, 2), "x"
-        )
+        results.record(f"{key}_n{n}_p99_over_raw_p99", round(p99_ms / raw_p99, 2), "x")
         print(
             f"  {key:<11} {cell.of_raw:.3f} of raw batch({n}) (target >= {target}) "
             f"{_mark(cell.of_raw >= target)}; p99 {_spread(cell.paired_p99_over_step)} a raw "
             f"step (target <= {TARGET_P99_OVER_STEP}) {_mark(p99_over <= TARGET_P99_OVER_STEP)}, "
-            f"pooled {pooled_over:.2f}x, {cell.percentile_ms(99) / raw_p99:.2f}x raw's own p99"
+            f"pooled {pooled_over:.2f}x, {p99_ms / raw_p99:.2f}x raw's own p99"
         )
     if 1 in ns:
         # The target is the pipeline as `shard-engine run --sessions` runs it on this host:

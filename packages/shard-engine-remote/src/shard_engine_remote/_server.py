@@ -107,8 +107,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_WORKERS: Final = 16
-"""Threads serving calls when ``max_workers`` is not given (then the compute slots also follow
-the engine's session limit, see :class:`EngineServer`)."""
+"""Threads serving calls when ``max_workers`` is not given (then single decodes also get decode
+slots up to the engine's session limit, see :class:`EngineServer`)."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = wire.DEFAULT_MAX_PAYLOAD_BYTES + (1 << 20)
 """The largest message either side accepts: the codec's payload limit plus room for headers."""
 
