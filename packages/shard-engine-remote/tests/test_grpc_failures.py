@@ -13,11 +13,13 @@ from concurrent import futures
 from typing import cast
 
 import grpc
+import msgspec
 import pytest
 from conftest import (
     RemoteFactory,
     ServeFactory,
     config,
+    decode,
     fill,
     free_port,
     prefill,
@@ -28,7 +30,12 @@ from conftest import (
 import shard_engine_api as api
 from shard_engine_remote import ClientSecurity, OutcomeUnknown, ServerSecurity
 from shard_engine_remote._framed.client import _ERROR_REASONS
-from shard_engine_remote._grpc_link import _SERVER_REFUSALS, GrpcLink, map_grpc_failures
+from shard_engine_remote._grpc_link import (
+    _SERVER_REFUSALS,
+    REFUSED_STREAM_RETRY_S,
+    GrpcLink,
+    map_grpc_failures,
+)
 from shard_engine_remote._grpc_options import REFUSAL_METADATA_KEY
 from shard_engine_remote._link import LinkFailure
 from shard_engine_remote._wire import (
@@ -256,6 +263,65 @@ def test_grpcios_call_limit_is_busy() -> None:
         release.set()
         holder.close()
         server.stop(None)
+
+
+class _RefusedStream(grpc.RpcError):
+    """grpcio's failure of a call whose stream the server's HTTP/2 layer refused, in the words
+    grpcio 1.85 gives it (seen with 28 threads on one connection to a server taking 32)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "Stream removed (RST_STREAM (Received RST_STREAM with error code 7))"
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def test_a_stream_the_servers_http2_layer_refused_is_busy_and_never_ran() -> None:
+    """RST_STREAM with REFUSED_STREAM (code 7) says the server refused the stream before any
+    processing: busy, not sent, to be sent again shortly. It was "connection lost, may have
+    run": OutcomeUnknown for a call that never ran, and a needless new connection."""
+    with pytest.raises(LinkFailure) as refused, map_grpc_failures():
+        raise _RefusedStream()
+    failure = refused.value
+    assert (failure.reason, failure.sent, failure.status) == ("busy", False, "UNAVAILABLE")
+    assert failure.retry_after_s == REFUSED_STREAM_RETRY_S
+
+
+def test_calls_over_a_connections_stream_limit_all_run_once(
+    serve: ServeFactory, remote: RemoteFactory
+) -> None:
+    """Forty threads on one remote engine (one connection) against a server whose connections
+    take 10 streams at once (``max_workers=5``): grpcio's server refuses some of their streams
+    (its count of a connection's streams lags the client's), which ran nothing; each is sent
+    again, and every call succeeds, once. Before, each such call was OutcomeUnknown."""
+    load = msgspec.structs.replace(config(), max_sessions=64)
+    server = serve(load, max_workers=5)
+    assert server.address is not None
+    engine = remote(config(target=server.address, timeout_s=120))
+    start = threading.Barrier(40)
+    failures: list[BaseException] = []
+
+    def client(n: int) -> None:
+        try:
+            start.wait(30)
+            prefill(engine, session=f"s{n}", request_id=f"p{n}")
+            for position in range(3, 23):
+                decode(engine, position, session=f"s{n}", request_id=f"d{n}")
+        except BaseException as error:  # noqa: BLE001 - reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+    metrics = server.engine.metrics()
+    assert (metrics.prefill_requests, metrics.decode_requests) == (40, 40 * 20)
 
 
 def test_a_missing_token_is_unauthenticated_by_its_status(serve: ServeFactory) -> None:

@@ -20,6 +20,7 @@ from conftest import (
     decode,
     delay,
     prefill,
+    ref,
     wait_until,
 )
 
@@ -140,6 +141,42 @@ def test_every_session_decoding_at_once_reaches_the_engine_as_one_forward(
     assert (metrics.coalesced_forwards, metrics.coalesced_max) == (1, len(others))
 
 
+@pytest.mark.parametrize("where", ["in_process", "spawn"])
+def test_a_grpc_server_loaded_by_its_first_call_takes_every_sessions_decode_at_once(
+    remote: RemoteFactory, where: str
+) -> None:
+    """A gRPC server whose engine its client loads (a spawned child, an in-process server)
+    learns the engine's sessions only after it started: its connections take as many streams
+    as its slots may ever widen to, so one worker's 39 sessions all decode at once and run as
+    one forward. They took 32 (twice its threads): the rest were refused by gRPC
+    (REFUSED_STREAM), sent again, and never all reached the engine together."""
+    load = msgspec.structs.replace(
+        config(
+            **{where: "fake"},
+            transport="grpc",
+            faults=delay("prefill", BLOCK_MS, session_id="block"),
+        ),
+        max_sessions=40,
+    )
+    engine = remote(load)
+    assert isinstance(engine, RemoteEngine)
+    others = [f"s{n}" for n in range(39)]
+    for session in others:
+        prefill(engine, session=session)
+    blocker = Background(lambda: prefill(engine, session="block", request_id="block"))
+    wait_until(lambda: engine.health().in_flight == 1, timeout=120)
+    decoders = [
+        Background(functools.partial(decode, engine, 3, session=session, request_id=session))
+        for session in others
+    ]
+    wait_until(lambda: engine.health().queued == len(others), timeout=120)
+    _unblock(engine, blocker)
+    for decoder in decoders:
+        assert isinstance(decoder.result(), api.LogitsResult)
+    metrics = engine.metrics()
+    assert (metrics.coalesced_forwards, metrics.coalesced_max) == (1, len(others))
+
+
 def test_prefills_still_get_twelve_slots_and_wait_fairly_beyond(
     serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
@@ -167,6 +204,29 @@ def test_prefills_still_get_twelve_slots_and_wait_fairly_beyond(
     assert server.engine.metrics().prefill_requests == 1 + 20 + 1
 
 
+def test_an_engine_of_many_sessions_keeps_half_the_queue_for_its_other_calls(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """An engine of 400 sessions gets 128 decode slots, not the queue's every place: the queue
+    keeps 128 of its 256, so a client's 20 prefills sent while a prefill holds the engine
+    reach it 11 at a time and the rest wait in the queue. With every place taken for decode
+    slots, they were refused as soon as the 12 slots were busy."""
+    load = msgspec.structs.replace(_blocking(), max_sessions=400)
+    server = serve(load, transport=transport)
+    assert server.address is not None
+    assert (server.compute_slots, server.stats().max_queued) == (12 + 128, 128)
+    engine = remote(config(target=server.address, transport=transport, retry_busy=False))
+    blocker = _block(engine, server)
+    flood = [_prefilling(engine, f"f{n}") for n in range(20)]
+    wait_until(lambda: server.engine.health().queued == 11, timeout=120)
+    _wait_queued(server, 9)
+    assert server.stats().busy == 0
+    _unblock(engine, blocker)
+    for call in flood:
+        assert isinstance(call.result(), api.LogitsResult)
+    assert server.engine.metrics().prefill_requests == 1 + 20
+
+
 def test_given_max_workers_the_slots_stay_as_given(serve: ServeFactory) -> None:
     """``max_workers`` given: ``max_workers - 4`` compute slots whatever the engine's sessions,
     and the queue keeps all its places."""
@@ -189,10 +249,10 @@ def test_a_spawned_childs_server_widens_its_slots_when_its_engine_loads(
 
 
 def test_admission_widens_with_decode_slots_taken_from_its_queue_places() -> None:
-    """``widen``: decode slots, each one place fewer in the queue (never below none), never
-    fewer than before. A decode takes one when the slots are full and calls queue; a prefill
-    never does; a freed decode slot goes to the next client in turn whose oldest waiting call
-    is a decode, never past a client's own earlier call."""
+    """``widen``: decode slots, each one place fewer in the queue (never below half its
+    places), never fewer than before. A decode takes one when the slots are full and calls
+    queue; a prefill never does; a freed decode slot goes to the next client in turn whose
+    oldest waiting call is a decode, never past a client's own earlier call."""
     admission = Admission(1, 6)
     held = admission.enter("a")
     assert held is not None
@@ -217,8 +277,8 @@ def test_admission_widens_with_decode_slots_taken_from_its_queue_places() -> Non
     assert [ticket.state for ticket in late] == ["queued", "granted"]
     stats = admission.stats()
     assert (stats["queued"], stats["computing"]) == (3, 3)
-    assert admission.widen(100) == 3 + 4  # at most every queue place
-    assert (admission.decode_slots, admission.max_queued) == (6, 0)
+    assert admission.widen(100) == 3 + 1  # at most down to half the queue's places
+    assert (admission.decode_slots, admission.max_queued, admission.queue_floor) == (3, 3, 3)
     # New decode slots go to decodes at their client's turn only: "a" still heads with a
     # prefill, so its decode keeps waiting; "c"'s prefill never takes one.
     assert [t.state for t in (tickets[0], prefill, late[0])] == ["queued", "queued", "queued"]
@@ -431,6 +491,58 @@ def test_the_remote_engine_retries_a_refused_call_until_it_runs(
     assert cast(api.ShardResult, call.result()).request_id == "prefill-p"
     assert server.engine.metrics().prefill_requests == 2
     assert patient.busy_retries == server.stats().busy
+
+
+def test_snapshot_streams_wait_for_their_compute_slot_and_beyond_their_slots_are_retried(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """A server of 5 threads has one compute slot and one stream slot. While a prefill holds
+    the compute slot, an export waits for it in the queue (it was refused: under concurrent
+    decodes most exports were), and a second export, beyond the stream slots, is refused
+    (ResourceExhausted with ``retry_after_s``: nothing ran), which the remote engine sends
+    again until it gets in, within its deadline (streams were not retried at all);
+    ``retry_busy=False`` raises the refusal at once. An import waits the same way."""
+    server = serve(_blocking(), transport=transport, max_workers=5)
+    assert server.address is not None
+    owner = remote(config(target=server.address, transport=transport))
+    first = remote(config(target=server.address, transport=transport))
+    patient = remote(config(target=server.address, transport=transport, timeout_s=120))
+    impatient = remote(config(target=server.address, transport=transport, retry_busy=False))
+    prefill(owner, session="x")
+    snapshot = owner.export_session(api.ExportSessionRequest(request_id="e0", session=ref("x")))
+
+    def export(engine: api.ShardEngine, request_id: str) -> Background:
+        request = api.ExportSessionRequest(request_id=request_id, session=ref("x"))
+        return Background(lambda: engine.export_session(request))
+
+    blocker = _block(owner, server)
+    waiting = export(first, "e1")
+    _wait_queued(server, 1)
+    assert server.stats().busy == 0
+    with pytest.raises(api.ResourceExhausted) as refused:
+        impatient.export_session(api.ExportSessionRequest(request_id="e2", session=ref("x")))
+    assert refused.value.details["resource"] == "server_threads"
+    assert isinstance(refused.value.details["retry_after_s"], float)
+    retried = export(patient, "e3")
+    wait_until(lambda: server.stats().busy >= 3, timeout=120)
+    assert patient.busy_retries >= 1
+    _unblock(owner, blocker)
+    for call in (waiting, retried):
+        exported = call.result()
+        assert isinstance(exported, api.SessionSnapshot)
+        assert exported.chunks == snapshot.chunks
+
+    blocker = _block(owner, server)
+    moved = msgspec.structs.replace(snapshot, session=ref("y"))
+    imported = Background(
+        lambda: patient.import_session(api.ImportSessionRequest(request_id="i", snapshot=moved))
+    )
+    _wait_queued(server, 1)
+    assert server.engine.health().sessions == 1  # "x" alone: nothing imported yet
+    _unblock(owner, blocker)
+    assert isinstance(imported.result(), api.ImportSessionResult)
+    assert server.engine.health().sessions == 2
+    assert server.stats().queued == 0
 
 
 def _refusal(retry_after: float) -> api.ErrorInfo:

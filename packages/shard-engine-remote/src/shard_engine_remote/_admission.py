@@ -10,10 +10,13 @@ client's call by at most one call per client waiting, never by the flood's lengt
 A server may add *decode slots* once its engine is loaded (:meth:`Admission.widen`): slots
 only single decodes take, so that every session's decode can reach the engine's scheduler and
 join one forward. Each is one place fewer in the queue, so the calls that may hold a thread
-stay as many. Other calls (prefills, batches) still get only ``slots`` at once: a client's
-flood of them waits here, fair per client, not in the engine's own first-come queue. A decode
-takes a decode slot first, and a slot when none is free; a freed decode slot goes to the next
-client in turn whose oldest waiting call is a decode.
+stay as many; half the queue's places are never taken (:attr:`Admission.queue_floor`), so an
+engine of many sessions still has a queue for its other calls (taking every place left a
+server of 268 or more sessions refusing a prefill as soon as its 12 slots were busy). Other
+calls (prefills, batches) still get only ``slots`` at once: a client's flood of them waits
+here, fair per client, not in the engine's own first-come queue. A decode takes a decode slot
+first, and a slot when none is free; a freed decode slot goes to the next client in turn whose
+oldest waiting call is a decode.
 
 At most ``max_queued`` calls wait, all clients together. A call arriving at a full queue takes
 the place of the newest call of the client with the most waiting, when that client holds at
@@ -97,6 +100,8 @@ class Admission:
         self.decode_slots = 0
         """Slots beyond ``slots`` that only single decodes take (see :meth:`widen`)."""
         self.max_queued = max_queued
+        self.queue_floor = max_queued // 2
+        """Places the queue keeps whatever :meth:`widen` takes for decode slots."""
         self._clock = clock
         self._lock = threading.Lock()
         self._free = slots
@@ -112,14 +117,24 @@ class Admission:
         self._wait_s = 0.0
         self._wait_max_s = 0.0
 
+    @property
+    def widenable(self) -> int:
+        """How many decode slots :meth:`widen` may still add."""
+        with self._lock:
+            return max(0, self.max_queued - self.queue_floor)
+
     def widen(self, decodes: int) -> int:
         """Let up to ``decodes`` single decodes in at once (never fewer than before): decode
         slots make up what ``slots`` lacks, each taken from the queue's places (``slots +
-        decode_slots + max_queued``, the calls that may hold a thread, stays the same).
+        decode_slots + max_queued``, the calls that may hold a thread, stays the same) down to
+        :attr:`queue_floor`.
         Decodes waiting at their client's turn get the new slots at once. Returns how many
         decodes may be in at once now."""
         with self._lock:
-            extra = min(max(0, decodes - self.slots - self.decode_slots), self.max_queued)
+            extra = min(
+                max(0, decodes - self.slots - self.decode_slots),
+                max(0, self.max_queued - self.queue_floor),
+            )  # at most what widenable says
             self.decode_slots += extra
             self.max_queued -= extra
             granted = []

@@ -17,11 +17,13 @@ Capabilities are the served engine's (evidence class, limits, determinism, finge
 ``engine`` = ``"remote"`` and ``engine_version`` naming both this package and the served engine;
 :meth:`RemoteEngine.served_capabilities` returns them unchanged.
 
-A compute call (prefill, decode, decode_batch) the server refused before running it, its
-compute queue being full (ResourceExhausted with ``retry_after_s``), is sent again after
+A call the server refused before running it, saying when to come back (ResourceExhausted
+with ``retry_after_s``: its compute queue full, its snapshot stream slots taken, or its HTTP/2
+layer refusing the call's stream over the connection's stream limit), is sent again after
 ``retry_after_s`` (with jitter, each wait at most :data:`MAX_RETRY_WAIT_S`) for as long as the
-call's ``timeout_s`` leaves room for the wait; then the refusal is raised (``retry_busy=False``:
-at once).
+call's timeout (``timeout_s``, ``control_timeout_s`` for calls that change nothing) leaves room
+for the wait; then the refusal is raised (``retry_busy=False``: at once). Compute calls and
+snapshot streams (export, import) are retried alike.
 Nothing else is retried: not the client's own rate limit, not a draining server's NotReady.
 
 Failures of the link (see :mod:`shard_engine_remote._errors`): a server that cannot be reached
@@ -43,7 +45,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar, Final, Literal, TypeVar
 
@@ -92,6 +94,7 @@ _REFUSED_BEFORE_RUNNING: Final = frozenset(("server_queue", "server_calls", "ser
 """The ``resource`` of a server's refusals that mean nothing of the call ran: its compute
 queue, its framed transport's queue, its snapshot stream slots."""
 _Reply = TypeVar("_Reply")
+_T = TypeVar("_T")
 
 _MAX_SNAPSHOT_BYTES: Final = 1 << 36
 """The largest exported state this side reassembles (the contract's own bound on snapshots)."""
@@ -151,9 +154,10 @@ class RemoteOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Framed transport: lend the server shared memory (a sealed memfd, Linux) in which large
     requests and replies (a tail's logits, a prefill's bundle) cross instead of the socket."""
     retry_busy: bool = True
-    """Send a compute call the server refused before running it (its queue full:
-    ResourceExhausted with ``retry_after_s``) again after that long, within ``timeout_s``;
-    False raises the refusal at once."""
+    """Send a call (a compute call, a snapshot stream, any other) the server refused before
+    running it (its queue or its stream slots full, its connection's stream limit reached:
+    ResourceExhausted with ``retry_after_s``) again after that long, within the call's
+    timeout; False raises the refusal at once."""
 
     def __post_init__(self) -> None:
         chosen = [name for name in ("target", "spawn", "in_process") if getattr(self, name)]
@@ -513,7 +517,17 @@ class RemoteEngine:
         that ends early or carries other bytes is MalformedOutput or ChecksumMismatch."""
         link, options = self._serving_link(restart=True)
         encoded = self._encoded(encode_request(request))
-        messages = link.export(encoded, options.timeout_s)
+        if not options.retry_busy:
+            return self._export_once(link, encoded, options.timeout_s)
+        return self._retrying(
+            lambda remaining: self._export_once(link, encoded, remaining), options.timeout_s
+        )
+
+    def _export_once(
+        self, link: Link, encoded: bytes, timeout: float | None
+    ) -> api.SessionSnapshot:
+        """One export stream (see :meth:`_export_unchecked`)."""
+        messages = link.export(encoded, timeout)
         try:
             first = next(messages, None)
             if first is None:
@@ -554,7 +568,7 @@ class RemoteEngine:
                     f"the export stream carries more than the {header.n_chunks} chunks it announced"
                 )
         except LinkFailure as error:
-            raise self._transport_failure(error, link, False, options.timeout_s) from None
+            raise self._transport_failure(error, link, False, timeout) from None
         finally:
             messages.cancel()
         snapshot = msgspec.structs.replace(header.snapshot, chunks=tuple(chunks))
@@ -576,19 +590,29 @@ class RemoteEngine:
         first = self._encoded(encode_header(header))
         for chunk in snapshot.chunks:
             self._encoded(chunk)
+        if not options.retry_busy:
+            return self._import_once(link, first, snapshot.chunks, options.timeout_s)
+        return self._retrying(
+            lambda remaining: self._import_once(link, first, snapshot.chunks, remaining),
+            options.timeout_s,
+        )
+
+    def _import_once(
+        self, link: Link, first: bytes, chunks: tuple[bytes, ...], timeout: float | None
+    ) -> api.ImportSessionResult:
+        """One import stream: the header ``first``, then ``chunks`` (see
+        :meth:`_import_unchecked`)."""
         sent_all = threading.Event()
 
         def messages() -> Iterator[bytes]:
             yield first
-            yield from snapshot.chunks
+            yield from chunks
             sent_all.set()
 
         try:
-            reply = link.import_(messages(), options.timeout_s)
+            reply = link.import_(messages(), timeout)
         except LinkFailure as error:
-            raise self._transport_failure(
-                error, link, sent_all.is_set(), options.timeout_s
-            ) from None
+            raise self._transport_failure(error, link, sent_all.is_set(), timeout) from None
         if isinstance(reply, Rejected):
             raise reply.error
         if isinstance(reply, api.ErrorInfo):
@@ -728,13 +752,21 @@ class RemoteEngine:
             restart=mutating or isinstance(message, CapabilitiesQuery)
         )
         timeout = options.timeout_s if mutating else options.control_timeout_s
-        if not (options.retry_busy and _is_compute(message)):
+        if not options.retry_busy:
             return self._roundtrip(link, message, timeout, mutating)
+        return self._retrying(
+            lambda remaining: self._roundtrip(link, message, remaining, mutating), timeout
+        )
+
+    def _retrying(self, attempt: Callable[[float | None], _T], timeout: float | None) -> _T:
+        """``attempt(timeout left)`` until it is not refused before running, waiting out each
+        refusal's ``retry_after_s`` (see :func:`_retry_wait`) while the deadline leaves room
+        for the wait; then the refusal is raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             try:
-                return self._roundtrip(link, message, remaining, mutating)
+                return attempt(remaining)
             except api.ResourceExhausted as refusal:
                 wait = _retry_wait(refusal)
                 if wait is None or (deadline is not None and time.monotonic() + wait >= deadline):
@@ -834,6 +866,8 @@ class RemoteEngine:
                 )
             case "request_too_large" | "busy":
                 too_large = reason == "request_too_large"
+                if failure.retry_after_s is not None:
+                    facts["retry_after_s"] = failure.retry_after_s
                 return api.ResourceExhausted(
                     f"{target} refused the call: {failure.message}",
                     retryable=not too_large,
@@ -893,10 +927,6 @@ class RemoteEngine:
                 f"the server answered {type(reply).__name__} where a shard result was expected"
             )
         return reply
-
-
-def _is_compute(message: RemoteRequest) -> bool:
-    return isinstance(message, api.PrefillRequest | api.DecodeRequest | api.DecodeBatchRequest)
 
 
 def _retry_wait(refusal: api.ResourceExhausted) -> float | None:

@@ -49,6 +49,11 @@ why, and whether the call may have reached its engine. The same as the framed tr
 ERROR frames for the same refusal (``RESOURCE_EXHAUSTED`` busy, ``DEADLINE_EXCEEDED`` an export
 taken too slowly; ``_framed.client``, pinned by test_grpc_failures.py)."""
 _RESOURCE_EXHAUSTED: Final = grpc.StatusCode.RESOURCE_EXHAUSTED
+_REFUSED_STREAM: Final = "RST_STREAM with error code 7"
+REFUSED_STREAM_RETRY_S: Final = 0.005
+"""How long a call whose stream the server's HTTP/2 layer refused waits before it is sent
+again (with the remote engine's jitter, within the call's deadline): the server's count of the
+connection's streams catches up within a few of its loop turns."""
 _GRPCIO_OWN_WORDS: Final[tuple[tuple[grpc.StatusCode, str, Reason, bool], ...]] = (
     # grpcio's message size filter on this side: a reply over this channel's
     # max_receive_message_length ("Stream removed (CLIENT: Received message larger than max
@@ -64,6 +69,12 @@ _GRPCIO_OWN_WORDS: Final[tuple[tuple[grpc.StatusCode, str, Reason, bool], ...]] 
     (_RESOURCE_EXHAUSTED, "SERVER: Received message larger than max", "request_too_large", False),
     # grpcio's server at its maximum_concurrent_rpcs: the call never reached a handler.
     (_RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!", "busy", False),
+    # The server's HTTP/2 layer refused the call's stream (RST_STREAM REFUSED_STREAM, code 7:
+    # "prior to performing any application processing", RFC 9113 8.7), as grpcio's server does
+    # for a stream over its connection's max_concurrent_streams: its count of a connection's
+    # streams lags the client's, so a client with as many calls in flight as the limit meets
+    # it. Nothing ran and the connection is sound: the server was busy.
+    (grpc.StatusCode.UNAVAILABLE, _REFUSED_STREAM, "busy", False),
     # grpcio's UNAVAILABLE for a call that found no connection: nothing was sent.
     (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", "connection_lost", False),
     (grpc.StatusCode.UNAVAILABLE, "Connection refused", "connection_lost", False),
@@ -98,7 +109,14 @@ def _failure(error: grpc.RpcError) -> LinkFailure:
         return LinkFailure(reason, details, sent=sent, status=code.name)
     for own_code, words, reason, sent in _GRPCIO_OWN_WORDS:
         if code == own_code and words in details:
-            return LinkFailure(reason, details, sent=sent, status=code.name)
+            refused_stream = words == _REFUSED_STREAM
+            return LinkFailure(
+                reason,
+                details,
+                sent=sent,
+                status=code.name,
+                retry_after_s=REFUSED_STREAM_RETRY_S if refused_stream else None,
+            )
     reason = _REASONS.get(code, "transport_error")
     return LinkFailure(reason, details, sent=reason not in _REFUSED, status=code.name)
 

@@ -54,7 +54,15 @@ class LinkFailure(Exception):
     """A call failed on its link. Raised by every :class:`Link` method for every failure of the
     transport (never the transport's own exceptions); engine errors are replies, not this."""
 
-    def __init__(self, reason: Reason, message: str, *, sent: bool, status: str) -> None:
+    def __init__(
+        self,
+        reason: Reason,
+        message: str,
+        *,
+        sent: bool,
+        status: str,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.reason: Reason = reason
         self.message = message
@@ -65,10 +73,19 @@ class LinkFailure(Exception):
         self.status = status
         """The failure in gRPC's status vocabulary (``UNAVAILABLE``, ``DATA_LOSS``, ...), which
         both transports speak on the wire: a fact for the error's details, never decided on."""
+        self.retry_after_s = retry_after_s
+        """For a ``busy`` refusal that surely ran nothing and passes at once (a stream the
+        server's HTTP/2 layer refused): how long to wait before sending the call again."""
 
     def unsent(self) -> LinkFailure:
         """This failure, known not to have carried its request."""
-        return LinkFailure(self.reason, self.message, sent=False, status=self.status)
+        return LinkFailure(
+            self.reason,
+            self.message,
+            sent=False,
+            status=self.status,
+            retry_after_s=self.retry_after_s,
+        )
 
 
 class Stream(Protocol):

@@ -308,7 +308,7 @@ class EngineServer:
                 # Twice the threads, and at least as many as the engine is given compute
                 # calls at once and 4 control calls: one worker's sessions decoding at once
                 # must all reach it, and its cancel too.
-                streams_per_connection=max(2 * workers, self.compute_slots + 4),
+                streams_per_connection=max(2 * workers, self._widest_compute_slots() + 4),
                 max_connections=max_connections,
                 handshake_timeout_s=handshake_timeout_s,
                 connection_idle_s=connection_idle_s,
@@ -421,6 +421,17 @@ class EngineServer:
         calls get ``max_workers - 4``)."""
         admission = self._compute_slots
         return admission.slots + admission.decode_slots
+
+    def _widest_compute_slots(self) -> int:
+        """:attr:`compute_slots`, or, while the slots are still to follow an engine that is not
+        loaded (a spawned child's, an in-process server's: its client loads it), the most they
+        may widen to. gRPC fixes a connection's stream limit when the server starts: at twice
+        the threads (32), one worker's 39 sessions decoding at once on a child never all
+        reached its engine."""
+        admission = self._compute_slots
+        if self._slots_follow_engine and self.engine.health().state not in ("ready", "degraded"):
+            return admission.slots + admission.decode_slots + admission.widenable
+        return self.compute_slots
 
     def _follow_engine(self, capabilities: api.Capabilities | None = None) -> None:
         """Without ``max_workers`` given: as many single decodes at once as the loaded
@@ -609,10 +620,12 @@ class EngineServer:
         takes too long (see :meth:`stream_due`); closing it frees its slots at once."""
         started = time.perf_counter()
         self.counters.call_started()
-        held = False
+        held: Ticket | None = None
         try:
-            refused = self._rate_limited(context) or self._take_stream_slots()
-            held = refused is None
+            refused = self._rate_limited(context)
+            if refused is None:
+                taken = self._take_stream_slots(context)
+                refused, held = (taken, None) if isinstance(taken, api.ErrorInfo) else (None, taken)
             reply: api.SessionSnapshot | api.ErrorInfo = (
                 refused
                 if refused is not None
@@ -628,8 +641,8 @@ class EngineServer:
             yield encode_header(header)
             yield from reply.chunks
         finally:
-            if held:
-                self._release_stream_slots()
+            if held is not None:
+                self._release_stream_slots(held)
             self.counters.call_ended()
 
     def _grpc_export(
@@ -715,16 +728,19 @@ class EngineServer:
         ``stream_idle_s`` of the previous message: the transport sees to it)."""
         started = time.perf_counter()
         self.counters.call_started()
-        held = False
+        held: Ticket | None = None
         try:
-            refused = self._rate_limited(context) or self._take_stream_slots()
+            refused = self._rate_limited(context)
             if refused is not None:
                 return refused
-            held = True
+            taken = self._take_stream_slots(context)
+            if isinstance(taken, api.ErrorInfo):
+                return taken
+            held = taken
             return self._guarded(functools.partial(self._import_stream, messages, context))
         finally:
-            if held:
-                self._release_stream_slots()
+            if held is not None:
+                self._release_stream_slots(held)
             self.counters.call_ended()
             self.latency.record_call("import", time.perf_counter() - started)
 
@@ -739,19 +755,39 @@ class EngineServer:
             "s of grace)"
         )
 
-    def _take_stream_slots(self) -> api.ErrorInfo | None:
-        """Take a stream's slot and the compute slot it holds throughout; else the busy
-        refusal (retryable)."""
-        if self._stream_slots.acquire(blocking=False):
-            if self._compute_slots.acquire(blocking=False):
-                return None
+    def _take_stream_slots(self, context: CallContext) -> Ticket | api.ErrorInfo:
+        """Take a stream's slot, then the compute slot the stream holds throughout, waiting
+        for it in the fair queue as a compute call does (the ticket that holds it); else the
+        refusal: the server serves as many streams as it has threads for (retryable, with
+        ``retry_after_s``), the queue is full or the server drains, or the stream ended while
+        it waited. Streams that found every compute slot busy were refused, and under
+        concurrent decodes most of them were: 40 threads mixing decodes with exports on one
+        spawned child had 234 of 326 exports refused."""
+        if not self._stream_slots.acquire(blocking=False):
+            return self._busy(
+                "the server serves as many snapshot streams as it has threads for"
+            ).to_info()
+        admission = self._compute_slots
+        ticket = admission.enter(client_key(context))
+        if ticket is None:
             self._stream_slots.release()
-        return self._busy(
-            "the server serves as many snapshot streams as it has threads for"
-        ).to_info()
+            return self._refused().to_info()
 
-    def _release_stream_slots(self) -> None:
-        self._compute_slots.release()
+        def ended() -> None:  # the stream ended: a waiting one leaves the queue
+            admission.withdraw(ticket, "ended")
+
+        outcome: Outcome = "ended"
+        if context.add_callback(ended):
+            outcome = admission.wait(ticket)
+        else:  # the stream ended before it waited
+            self._leave_queue(ticket)
+        if outcome != "granted":
+            self._stream_slots.release()
+            return self._left_queue(outcome, "snapshot stream").to_info()
+        return ticket
+
+    def _release_stream_slots(self, ticket: Ticket) -> None:
+        self._compute_slots.done(ticket)
         self._stream_slots.release()
 
     def _busy(self, message: str) -> api.ResourceExhausted:
