@@ -5,6 +5,7 @@ states are refused with a typed error, the slot left empty and the engine servin
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -112,6 +113,106 @@ def _positions(engine: LlamaEngine, slot: int) -> int:
 def _continue(pipeline: Pipeline, session: SessionRef, start: int) -> Iterator[np.ndarray]:
     for offset, token in enumerate(DECODED):
         yield pipeline.decode(session, start + offset, token).array()
+
+
+def _reversed_rows(data: memoryview, section: _state.CacheSection) -> list[bytes]:
+    """The layer fields and tensors of ``section`` (see ``_state``'s layout) with every cell's
+    K row, V row or transposed V elements moved to the mirrored cell."""
+    cells = section.cell_count
+    parts: list[bytes] = []
+    offset = section.data_start
+    parts.append(bytes(data[offset : offset + 8]))  # v_trans, n_layer
+    offset += 8
+
+    def mirrored(width: int) -> bytes:
+        block = np.frombuffer(data, np.uint8, width * cells, offset).reshape(cells, width)
+        return block[::-1].tobytes()
+
+    for kind in ("k", "v"):
+        for _ in range(section.n_layers):
+            if kind == "v" and section.v_trans:
+                _, element, n_embd = struct.unpack_from("<iII", data, offset)
+                parts.append(bytes(data[offset : offset + 12]))
+                offset += 12
+                for _ in range(n_embd):
+                    parts.append(mirrored(element))
+                    offset += element * cells
+            else:
+                _, row = struct.unpack_from("<iQ", data, offset)
+                parts.append(bytes(data[offset : offset + 12]))
+                offset += 12
+                parts.append(mirrored(row))
+                offset += row * cells
+    assert offset == section.data_end
+    return parts
+
+
+def _scramble_cells(engine: LlamaEngine, slot: int) -> list[int]:
+    """Rewrite ``slot``'s cache with its cells in reverse position order (the same positions,
+    K and V), as llama.cpp may keep them after rollbacks freed cells below others; returns
+    the positions in cell order that llama.cpp then writes for the slot."""
+    import llama_cpp  # the engine loaded it
+
+    runtime = engine._runtime
+    assert runtime is not None
+    n_stream = runtime.settings.n_seq_max
+    with runtime._lock:
+        context = runtime._require_open()
+        raw = bytes(runtime._raw_state(context, slot))
+        state = _state.parse(raw, n_stream=n_stream, seq_id=slot, **runtime._state_limits())
+        data = memoryview(raw)
+        parts: list[bytes | memoryview] = [raw[:8]]
+        for section in state.sections:
+            parts.append(struct.pack("<I", n_stream))
+            if section.cell_count == 0:
+                parts.append(bytes(4 * n_stream))
+                continue
+            cells = section.cell_count
+            table = np.frombuffer(
+                raw, dtype="<i4", count=3 * cells, offset=section.data_start - 12 * cells
+            ).reshape(cells, 3)
+            parts += [bytes(4 * slot), struct.pack("<I", cells), table[::-1].tobytes()]
+            parts += _reversed_rows(data, section)
+            parts.append(bytes(4 * (n_stream - slot - 1)))
+        blob = b"".join(parts)
+        assert len(blob) == len(raw)
+        llama_cpp.llama_memory_seq_rm(runtime._memory, slot, -1, -1)
+        buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        assert llama_cpp.llama_state_seq_set_data(context, buffer, len(blob), slot) == len(blob)
+        written = bytes(runtime._raw_state(context, slot))
+    (cells,) = struct.unpack_from("<I", written, 12 + 4 * slot)
+    start = 16 + 4 * slot
+    return [int(pos) for pos in np.frombuffer(written, "<i4", 3 * cells, start)[::3]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cells_out_of_position_order_export_as_the_session_in_order(
+    models: dict[str, Path], family: str
+) -> None:
+    """llama.cpp keeps a sequence's positions in whatever cells it finds free (after a
+    rollback freed cells below others, later positions land below earlier ones) and writes
+    its state in cell order. A session so kept exports the same snapshot as the same session
+    in order, and the engine keeps serving: the export refused such a state as one it did not
+    know and failed the engine (seen with 16 threads and random cancels on a spawned child)."""
+    engine = _load(models[family], 0, N_LAYERS)
+    try:
+        engine.prefill(
+            PrefillRequest(
+                request_id="p", session=S, start_pos=0, inputs=TokenInput(token_ids=PROMPT)
+            )
+        )
+        before = export_snapshot(engine, S)
+        positions = _scramble_cells(engine, _slot(engine, S))
+        assert positions != sorted(positions)
+        after = export_snapshot(engine, S)
+        assert (after.chunks, after.checksum, after.length) == (
+            before.chunks,
+            before.checksum,
+            before.length,
+        )
+        assert engine.health().state == "ready"
+    finally:
+        engine.close()
 
 
 S: Final = SessionRef(session_id="moving", epoch=3)

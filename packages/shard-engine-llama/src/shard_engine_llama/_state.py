@@ -106,6 +106,9 @@ class CacheSection:
     n_layers: int
     data_start: int
     data_end: int
+    order: tuple[int, ...] | None = None
+    """The cells in position order, when the blob lists them otherwise (see :func:`parse`'s
+    ``any_order``): ``order[k]`` is the cell holding position ``first_position + k``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +245,7 @@ def parse(
     v_trans: int | None = None,
     geometry: Geometry | None = None,
     check_values: bool = False,
+    any_order: bool = False,
 ) -> SequenceState:
     """Check ``blob`` field by field and return where its parts are.
 
@@ -250,8 +254,11 @@ def parse(
     sequence may hold. ``kv_ggml_type``, ``v_trans``: the context's KV tensor type and V
     layout, when given. ``geometry``: the layer count and row widths the context allows.
     ``check_values``: refuse K and V elements that are not finite or exceed
-    :data:`MAX_KV_MAGNITUDE` (a state from elsewhere). Raises StateFormatError for anything
-    else.
+    :data:`MAX_KV_MAGNITUDE` (a state from elsewhere). ``any_order``: the cells may list
+    their positions in any order (a blob this context wrote: llama.cpp writes a sequence's
+    cells in cell order, and after a rollback freed cells below others it places later
+    positions in them), recorded in each section's ``order``; else they must be in position
+    order (the portable form). Raises StateFormatError for anything else.
     """
     data = memoryview(blob).cast("B")
     reader = _Reader(data)
@@ -286,10 +293,21 @@ def parse(
                     f"{where}: cell {cell} belongs to {int(table[cell, 1])} sequence(s) "
                     f"(id {int(table[cell, 2])}), expected only sequence {seq_id}"
                 )
-            first = int(table[0, 0])
-            misplaced = np.flatnonzero(table[:, 0] != first + np.arange(cells, dtype=np.int64))
+            positions = table[:, 0]
+            order: tuple[int, ...] | None = None
+            if any_order and np.any(positions[1:] < positions[:-1]):
+                permutation = np.argsort(positions, kind="stable")
+                positions = positions[permutation]
+                order = tuple(int(cell) for cell in permutation)
+            first = int(positions[0])
+            misplaced = np.flatnonzero(positions != first + np.arange(cells, dtype=np.int64))
             if first < 0 or misplaced.size:
                 cell = int(misplaced[0]) if misplaced.size else 0
+                if order is not None:
+                    raise StateFormatError(
+                        f"{where}: the cells hold positions {first}.. with a gap or a repeat "
+                        f"at the {cell}th in order ({int(positions[cell])})"
+                    )
                 raise StateFormatError(
                     f"{where}: cell {cell} is at position {int(table[cell, 0])}; positions "
                     "must be contiguous and increasing from 0 or a window start"
@@ -298,7 +316,7 @@ def parse(
             flag, n_layers = _cache_data(
                 reader, cells, where, kv_ggml_type, v_trans, geometry, check_values
             )
-            section = CacheSection(first, cells, flag, n_layers, start, reader.offset)
+            section = CacheSection(first, cells, flag, n_layers, start, reader.offset, order)
         sections.append(section or CacheSection(0, 0, False, 0, reader.offset, reader.offset))
     if reader.offset != len(data):
         raise StateFormatError(
@@ -321,9 +339,48 @@ def parse(
     return SequenceState(length, tuple(sections))
 
 
+def _ordered_data(
+    data: memoryview, section: CacheSection, order: tuple[int, ...]
+) -> list[bytes | memoryview]:
+    """The layer fields and tensors of ``section`` with its cells put in position order
+    (``order``, see :class:`CacheSection`): each K row, each V row and, for a transposed V,
+    each channel's element of a cell moves with its cell."""
+    cells = section.cell_count
+    cell_order = np.asarray(order, dtype=np.intp)
+
+    def moved(offset: int, width: int) -> bytes:
+        block = np.frombuffer(data, dtype=np.uint8, count=width * cells, offset=offset)
+        return block.reshape(cells, width)[cell_order].tobytes()
+
+    parts: list[bytes | memoryview] = [data[section.data_start : section.data_start + 8]]
+    offset = section.data_start + 8
+    for _ in range(section.n_layers):
+        _, row = _K_LAYER.unpack_from(data, offset)
+        parts += [data[offset : offset + _K_LAYER.size], moved(offset + _K_LAYER.size, row)]
+        offset += _K_LAYER.size + row * cells
+    for _ in range(section.n_layers):
+        if section.v_trans:
+            _, element, n_embd = _V_TRANS_LAYER.unpack_from(data, offset)
+            parts.append(data[offset : offset + _V_TRANS_LAYER.size])
+            offset += _V_TRANS_LAYER.size
+            for _ in range(n_embd):
+                parts.append(moved(offset, element))
+                offset += element * cells
+        else:
+            _, row = _K_LAYER.unpack_from(data, offset)
+            parts += [data[offset : offset + _K_LAYER.size], moved(offset + _K_LAYER.size, row)]
+            offset += _K_LAYER.size + row * cells
+    return parts
+
+
 def _padded_data(data: memoryview, section: CacheSection, pad: int) -> list[bytes | memoryview]:
     """The layer fields and tensors of ``section`` with ``pad`` zero cells in front of its
-    first cell (the cell count itself is written by the caller)."""
+    first cell (the cell count itself is written by the caller), its cells in position
+    order."""
+    if section.order is not None:
+        if pad:
+            raise StateFormatError("cells out of position order cannot be padded")
+        return _ordered_data(data, section, section.order)
     if pad == 0:
         return [data[section.data_start : section.data_end]]
     cells = section.cell_count
@@ -419,7 +476,9 @@ def portable(
     prefix: bytes = b"",
 ) -> tuple[bytes, SequenceState]:
     """The portable form (one stream, sequence 0) of a blob this context wrote for
-    ``seq_id``, after ``prefix``, and what it holds."""
+    ``seq_id``, after ``prefix``, and what it holds. Its cells are in position order whatever
+    cells llama.cpp keeps them in: a session's snapshot does not depend on how rollbacks left
+    its cells (an export of cells out of position order failed, and failed the engine)."""
     state = parse(
         blob,
         n_stream=n_stream,
@@ -429,6 +488,7 @@ def portable(
         kv_ggml_type=kv_ggml_type,
         v_trans=v_trans,
         geometry=geometry,
+        any_order=True,
     )
     portable_blob = _rebuild(
         blob, state, n_stream=1, stream=0, seq_id=0, pad_windows=False, prefix=prefix
