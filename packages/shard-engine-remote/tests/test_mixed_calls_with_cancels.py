@@ -6,13 +6,16 @@ flight. Whatever interleaving the machine gives, every call ends in a result or 
 (never a hang, never an untyped error, never an engine failure, a refusal or an unknown
 outcome), and an engine of the same kind replaying, one call at a time, every call that was
 not cancelled gives the same outcome: the same error, or the same output (bit for bit when the
-engine declares batch invariance, else within its tolerance). No assertion is on a duration.
+engine declares batch invariance, else within its tolerance). Closing the engine amid such
+calls ends every one of them with a result or with what is true (closed, cancelled, outcome
+unknown), at once. No assertion is on a duration.
 
 Found this way: a spawned child refused most snapshot streams while decodes held its compute
 slots (and nothing retried them); gRPC's REFUSED_STREAM was an unknown outcome; and the llama
 engine failed for good on an export after rollbacks left a session's cells out of position
 order (about 1 run in 20 on a loaded machine, so one pass here proves little; the cases are
-pinned by their own tests)."""
+pinned by their own tests); and an export during close() escaped as the link's own exception,
+reported as MalformedOutput, and a call waiting out a refusal ended with the refusal."""
 
 from __future__ import annotations
 
@@ -73,6 +76,8 @@ class _Run:
         self.in_flight: dict[str, None] = {}
         self.calls: dict[int, list[tuple[str, object, Outcome]]] = {}
         self.untyped: list[str] = []
+        self.ended = 0
+        """Calls ended so far (all threads)."""
         self._ids = iter(range(1 << 62))
 
     def request_id(self) -> str:
@@ -95,9 +100,10 @@ class _Run:
             self.untyped.append(f"{operation}: {error!r}")
             result, outcome = error, ("untyped", repr(error))
         finally:
-            if request_id is not None:
-                with self.lock:
+            with self.lock:
+                if request_id is not None:
                     self.in_flight.pop(request_id, None)
+                self.ended += 1
         self.calls.setdefault(thread, []).append((operation, request, outcome))
         return result
 
@@ -313,3 +319,60 @@ def test_llama_mixed_calls_with_cancels_match_a_serial_replay(how: str, tmp_path
     finally:
         engine.close()
         serial.close()
+
+
+_AFTER_CLOSE: Final = frozenset({"Cancelled", "NotReady", "OutcomeUnknown", "CacheMiss"})
+"""What a call may end in when its engine is closed under it (besides a result): cancelled, the
+engine closed, an outcome the closed link can no longer report, or the wrong-position decodes
+the scripts make on purpose."""
+
+
+@pytest.mark.parametrize("how", ["in-process", "spawned", "grpc"])
+def test_closing_amid_mixed_calls_ends_every_call_with_what_is_true(how: str) -> None:
+    """16 threads making every kind of call on the fake engine (forwards held 3 ms half the
+    time), and close() once 100 calls have ended: every thread ends, every call ends in a
+    result or in one of Cancelled, NotReady, OutcomeUnknown and the scripts' own CacheMiss
+    (never MalformedOutput, a refusal or an exception outside the contract), and every call
+    after close() is NotReady."""
+    load = _fake()
+    faults = {"seed": 5, "rules": [{"action": _DELAY, "probability": 0.5}]}
+    where = {"in-process": {}, "spawned": {"spawn": "fake"}, "grpc": {"in_process": "fake"}}
+    options: dict[str, object] = {"faults": faults, **where[how]}
+    if how == "grpc":
+        options["transport"] = "grpc"
+    name = "fake" if how == "in-process" else "remote"
+    engine = api.load_engine(name, msgspec.structs.replace(load, options=options))
+    run = _Run(engine, 5)
+    stop = threading.Event()
+    canceller = threading.Thread(target=run.cancel_at_random, args=(stop, 0.01))
+    scripts = [threading.Thread(target=run.script, args=(n,)) for n in range(16)]
+    try:
+        canceller.start()
+        for thread in scripts:
+            thread.start()
+        while run.ended < 100:
+            if not any(thread.is_alive() for thread in scripts):
+                break
+            stop.wait(0.01)
+    finally:
+        engine.close()
+    for thread in scripts:
+        thread.join(120)
+    stop.set()
+    canceller.join(60)
+    assert not any(thread.is_alive() for thread in [*scripts, canceller]), "a call hung"
+    assert run.untyped == []
+    for index, calls in run.calls.items():
+        for operation, _, outcome in calls:
+            if outcome[0] == "error":
+                assert outcome[1] in _AFTER_CLOSE, f"t{index} {operation}: {outcome}"
+    with pytest.raises(api.NotReady):
+        engine.capabilities()
+    late = api.DecodeRequest(
+        request_id="late",
+        session=api.SessionRef(session_id="t0s0", epoch=1),
+        pos=0,
+        inputs=api.TokenInput(token_ids=(1,)),
+    )
+    with pytest.raises(api.NotReady):
+        engine.decode(late)

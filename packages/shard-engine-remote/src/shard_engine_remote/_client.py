@@ -527,7 +527,12 @@ class RemoteEngine:
         self, link: Link, encoded: bytes, timeout: float | None
     ) -> api.SessionSnapshot:
         """One export stream (see :meth:`_export_unchecked`)."""
-        messages = link.export(encoded, timeout)
+        try:
+            # Opening the stream fails as its messages do (a link closed or lost meanwhile):
+            # the contract's error, never the link's own.
+            messages = link.export(encoded, timeout)
+        except LinkFailure as error:
+            raise self._transport_failure(error, link, False, timeout) from None
         try:
             first = next(messages, None)
             if first is None:
@@ -771,9 +776,10 @@ class RemoteEngine:
                 wait = _retry_wait(refusal)
                 if wait is None or (deadline is not None and time.monotonic() + wait >= deadline):
                     raise  # the server's estimate does not fit in the deadline: say so now
-                # Nothing of the call ran: sending it again is safe. close() ends the wait.
+                # Nothing of the call ran: sending it again is safe. close() ends the wait,
+                # and the call with what is true now: the engine was closed.
                 if self._closing.wait(min(wait, MAX_RETRY_WAIT_S)):
-                    raise
+                    raise api.NotReady("remote engine was closed", retryable=False) from refusal
                 with self._retries_lock:
                     self._busy_retries += 1
 
