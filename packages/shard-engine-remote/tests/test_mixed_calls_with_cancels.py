@@ -8,7 +8,9 @@ outcome), and an engine of the same kind replaying, one call at a time, every ca
 not cancelled gives the same outcome: the same error, or the same output (bit for bit when the
 engine declares batch invariance, else within its tolerance). Closing the engine amid such
 calls ends every one of them with a result or with what is true (closed, cancelled, outcome
-unknown), at once. No assertion is on a duration.
+unknown), at once. On an engine that evicts (LRU), every session keeps its account: the length
+its thread last learned, or 0 once evicted, and the KV use is their sum. No assertion is on a
+duration.
 
 Found this way: a spawned child refused most snapshot streams while decodes held its compute
 slots (and nothing retried them); gRPC's REFUSED_STREAM was an unknown outcome; and the llama
@@ -376,3 +378,150 @@ def test_closing_amid_mixed_calls_ends_every_call_with_what_is_true(how: str) ->
     )
     with pytest.raises(api.NotReady):
         engine.decode(late)
+
+
+def _evicting_script(run: _Run, thread: int, sessions: dict[str, list[int]]) -> None:
+    """Prefills, decodes, batches and releases on the thread's two sessions of an engine
+    that evicts (LRU): a CacheMiss tells the session's committed length (0 once evicted),
+    which the script goes on from."""
+    rng = random.Random(run.seed * 100 + thread)
+    for _ in range(_CALLS):
+        name = rng.choice(sorted(sessions))
+        epoch, length = sessions[name]
+        ref = api.SessionRef(session_id=name, epoch=epoch)
+        draw = rng.random()
+        result: object
+        if length == 0 or length > 50 or draw < 0.1:
+            start = 0 if length in (0,) or length > 50 else rng.randrange(0, length + 1)
+            count = rng.randint(1, 8)
+            tokens = tuple(rng.randrange(run.vocab) for _ in range(count))
+            result = run.call(
+                thread,
+                "prefill",
+                api.PrefillRequest(
+                    request_id=run.request_id(),
+                    session=ref,
+                    start_pos=start,
+                    inputs=api.TokenInput(token_ids=tokens),
+                ),
+            )
+            if not isinstance(result, BaseException):
+                sessions[name][1] = start + count
+        elif draw < 0.8:
+            result = run.call(
+                thread,
+                "decode",
+                api.DecodeRequest(
+                    request_id=run.request_id(),
+                    session=ref,
+                    pos=length,
+                    inputs=api.TokenInput(token_ids=(rng.randrange(run.vocab),)),
+                ),
+            )
+            if not isinstance(result, BaseException):
+                sessions[name][1] = length + 1
+        elif draw < 0.9:
+            items = tuple(
+                api.DecodeRequest(
+                    request_id=run.request_id(),
+                    session=api.SessionRef(session_id=other, epoch=known[0]),
+                    pos=known[1],
+                    inputs=api.TokenInput(token_ids=(1,)),
+                )
+                for other, known in sorted(sessions.items())
+                if known[1] > 0
+            )
+            batch = api.DecodeBatchRequest(request_id=run.request_id(), items=items)
+            result = run.call(thread, "decode_batch", batch)
+            if isinstance(result, api.DecodeBatchResult):
+                for item, answer in zip(items, result.items, strict=True):
+                    known = sessions[item.session.session_id]
+                    if not isinstance(answer, api.ErrorInfo):
+                        known[1] += 1
+                    elif answer.code == "cache_miss":
+                        committed = answer.details.get("committed_length", 0)
+                        known[1] = committed if isinstance(committed, int) else 0
+            continue
+        else:
+            result = run.call(thread, "release", api.ReleaseRequest(session=ref))
+            if not isinstance(result, BaseException):
+                sessions[name] = [epoch + 1, 0]
+        if isinstance(result, api.CacheMiss):
+            sessions[name][1] = result.committed_length
+
+
+@pytest.mark.parametrize("how", ["in-process", "spawned", "grpc", "llama"])
+def test_lru_eviction_amid_mixed_calls_keeps_every_sessions_account(
+    how: str, tmp_path: Path
+) -> None:
+    """16 threads, two sessions each, on an engine of 12 sessions that evicts the least
+    recently used, with cancels landing at random: which sessions are evicted depends on the
+    interleaving, so no replay, but every call ends in a result or in Cancelled or CacheMiss;
+    afterwards each session answers the length its thread last learned (or 0, evicted), and
+    the engine's KV use is their sum."""
+    if how == "llama" and not _LLAMA:
+        pytest.skip("shard-engine-llama (llama-cpp-python) is not installed")
+    if how == "llama":
+        from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
+
+        model = str(tiny_model_path(tmp_path))
+        shard = api.ShardSpec(
+            model=model, n_layers=TINY_MODEL_LAYERS, start=0, end=TINY_MODEL_LAYERS
+        )
+        load = api.LoadConfig(shard=shard)
+    else:
+        load = _fake()
+    load = msgspec.structs.replace(
+        load, eviction="lru", max_sessions=12, max_context=64, kv_budget_tokens=12 * 64
+    )
+    if how == "llama":
+        engine = api.load_engine("llama", load)
+    else:
+        faults = {"seed": 4, "rules": [{"action": _DELAY, "probability": 0.5}]}
+        where = {"in-process": {}, "spawned": {"spawn": "fake"}, "grpc": {"in_process": "fake"}}
+        options: dict[str, object] = {"faults": faults, **where[how]}
+        if how == "grpc":
+            options["transport"] = "grpc"
+        name = "fake" if how == "in-process" else "remote"
+        engine = api.load_engine(name, msgspec.structs.replace(load, options=options))
+    try:
+        run = _Run(engine, 4)
+        accounts = {n: {f"t{n}s{k}": [1, 0] for k in range(2)} for n in range(16)}
+        stop = threading.Event()
+        canceller = threading.Thread(target=run.cancel_at_random, args=(stop, 0.005))
+        scripts = [
+            threading.Thread(target=_evicting_script, args=(run, n, accounts[n])) for n in range(16)
+        ]
+        canceller.start()
+        for thread in scripts:
+            thread.start()
+        for thread in scripts:
+            thread.join(300)
+        stop.set()
+        canceller.join(60)
+        assert not any(thread.is_alive() for thread in [*scripts, canceller]), "a call hung"
+        assert run.untyped == []
+        for index, calls in run.calls.items():
+            for operation, _, outcome in calls:
+                if outcome[0] == "error":
+                    assert outcome[1] in ("Cancelled", "CacheMiss"), (
+                        f"t{index} {operation}: {outcome}"
+                    )
+        held = 0
+        for sessions in accounts.values():
+            for session, (epoch, length) in sessions.items():
+                probe = api.DecodeRequest(
+                    request_id="probe",
+                    session=api.SessionRef(session_id=session, epoch=epoch),
+                    pos=63,
+                    inputs=api.TokenInput(token_ids=(1,)),
+                )
+                with pytest.raises(api.CacheMiss) as miss:
+                    engine.decode(probe)
+                committed = miss.value.committed_length
+                assert committed in (length, 0), (session, epoch, length, committed)
+                held += committed
+        health = engine.health()
+        assert (health.in_flight, health.kv_used_tokens) == (0, held)
+    finally:
+        engine.close()
