@@ -9,7 +9,8 @@ not cancelled gives the same outcome: the same error, or the same output (bit fo
 engine declares batch invariance, else within its tolerance). Closing the engine amid such
 calls ends every one of them with a result or with what is true (closed, cancelled, outcome
 unknown), at once. On an engine that evicts (LRU), every session keeps its account: the length
-its thread last learned, or 0 once evicted, and the KV use is their sum. No assertion is on a
+its thread last learned, or 0 once evicted, and the KV use is their sum. A server stopping
+amid such calls ends every one of them with a result or a typed error. No assertion is on a
 duration.
 
 Found this way: a spawned child refused most snapshot streams while decodes held its compute
@@ -524,4 +525,69 @@ def test_lru_eviction_amid_mixed_calls_keeps_every_sessions_account(
         health = engine.health()
         assert (health.in_flight, health.kv_used_tokens) == (0, held)
     finally:
+        engine.close()
+
+
+_AFTER_DRAIN: Final = frozenset(
+    {"Cancelled", "NotReady", "RemoteUnavailable", "OutcomeUnknown", "CacheMiss"}
+)
+"""What a call may end in when its server stops under it (besides a result): cancelled, the
+drain's refusal (NotReady), the server gone before the call reached it (RemoteUnavailable),
+a connection closed under a call the client cannot know ran (OutcomeUnknown: a framed server
+closes with calls still unread in the socket), or the scripts' wrong-position decodes."""
+
+
+@pytest.mark.parametrize("transport", ["grpc", "framed"])
+def test_a_server_stopping_amid_mixed_calls_ends_every_call(transport: str, tmp_path: Path) -> None:
+    """4 clients, 16 threads of mixed calls, and the server stops (a 1 s grace) once 150
+    calls have ended: every thread ends, every call ends in a result or in one of
+    :data:`_AFTER_DRAIN`, never in an exception outside the contract."""
+    from shard_engine_remote import EngineServer
+    from shard_engine_remote._framed import FramedServer
+
+    load = _fake()
+    faults = {"seed": 6, "rules": [{"action": _DELAY, "probability": 0.5}]}
+    engine = api.load_engine("fake", msgspec.structs.replace(load, options={"faults": faults}))
+    server = EngineServer(engine)
+    serving: EngineServer | FramedServer = server
+    if transport == "framed":
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        serving = FramedServer(server)
+        address = serving.start(private / "engine.sock")
+    else:
+        address = server.start("127.0.0.1:0")
+    clients = [
+        api.load_engine(
+            "remote",
+            msgspec.structs.replace(load, options={"target": address, "transport": transport}),
+        )
+        for _ in range(4)
+    ]
+    runs = [_Run(client, 6 + index) for index, client in enumerate(clients)]
+    scripts = [
+        threading.Thread(target=run.script, args=(10 * index + n,))
+        for index, run in enumerate(runs)
+        for n in range(4)
+    ]
+    try:
+        for thread in scripts:
+            thread.start()
+        waiting = threading.Event()
+        while sum(run.ended for run in runs) < 150 and any(t.is_alive() for t in scripts):
+            waiting.wait(0.01)
+        serving.stop(grace=1.0)
+        for thread in scripts:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in scripts), "a call hung"
+        for run in runs:
+            assert run.untyped == []
+            for index, calls in run.calls.items():
+                for operation, _, outcome in calls:
+                    if outcome[0] == "error":
+                        assert outcome[1] in _AFTER_DRAIN, f"t{index} {operation}: {outcome}"
+    finally:
+        for client in clients:
+            client.close()
+        serving.stop(grace=0.0)
         engine.close()
