@@ -43,6 +43,7 @@ overflow a score would turn every later session in the slot into NaN.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -339,76 +340,62 @@ def parse(
     return SequenceState(length, tuple(sections))
 
 
-def _ordered_data(
-    data: memoryview, section: CacheSection, order: tuple[int, ...]
+def _section_data(
+    data: memoryview,
+    section: CacheSection,
+    cell_rows: Callable[[memoryview, int], list[bytes | memoryview]],
 ) -> list[bytes | memoryview]:
-    """The layer fields and tensors of ``section`` with its cells put in position order
-    (``order``, see :class:`CacheSection`): each K row, each V row and, for a transposed V,
-    each channel's element of a cell moves with its cell."""
-    cells = section.cell_count
-    cell_order = np.asarray(order, dtype=np.intp)
-
-    def moved(offset: int, width: int) -> bytes:
-        block = np.frombuffer(data, dtype=np.uint8, count=width * cells, offset=offset)
-        return block.reshape(cells, width)[cell_order].tobytes()
-
-    parts: list[bytes | memoryview] = [data[section.data_start : section.data_start + 8]]
-    offset = section.data_start + 8
-    for _ in range(section.n_layers):
-        _, row = _K_LAYER.unpack_from(data, offset)
-        parts += [data[offset : offset + _K_LAYER.size], moved(offset + _K_LAYER.size, row)]
-        offset += _K_LAYER.size + row * cells
-    for _ in range(section.n_layers):
-        if section.v_trans:
-            _, element, n_embd = _V_TRANS_LAYER.unpack_from(data, offset)
-            parts.append(data[offset : offset + _V_TRANS_LAYER.size])
-            offset += _V_TRANS_LAYER.size
-            for _ in range(n_embd):
-                parts.append(moved(offset, element))
-                offset += element * cells
-        else:
-            _, row = _K_LAYER.unpack_from(data, offset)
-            parts += [data[offset : offset + _K_LAYER.size], moved(offset + _K_LAYER.size, row)]
-            offset += _K_LAYER.size + row * cells
-    return parts
-
-
-def _padded_data(data: memoryview, section: CacheSection, pad: int) -> list[bytes | memoryview]:
-    """The layer fields and tensors of ``section`` with ``pad`` zero cells in front of its
-    first cell (the cell count itself is written by the caller), its cells in position
-    order."""
-    if section.order is not None:
-        if pad:
-            raise StateFormatError("cells out of position order cannot be padded")
-        return _ordered_data(data, section, section.order)
-    if pad == 0:
-        return [data[section.data_start : section.data_end]]
+    """The layer fields and tensors of ``section`` (the cell count itself is written by the
+    caller), each block of per-cell rows (a layer's K rows, its V rows, or for a transposed V
+    one channel's element of every cell) replaced by ``cell_rows(block, row width)``."""
     cells = section.cell_count
     parts: list[bytes | memoryview] = [data[section.data_start : section.data_start + 8]]
     offset = section.data_start + 8
+
+    def rows(width: int) -> None:
+        nonlocal offset
+        parts.extend(cell_rows(data[offset : offset + width * cells], width))
+        offset += width * cells
+
     for _ in range(section.n_layers):
         _, row = _K_LAYER.unpack_from(data, offset)
-        parts += [data[offset : offset + _K_LAYER.size], bytes(pad * row)]
+        parts.append(data[offset : offset + _K_LAYER.size])
         offset += _K_LAYER.size
-        parts.append(data[offset : offset + row * cells])
-        offset += row * cells
+        rows(row)
     for _ in range(section.n_layers):
         if section.v_trans:
             # One row per V channel, each holding every cell's element of that channel.
             _, element, n_embd = _V_TRANS_LAYER.unpack_from(data, offset)
             parts.append(data[offset : offset + _V_TRANS_LAYER.size])
             offset += _V_TRANS_LAYER.size
-            zeros = bytes(pad * element)
             for _ in range(n_embd):
-                parts += [zeros, data[offset : offset + element * cells]]
-                offset += element * cells
+                rows(element)
         else:
             _, row = _K_LAYER.unpack_from(data, offset)
-            parts += [data[offset : offset + _K_LAYER.size], bytes(pad * row)]
+            parts.append(data[offset : offset + _K_LAYER.size])
             offset += _K_LAYER.size
-            parts.append(data[offset : offset + row * cells])
-            offset += row * cells
+            rows(row)
     return parts
+
+
+def _padded_data(data: memoryview, section: CacheSection, pad: int) -> list[bytes | memoryview]:
+    """The layer fields and tensors of ``section`` with ``pad`` zero cells in front of its
+    first cell, its cells in position order (each K row, each V row and, for a transposed V,
+    each channel's element of a cell moves with its cell; see :class:`CacheSection`)."""
+    order = section.order
+    if order is not None:
+        if pad:
+            raise StateFormatError("cells out of position order cannot be padded")
+        cell_order = np.asarray(order, dtype=np.intp)
+
+        def ordered(block: memoryview, width: int) -> list[bytes | memoryview]:
+            rows = np.frombuffer(block, dtype=np.uint8).reshape(len(order), width)
+            return [rows[cell_order].tobytes()]
+
+        return _section_data(data, section, ordered)
+    if pad == 0:
+        return [data[section.data_start : section.data_end]]
+    return _section_data(data, section, lambda block, width: [bytes(pad * width), block])
 
 
 def _rebuild(
