@@ -121,7 +121,10 @@ class Admission:
     def widenable(self) -> int:
         """How many decode slots :meth:`widen` may still add."""
         with self._lock:
-            return max(0, self.max_queued - self.queue_floor)
+            return self._widenable()
+
+    def _widenable(self) -> int:
+        return max(0, self.max_queued - self.queue_floor)
 
     def widen(self, decodes: int) -> int:
         """Let up to ``decodes`` single decodes in at once (never fewer than before): decode
@@ -131,10 +134,7 @@ class Admission:
         Decodes waiting at their client's turn get the new slots at once. Returns how many
         decodes may be in at once now."""
         with self._lock:
-            extra = min(
-                max(0, decodes - self.slots - self.decode_slots),
-                max(0, self.max_queued - self.queue_floor),
-            )  # at most what widenable says
+            extra = min(max(0, decodes - self.slots - self.decode_slots), self._widenable())
             self.decode_slots += extra
             self.max_queued -= extra
             granted = []

@@ -517,10 +517,10 @@ class RemoteEngine:
         that ends early or carries other bytes is MalformedOutput or ChecksumMismatch."""
         link, options = self._serving_link(restart=True)
         encoded = self._encoded(encode_request(request))
-        if not options.retry_busy:
-            return self._export_once(link, encoded, options.timeout_s)
         return self._retrying(
-            lambda remaining: self._export_once(link, encoded, remaining), options.timeout_s
+            lambda remaining: self._export_once(link, encoded, remaining),
+            options.timeout_s,
+            options.retry_busy,
         )
 
     def _export_once(
@@ -595,11 +595,10 @@ class RemoteEngine:
         first = self._encoded(encode_header(header))
         for chunk in snapshot.chunks:
             self._encoded(chunk)
-        if not options.retry_busy:
-            return self._import_once(link, first, snapshot.chunks, options.timeout_s)
         return self._retrying(
             lambda remaining: self._import_once(link, first, snapshot.chunks, remaining),
             options.timeout_s,
+            options.retry_busy,
         )
 
     def _import_once(
@@ -757,16 +756,21 @@ class RemoteEngine:
             restart=mutating or isinstance(message, CapabilitiesQuery)
         )
         timeout = options.timeout_s if mutating else options.control_timeout_s
-        if not options.retry_busy:
-            return self._roundtrip(link, message, timeout, mutating)
         return self._retrying(
-            lambda remaining: self._roundtrip(link, message, remaining, mutating), timeout
+            lambda remaining: self._roundtrip(link, message, remaining, mutating),
+            timeout,
+            options.retry_busy,
         )
 
-    def _retrying(self, attempt: Callable[[float | None], _T], timeout: float | None) -> _T:
+    def _retrying(
+        self, attempt: Callable[[float | None], _T], timeout: float | None, retry: bool
+    ) -> _T:
         """``attempt(timeout left)`` until it is not refused before running, waiting out each
         refusal's ``retry_after_s`` (see :func:`_retry_wait`) while the deadline leaves room
-        for the wait; then the refusal is raised."""
+        for the wait; then the refusal is raised. Without ``retry`` (``retry_busy=False``),
+        one attempt."""
+        if not retry:
+            return attempt(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()

@@ -428,10 +428,12 @@ class EngineServer:
         may widen to. gRPC fixes a connection's stream limit when the server starts: at twice
         the threads (32), one worker's 39 sessions decoding at once on a child never all
         reached its engine."""
-        admission = self._compute_slots
-        if self._slots_follow_engine and self.engine.health().state not in ("ready", "degraded"):
-            return admission.slots + admission.decode_slots + admission.widenable
+        if self._slots_follow_engine and not self._engine_loaded():
+            return self.compute_slots + self._compute_slots.widenable
         return self.compute_slots
+
+    def _engine_loaded(self) -> bool:
+        return self.engine.health().state in ("ready", "degraded")
 
     def _follow_engine(self, capabilities: api.Capabilities | None = None) -> None:
         """Without ``max_workers`` given: as many single decodes at once as the loaded
@@ -442,7 +444,7 @@ class EngineServer:
         if not self._slots_follow_engine:
             return
         if capabilities is None:
-            if self.engine.health().state not in ("ready", "degraded"):
+            if not self._engine_loaded():
                 return
             try:
                 capabilities = self.engine.capabilities()
