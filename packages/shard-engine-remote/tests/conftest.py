@@ -10,7 +10,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -98,6 +98,33 @@ def decode(
             inputs=api.TokenInput(token_ids=(token,)),
         )
     )
+
+
+def sessions_at_once(engines: Sequence[api.ShardEngine], steps: int) -> None:
+    """One thread per entry of ``engines`` (an engine may be several entries), all started
+    together: thread ``n`` prefills session ``s{n}`` with 3 tokens, then decodes it ``steps``
+    times. Every call must succeed and no thread may hang."""
+    start = threading.Barrier(len(engines))
+    failures: list[BaseException] = []
+
+    def client(n: int, engine: api.ShardEngine) -> None:
+        try:
+            start.wait(30)
+            prefill(engine, session=f"s{n}", request_id=f"p{n}")
+            for position in range(3, 3 + steps):
+                decode(engine, position, session=f"s{n}", request_id=f"d{n}")
+        except BaseException as error:  # noqa: BLE001 - reported below
+            failures.append(error)
+
+    threads = [
+        threading.Thread(target=client, args=(n, engine)) for n, engine in enumerate(engines)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -19,10 +19,10 @@ from conftest import (
     RemoteFactory,
     ServeFactory,
     config,
-    decode,
     fill,
     free_port,
     prefill,
+    sessions_at_once,
     slow_reader_channel,
     wait_until,
 )
@@ -301,25 +301,7 @@ def test_calls_over_a_connections_stream_limit_all_run_once(
     server = serve(load, max_workers=5)
     assert server.address is not None
     engine = remote(config(target=server.address, timeout_s=120))
-    start = threading.Barrier(40)
-    failures: list[BaseException] = []
-
-    def client(n: int) -> None:
-        try:
-            start.wait(30)
-            prefill(engine, session=f"s{n}", request_id=f"p{n}")
-            for position in range(3, 23):
-                decode(engine, position, session=f"s{n}", request_id=f"d{n}")
-        except BaseException as error:  # noqa: BLE001 - reported below
-            failures.append(error)
-
-    threads = [threading.Thread(target=client, args=(n,)) for n in range(40)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not any(thread.is_alive() for thread in threads)
-    assert failures == []
+    sessions_at_once([engine] * 40, 20)
     metrics = server.engine.metrics()
     assert (metrics.prefill_requests, metrics.decode_requests) == (40, 40 * 20)
 

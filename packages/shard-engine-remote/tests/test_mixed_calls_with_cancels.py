@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Final
 
@@ -253,21 +253,53 @@ def _check(run: _Run, serial: api.ShardEngine) -> None:
     assert kinds.get("decode:ok", 0) > 0, kinds
 
 
+def _drive(
+    run: _Run,
+    script: Callable[[int], None],
+    threads: int,
+    pause_s: float,
+    *,
+    join_s: float = 300.0,
+    interrupt: Callable[[], None] | None = None,
+    after: int = 0,
+) -> None:
+    """``script(n)`` on ``threads`` threads beside ``run``'s canceller (a cancel every
+    ``pause_s`` at most); with ``interrupt``, called once ``after`` calls have ended (or every
+    thread has). No thread may hang."""
+    stop = threading.Event()
+    canceller = threading.Thread(target=run.cancel_at_random, args=(stop, pause_s))
+    scripts = [threading.Thread(target=script, args=(n,)) for n in range(threads)]
+    canceller.start()
+    for thread in scripts:
+        thread.start()
+    if interrupt is not None:
+        try:
+            while run.ended < after and any(thread.is_alive() for thread in scripts):
+                stop.wait(0.01)
+        finally:
+            interrupt()
+    for thread in scripts:
+        thread.join(join_s)
+    stop.set()
+    canceller.join(60)
+    assert not any(thread.is_alive() for thread in [*scripts, canceller]), "a call hung"
+
+
+def _errors_within(run: _Run, allowed: Collection[str]) -> None:
+    """Every call of ``run`` ended in a result or in an error named in ``allowed``, never in
+    an exception outside the contract."""
+    assert run.untyped == []
+    for index, calls in run.calls.items():
+        for operation, _, outcome in calls:
+            if outcome[0] == "error":
+                assert outcome[1] in allowed, f"t{index} {operation}: {outcome}"
+
+
 def _run(
     engine: api.ShardEngine, serial: api.ShardEngine, seed: int, threads: int, pause_s: float
 ) -> None:
     run = _Run(engine, seed)
-    stop = threading.Event()
-    canceller = threading.Thread(target=run.cancel_at_random, args=(stop, pause_s))
-    scripts = [threading.Thread(target=run.script, args=(n,)) for n in range(threads)]
-    canceller.start()
-    for thread in scripts:
-        thread.start()
-    for thread in scripts:
-        thread.join(300)
-    stop.set()
-    canceller.join(60)
-    assert not any(thread.is_alive() for thread in [*scripts, canceller]), "a call hung"
+    _drive(run, run.script, threads, pause_s)
     _check(run, serial)
 
 
@@ -278,6 +310,29 @@ def _fake(n_layers: int = 6) -> api.LoadConfig:
     return api.LoadConfig(shard=shard, max_sessions=1024, kv_budget_tokens=1 << 20)
 
 
+def _fake_engine(how: str, seed: int, load: api.LoadConfig) -> api.ShardEngine:
+    """The fake engine of ``load``, its forwards held 3 ms half the time (so cancels land on
+    queued, coalesced and running calls): loaded here ("in-process"), in a spawned child
+    ("spawned", framed) or behind an in-process gRPC server ("grpc")."""
+    faults = {"seed": seed, "rules": [{"action": _DELAY, "probability": 0.5}]}
+    where = {"in-process": {}, "spawned": {"spawn": "fake"}, "grpc": {"in_process": "fake"}}
+    options: dict[str, object] = {"faults": faults, **where[how]}
+    if how == "grpc":
+        options["transport"] = "grpc"
+    name = "fake" if how == "in-process" else "remote"
+    return api.load_engine(name, msgspec.structs.replace(load, options=options))
+
+
+def _tiny_llama(directory: Path) -> api.LoadConfig:
+    """The whole generated tiny llama model (written in ``directory``)."""
+    from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
+
+    model = str(tiny_model_path(directory))
+    return api.LoadConfig(
+        shard=api.ShardSpec(model=model, n_layers=TINY_MODEL_LAYERS, start=0, end=TINY_MODEL_LAYERS)
+    )
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("how", ["in-process", "spawned", "grpc"])
 def test_fake_mixed_calls_with_cancels_match_a_serial_replay(how: str, seed: int) -> None:
@@ -285,13 +340,7 @@ def test_fake_mixed_calls_with_cancels_match_a_serial_replay(how: str, seed: int
     on queued, coalesced and running calls): loaded here, in a spawned child (framed), or
     behind an in-process gRPC server."""
     load = _fake()
-    faults = {"seed": seed, "rules": [{"action": _DELAY, "probability": 0.5}]}
-    where = {"in-process": {}, "spawned": {"spawn": "fake"}, "grpc": {"in_process": "fake"}}
-    options: dict[str, object] = {"faults": faults, **where[how]}
-    if how == "grpc":
-        options["transport"] = "grpc"
-    name = "fake" if how == "in-process" else "remote"
-    engine = api.load_engine(name, msgspec.structs.replace(load, options=options))
+    engine = _fake_engine(how, seed, load)
     serial = api.load_engine("fake", load)
     try:
         _run(engine, serial, seed, threads=32, pause_s=0.004)
@@ -305,14 +354,8 @@ def test_fake_mixed_calls_with_cancels_match_a_serial_replay(how: str, seed: int
 def test_llama_mixed_calls_with_cancels_match_a_serial_replay(how: str, tmp_path: Path) -> None:
     """12 threads on the llama engine on the generated tiny model, loaded here or in a
     spawned child."""
-    from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
-
-    model = tiny_model_path(tmp_path)
-    shard = api.ShardSpec(
-        model=str(model), n_layers=TINY_MODEL_LAYERS, start=0, end=TINY_MODEL_LAYERS
-    )
-    load = api.LoadConfig(
-        shard=shard, max_sessions=200, max_context=128, kv_budget_tokens=200 * 128
+    load = msgspec.structs.replace(
+        _tiny_llama(tmp_path), max_sessions=200, max_context=128, kv_budget_tokens=200 * 128
     )
     spawned = msgspec.structs.replace(load, options={"spawn": "llama"})
     engine = api.load_engine(*(("remote", spawned) if how == "spawned" else ("llama", load)))
@@ -337,38 +380,13 @@ def test_closing_amid_mixed_calls_ends_every_call_with_what_is_true(how: str) ->
     result or in one of Cancelled, NotReady, OutcomeUnknown and the scripts' own CacheMiss
     (never MalformedOutput, a refusal or an exception outside the contract), and every call
     after close() is NotReady."""
-    load = _fake()
-    faults = {"seed": 5, "rules": [{"action": _DELAY, "probability": 0.5}]}
-    where = {"in-process": {}, "spawned": {"spawn": "fake"}, "grpc": {"in_process": "fake"}}
-    options: dict[str, object] = {"faults": faults, **where[how]}
-    if how == "grpc":
-        options["transport"] = "grpc"
-    name = "fake" if how == "in-process" else "remote"
-    engine = api.load_engine(name, msgspec.structs.replace(load, options=options))
+    engine = _fake_engine(how, 5, _fake())
     run = _Run(engine, 5)
-    stop = threading.Event()
-    canceller = threading.Thread(target=run.cancel_at_random, args=(stop, 0.01))
-    scripts = [threading.Thread(target=run.script, args=(n,)) for n in range(16)]
     try:
-        canceller.start()
-        for thread in scripts:
-            thread.start()
-        while run.ended < 100:
-            if not any(thread.is_alive() for thread in scripts):
-                break
-            stop.wait(0.01)
+        _drive(run, run.script, 16, 0.01, join_s=120.0, interrupt=engine.close, after=100)
     finally:
         engine.close()
-    for thread in scripts:
-        thread.join(120)
-    stop.set()
-    canceller.join(60)
-    assert not any(thread.is_alive() for thread in [*scripts, canceller]), "a call hung"
-    assert run.untyped == []
-    for index, calls in run.calls.items():
-        for operation, _, outcome in calls:
-            if outcome[0] == "error":
-                assert outcome[1] in _AFTER_CLOSE, f"t{index} {operation}: {outcome}"
+    _errors_within(run, _AFTER_CLOSE)
     with pytest.raises(api.NotReady):
         engine.capabilities()
     late = api.DecodeRequest(
@@ -393,7 +411,7 @@ def _evicting_script(run: _Run, thread: int, sessions: dict[str, list[int]]) -> 
         draw = rng.random()
         result: object
         if length == 0 or length > 50 or draw < 0.1:
-            start = 0 if length in (0,) or length > 50 else rng.randrange(0, length + 1)
+            start = 0 if length == 0 or length > 50 else rng.randrange(0, length + 1)
             count = rng.randint(1, 8)
             tokens = tuple(rng.randrange(run.vocab) for _ in range(count))
             result = run.call(
@@ -462,52 +480,20 @@ def test_lru_eviction_amid_mixed_calls_keeps_every_sessions_account(
     the engine's KV use is their sum."""
     if how == "llama" and not _LLAMA:
         pytest.skip("shard-engine-llama (llama-cpp-python) is not installed")
-    if how == "llama":
-        from shard_engine_llama._fixtures import TINY_MODEL_LAYERS, tiny_model_path
-
-        model = str(tiny_model_path(tmp_path))
-        shard = api.ShardSpec(
-            model=model, n_layers=TINY_MODEL_LAYERS, start=0, end=TINY_MODEL_LAYERS
-        )
-        load = api.LoadConfig(shard=shard)
-    else:
-        load = _fake()
+    load = _tiny_llama(tmp_path) if how == "llama" else _fake()
     load = msgspec.structs.replace(
         load, eviction="lru", max_sessions=12, max_context=64, kv_budget_tokens=12 * 64
     )
-    if how == "llama":
-        engine = api.load_engine("llama", load)
-    else:
-        faults = {"seed": 4, "rules": [{"action": _DELAY, "probability": 0.5}]}
-        where = {"in-process": {}, "spawned": {"spawn": "fake"}, "grpc": {"in_process": "fake"}}
-        options: dict[str, object] = {"faults": faults, **where[how]}
-        if how == "grpc":
-            options["transport"] = "grpc"
-        name = "fake" if how == "in-process" else "remote"
-        engine = api.load_engine(name, msgspec.structs.replace(load, options=options))
+    engine = api.load_engine("llama", load) if how == "llama" else _fake_engine(how, 4, load)
     try:
         run = _Run(engine, 4)
         accounts = {n: {f"t{n}s{k}": [1, 0] for k in range(2)} for n in range(16)}
-        stop = threading.Event()
-        canceller = threading.Thread(target=run.cancel_at_random, args=(stop, 0.005))
-        scripts = [
-            threading.Thread(target=_evicting_script, args=(run, n, accounts[n])) for n in range(16)
-        ]
-        canceller.start()
-        for thread in scripts:
-            thread.start()
-        for thread in scripts:
-            thread.join(300)
-        stop.set()
-        canceller.join(60)
-        assert not any(thread.is_alive() for thread in [*scripts, canceller]), "a call hung"
-        assert run.untyped == []
-        for index, calls in run.calls.items():
-            for operation, _, outcome in calls:
-                if outcome[0] == "error":
-                    assert outcome[1] in ("Cancelled", "CacheMiss"), (
-                        f"t{index} {operation}: {outcome}"
-                    )
+
+        def script(thread: int) -> None:
+            _evicting_script(run, thread, accounts[thread])
+
+        _drive(run, script, 16, 0.005)
+        _errors_within(run, ("Cancelled", "CacheMiss"))
         held = 0
         for sessions in accounts.values():
             for session, (epoch, length) in sessions.items():
@@ -581,11 +567,7 @@ def test_a_server_stopping_amid_mixed_calls_ends_every_call(transport: str, tmp_
             thread.join(120)
         assert not any(thread.is_alive() for thread in scripts), "a call hung"
         for run in runs:
-            assert run.untyped == []
-            for index, calls in run.calls.items():
-                for operation, _, outcome in calls:
-                    if outcome[0] == "error":
-                        assert outcome[1] in _AFTER_DRAIN, f"t{index} {operation}: {outcome}"
+            _errors_within(run, _AFTER_DRAIN)
     finally:
         for client in clients:
             client.close()

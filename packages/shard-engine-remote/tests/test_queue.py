@@ -21,6 +21,7 @@ from conftest import (
     delay,
     prefill,
     ref,
+    sessions_at_once,
     wait_until,
 )
 
@@ -48,6 +49,17 @@ def _block(engine: api.ShardEngine, server: EngineServer) -> Background:
 
 def _prefilling(engine: api.ShardEngine, session: str) -> Background:
     return Background(lambda: prefill(engine, session=session))
+
+
+def _flood(engine: api.ShardEngine, server: EngineServer) -> tuple[Background, list[Background]]:
+    """While a prefill holds the engine (the blocker, returned), 20 more prefills of
+    ``engine``, once the 12 compute slots let 11 of them into the engine and 9 wait in the
+    server's queue."""
+    blocker = _block(engine, server)
+    flood = [_prefilling(engine, f"f{n}") for n in range(20)]
+    wait_until(lambda: server.engine.health().queued == 11, timeout=120)
+    _wait_queued(server, 9)
+    return blocker, flood
 
 
 def _wait_queued(server: EngineServer, depth: int) -> None:
@@ -78,27 +90,7 @@ def test_64_clients_are_queued_never_refused(
         remote(config(target=server.address, transport=transport, retry_busy=False))
         for _ in range(64)
     ]
-    start = threading.Barrier(len(engines))
-    failures: list[BaseException] = []
-
-    def client(n: int, engine: api.ShardEngine) -> None:
-        try:
-            start.wait(30)
-            prefill(engine, session=f"s{n}")
-            for position in range(3, 13):
-                decode(engine, position, session=f"s{n}")
-        except BaseException as error:  # noqa: BLE001 - reported below
-            failures.append(error)
-
-    threads = [
-        threading.Thread(target=client, args=(n, engine)) for n, engine in enumerate(engines)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not any(thread.is_alive() for thread in threads)
-    assert failures == []
+    sessions_at_once(engines, 10)
     stats = server.stats()
     assert (stats.busy, stats.queue_evicted, stats.queued, stats.computing) == (0, 0, 0, 0)
     assert (server.compute_slots, stats.max_queued) == (64, 256 - (64 - 12))
@@ -191,10 +183,7 @@ def test_prefills_still_get_twelve_slots_and_wait_fairly_beyond(
     assert server.compute_slots == 40
     flooding = remote(config(target=server.address, transport=transport, retry_busy=False))
     other = remote(config(target=server.address, transport=transport, retry_busy=False))
-    blocker = _block(flooding, server)
-    flood = [_prefilling(flooding, f"f{n}") for n in range(20)]
-    wait_until(lambda: server.engine.health().queued == 11, timeout=120)
-    _wait_queued(server, 9)
+    blocker, flood = _flood(flooding, server)
     assert server.stats().computing == 12
     late = _prefilling(other, "other")
     _wait_queued(server, 10)
@@ -217,10 +206,7 @@ def test_an_engine_of_many_sessions_keeps_half_the_queue_for_its_other_calls(
     assert server.address is not None
     assert (server.compute_slots, server.stats().max_queued) == (12 + 128, 128)
     engine = remote(config(target=server.address, transport=transport, retry_busy=False))
-    blocker = _block(engine, server)
-    flood = [_prefilling(engine, f"f{n}") for n in range(20)]
-    wait_until(lambda: server.engine.health().queued == 11, timeout=120)
-    _wait_queued(server, 9)
+    blocker, flood = _flood(engine, server)
     assert server.stats().busy == 0
     _unblock(engine, blocker)
     for call in flood:
