@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
 from typing import Final
@@ -33,6 +33,7 @@ from shard_engine_remote._framed.frames import (
     ERROR_DECODER,
     EXPORT,
     GO_AHEAD,
+    GOAWAY,
     GRANT,
     HEADER,
     HELLO,
@@ -65,6 +66,9 @@ from shard_engine_remote._wire import (
 )
 
 __all__ = ["FramedLink"]
+
+_OPENINGS: Final = frozenset((CALL, CALL_SLOT, EXPORT, IMPORT))
+"""The frames that open a call."""
 
 _ANSWERS: Final = frozenset((REPLY, SLOT_REPLY, ERROR))
 """The frames that end a call (what frees a slot the call held)."""
@@ -99,6 +103,16 @@ def _link_closed(*, sent: bool) -> LinkFailure:
     return LinkFailure("cancelled", "link closed", sent=sent, status="CANCELLED")
 
 
+def _going_away() -> LinkFailure:
+    return _lost(
+        "connection lost: the server shut down (its grace ended before it answered the call)"
+    )
+
+
+def _never_read() -> LinkFailure:
+    return _lost("the server shut down before it read the request; nothing of it ran", sent=False)
+
+
 def _data_loss(message: str) -> LinkFailure:
     return LinkFailure("transport_error", message, sent=True, status="DATA_LOSS")
 
@@ -120,12 +134,19 @@ def _check_peer(sock: socket.socket, target: str) -> None:
 
 
 def _send(
-    sock: socket.socket, lock: threading.Lock, kind: int, call_id: int, body: bytes, deadline: float
+    sock: socket.socket,
+    lock: threading.Lock,
+    kind: int,
+    call_id: int,
+    body: bytes,
+    deadline: float,
+    started: Callable[[], None] | None = None,
 ) -> None:
     """Send one frame whole by ``deadline`` (time.monotonic). Raises LinkFailure
     (``deadline_exceeded`` or ``connection_lost``; ``sent`` when a byte left, after shutting the
     connection down (a frame cut in two leaves the
-    stream unreadable). Sends never block the socket for readers: MSG_DONTWAIT and poll."""
+    stream unreadable). Sends never block the socket for readers: MSG_DONTWAIT and poll.
+    ``started`` is called (under ``lock``) as the frame's first byte leaves."""
     header = HEADER.pack(len(body), kind, call_id)
     parts = [header + body] if len(body) <= COALESCE_BYTES else [header, body]
     if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -145,6 +166,8 @@ def _send(
                     poller.register(sock, select.POLLOUT)
                     poller.poll(min(remaining, 60.0) * 1000)
                     continue
+                if not sent_any and started is not None:
+                    started()
                 sent_any = True
                 view = view[sent:]
     except (OSError, ValueError) as error:  # ValueError: closed meanwhile (no descriptor)
@@ -264,6 +287,13 @@ class _Connection:
         come (the server may still write their slot)."""
         self._answered: set[int] = set()
         """Open calls holding a slot whose answer has come (their slot is freed on close)."""
+        self._sent_frames = 0
+        """Frames whose first byte left (under ``send_lock``): a GOAWAY's count is of these."""
+        self._first_frame: dict[int, int] = {}
+        """For each open call whose first frame left: that frame's number (1, 2, ...)."""
+        self._read_by_server: int | None = None
+        """The server's GOAWAY: how many frames it read before it closed (None: no GOAWAY
+        came). A call whose first frame came later never ran."""
 
     def open_call(self, slot: bool = False) -> tuple[int, int | None]:
         """A new call's id, and its slot of the shared memory when ``slot`` is asked and one
@@ -283,6 +313,7 @@ class _Connection:
         its request never left; else when the answer comes."""
         with self._lock:
             self._arrived.pop(call_id, None)
+            self._first_frame.pop(call_id, None)
             waiter = self._waiting.get(call_id)
             if waiter is not None:
                 waiter.notify()
@@ -319,14 +350,55 @@ class _Connection:
             raise _link_closed(sent=True) from None
 
     def send(self, kind: int, call_id: int, body: bytes, deadline: float) -> None:
+        def started() -> None:
+            self._sent_frames += 1
+            if kind in _OPENINGS:
+                self._first_frame[call_id] = self._sent_frames
+
         try:
-            _send(self.sock, self.send_lock, kind, call_id, body, deadline)
+            _send(self.sock, self.send_lock, kind, call_id, body, deadline, started)
         except LinkFailure as error:
             if error.reason != "deadline_exceeded" or error.sent:
                 # Nothing read this socket while no call waited: a send is where a dead
-                # server (or a frame cut in two) shows first.
+                # server (or a frame cut in two) shows first. A draining server's GOAWAY
+                # may wait in the socket: it says whether this call was read.
+                self._take_goaway()
                 self.fail(_lost("connection lost while sending"))
+                with self._lock:
+                    unread = self._unread(call_id)
+                if error.sent and unread:
+                    raise _never_read() from None
             raise
+
+    def _take_goaway(self) -> None:
+        """After a send failed: file the frames the socket still holds (a server that closed
+        sent them first), reading them here when no one else reads, else waiting briefly
+        for the reader to end."""
+        with self._lock:
+            reading = self._reading
+            if not reading:
+                self._reading = True
+        if not reading:
+            self._read_until(None, time.monotonic())
+            return
+        waited = time.monotonic() + _ABANDON_TIMEOUT_S
+        while time.monotonic() < waited:
+            with self._lock:
+                if self.broken is not None or not self._reading:
+                    return
+            time.sleep(0.001)
+
+    def _unread(self, call_id: int) -> bool:
+        """Whether the server said (GOAWAY) that it never read the call (under the lock)."""
+        read = self._read_by_server
+        first = self._first_frame.get(call_id)
+        return read is not None and (first is None or first > read)
+
+    def _failure(self, call_id: int) -> LinkFailure:
+        """The broken connection's failure as ``call_id`` meets it (under the lock): not sent
+        when the server said it never read the call."""
+        assert self.broken is not None
+        return _never_read() if self._unread(call_id) else self.broken
 
     def alive(self) -> bool:
         """False once the connection is known to be broken. When no one reads it, what the
@@ -374,7 +446,7 @@ class _Connection:
                                 raise _error_frame(body)
                             return kind, body
                         if self.broken is not None:
-                            raise self.broken
+                            raise self._failure(call_id)
                         if arrived is None:
                             raise LinkFailure(
                                 "cancelled", "the call was closed", sent=True, status="CANCELLED"
@@ -418,6 +490,13 @@ class _Connection:
                 try:
                     kind, frame_id, body = self._frames.next(deadline)
                 except TimeoutError:
+                    return
+                if kind == GOAWAY:
+                    # The server's last frame (every answer it sends came before); its call
+                    # id field is how many of this side's frames it read.
+                    with self._lock:
+                        self._read_by_server = frame_id
+                    self.fail(_going_away())
                     return
                 with self._lock:
                     arrived = self._arrived.get(frame_id)

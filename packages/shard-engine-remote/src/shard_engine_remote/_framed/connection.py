@@ -33,6 +33,7 @@ from shard_engine_remote._framed.frames import (
     ERROR,
     EXPORT,
     GO_AHEAD,
+    GOAWAY,
     GRANT,
     HEADER,
     HELLO,
@@ -89,6 +90,11 @@ it hands the rest to a writer thread of the connection's own: no thread of the s
 _MAX_OUTGOING_BYTES: Final = 8 << 20
 """Frame bytes a connection may have waiting to leave: beyond, the server reads none of its
 new calls until they have left (or the connection is dropped)."""
+
+_SEAL_WAIT_S: Final = 10.0
+"""How long a reading thread that met a frame after the drain sealed the connection waits for
+the GOAWAY to leave before it closes the connection (the drain's own wait is bounded by its
+grace: this only guards against a drain that never ends)."""
 
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
@@ -206,6 +212,14 @@ class ServerConnection:
         self._send_failed = False
         self._quiet_since = time.monotonic()
         """When the connection's last call ended (or it greeted)."""
+        self._frames_read = 0
+        """How many frames were read after the greeting (see :meth:`seal`)."""
+        self._sealed = False
+        """Whether the drain sealed the connection: no frame is read after."""
+        self._settling = False
+        """Whether the reading thread acts on a frame it read (neither answered nor its call
+        registered yet)."""
+        self._sealed_done = threading.Event()
 
     def send(self, kind: int, call_id: int, body: bytes, deadline: float | None = None) -> bool:
         """Queue a frame to leave in order. The caller's thread sends it (and those queued
@@ -416,115 +430,169 @@ class ServerConnection:
 
     def _read_frames(self) -> bool:
         reader = self._reader
-        limit = self._server.max_message_bytes
-        pool = self._owner.pool
         while True:
             if not self._await_frame():
                 raise Closed  # no call for connection_idle_s: closed (its client reconnects)
             length, kind, call_id = reader.header()
-            if length > limit:
-                reader.skip(length)
-                self._refuse(call_id, oversized_error(length, limit))
-                continue
-            body = reader.body(length)
-            if kind in (CHUNK, END):
-                overrun = False
-                with self.lock:
-                    stream = (
-                        self._streams.get(call_id)
-                        if kind == CHUNK
-                        else self._streams.pop(call_id, None)
-                    )
-                    if stream is not None and kind == CHUNK:
-                        overrun = self._queued_bytes + len(body) > _MAX_QUEUED_CHUNK_BYTES
-                        if overrun:
-                            del self._streams[call_id]
-                        else:
-                            self._queued_bytes += len(body)
-                if stream is not None:
-                    if overrun:
-                        self._discard(stream)
-                        stream.put(_OVERRUN)
-                    else:
-                        stream.put(body if kind == CHUNK else None)
-                continue
-            if kind == ABANDON:
-                with self.lock:
-                    context = self._calls.get(call_id)
-                    stream = self._streams.pop(call_id, None)
-                if stream is not None:
-                    stream.put(_BROKEN)
-                if context is not None:
-                    context.end()
-                continue
-            if kind not in (CALL, CALL_SLOT, EXPORT, IMPORT):
-                self._refuse(call_id, api.InvalidRequest(f"unknown frame kind {kind}"))
-                continue
-            with self.lock:
-                reused = call_id in self._calls
-            if reused:
-                # One context per id: a second would hide the first from the connection's end,
-                # whose engine work would then outlive it uncancelled.
-                self._refuse(call_id, api.InvalidRequest(f"call id {call_id} is already in flight"))
-                continue
-            if self._owner.draining:
-                self._draining_error(call_id)
-                continue
-            # Frames the client has not taken hold no thread, only memory: past a bound, this
-            # connection's next call waits (and nothing more of it is read) until they left.
-            self._await_outgoing()
-            request = decode_request(body, max_bytes=limit) if kind == CALL else None
-            quick = isinstance(request, _QUICK_CALLS)
-            with self.lock:
-                hand_over, self._other_idle = self._other_idle, False
-                # A connection's own call (served on its own thread) is always admitted; only
-                # calls overlapping on one connection queue for the pool, each connection up to
-                # a share of what the server queues, so no client's flood (nor its stalled
-                # streams) leaves the others nothing. Quick control calls (cancel, health,
-                # capabilities, metrics, stats) never queue: served on this thread at once.
-                pooled = (
-                    not hand_over and not quick and self._pooled < self._owner.calls_per_connection
-                )
-                if pooled:
-                    self._pooled += 1
-            if pooled and not self._owner.admit():
-                with self.lock:
-                    self._pooled -= 1
-                pooled = False
-            here = not hand_over and not pooled
-            if here and not (quick or isinstance(request, api.ReleaseRequest)):
-                self._server.counters.add("busy")
-                self._refuse_busy(call_id)
-                continue
-            context = _CallContext(self._peer)
-            with self.lock:
-                self._calls[call_id] = context
-                if kind == IMPORT:
-                    stream = self._streams[call_id] = queue.SimpleQueue()
-            serve: Callable[[int, _CallContext, typing.Any], None] = (
-                self._call
-                if kind == CALL
-                else self._call_slot
-                if kind == CALL_SLOT
-                else self._export
-                if kind == EXPORT
-                else self._import
-            )
-            argument = stream if kind == IMPORT else request if kind == CALL else body
-            if here:
-                # A control call without a pool place (a release when the pool is full): it
-                # has a thread whatever the other connections do, this one.
-                self._run(call_id, context, serve, argument, pooled=False)
-                continue
-            if hand_over:
-                if self._serve_here(call_id, context, serve, argument):
-                    continue
-                return True
+            if not self._begin_frame():
+                # The drain sealed the connection: this frame was not read (the GOAWAY did
+                # not count it). Close once the GOAWAY has left.
+                self._sealed_done.wait(_SEAL_WAIT_S)
+                raise Closed
             try:
-                pool.submit(self._run, call_id, context, serve, argument, pooled=True)
-            except RuntimeError:  # the pool shut down: the server is stopping
-                self._unpool()
-                self._draining_error(call_id)
+                handed = self._take_frame(length, kind, call_id)
+            finally:
+                with self.lock:
+                    self._settling = False
+            if handed is not None:
+                return handed
+
+    def _take_frame(self, length: int, kind: int, call_id: int) -> bool | None:
+        """Read a frame's body and act on it: None to read on, else what :meth:`_lead`
+        returns."""
+        reader = self._reader
+        limit = self._server.max_message_bytes
+        pool = self._owner.pool
+        if length > limit:
+            reader.skip(length)
+            self._refuse(call_id, oversized_error(length, limit))
+            return None
+        body = reader.body(length)
+        if kind in (CHUNK, END):
+            overrun = False
+            with self.lock:
+                stream = (
+                    self._streams.get(call_id)
+                    if kind == CHUNK
+                    else self._streams.pop(call_id, None)
+                )
+                if stream is not None and kind == CHUNK:
+                    overrun = self._queued_bytes + len(body) > _MAX_QUEUED_CHUNK_BYTES
+                    if overrun:
+                        del self._streams[call_id]
+                    else:
+                        self._queued_bytes += len(body)
+            if stream is not None:
+                if overrun:
+                    self._discard(stream)
+                    stream.put(_OVERRUN)
+                else:
+                    stream.put(body if kind == CHUNK else None)
+            return None
+        if kind == ABANDON:
+            with self.lock:
+                context = self._calls.get(call_id)
+                stream = self._streams.pop(call_id, None)
+            if stream is not None:
+                stream.put(_BROKEN)
+            if context is not None:
+                context.end()
+            return None
+        if kind not in (CALL, CALL_SLOT, EXPORT, IMPORT):
+            self._refuse(call_id, api.InvalidRequest(f"unknown frame kind {kind}"))
+            return None
+        with self.lock:
+            reused = call_id in self._calls
+        if reused:
+            # One context per id: a second would hide the first from the connection's end,
+            # whose engine work would then outlive it uncancelled.
+            self._refuse(call_id, api.InvalidRequest(f"call id {call_id} is already in flight"))
+            return None
+        if self._owner.draining:
+            self._draining_error(call_id)
+            return None
+        # Frames the client has not taken hold no thread, only memory: past a bound, this
+        # connection's next call waits (and nothing more of it is read) until they left.
+        self._await_outgoing()
+        request = decode_request(body, max_bytes=limit) if kind == CALL else None
+        quick = isinstance(request, _QUICK_CALLS)
+        with self.lock:
+            hand_over, self._other_idle = self._other_idle, False
+            # A connection's own call (served on its own thread) is always admitted; only
+            # calls overlapping on one connection queue for the pool, each connection up to
+            # a share of what the server queues, so no client's flood (nor its stalled
+            # streams) leaves the others nothing. Quick control calls (cancel, health,
+            # capabilities, metrics, stats) never queue: served on this thread at once.
+            pooled = not hand_over and not quick and self._pooled < self._owner.calls_per_connection
+            if pooled:
+                self._pooled += 1
+        if pooled and not self._owner.admit():
+            with self.lock:
+                self._pooled -= 1
+            pooled = False
+        here = not hand_over and not pooled
+        if here and not (quick or isinstance(request, api.ReleaseRequest)):
+            self._server.counters.add("busy")
+            self._refuse_busy(call_id)
+            return None
+        context = _CallContext(self._peer)
+        with self.lock:
+            self._calls[call_id] = context
+            if kind == IMPORT:
+                stream = self._streams[call_id] = queue.SimpleQueue()
+        serve: Callable[[int, _CallContext, typing.Any], None] = (
+            self._call
+            if kind == CALL
+            else self._call_slot
+            if kind == CALL_SLOT
+            else self._export
+            if kind == EXPORT
+            else self._import
+        )
+        argument = stream if kind == IMPORT else request if kind == CALL else body
+        if here:
+            # A control call without a pool place (a release when the pool is full): it
+            # has a thread whatever the other connections do, this one.
+            self._run(call_id, context, serve, argument, pooled=False)
+            return None
+        if hand_over:
+            with self.lock:
+                self._settling = False  # the call is in _calls: a drain waits for it there
+            return None if self._serve_here(call_id, context, serve, argument) else True
+        try:
+            pool.submit(self._run, call_id, context, serve, argument, pooled=True)
+        except RuntimeError:  # the pool shut down: the server is stopping
+            self._unpool()
+            self._draining_error(call_id)
+        return None
+
+    def _begin_frame(self) -> bool:
+        """A frame's header was read: False when the drain sealed the connection (the frame
+        is not to be read), else it counts as read (see :meth:`seal`)."""
+        with self.lock:
+            if self._sealed:
+                return False
+            self._settling = True
+            self._frames_read += 1
+            return True
+
+    def seal(self, deadline: float) -> None:
+        """The drain's end: read no more of this connection, and tell the client (GOAWAY, after
+        every answer queued before it) how many of its frames were read: a call whose first
+        frame came later never ran.
+        Waits until the frame being acted on (if any) was answered or its call registered,
+        and the GOAWAY left, each no longer than ``deadline`` (time.monotonic). The caller
+        then shuts the socket down and calls :meth:`sealed`."""
+        with self.lock:
+            self._sealed = True
+        while True:
+            with self.lock:
+                settling, read = self._settling, self._frames_read
+            if not settling or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
+        if self._version >= 2:
+            self.send(GOAWAY, read, b"", deadline=deadline)
+
+    def sealed(self) -> None:
+        """The socket is shut down after :meth:`seal`: a reading thread that met a frame
+        after the seal may close the connection."""
+        self._sealed_done.set()
+
+    def busy(self) -> bool:
+        """Whether a call read on this connection has not ended (queued, running, streaming)."""
+        with self.lock:
+            return bool(self._calls)
 
     def _serve_here(
         self,

@@ -6,13 +6,23 @@ token; the server answers HELLO, or ERROR and closes. Client to server: CALL (a 
 EXPORT (an ExportSessionRequest: answered by ITEMs and END), IMPORT (empty) followed by the
 stream's messages (an ImportHeader, then the snapshot's chunks) as CHUNKs and an END, ABANDON
 (the caller gave up: cancel the engine work). Server to client: REPLY, ITEM, END, GO_AHEAD
-(``[chunks u32]``: an import may send that many more chunks), ERROR (a
+(``[chunks u32]``: an import may send that many more chunks), GOAWAY (see below), ERROR (a
 transport-level refusal: ``[status name, message]``, the status in gRPC's vocabulary:
 ``UNAUTHENTICATED`` and ``RESOURCE_EXHAUSTED`` answer a greeting, ``UNAVAILABLE`` a call the
 server refused before its engine saw it, ``DEADLINE_EXCEEDED`` an export the client read too
 slowly). A body over the message limit is skipped
 unread and answered ResourceExhausted, a malformed body InvalidRequest, a frame of an unknown
 kind InvalidRequest; each is counted, and the connection keeps serving.
+
+A server that stops drains its connections: it answers every call it has read (the calls that
+arrive meanwhile with an ``UNAVAILABLE`` ERROR: nothing of them ran), lets running ones finish
+within its grace, then stops reading a connection and sends GOAWAY, after every answer it will
+ever send there, and closes. GOAWAY's call id field carries how many frames the server read on
+the connection after the greeting: a call whose first frame came later in the stream was never
+read, and the client knows it never ran (one read and still unanswered then is one the grace
+ended: it may have run). A count, not the highest call id read: a client's calls may take
+their ids in one order and reach the socket in another. GOAWAY has no body; it goes only to
+clients of protocol version 2 or later (an older client would take it for its call's answer).
 
 An import sends its header, then waits: for GO_AHEAD (the server checked the header against
 its engine, reserved its bytes and asks for the body) or for the answer (a refusal). GO_AHEAD
@@ -67,6 +77,7 @@ __all__ = [
     "ERROR",
     "ERROR_DECODER",
     "EXPORT",
+    "GOAWAY",
     "GO_AHEAD",
     "GRANT",
     "HEADER",
@@ -111,6 +122,7 @@ ERROR: Final = 10
 CALL_SLOT: Final = 11
 SLOT_REPLY: Final = 12
 GO_AHEAD: Final = 13
+GOAWAY: Final = 14
 
 GRANT: Final = struct.Struct("<I")
 """GO_AHEAD's body: how many more chunks the import may send."""
@@ -119,9 +131,9 @@ IMPORT_WINDOW_CHUNKS: Final = 8
 """Chunks an import may have sent beyond those the server checked: 8 MiB of 1 MiB chunks, what
 the connection's two socket buffers hold, so the window rarely waits on a reply in flight."""
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 """The framed protocol's version this end speaks: 1 added GO_AHEAD (0: none, the chunks follow
-the header at once)."""
+the header at once), 2 GOAWAY."""
 
 HEADER: Final = struct.Struct("<IBQ")
 

@@ -41,6 +41,9 @@ _WATCH: Final = select.EPOLLIN | select.EPOLLONESHOT
 _UNWATCHED: Final = select.EPOLLONESHOT
 """Registered, reporting nothing (but a hang-up, once)."""
 
+_GOAWAY_FLUSH_S: Final = 0.25
+"""How long past its grace a drain waits for its last answers and GOAWAYs to leave."""
+
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
 
@@ -256,21 +259,34 @@ class FramedServer:
         # Calls waiting for a compute slot are served in turn until near the grace's end,
         # then refused (naming the drain; nothing of them ran) while their replies can leave.
         refuse_queued = deadline - (drain_margin_s(grace) if grace is not None else 0.0)
-        while self.server.counters.in_flight > 0 and time.monotonic() < refuse_queued:
+        while self._busy() and time.monotonic() < refuse_queued:
             time.sleep(0.01)
         self.server.refuse_queued_calls()
-        while self.server.counters.in_flight > 0 and time.monotonic() < deadline:
+        while self._busy() and time.monotonic() < deadline:
             time.sleep(0.01)
         with self._lock:
             connections = list(self._connections)
+        # Every call read has been answered (or outlived the grace): tell each client the last
+        # call read, after those answers, so that it knows the calls it sent meanwhile never
+        # ran, then close. The answers and GOAWAYs get a moment past the grace to leave.
+        flushed = max(deadline, time.monotonic()) + _GOAWAY_FLUSH_S
+        for connection in connections:
+            connection.seal(flushed)
         for connection in connections:
             shut_down(connection.sock)
+            connection.sealed()
         self.pool.shutdown(wait=True, cancel_futures=True)
         stop_watching, self._stop_watching = self._stop_watching, None
         if stop_watching is not None:
             os.write(stop_watching, b"x")
             os.close(stop_watching)
         self._stopped.set()
+
+    def _busy(self) -> bool:
+        """Whether a call runs on the engine or a call read on a connection has not ended."""
+        with self._lock:
+            connections = list(self._connections)
+        return self.server.counters.in_flight > 0 or any(c.busy() for c in connections)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stopped; False on timeout."""
