@@ -6,6 +6,7 @@ and the server keeps serving a well-behaved client. It serves only in a private 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import stat
@@ -14,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import (
+    Background,
     FramedPeer,
     RemoteFactory,
     ServeFactory,
@@ -26,8 +28,9 @@ from conftest import (
 
 import shard_engine_api as api
 from shard_engine_api import cli, wire
-from shard_engine_remote import EngineServer, ServerSecurity, Unauthenticated
+from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity, Unauthenticated
 from shard_engine_remote._framed import FramedServer
+from shard_engine_remote._framed.client import CONNECTION_RETRY_S
 from shard_engine_remote._framed.frames import (
     ABANDON,
     CALL,
@@ -191,9 +194,9 @@ def test_serves_only_in_a_private_directory(
 
 def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) -> None:
     """Connections beyond the server's bound are answered with a retryable refusal
-    (RESOURCE_EXHAUSTED, which a remote engine raises as ResourceExhausted) and closed at
-    once, and counted (busy); those already open keep being served, and a freed slot is
-    taken again."""
+    (RESOURCE_EXHAUSTED: a remote engine that may not wait raises ResourceExhausted with
+    ``retry_after_s``) and closed at once, and counted (busy); those already open keep being
+    served; a remote engine that may wait connects again until a place frees, and takes it."""
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
     engine = api.load_engine("fake", config())
@@ -217,11 +220,19 @@ def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) ->
         assert _closed(flood.sock)
         flood.close()
         with pytest.raises(api.ResourceExhausted) as refused:
-            remote(config(target=address, transport="framed"))
+            remote(config(target=address, transport="framed", retry_busy=False))
         assert refused.value.retryable
+        assert refused.value.details["retry_after_s"] == CONNECTION_RETRY_S
         assert server.server.stats().busy == 2
+        # A remote engine that may wait connects again until a place frees.
+        waiting = Background(lambda: remote(config(target=address, transport="framed")))
+        wait_until(lambda: server.server.stats().busy >= 3)
         decode(worker, 3)
         first.close()
+        late = waiting.result()
+        assert isinstance(late, RemoteEngine)
+        prefill(late, session="late")
+        worker.close()
         wait_until(lambda: _greeted(address))
     finally:
         for raw in raws:  # (a failed assertion leaves no socket for a later test's warnings)
@@ -241,3 +252,41 @@ def _greeted(address: str) -> bool:
         return False
     finally:
         raw.close()
+
+
+def test_clients_beyond_the_connection_bound_wait_for_a_place(
+    tmp_path: Path, remote: RemoteFactory
+) -> None:
+    """A server of 4 connections, all held; 12 remote engines start loading meanwhile (each
+    refused at least once), then the 4 are closed: every engine loads, makes a prefill and 3
+    decodes, and closes (freeing its place for the next); none raises."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    engine = api.load_engine("fake", config())
+    server = FramedServer(EngineServer(engine), max_connections=4)
+    address = server.start(private / "engine.sock")
+    holders: list[_Raw] = []
+
+    def client(index: int) -> int:
+        worker = remote(config(target=address, transport="framed"))
+        prefill(worker, session=f"c{index}")
+        for pos in range(3, 6):
+            decode(worker, pos, session=f"c{index}", request_id=f"d{index}-{pos}")
+        worker.close()
+        return index
+
+    try:
+        for _ in range(4):
+            holders.append(_Raw(address, token=""))
+            assert holders[-1].greeting()[0] == HELLO
+        clients = [Background(functools.partial(client, index)) for index in range(12)]
+        wait_until(lambda: server.server.stats().busy >= 12)
+        for holder in holders:
+            holder.close()
+        assert [each.result() for each in clients] == list(range(12))
+        assert engine.metrics().decode_requests == 36
+    finally:
+        for holder in holders:
+            holder.close()
+        server.stop(grace=0.5)
+        engine.close()

@@ -358,8 +358,14 @@ class RemoteEngine:
                     f"no server answered at {options.target} within {options.connect_timeout_s} s",
                     details={"target": options.target},
                 )
+            # A server holding as many connections as it serves refuses this one, retryably:
+            # wait for a place as for any refused call.
             served = self._expect(
-                self._roundtrip(link, CapabilitiesQuery(), options.control_timeout_s, False),
+                self._retrying(
+                    lambda remaining: self._roundtrip(link, CapabilitiesQuery(), remaining, False),
+                    options.control_timeout_s,
+                    options.retry_busy,
+                ),
                 api.Capabilities,
             )
             # The layer range must match; the model reference is the server's to spell (a

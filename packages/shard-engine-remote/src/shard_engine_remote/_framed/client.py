@@ -65,7 +65,7 @@ from shard_engine_remote._wire import (
     decode_reply,
 )
 
-__all__ = ["FramedLink"]
+__all__ = ["CONNECTION_RETRY_S", "FramedLink"]
 
 _OPENINGS: Final = frozenset((CALL, CALL_SLOT, EXPORT, IMPORT))
 """The frames that open a call."""
@@ -77,6 +77,10 @@ _PEER_CREDENTIALS: Final = struct.Struct("3i")
 """struct ucred (pid, uid, gid), as SO_PEERCRED answers."""
 
 _ABANDON_TIMEOUT_S: Final = 1.0
+
+CONNECTION_RETRY_S: Final = 0.05
+"""How long a client waits (as a refused call's ``retry_after_s``) before it connects again
+to a server that refused its connection for holding as many as it serves."""
 
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
@@ -692,7 +696,12 @@ class FramedLink:
         if kind != HELLO or length > MAX_GREETING_BYTES:
             sock.close()
             if kind == ERROR and body:
-                raise _error_frame(body).unsent()
+                refusal = _error_frame(body).unsent()
+                if refusal.reason == "busy":
+                    # The server holds as many connections as it serves: one frees when a
+                    # client leaves or idles out. Nothing was sent: come back shortly.
+                    refusal.retry_after_s = CONNECTION_RETRY_S
+                raise refusal
             raise _lost("unexpected answer to HELLO", sent=False)
         try:
             welcome = WELCOME_DECODER.decode(body) if body else Welcome()

@@ -26,13 +26,14 @@ from shard_engine_remote._framed.frames import (
     check_private_socket,
     shut_down,
 )
+from shard_engine_remote._grpc_options import connection_limit
 from shard_engine_remote._server import (
     DEFAULT_CONNECTION_IDLE_S,
     EngineServer,
     drain_margin_s,
 )
 
-__all__ = ["FramedServer"]
+__all__ = ["DEFAULT_FRAMED_CONNECTIONS", "FramedServer"]
 
 _ACCEPT_RETRY_S: Final = 0.05
 
@@ -41,16 +42,20 @@ _WATCH: Final = select.EPOLLIN | select.EPOLLONESHOT
 _UNWATCHED: Final = select.EPOLLONESHOT
 """Registered, reporting nothing (but a hang-up, once)."""
 
+DEFAULT_FRAMED_CONNECTIONS: Final = 256
+"""Connections a framed server holds at once by default (two threads each), as many local
+clients as a worker machine runs."""
+
 _GOAWAY_FLUSH_S: Final = 0.25
 """How long past its grace a drain waits for its last answers and GOAWAYs to leave."""
 
 _LOG: Final = logging.getLogger("shard_engine.remote")
 
 
-def _refuse_connection(sock: socket.socket, message: str) -> None:
-    """Answer a connection the server will not serve with a retryable refusal (the client
-    reads it as its greeting's answer) and close it, without ever blocking the caller."""
-    body = HELLO_ENCODER.encode(("RESOURCE_EXHAUSTED", f"{message}; retry"))
+def _refuse_connection(sock: socket.socket, status: str, message: str) -> None:
+    """Answer a connection the server will not serve with a refusal (the client reads it as
+    its greeting's answer) and close it, without ever blocking the caller."""
+    body = HELLO_ENCODER.encode((status, message))
     with suppress(OSError):
         sock.send(HEADER.pack(len(body), ERROR, 0) + body, socket.MSG_DONTWAIT)
     sock.close()
@@ -62,13 +67,17 @@ class FramedServer:
     and serving the call just read; one watching the sockets of connections whose reading
     thread serves a call; and a pool for calls that overlap on a connection, a thread for each
     call it admits (so compute calls reach the engine in the order of the server's fair queue,
-    never the pool's: they are bounded by the server's slots and queue, as over gRPC)."""
+    never the pool's: they are bounded by the server's slots and queue, as over gRPC).
+
+    At most ``max_connections`` connections at once (never more than half the descriptors the
+    process may open); one beyond is refused, retryably (RESOURCE_EXHAUSTED), and its client
+    connects again shortly (``CONNECTION_RETRY_S``) for as long as its call's deadline allows."""
 
     def __init__(
         self,
         server: EngineServer,
         *,
-        max_connections: int = 64,
+        max_connections: int = DEFAULT_FRAMED_CONNECTIONS,
         connection_idle_s: float = DEFAULT_CONNECTION_IDLE_S,
     ) -> None:
         if not connection_idle_s > 0:
@@ -86,7 +95,7 @@ class FramedServer:
         self.pool = futures.ThreadPoolExecutor(
             max_workers=admitted, thread_name_prefix="engine-framed"
         )
-        self._max_connections = max_connections
+        self._max_connections = connection_limit(max_connections)
         self._listener: socket.socket | None = None
         self._path: Path | None = None
         self._connections: set[ServerConnection] = set()
@@ -219,8 +228,9 @@ class FramedServer:
                 continue
             with self._lock:
                 greeted = len(self._connections) - self._greeting
+                draining = self.draining
                 refused = (
-                    self.draining
+                    draining
                     or greeted >= self._max_connections
                     or self._greeting >= self._max_connections
                 )
@@ -228,9 +238,16 @@ class FramedServer:
                     connection = ServerConnection(self, sock, f"unix:connection-{number}")
                     self._connections.add(connection)
                     self._greeting += 1
+            if draining:
+                _refuse_connection(sock, "UNAVAILABLE", "the server is shutting down")
+                continue
             if refused:
                 self.server.counters.add("busy")
-                _refuse_connection(sock, "the server holds as many connections as it serves")
+                _refuse_connection(
+                    sock,
+                    "RESOURCE_EXHAUSTED",
+                    "the server holds as many connections as it serves; retry",
+                )
                 continue
             threading.Thread(target=connection.serve, daemon=True, name=f"framed-{number}").start()
             del connection  # its thread holds it; held here, its end would wait for the next
