@@ -16,6 +16,9 @@ dense model (``_models``, n_embd 512, 8 layers, F16); the output says which:
   continuous batching); N = 1 is one session alone;
 * ``spawned child``: one ``load_engine("remote", ...)`` with ``options={"spawn": "llama"}``
   (framed transport), N caller threads on it;
+* ``one decode_batch(N)``: the same in-process engine and the same child, one caller sending
+  the N sessions as one ``decode_batch`` per step: the comparison the scheduler issue's account
+  made (N callers got 0.40 of it in-process, 0.38 through a child), printed under the targets;
 * ``serve``: one ``shard-engine serve`` process (gRPC on loopback, its defaults: 16 threads,
   and as many single decodes reach the engine at once as it has sessions), N clients (a remote
   engine and a connection each), one thread each;
@@ -83,6 +86,7 @@ from _raw_llama import N_UBATCH, RawLlama
 from _results import Results, add_results_option, add_size_options, run_mode
 
 import shard_engine_api as api
+from shard_engine_api.wire import error_from_info
 from shard_engine_remote import EngineServer
 from shard_engine_remote._framed import FramedServer
 
@@ -95,6 +99,7 @@ TARGET_P99_OVER_STEP: Final = 1.5
 TARGET_PIPELINE_SPEEDUP: Final = 2.0
 TARGET_N: Final = 8
 ALONE_BEFORE: Final = "0.977-0.991"
+BEFORE_OF_DECODE_BATCH: Final = "0.40 in-process, 0.38 through a child, before the scheduler"
 """The engine over raw llama.cpp, one session, gemma3-270m, before the scheduler (README)."""
 
 
@@ -404,6 +409,59 @@ class Callers:
             engine.close()
 
 
+class BatchCaller:
+    """One caller sending the N sessions as one ``decode_batch`` per step, on the engine of a
+    :class:`Callers` configuration (which closes it): the comparison of the scheduler issue's
+    account, N callers against one batched caller of the same engine."""
+
+    def __init__(self, key: str, label: str, engine: api.ShardEngine) -> None:
+        self.key = key
+        self.label = label
+        self._engine = engine
+
+    def run(self, prompts: Sequence[Sequence[int]], steps: int, tag: str) -> Sample:
+        engine = self._engine
+        sessions = [api.SessionRef(session_id=f"{tag}-{i}", epoch=1) for i in range(len(prompts))]
+        tokens = [
+            _prefill(engine, session, prompt)
+            for session, prompt in zip(sessions, prompts, strict=True)
+        ]
+        pos = len(prompts[0])
+        step_s: list[float] = []
+        started = last = time.perf_counter()
+        for _ in range(steps):
+            items = tuple(
+                api.DecodeRequest(
+                    request_id=f"{session.session_id}-{pos}",
+                    session=session,
+                    pos=pos,
+                    inputs=api.TokenInput(token_ids=(token,)),
+                )
+                for session, token in zip(sessions, tokens, strict=True)
+            )
+            result = engine.decode_batch(
+                api.DecodeBatchRequest(request_id=f"{tag}-{pos}", items=items)
+            )
+            tokens = [_greedy(_answered(item)) for item in result.items]
+            pos += 1
+            now = time.perf_counter()
+            step_s.append(now - last)
+            last = now
+        for session in sessions:
+            _release(engine, session)
+        n = len(prompts)
+        return Sample(tok_s=n * steps / (last - started), token_s=step_s * n)
+
+    def close(self) -> None:
+        pass  # the engine is its Callers configuration's
+
+
+def _answered(item: api.ShardResult | api.ErrorInfo) -> api.ShardResult:
+    if isinstance(item, api.ErrorInfo):
+        raise error_from_info(item)
+    return item
+
+
 class Pipelined:
     """The model in 3 shards, each in a spawned child, N sessions through
     ``Pipeline.generate_many`` (``groups`` None: its default, one group per shard)."""
@@ -586,14 +644,18 @@ def _load_configurations(
     served: Served | None = None
     try:
         full = _load_config(model, settings, 0, model.n_layers)
+        local = api.load_engine("llama", full)
+        configurations.append(Callers("in_process", "in-process, N threads", [local]))
         configurations.append(
-            Callers("in_process", "in-process, N threads", [api.load_engine("llama", full)])
+            BatchCaller("in_process_batch", "in-process, one decode_batch(N)", local)
         )
         # After the engine: its first load silenced llama.cpp's log.
         configurations.insert(0, RawBatch(model, settings))
         child = _load_config(model, settings, 0, model.n_layers, spawn="llama")
+        spawned = api.load_engine("remote", child)
+        configurations.append(Callers("child", "spawned child, N threads", [spawned]))
         configurations.append(
-            Callers("child", "spawned child, N threads", [api.load_engine("remote", child)])
+            BatchCaller("child_batch", "spawned child, one decode_batch(N)", spawned)
         )
         served = Served(model, settings, directory)
         configurations.append(
@@ -674,7 +736,7 @@ def _print_table(
         f"{settings.repeat} alternating repetitions (medians; latencies pooled)"
     )
     print("cells: aggregate tok/s (x raw batch(N)) / per-token latency p50/p99 ms")
-    label_width = 28
+    label_width = 36
     print(f"{'configuration':<{label_width}}" + "".join(f"{f'N={n}':>16}" for n in ns))
     for configuration in configurations:
         cells = table[configuration.key]
@@ -762,6 +824,19 @@ def _print_targets(settings: Settings, table: Table, results: Results) -> None:
             f"step (target <= {TARGET_P99_OVER_STEP}) {_mark(p99_over <= TARGET_P99_OVER_STEP)}, "
             f"pooled {pooled_over:.2f}x, {p99_ms / raw_p99:.2f}x raw's own p99"
         )
+    print(
+        f"  N={n} callers over one decode_batch({n}) of the same engine, within each "
+        f"repetition (the scheduler issue's account: {BEFORE_OF_DECODE_BATCH}):"
+    )
+    for key in ("in_process", "child"):
+        pairs = [
+            callers.tok_s / batch.tok_s
+            for callers, batch in zip(
+                table[key][n].samples, table[f"{key}_batch"][n].samples, strict=True
+            )
+        ]
+        results.record(f"{key}_n{n}_of_decode_batch", round(statistics.median(pairs), 3), "x")
+        print(f"    {key:<11} {_spread(pairs)}")
     if 1 in ns:
         # The target is the pipeline as `shard-engine run --sessions` runs it on this host:
         # one group per shard when the cores hold every shard's threads, else fewer (cores //
