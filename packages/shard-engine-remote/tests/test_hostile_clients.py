@@ -123,13 +123,14 @@ def worker(guarded: EngineServer, remote: RemoteFactory, transport: str, tmp_pat
 def test_stalled_import_streams_pin_nothing_and_are_cut_off(
     guarded: EngineServer, worker: api.ShardEngine, transport: str
 ) -> None:
-    """Twenty import streams that never send. Over gRPC a stream's header is waited for as
-    a call's request is: they hold no stream slot, only waiting places, and are cut off
-    (stalled: evicted by one another, the last at the idle limit) while another client's
-    export is served. On the framed transport at most half the compute slots serve streams
-    (the rest are refused as busy, retryable), and the two served are cut off once their
-    next message is ``stream_idle_s`` late. Every other client keeps being served, and
-    nothing was imported."""
+    """Twenty import streams that never send. A stream's header is waited for before the
+    stream takes its slots, over gRPC as a call's request is: they hold no stream slot, nor
+    a place in the streams' queue, and are cut off (over gRPC stalled: evicted by one
+    another, the last at the idle limit; on the framed transport each at the idle limit,
+    those beyond its share of the connection refused busy at once) while another client's
+    export is served. Every other client keeps being served, and nothing was imported. (On
+    the framed transport two took the stream slots, and once streams waited for a slot in
+    a queue, the other 18 waited there for their turn to stall: nine idle limits.)"""
     assert guarded.address is not None
     stalled: _StalledGrpcImports | _StalledFramedImports
     if transport == "grpc":
@@ -137,20 +138,19 @@ def test_stalled_import_streams_pin_nothing_and_are_cut_off(
     else:
         stalled = _StalledFramedImports(guarded.address, 20)
     try:
+        request = api.ExportSessionRequest(
+            request_id="e", session=api.SessionRef(session_id="s", epoch=1)
+        )
         if transport == "grpc":
             wait_until(lambda: guarded.stats().stalled >= 16)
-            request = api.ExportSessionRequest(
-                request_id="e", session=api.SessionRef(session_id="s", epoch=1)
-            )
-            assert worker.export_session(request).length == 3
-        else:
-            wait_until(lambda: guarded.stats().busy >= 18)
+        assert worker.export_session(request).length == 3
+        assert guarded.stats().streams_queued == 0
         for position in range(3, 8):
             decode(worker, position)
-        # The streams waiting or served are cut off at their idle limit.
-        wait_until(lambda: guarded.stats().in_flight == 0)
+        # The streams waiting for their headers are cut off at their idle limit.
         if transport == "framed":
-            assert guarded.stats().transport_cancels >= 2
+            wait_until(lambda: guarded.stats().transport_cancels + guarded.stats().busy >= 20)
+        wait_until(lambda: guarded.stats().in_flight == 0)
         decode(worker, 8)
         metrics = guarded.engine.metrics()
         assert (metrics.imports, metrics.sessions_active) == (0, 1), "nothing was imported"

@@ -480,19 +480,23 @@ def test_the_remote_engine_retries_a_refused_call_until_it_runs(
     assert patient.busy_retries == server.stats().busy
 
 
-def test_snapshot_streams_wait_for_their_compute_slot_and_beyond_their_slots_are_retried(
+def test_snapshot_streams_wait_for_their_slots_and_beyond_their_queue_are_retried(
     serve: ServeFactory, remote: RemoteFactory, transport: str
 ) -> None:
-    """A server of 5 threads has one compute slot and one stream slot. While a prefill holds
-    the compute slot, an export waits for it in the queue (it was refused: under concurrent
-    decodes most exports were), and a second export, beyond the stream slots, is refused
-    (ResourceExhausted with ``retry_after_s``: nothing ran), which the remote engine sends
-    again until it gets in, within its deadline (streams were not retried at all);
-    ``retry_busy=False`` raises the refusal at once. An import waits the same way."""
-    server = serve(_blocking(), transport=transport, max_workers=5)
+    """A server of 5 threads and 4 queue places has one compute slot, one stream slot and one
+    place for a stream waiting for it. While a prefill holds the compute slot, an export
+    waits for it in the compute queue (it was refused: under concurrent decodes most exports
+    were), a second export waits for the stream slot (it was refused, with the compute
+    queue's estimate: 64 threads exporting sent their exports again 11,404 times for 256),
+    and a third, beyond the streams' queue, is refused (ResourceExhausted with
+    ``retry_after_s``: nothing ran), which the remote engine sends again until it gets in,
+    within its deadline; ``retry_busy=False`` raises the refusal at once. An import waits
+    the same way."""
+    server = serve(_blocking(), transport=transport, max_workers=5, max_queued=4)
     assert server.address is not None
     owner = remote(config(target=server.address, transport=transport))
     first = remote(config(target=server.address, transport=transport))
+    second = remote(config(target=server.address, transport=transport))
     patient = remote(config(target=server.address, transport=transport, timeout_s=120))
     impatient = remote(config(target=server.address, transport=transport, retry_busy=False))
     prefill(owner, session="x")
@@ -505,19 +509,22 @@ def test_snapshot_streams_wait_for_their_compute_slot_and_beyond_their_slots_are
     blocker = _block(owner, server)
     waiting = export(first, "e1")
     _wait_queued(server, 1)
+    queued = export(second, "e2")
+    wait_until(lambda: server.stats().streams_queued == 1)
     assert server.stats().busy == 0
     with pytest.raises(api.ResourceExhausted) as refused:
-        impatient.export_session(api.ExportSessionRequest(request_id="e2", session=ref("x")))
+        impatient.export_session(api.ExportSessionRequest(request_id="e3", session=ref("x")))
     assert refused.value.details["resource"] == "server_threads"
     assert isinstance(refused.value.details["retry_after_s"], float)
-    retried = export(patient, "e3")
+    retried = export(patient, "e4")
     wait_until(lambda: server.stats().busy >= 3, timeout=120)
     assert patient.busy_retries >= 1
     _unblock(owner, blocker)
-    for call in (waiting, retried):
+    for call in (waiting, queued, retried):
         exported = call.result()
         assert isinstance(exported, api.SessionSnapshot)
         assert exported.chunks == snapshot.chunks
+    assert server.stats().streams_queued == 0
 
     blocker = _block(owner, server)
     moved = msgspec.structs.replace(snapshot, session=ref("y"))
@@ -784,3 +791,32 @@ def test_serve_takes_max_queued() -> None:
     defaults = build_parser().parse_args(["serve", "--engine", "fake", "--layers", "0:6"])
     assert defaults.max_queued == 256
     assert defaults.workers is None  # 16 threads, compute slots following --max-sessions
+
+
+def test_many_exports_at_once_wait_for_their_stream_slot_never_refused(
+    serve: ServeFactory, remote: RemoteFactory, transport: str
+) -> None:
+    """16 clients exporting at once from a server of one stream slot (exports taking 20 ms):
+    the 15 beyond it wait in the streams' queue, each export runs once, none is refused (the
+    refusals, retried, cost the engine's threads the CPU the engine needs)."""
+    slow_exports = config(faults=delay("export_session", 20))
+    server = serve(slow_exports, transport=transport, max_workers=5, max_queued=64)
+    assert server.address is not None
+    clients = [remote(config(target=server.address, transport=transport)) for _ in range(16)]
+    for index, client in enumerate(clients):
+        prefill(client, session=f"s{index}")
+    gate = threading.Barrier(len(clients))
+
+    def export(index: int) -> api.SessionSnapshot:
+        gate.wait(30)
+        request = api.ExportSessionRequest(request_id=f"e{index}", session=ref(f"s{index}"))
+        return clients[index].export_session(request)
+
+    exports = [Background(functools.partial(export, index)) for index in range(len(clients))]
+    for index, call in enumerate(exports):
+        snapshot = call.result(timeout=120)
+        assert isinstance(snapshot, api.SessionSnapshot)
+        assert snapshot.session == ref(f"s{index}")
+    assert server.stats().busy == 0
+    assert sum(client.busy_retries for client in clients) == 0
+    assert server.engine.metrics().requests == 32  # 16 prefills, 16 exports: each once

@@ -310,6 +310,11 @@ class Admission:
         wait = waiting * estimate / self.slots
         return min(_MAX_RETRY_AFTER_S, max(_MIN_RETRY_AFTER_S, wait))
 
+    def waiting(self) -> int:
+        """How many calls wait now."""
+        with self._lock:
+            return self._queued
+
     def stats(self) -> dict[str, int | float]:
         """The queue for ``ServerStats``: its depth now and bound, calls that waited, calls
         that lost their place to another client's, and their waits (milliseconds)."""

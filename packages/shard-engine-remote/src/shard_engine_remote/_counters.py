@@ -37,6 +37,8 @@ class ServerCounters:
         default=None, repr=False, compare=False
     )
     """The compute queue's own figures (depth, waits: ``Admission.stats``), when there is one."""
+    streams: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    """How many snapshot streams wait for a stream slot now, when the server has a queue."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -53,7 +55,9 @@ class ServerCounters:
             self.in_flight -= 1
 
     def stats(self, rate_limited_clients: int = 0) -> ServerStats:
-        queue = {} if self.queue is None else self.queue()
+        queue: dict[str, int | float] = {} if self.queue is None else self.queue()
+        if self.streams is not None:
+            queue["streams_queued"] = self.streams()
         with self._lock:
             stats = ServerStats(
                 drain_refused=self.drain_refused,

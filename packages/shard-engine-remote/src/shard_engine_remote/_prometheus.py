@@ -46,7 +46,15 @@ _ENGINE_GAUGES: Final = frozenset(
 )
 """Metrics fields that are values now (or peaks), not counts since load."""
 _SERVER_GAUGES: Final = frozenset(
-    {"in_flight", "rate_limited_clients", "queued", "max_queued", "computing", "queue_wait_max_ms"}
+    {
+        "in_flight",
+        "rate_limited_clients",
+        "queued",
+        "max_queued",
+        "computing",
+        "queue_wait_max_ms",
+        "streams_queued",
+    }
 )
 """ServerStats fields that are values now, not counts since the server started."""
 _LIFECYCLE_STATES: Final = ("loading", "ready", "degraded", "draining", "closed", "failed")

@@ -271,7 +271,12 @@ class EngineServer:
         self._compute_slots = Admission(max_workers - 4, max_queued)
         self.counters.queue = self._compute_slots.stats
         self._follow_engine()
-        self._stream_slots = threading.BoundedSemaphore(max(1, (max_workers - 4) // 2))
+        self._stream_slots = Admission(
+            max(1, (max_workers - 4) // 2), max_queued // _STREAM_QUEUE_SHARE
+        )
+        """Snapshot streams at once (half the compute slots), and those waiting for one of
+        them, fair per client as compute calls are (see :meth:`_take_stream_slots`)."""
+        self.counters.streams = self._stream_slots.waiting
         self._in_flight = InFlight()
         self._waiting = Waiting(
             4 * max_workers, stream_idle_s, functools.partial(self.counters.add, "stalled")
@@ -298,8 +303,15 @@ class EngineServer:
                     self.security.token, functools.partial(self.counters.add, "unauthenticated")
                 )
             )
-        # Calls waiting in the compute queue hold a thread each, beyond max_workers.
-        threads = workers + queued + self._waiting.capacity + self._grpc_health.waiting.capacity
+        # Calls waiting in the compute queue, and streams in theirs, hold a thread each,
+        # beyond max_workers.
+        threads = (
+            workers
+            + queued
+            + self._stream_slots.max_queued
+            + self._waiting.capacity
+            + self._grpc_health.waiting.capacity
+        )
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engine-rpc"),
             interceptors=interceptors,
@@ -388,6 +400,7 @@ class EngineServer:
             refuse_queued = deadline - drain_margin_s(grace)
             calls = self.counters.calls
             self._compute_slots.wait_idle(refuse_queued)
+            self._stream_slots.wait_idle(refuse_queued)
             while calls != self.counters.calls and time.monotonic() < refuse_queued:
                 calls = self.counters.calls
                 time.sleep(max(0.0, min(_DRAIN_QUIET_S, refuse_queued - time.monotonic())))
@@ -408,12 +421,14 @@ class EngineServer:
         NotReady naming the drain (nothing of it ran: the client may go to another server);
         calls waiting for a compute slot stay queued. Counted as ``drain_refused``."""
         self._compute_slots.close()
+        self._stream_slots.close()
 
     def refuse_queued_calls(self) -> int:
         """The drain's grace is nearly over: refuse every compute call still waiting for a
-        slot, as :meth:`refuse_new_calls` refuses new ones, before calls still running are
-        cancelled. Returns how many were waiting."""
-        return self._compute_slots.drain()
+        slot (and every snapshot stream waiting for a stream slot), as
+        :meth:`refuse_new_calls` refuses new ones, before calls still running are cancelled.
+        Returns how many were waiting."""
+        return self._compute_slots.drain() + self._stream_slots.drain()
 
     @property
     def compute_slots(self) -> int:
@@ -622,7 +637,7 @@ class EngineServer:
         takes too long (see :meth:`stream_due`); closing it frees its slots at once."""
         started = time.perf_counter()
         self.counters.call_started()
-        held: Ticket | None = None
+        held: _StreamHold | None = None
         try:
             refused = self._rate_limited(context)
             if refused is None:
@@ -730,7 +745,7 @@ class EngineServer:
         ``stream_idle_s`` of the previous message: the transport sees to it)."""
         started = time.perf_counter()
         self.counters.call_started()
-        held: Ticket | None = None
+        held: _StreamHold | None = None
         try:
             refused = self._rate_limited(context)
             if refused is not None:
@@ -757,46 +772,59 @@ class EngineServer:
             "s of grace)"
         )
 
-    def _take_stream_slots(self, context: CallContext) -> Ticket | api.ErrorInfo:
-        """Take a stream's slot, then the compute slot the stream holds throughout, waiting
-        for it in the fair queue as a compute call does (the ticket that holds it); else the
-        refusal: the server serves as many streams as it has threads for (retryable, with
-        ``retry_after_s``), the queue is full or the server drains, or the stream ended while
-        it waited. Streams that found every compute slot busy were refused, and under
-        concurrent decodes most of them were: 40 threads mixing decodes with exports on one
-        spawned child had 234 of 326 exports refused."""
-        if not self._stream_slots.acquire(blocking=False):
-            return self._busy(
-                "the server serves as many snapshot streams as it has threads for"
-            ).to_info()
-        admission = self._compute_slots
-        ticket = admission.enter(client_key(context))
-        if ticket is None:
-            self._stream_slots.release()
-            return self._refused().to_info()
+    def _take_stream_slots(self, context: CallContext) -> _StreamHold | api.ErrorInfo:
+        """Take a stream slot, then the compute slot the stream holds throughout, waiting for
+        each in its fair queue as a compute call does; else the refusal: the streams' queue
+        is full (retryable, with ``retry_after_s`` from recent streams' durations), the
+        compute queue is full or the server drains, or the stream ended while it waited.
+        Streams that found every compute slot busy were refused, and under concurrent decodes
+        most of them were: 40 threads mixing decodes with exports on one spawned child had 234
+        of 326 exports refused. Streams beyond their slots were refused too, with the compute
+        queue's estimate: 64 threads exporting (20 ms streams, 6 stream slots) sent their
+        exports 11,404 times for 256 exports, and took 5.6 s."""
+        client = client_key(context)
+        streams, admission = self._stream_slots, self._compute_slots
+        stream = streams.enter(client)
+        if stream is None:
+            return self._streams_refused().to_info()
+        waiting = [(streams, stream)]
 
-        def ended() -> None:  # the stream ended: a waiting one leaves the queue
-            admission.withdraw(ticket, "ended")
+        def ended() -> None:  # the stream ended: a waiting one leaves its queue
+            for queue, ticket in list(waiting):
+                queue.withdraw(ticket, "ended")
 
-        outcome: Outcome = "ended"
-        if context.add_callback(ended):
-            outcome = admission.wait(ticket)
-        else:  # the stream ended before it waited
-            self._leave_queue(ticket)
+        if not context.add_callback(ended):  # the stream ended before it waited
+            self._leave_queue(stream, streams)
+            return self._left_queue("ended", "snapshot stream").to_info()
+        outcome = streams.wait(stream)
         if outcome != "granted":
-            self._stream_slots.release()
             return self._left_queue(outcome, "snapshot stream").to_info()
-        return ticket
+        ticket = admission.enter(client)
+        if ticket is None:
+            streams.done(stream)
+            return self._refused().to_info()
+        waiting.append((admission, ticket))
+        outcome = admission.wait(ticket)
+        if outcome != "granted":
+            streams.done(stream)
+            return self._left_queue(outcome, "snapshot stream").to_info()
+        return _StreamHold(stream, ticket)
 
-    def _release_stream_slots(self, ticket: Ticket) -> None:
-        self._compute_slots.done(ticket)
-        self._stream_slots.release()
+    def _release_stream_slots(self, held: _StreamHold) -> None:
+        self._compute_slots.done(held.compute)
+        self._stream_slots.done(held.stream)
 
-    def _busy(self, message: str) -> api.ResourceExhausted:
+    def _streams_refused(self) -> api.ShardEngineError:
+        """Why the streams' queue took no place for a stream (nothing of it ran)."""
+        streams = self._stream_slots
+        if streams.draining:
+            return self._refused()
         self.counters.add("busy")
-        retry_after = self.retry_after_s()
+        retry_after = streams.retry_after_s()
         return api.ResourceExhausted(
-            f"{message}; nothing ran; retry in {retry_after:.3f} s",
+            f"the server holds as many snapshot streams as it serves and queues "
+            f"({streams.slots} at once, {streams.max_queued} waiting); nothing ran; retry in "
+            f"{retry_after:.3f} s",
             details={"resource": "server_threads", "retry_after_s": retry_after},
         )
 
@@ -1034,9 +1062,10 @@ class EngineServer:
                 elif outcome == "granted":
                     self._compute_slots.done(ticket)
 
-    def _leave_queue(self, ticket: Ticket) -> None:
-        """Give up a place never waited for: out of the queue, or its slot back."""
-        admission = self._compute_slots
+    def _leave_queue(self, ticket: Ticket, admission: Admission | None = None) -> None:
+        """Give up a place never waited for: out of the queue, or its slot back (the compute
+        queue's unless ``admission`` names another)."""
+        admission = self._compute_slots if admission is None else admission
         if not admission.withdraw(ticket, "ended") and admission.wait(ticket) == "granted":
             admission.done(ticket)
 
@@ -1074,5 +1103,18 @@ def drain_margin_s(grace: float) -> float:
 
 
 _DRAIN_QUIET_S: Final = 0.1
+
+_STREAM_QUEUE_SHARE: Final = 4
+"""Snapshot streams waiting for a stream slot: this share of the compute queue's places (64
+of 256). Each holds a server thread while it waits, as a queued compute call does."""
+
+
+class _StreamHold(typing.NamedTuple):
+    """A snapshot stream's places: its stream slot and the compute slot it holds."""
+
+    stream: Ticket
+    compute: Ticket
+
+
 """How long a draining gRPC server, its compute calls done, must see no new call before it
 stops taking them (until then they get the drain's typed refusal)."""

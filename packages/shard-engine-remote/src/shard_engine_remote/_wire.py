@@ -119,8 +119,9 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     """Calls refused, nothing of them having run, because the server had no room for them
     (retryable, with ``retry_after_s``): compute calls beyond the compute queue's bound (or
     that gave their place in a full queue to another client's, ``queue_evicted``), snapshot
-    streams beyond their slots; over gRPC calls beyond the threads waiting for their request
-    message; on the framed transport also calls and connections beyond what it queues."""
+    streams beyond their slots and their queue's; over gRPC calls beyond the threads waiting
+    for their request message; on the framed transport also calls and connections beyond
+    what it queues."""
     transport_cancels: Count = 0
     """Compute calls whose RPC ended first (cancel, deadline, lost connection): engine.cancel."""
     stalled: Count = 0
@@ -148,6 +149,9 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True, tag="server_stats")
     """Their waits, in total."""
     queue_wait_max_ms: Milliseconds = 0.0
     """The longest of their waits."""
+    streams_queued: Count = 0
+    """Snapshot streams (exports, imports) waiting for a stream slot now, all clients (a
+    stream then holds a compute slot too, waiting for it among the compute calls)."""
     queue_evicted: Count = 0
     """Queued compute calls refused (ResourceExhausted, counted in ``busy`` too) to make
     room in the full queue for a call of a client with fewer waiting."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import itertools
 import logging
 import math
 import os
@@ -168,6 +169,30 @@ class _Outgoing:
         self.done = False
         self.deadline: float | None = None
         """When it must have left, once a writer took it."""
+
+
+def _header_first(messages: Iterator[bytes]) -> Iterator[bytes]:
+    """``messages``, their first (an import's header) waited for now, before the stream takes
+    its slots, as over gRPC: a stream that never sends one holds no stream slot nor a place in
+    the streams' queue (it waits ``stream_idle_s``, then fails as a broken stream)."""
+    try:
+        first = next(messages, None)
+    except (StreamBroken, api.ShardEngineError) as error:
+        return _Raising(error)
+    return messages if first is None else itertools.chain((first,), messages)
+
+
+class _Raising:
+    """Messages that raise ``error`` when the first is asked for."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def __iter__(self) -> _Raising:
+        return self
+
+    def __next__(self) -> bytes:
+        raise self._error
 
 
 class ServerConnection:
@@ -844,7 +869,7 @@ class ServerConnection:
                 self._taken(item)
                 yield item
 
-        stream_messages = messages()
+        stream_messages = _header_first(messages())
         if self._version >= 1:
             stream_messages = self._admitted(call_id, context, stream_messages)
         reply = self._server.serve_import(stream_messages, context)
