@@ -9,13 +9,16 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
+import msgspec
 import pytest
-from conftest import free_port
+from conftest import FramedPeer, free_port
 
 from shard_engine_api import InvalidRequest
 from shard_engine_api.cli import build_parser
 from shard_engine_api.wire import BOUNDARY_DTYPES
+from shard_engine_remote._framed import frames
 from shard_engine_remote._security import check_port_free
 
 
@@ -101,3 +104,54 @@ def test_serve_help_is_complete() -> None:
         if "--boundary-dtype" in action.option_strings:
             assert action.choices is not None
             assert sorted(action.choices) == sorted(BOUNDARY_DTYPES)
+
+
+def test_max_connections_below_one_is_refused_before_the_engine_loads() -> None:
+    command = ["serve", "--engine", "fake", "--layers", "0:2", "--listen", "127.0.0.1:0"]
+    completed = subprocess.run(
+        [sys.executable, "-m", "shard_engine_api.cli", *command, "--max-connections", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert completed.returncode == 2
+    assert completed.stderr == (
+        "shard-engine serve: InvalidRequest [invalid_request]: --max-connections must be >= 1, "
+        "got 0\n"
+    )
+
+
+def test_max_connections_bounds_a_framed_server(tmp_path: Path) -> None:
+    """serve --transport framed --max-connections 1: a first connection is greeted, a second
+    refused retryably (RESOURCE_EXHAUSTED) while the first holds its place."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    address = f"unix:{private / 'engine.sock'}"
+    command = ["serve", "--engine", "fake", "--layers", "0:2", "--listen", address]
+    options = ["--transport", "framed", "--max-connections", "1"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "shard_engine_api.cli", *command, *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        peers: list[FramedPeer] = []
+        try:
+            assert process.stdout is not None
+            assert process.stdout.readline().startswith("serving fake [0:2)")
+            peers.append(FramedPeer(address, token=""))
+            assert peers[0].greeting()[0] == frames.HELLO
+            peers.append(FramedPeer(address, token=""))
+            kind, _, body = peers[1].greeting()
+            assert kind == frames.ERROR
+            assert msgspec.msgpack.decode(body)[0] == "RESOURCE_EXHAUSTED"
+            process.send_signal(signal.SIGTERM)
+            _, errors = process.communicate(timeout=120)
+            assert process.returncode == 0, errors
+        finally:
+            for peer in peers:
+                peer.close()
+            if process.poll() is None:
+                process.kill()
+                process.communicate()

@@ -20,7 +20,9 @@ retries). SIGTERM (or Ctrl-C) drains in-flight calls (new compute calls are refu
 drain, queued ones are served within ``--drain-seconds``), closes the engine and exits 0.
 ``--transport framed`` serves length-prefixed codec frames instead of gRPC (a fraction of
 gRPC's per-call cost) on a unix socket whose directory only this user may enter; clients then
-set ``"transport": "framed"``.
+set ``"transport": "framed"``. ``--max-connections`` bounds the connections held at once
+(1000 over gRPC, 256 framed); one beyond is refused, retryably, and its remote engine connects
+again until a place frees or its call's deadline passes.
 
 Sessions: ``--max-sessions``, ``--max-context``, ``--kv-budget-tokens`` and ``--eviction`` are
 the engine's session policy; a session no call was served on for ``--session-idle-s`` (600 s;
@@ -112,8 +114,10 @@ def _command_serve(args: argparse.Namespace) -> int:
         if args.rate_limit
         else None
     )
-    # Refuse a bad address before spending minutes loading a model.
+    # Refuse a bad address or bound before spending minutes loading a model.
     security.check_listen(args.listen)
+    if args.max_connections is not None and args.max_connections < 1:
+        raise api.InvalidRequest(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.transport == "framed":
         from shard_engine_remote._framed import FramedServer, check_private_socket
 
@@ -130,6 +134,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         max_workers=args.workers,
         rate_limit=rate_limit,
         max_queued=args.max_queued,
+        **({} if args.max_connections is None else {"max_connections": args.max_connections}),
         max_import_bytes=args.max_import_bytes,
         session_idle_s=args.session_idle_s or None,
     )
@@ -139,7 +144,11 @@ def _command_serve(args: argparse.Namespace) -> int:
         if args.metrics_listen:
             metrics = start_metrics_endpoint(args.metrics_listen, server)
         if args.transport == "framed":
-            serving = FramedServer(server)
+            serving = (
+                FramedServer(server)
+                if args.max_connections is None
+                else FramedServer(server, max_connections=args.max_connections)
+            )
             address = serving.start(Path(args.listen.removeprefix("unix:")))
         else:
             check_port_free(args.listen)
@@ -274,6 +283,19 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="CALLS",
         help="compute calls that may wait for the engine, all clients together (fair per "
         f"client; beyond, a retryable refusal with retry_after_s; default {DEFAULT_MAX_QUEUED})",
+    )
+    from shard_engine_remote._framed.server import DEFAULT_FRAMED_CONNECTIONS
+    from shard_engine_remote._grpc_options import DEFAULT_MAX_CONNECTIONS
+
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="CONNECTIONS",
+        help="connections held at once, never more than half the process's descriptors "
+        f"(default {DEFAULT_MAX_CONNECTIONS} over gRPC, {DEFAULT_FRAMED_CONNECTIONS} framed: two "
+        "threads each); one beyond is refused, retryably, and its remote engine connects "
+        "again until a place frees or its call's deadline passes",
     )
     serve.add_argument(
         "--rate-limit",

@@ -82,6 +82,8 @@ class FramedServer:
     ) -> None:
         if not connection_idle_s > 0:
             raise api.InvalidRequest(f"connection_idle_s must be > 0, got {connection_idle_s}")
+        if max_connections < 1:
+            raise api.InvalidRequest(f"max_connections must be >= 1, got {max_connections}")
         self.connection_idle_s = connection_idle_s
         """A greeted connection with no call in flight for this long is closed (its client
         reconnects when it next calls); ``math.inf``: never."""
