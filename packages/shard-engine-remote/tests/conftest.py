@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import msgspec
@@ -21,7 +22,7 @@ import shard_engine_api as api
 from shard_engine_api import wire
 from shard_engine_api.engine import TEST_OPTIONS_ENV
 from shard_engine_remote import EngineServer, RemoteEngine, ServerSecurity
-from shard_engine_remote._framed import FramedServer, frames
+from shard_engine_remote._framed import FramedLink, FramedServer, frames
 
 # These tests load engines with test-only options (injected crashes, aborts and delays), as the
 # conformance suite does; spawned engine processes inherit the setting (test_llama_abort.py checks
@@ -348,6 +349,32 @@ class UnixPeer:
         self._listener.close()
         for sock in self.connections:
             sock.close()
+
+
+PeerT = TypeVar("PeerT", bound=UnixPeer)
+
+
+class ScriptedLinks:
+    """Scripted framed servers, each on a socket in a fresh private directory under ``root``,
+    and a framed link to each; :meth:`close` closes them all."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._made: list[tuple[UnixPeer, FramedLink]] = []
+
+    def open(self, make: Callable[[Path], PeerT]) -> tuple[PeerT, FramedLink]:
+        """A server ``make(socket path)`` and a link to it."""
+        directory = self._root / f"private{len(self._made)}"
+        directory.mkdir(mode=0o700)
+        peer = make(directory / "engine.sock")
+        link = FramedLink(peer.path, token=None, max_message_bytes=8 << 20)
+        self._made.append((peer, link))
+        return peer, link
+
+    def close(self) -> None:
+        for peer, link in self._made:
+            link.close()
+            peer.close()
 
 
 PARENT_SCRIPT = """

@@ -192,16 +192,21 @@ def test_serves_only_in_a_private_directory(
         remote.load(config(target="127.0.0.1:7450", transport="framed"))
 
 
+def _bounded(tmp_path: Path, connections: int) -> tuple[FramedServer, api.ShardEngine, str]:
+    """A framed server of a fake engine holding at most ``connections``, and its address."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    engine = api.load_engine("fake", config())
+    server = FramedServer(EngineServer(engine), max_connections=connections)
+    return server, engine, server.start(private / "engine.sock")
+
+
 def test_connection_floods_are_refused(tmp_path: Path, remote: RemoteFactory) -> None:
     """Connections beyond the server's bound are answered with a retryable refusal
     (RESOURCE_EXHAUSTED: a remote engine that may not wait raises ResourceExhausted with
     ``retry_after_s``) and closed at once, and counted (busy); those already open keep being
     served; a remote engine that may wait connects again until a place frees, and takes it."""
-    private = tmp_path / "private"
-    private.mkdir(mode=0o700)
-    engine = api.load_engine("fake", config())
-    server = FramedServer(EngineServer(engine), max_connections=2)
-    address = server.start(private / "engine.sock")
+    server, engine, address = _bounded(tmp_path, 2)
     raws: list[_Raw] = []
     try:
         first = _Raw(address, token="")
@@ -260,11 +265,7 @@ def test_clients_beyond_the_connection_bound_wait_for_a_place(
     """A server of 4 connections, all held; 12 remote engines start loading meanwhile (each
     refused at least once), then the 4 are closed: every engine loads, makes a prefill and 3
     decodes, and closes (freeing its place for the next); none raises."""
-    private = tmp_path / "private"
-    private.mkdir(mode=0o700)
-    engine = api.load_engine("fake", config())
-    server = FramedServer(EngineServer(engine), max_connections=4)
-    address = server.start(private / "engine.sock")
+    server, engine, address = _bounded(tmp_path, 4)
     holders: list[_Raw] = []
 
     def client(index: int) -> int:

@@ -20,7 +20,17 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import HEALTH, Background, UnixPeer, config, delay, read_frame, ref, wait_until
+from conftest import (
+    HEALTH,
+    Background,
+    ScriptedLinks,
+    UnixPeer,
+    config,
+    delay,
+    read_frame,
+    ref,
+    wait_until,
+)
 
 import shard_engine_api as api
 from shard_engine_api import wire
@@ -163,11 +173,10 @@ class _Going(UnixPeer):
     """A framed server of version 2 that files every frame after the greeting in ``frames``
     and sends what the test puts in ``to_send`` (``None``: shut the connection down)."""
 
-    def __init__(self, directory: Path) -> None:
-        directory.mkdir(mode=0o700)
+    def __init__(self, path: Path) -> None:
         self.frames: queue.Queue[tuple[socket.socket, int, int]] = queue.Queue()
         self.greeted = threading.Event()
-        super().__init__(directory / "engine.sock")
+        super().__init__(path)
 
     def serve(self, sock: socket.socket) -> None:
         try:
@@ -188,18 +197,9 @@ class _Going(UnixPeer):
 
 @pytest.fixture
 def going(tmp_path: Path) -> Iterator[Callable[[], tuple[_Going, FramedLink]]]:
-    made: list[tuple[_Going, FramedLink]] = []
-
-    def factory() -> tuple[_Going, FramedLink]:
-        script = _Going(tmp_path / f"private{len(made)}")
-        link = FramedLink(script.path, token=None, max_message_bytes=8 << 20)
-        made.append((script, link))
-        return script, link
-
-    yield factory
-    for script, link in made:
-        link.close()
-        script.close()
+    links = ScriptedLinks(tmp_path)
+    yield lambda: links.open(_Going)
+    links.close()
 
 
 def test_calls_the_goaway_did_not_count_never_ran_whatever_their_ids(

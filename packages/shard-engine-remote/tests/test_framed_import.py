@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     FramedPeer,
     RemoteFactory,
+    ScriptedLinks,
     ServeFactory,
     UnixPeer,
     fill,
@@ -79,10 +80,7 @@ class _Script(UnixPeer):
     welcome names ``version`` (None: none, as a server from before GO_AHEAD). CALLs are
     answered with a health reply."""
 
-    def __init__(
-        self, directory: Path, answer: Callable[[_Frame], None], version: int | None
-    ) -> None:
-        directory.mkdir(mode=0o700)
+    def __init__(self, path: Path, answer: Callable[[_Frame], None], version: int | None) -> None:
         self.answer = answer
         self.frames: queue.Queue[_Frame] = queue.Queue()
         self._welcome = (
@@ -90,7 +88,7 @@ class _Script(UnixPeer):
             if version is None
             else msgspec.msgpack.encode(Welcome(arena=False, version=version))
         )
-        super().__init__(directory / "engine.sock")
+        super().__init__(path)
 
     def serve(self, sock: socket.socket) -> None:
         try:
@@ -121,20 +119,15 @@ def _grant(sock: socket.socket, call_id: int, chunks: int) -> None:
 @pytest.fixture
 def scripted(tmp_path: Path) -> Iterator[Callable[..., tuple[_Script, FramedLink]]]:
     """A scripted server and a link to it: ``scripted(answer, version=PROTOCOL_VERSION)``."""
-    made: list[tuple[_Script, FramedLink]] = []
+    links = ScriptedLinks(tmp_path)
 
     def factory(
         answer: Callable[[_Frame], None], version: int | None = PROTOCOL_VERSION
     ) -> tuple[_Script, FramedLink]:
-        script = _Script(tmp_path / f"private{len(made)}", answer, version)
-        link = FramedLink(script.path, token=None, max_message_bytes=8 << 20)
-        made.append((script, link))
-        return script, link
+        return links.open(lambda path: _Script(path, answer, version))
 
     yield factory
-    for script, link in made:
-        link.close()
-        script.close()
+    links.close()
 
 
 def _still_serving(link: FramedLink) -> None:
