@@ -143,16 +143,7 @@ class _Run:
                 if not isinstance(self.call(thread, "decode", decode), BaseException):
                     sessions[name][1] = length + 1
             elif draw < 0.82:
-                items = tuple(
-                    api.DecodeRequest(
-                        request_id=self.request_id(),
-                        session=api.SessionRef(session_id=other, epoch=known[0]),
-                        pos=known[1],
-                        inputs=api.TokenInput(token_ids=(rng.randrange(self.vocab),)),
-                    )
-                    for other, known in sorted(sessions.items())
-                    if known[1] > 0
-                )
+                items = _decode_every(self, sessions, lambda: rng.randrange(self.vocab))
                 batch = api.DecodeBatchRequest(request_id=self.request_id(), items=items)
                 result = self.call(thread, "decode_batch", batch)
                 if isinstance(result, api.DecodeBatchResult):
@@ -399,6 +390,23 @@ def test_closing_amid_mixed_calls_ends_every_call_with_what_is_true(how: str) ->
         engine.decode(late)
 
 
+def _decode_every(
+    run: _Run, sessions: dict[str, list[int]], token: Callable[[], int]
+) -> tuple[api.DecodeRequest, ...]:
+    """A decode of ``token()`` for every session the script knows to hold tokens (``sessions``:
+    name to [epoch, length]), at its known length, in name order: a batch's items."""
+    return tuple(
+        api.DecodeRequest(
+            request_id=run.request_id(),
+            session=api.SessionRef(session_id=name, epoch=known[0]),
+            pos=known[1],
+            inputs=api.TokenInput(token_ids=(token(),)),
+        )
+        for name, known in sorted(sessions.items())
+        if known[1] > 0
+    )
+
+
 def _evicting_script(run: _Run, thread: int, sessions: dict[str, list[int]]) -> None:
     """Prefills, decodes, batches and releases on the thread's two sessions of an engine
     that evicts (LRU): a CacheMiss tells the session's committed length (0 once evicted),
@@ -440,16 +448,7 @@ def _evicting_script(run: _Run, thread: int, sessions: dict[str, list[int]]) -> 
             if not isinstance(result, BaseException):
                 sessions[name][1] = length + 1
         elif draw < 0.9:
-            items = tuple(
-                api.DecodeRequest(
-                    request_id=run.request_id(),
-                    session=api.SessionRef(session_id=other, epoch=known[0]),
-                    pos=known[1],
-                    inputs=api.TokenInput(token_ids=(1,)),
-                )
-                for other, known in sorted(sessions.items())
-                if known[1] > 0
-            )
+            items = _decode_every(run, sessions, lambda: 1)
             batch = api.DecodeBatchRequest(request_id=run.request_id(), items=items)
             result = run.call(thread, "decode_batch", batch)
             if isinstance(result, api.DecodeBatchResult):

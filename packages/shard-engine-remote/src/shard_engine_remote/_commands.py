@@ -70,6 +70,8 @@ def _command_serve(args: argparse.Namespace) -> int:
         model_store,
         unchecked_model_store,
     )
+    from shard_engine_remote._framed.server import DEFAULT_FRAMED_CONNECTIONS
+    from shard_engine_remote._grpc_options import DEFAULT_MAX_CONNECTIONS
     from shard_engine_remote._prometheus import MetricsEndpoint, start_metrics_endpoint
     from shard_engine_remote._ratelimit import RateLimit
     from shard_engine_remote._security import (
@@ -126,6 +128,9 @@ def _command_serve(args: argparse.Namespace) -> int:
                 "--transport framed serves only a unix socket (unix:PATH), without TLS"
             )
         check_private_socket(Path(args.listen.removeprefix("unix:")))
+    max_connections = args.max_connections or (
+        DEFAULT_FRAMED_CONNECTIONS if args.transport == "framed" else DEFAULT_MAX_CONNECTIONS
+    )
     engine = api.load_engine(args.engine, config, manager=manager)
     server = EngineServer(
         engine,
@@ -134,7 +139,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         max_workers=args.workers,
         rate_limit=rate_limit,
         max_queued=args.max_queued,
-        **({} if args.max_connections is None else {"max_connections": args.max_connections}),
+        max_connections=max_connections,
         max_import_bytes=args.max_import_bytes,
         session_idle_s=args.session_idle_s or None,
     )
@@ -144,11 +149,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         if args.metrics_listen:
             metrics = start_metrics_endpoint(args.metrics_listen, server)
         if args.transport == "framed":
-            serving = (
-                FramedServer(server)
-                if args.max_connections is None
-                else FramedServer(server, max_connections=args.max_connections)
-            )
+            serving = FramedServer(server, max_connections=max_connections)
             address = serving.start(Path(args.listen.removeprefix("unix:")))
         else:
             check_port_free(args.listen)

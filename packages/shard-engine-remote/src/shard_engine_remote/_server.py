@@ -1103,6 +1103,8 @@ def drain_margin_s(grace: float) -> float:
 
 
 _DRAIN_QUIET_S: Final = 0.1
+"""How long a draining gRPC server, its compute calls done, must see no new call before it
+stops taking them (until then they get the drain's typed refusal)."""
 
 _STREAM_QUEUE_SHARE: Final = 4
 """Snapshot streams waiting for a stream slot: this share of the compute queue's places (64
@@ -1114,7 +1116,3 @@ class _StreamHold(typing.NamedTuple):
 
     stream: Ticket
     compute: Ticket
-
-
-"""How long a draining gRPC server, its compute calls done, must see no new call before it
-stops taking them (until then they get the drain's typed refusal)."""

@@ -285,9 +285,10 @@ class FramedServer:
             time.sleep(0.01)
         with self._lock:
             connections = list(self._connections)
-        # Every call read has been answered (or outlived the grace): tell each client the last
-        # call read, after those answers, so that it knows the calls it sent meanwhile never
-        # ran, then close. The answers and GOAWAYs get a moment past the grace to leave.
+        # Every call read has been answered (or outlived the grace): tell each client how many
+        # of its frames were read, after those answers, so that it knows the calls it sent
+        # meanwhile never ran, then close. The answers and GOAWAYs get a moment past the grace
+        # to leave.
         flushed = max(deadline, time.monotonic()) + _GOAWAY_FLUSH_S
         for connection in connections:
             connection.seal(flushed)
